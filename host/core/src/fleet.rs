@@ -1,0 +1,254 @@
+//! Fleet state: nodes with per-GPU milli-GPU accounting, CPU and memory, and
+//! checked allocate / release that never over-commit.
+
+use crate::task::TaskShape;
+use crate::{MAX_GPUS_PER_NODE, MILLI_PER_GPU};
+
+/// Index of a GPU model in [`Fleet::models`].
+pub type ModelId = u32;
+/// Index of a node in [`Fleet::nodes`].
+pub type NodeId = u32;
+
+/// Errors from changing fleet state. Nothing changes when one is returned.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FleetError {
+    /// The node id is not in the fleet.
+    #[error("unknown node {0}")]
+    UnknownNode(NodeId),
+    /// The GPU mask names a GPU the node does not have.
+    #[error("node {node} has {gpus} GPUs; mask {mask:#x} names others")]
+    UnknownGpu { node: NodeId, gpus: usize, mask: u64 },
+    /// The allocation asks more than is free: it would over-commit.
+    #[error("node {node}: {what} would be over-committed")]
+    OverCommit { node: NodeId, what: &'static str },
+    /// Releasing more than is allocated: the allocation was not held.
+    #[error("node {node}: releasing {what} that is not allocated")]
+    NotAllocated { node: NodeId, what: &'static str },
+    /// The GPU mask does not name exactly the shape's GPU count.
+    #[error("mask {mask:#x} names {named} GPUs, shape wants {wanted}")]
+    GpuCountMismatch { mask: u64, named: u32, wanted: u32 },
+    /// A node definition is invalid.
+    #[error("node {name:?}: {reason}")]
+    InvalidNode { name: String, reason: String },
+}
+
+/// One node and what is free on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Node {
+    pub name: String,
+    /// GPU model; `None` for a CPU-only node.
+    pub model: Option<ModelId>,
+    /// Access-switch domain.
+    pub switch_domain: u32,
+    pub cpu_total_milli: u32,
+    pub cpu_free_milli: u32,
+    pub memory_total_mib: u64,
+    pub memory_free_mib: u64,
+    /// Free thousandths of each GPU (1000 = idle).
+    pub gpus: Vec<u32>,
+    /// False when cordoned or unhealthy: the predicate skips it.
+    pub schedulable: bool,
+}
+
+impl Node {
+    /// A node with everything free.
+    pub fn new(name: impl Into<String>, model: Option<ModelId>, gpu_count: usize, cpu_milli: u32, memory_mib: u64) -> Node {
+        Node {
+            name: name.into(),
+            model,
+            switch_domain: 0,
+            cpu_total_milli: cpu_milli,
+            cpu_free_milli: cpu_milli,
+            memory_total_mib: memory_mib,
+            memory_free_mib: memory_mib,
+            gpus: vec![MILLI_PER_GPU; gpu_count],
+            schedulable: true,
+        }
+    }
+
+    pub fn gpu_free_milli(&self) -> u64 {
+        self.gpus.iter().map(|&g| u64::from(g)).sum()
+    }
+
+    pub fn gpu_total_milli(&self) -> u64 {
+        self.gpus.len() as u64 * u64::from(MILLI_PER_GPU)
+    }
+
+    /// Whether anything at all is allocated on the node.
+    pub fn is_idle(&self) -> bool {
+        self.cpu_free_milli == self.cpu_total_milli
+            && self.memory_free_mib == self.memory_total_mib
+            && self.gpus.iter().all(|&g| g == MILLI_PER_GPU)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.gpus.len() > MAX_GPUS_PER_NODE {
+            return Err(format!("{} GPUs exceeds {}", self.gpus.len(), MAX_GPUS_PER_NODE));
+        }
+        if !self.gpus.is_empty() && self.model.is_none() {
+            return Err("GPUs without a model".into());
+        }
+        if self.cpu_free_milli > self.cpu_total_milli || self.memory_free_mib > self.memory_total_mib {
+            return Err("more free than installed".into());
+        }
+        if self.gpus.iter().any(|&g| g > MILLI_PER_GPU) {
+            return Err("a GPU with more than 1000 milli free".into());
+        }
+        Ok(())
+    }
+}
+
+/// What one placed task holds on one node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Allocation {
+    pub node: NodeId,
+    /// GPUs held (bit g = GPU g of the node).
+    pub gpus: u64,
+    /// Thousandths held on each of those GPUs.
+    pub gpu_milli: u32,
+    pub cpu_milli: u32,
+    pub memory_mib: u64,
+}
+
+impl Allocation {
+    pub fn gpu_milli_total(&self) -> u64 {
+        u64::from(self.gpus.count_ones()) * u64::from(self.gpu_milli)
+    }
+}
+
+/// The fleet: GPU model names and nodes. Totals are kept incrementally so
+/// accounting is O(1) per event.
+#[derive(Clone, Debug, Default)]
+pub struct Fleet {
+    pub models: Vec<String>,
+    nodes: Vec<Node>,
+    gpu_total_milli: u64,
+    gpu_allocated_milli: u64,
+}
+
+impl Fleet {
+    /// Builds a fleet, checking every node.
+    pub fn new(models: Vec<String>, nodes: Vec<Node>) -> Result<Fleet, FleetError> {
+        let mut gpu_total_milli = 0;
+        let mut gpu_allocated_milli = 0;
+        for node in &nodes {
+            node.check().map_err(|reason| FleetError::InvalidNode { name: node.name.clone(), reason })?;
+            if let Some(m) = node.model
+                && m as usize >= models.len()
+            {
+                return Err(FleetError::InvalidNode { name: node.name.clone(), reason: format!("model index {m} unknown") });
+            }
+            gpu_total_milli += node.gpu_total_milli();
+            gpu_allocated_milli += node.gpu_total_milli() - node.gpu_free_milli();
+        }
+        Ok(Fleet { models, nodes, gpu_total_milli, gpu_allocated_milli })
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, id: NodeId) -> Option<&Node> {
+        self.nodes.get(id as usize)
+    }
+
+    /// Model id by name.
+    pub fn model_id(&self, name: &str) -> Option<ModelId> {
+        self.models.iter().position(|m| m == name).map(|i| i as ModelId)
+    }
+
+    /// Cordons or uncordons a node (unhealthy or drained nodes take no work).
+    pub fn set_schedulable(&mut self, id: NodeId, schedulable: bool) -> Result<(), FleetError> {
+        self.nodes.get_mut(id as usize).ok_or(FleetError::UnknownNode(id))?.schedulable = schedulable;
+        Ok(())
+    }
+
+    /// Milli-GPU installed on the whole fleet.
+    pub fn gpu_total_milli(&self) -> u64 {
+        self.gpu_total_milli
+    }
+
+    /// Milli-GPU currently allocated.
+    pub fn gpu_allocated_milli(&self) -> u64 {
+        self.gpu_allocated_milli
+    }
+
+    /// Takes `alloc` out of its node's free capacity. Checks everything
+    /// first; on error nothing has changed.
+    pub fn allocate(&mut self, alloc: &Allocation) -> Result<(), FleetError> {
+        let node = self.nodes.get_mut(alloc.node as usize).ok_or(FleetError::UnknownNode(alloc.node))?;
+        check_mask(alloc.node, node, alloc.gpus)?;
+        if node.cpu_free_milli < alloc.cpu_milli {
+            return Err(FleetError::OverCommit { node: alloc.node, what: "CPU" });
+        }
+        if node.memory_free_mib < alloc.memory_mib {
+            return Err(FleetError::OverCommit { node: alloc.node, what: "memory" });
+        }
+        if gpus_of(alloc.gpus).any(|g| node.gpus[g] < alloc.gpu_milli) {
+            return Err(FleetError::OverCommit { node: alloc.node, what: "GPU" });
+        }
+        node.cpu_free_milli -= alloc.cpu_milli;
+        node.memory_free_mib -= alloc.memory_mib;
+        for g in gpus_of(alloc.gpus) {
+            node.gpus[g] -= alloc.gpu_milli;
+        }
+        self.gpu_allocated_milli += alloc.gpu_milli_total();
+        debug_assert!(node.check().is_ok(), "{:?}", node.check());
+        Ok(())
+    }
+
+    /// Returns `alloc` to its node. Checks first; on error nothing changed.
+    pub fn release(&mut self, alloc: &Allocation) -> Result<(), FleetError> {
+        let node = self.nodes.get_mut(alloc.node as usize).ok_or(FleetError::UnknownNode(alloc.node))?;
+        check_mask(alloc.node, node, alloc.gpus)?;
+        if node.cpu_total_milli - node.cpu_free_milli < alloc.cpu_milli {
+            return Err(FleetError::NotAllocated { node: alloc.node, what: "CPU" });
+        }
+        if node.memory_total_mib - node.memory_free_mib < alloc.memory_mib {
+            return Err(FleetError::NotAllocated { node: alloc.node, what: "memory" });
+        }
+        if gpus_of(alloc.gpus).any(|g| MILLI_PER_GPU - node.gpus[g] < alloc.gpu_milli) {
+            return Err(FleetError::NotAllocated { node: alloc.node, what: "GPU" });
+        }
+        node.cpu_free_milli += alloc.cpu_milli;
+        node.memory_free_mib += alloc.memory_mib;
+        for g in gpus_of(alloc.gpus) {
+            node.gpus[g] += alloc.gpu_milli;
+        }
+        self.gpu_allocated_milli -= alloc.gpu_milli_total();
+        debug_assert!(node.check().is_ok(), "{:?}", node.check());
+        Ok(())
+    }
+
+    /// Recomputes every invariant from scratch (for tests and debug checks):
+    /// nothing over-committed, totals consistent.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut allocated = 0;
+        for node in &self.nodes {
+            node.check().map_err(|e| format!("node {}: {e}", node.name))?;
+            allocated += node.gpu_total_milli() - node.gpu_free_milli();
+        }
+        if allocated != self.gpu_allocated_milli {
+            return Err(format!("allocated total {} != sum over nodes {allocated}", self.gpu_allocated_milli));
+        }
+        Ok(())
+    }
+
+    /// An allocation of `shape` on `node` using the GPUs in `mask`.
+    pub fn allocation(node: NodeId, shape: &TaskShape, mask: u64) -> Allocation {
+        Allocation { node, gpus: mask, gpu_milli: shape.gpu_milli, cpu_milli: shape.cpu_milli, memory_mib: shape.memory_mib }
+    }
+}
+
+fn check_mask(id: NodeId, node: &Node, mask: u64) -> Result<(), FleetError> {
+    let gpus = node.gpus.len();
+    if gpus < 64 && mask >> gpus != 0 {
+        return Err(FleetError::UnknownGpu { node: id, gpus, mask });
+    }
+    Ok(())
+}
+
+/// GPU indexes named by a mask, lowest first.
+pub fn gpus_of(mask: u64) -> impl Iterator<Item = usize> {
+    (0..64usize).filter(move |g| mask & (1u64 << g) != 0)
+}

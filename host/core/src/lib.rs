@@ -1,0 +1,23 @@
+//! Berth's scheduling core.
+//!
+//! Fleet state, the hard-constraint predicate, placement from a policy's
+//! scores, and accounting. No IO, no wall clock and no wasmtime: the core is
+//! handed a policy through [`policy::PlacementPolicy`] and the caller decides
+//! time, so the same code runs in the live host and in deterministic replay.
+
+pub mod fleet;
+pub mod placement;
+pub mod policy;
+pub mod predicate;
+pub mod task;
+
+pub use fleet::{Allocation, Fleet, FleetError, ModelId, Node, NodeId};
+pub use placement::{Placement, Placer, TaskMeta};
+pub use policy::{PlacementPolicy, PolicyError};
+pub use predicate::Unfit;
+pub use task::TaskShape;
+
+/// Thousandths of one GPU in a whole GPU.
+pub const MILLI_PER_GPU: u32 = 1000;
+/// Most GPUs a node may hold (GPU sets cross the boundary as u64 masks).
+pub const MAX_GPUS_PER_NODE: usize = 64;

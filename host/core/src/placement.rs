@@ -1,0 +1,191 @@
+//! Placement: filter with the predicate, ask the policy, check its answer,
+//! choose. The core, not the policy, has the last word on every GPU.
+
+use std::collections::BTreeMap;
+
+use berth_sdk::{Nodes, Task};
+
+use crate::fleet::{gpus_of, Fleet, Node, NodeId};
+use crate::policy::{PlacementPolicy, PolicyError};
+use crate::predicate::{self, Unfit};
+use crate::task::TaskShape;
+use crate::MILLI_PER_GPU;
+
+/// Where a task goes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placement {
+    pub node: NodeId,
+    /// GPUs used on that node (bit g = GPU g).
+    pub gpus: u64,
+    /// The winning score.
+    pub score: f64,
+}
+
+/// Identity and class of the task being placed, passed through to policies.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TaskMeta {
+    pub job_id: u64,
+    pub priority: u32,
+    pub gang_size: u32,
+    pub gang_index: u32,
+}
+
+/// Places tasks one at a time. Keeps its column buffers between calls so a
+/// placement allocates nothing in steady state.
+#[derive(Default)]
+pub struct Placer {
+    batch: Nodes,
+    candidates: Vec<NodeId>,
+    task: Task,
+}
+
+impl Placer {
+    pub fn new() -> Placer {
+        Placer::default()
+    }
+
+    /// Picks a node and GPUs for `shape`, or `None` when no node fits.
+    /// Ties in score go to the lowest `tie_rank[node]` (a seeded order in
+    /// replay), then to the lowest node id. Does not allocate: the caller
+    /// applies the placement with [`Fleet::allocate`].
+    pub fn place(
+        &mut self,
+        fleet: &Fleet,
+        shape: &TaskShape,
+        meta: TaskMeta,
+        policy: &mut dyn PlacementPolicy,
+        tie_rank: Option<&[u32]>,
+    ) -> Result<Option<Placement>, PolicyError> {
+        self.candidates.clear();
+        self.candidates.extend(
+            fleet.nodes().iter().enumerate().filter(|(_, n)| predicate::check(n, shape).is_ok()).map(|(i, _)| i as NodeId),
+        );
+        if self.candidates.is_empty() {
+            return Ok(None);
+        }
+        self.fill_batch(fleet, shape, meta);
+        let answer = policy.score(&self.task, &mut self.batch)?;
+        let n = self.candidates.len();
+        if answer.scores.len() != n {
+            return Err(PolicyError::InvalidOutput(format!("{} scores for {n} candidate nodes", answer.scores.len())));
+        }
+        if let Some(i) = answer.scores.iter().position(|s| !s.is_finite()) {
+            return Err(PolicyError::InvalidOutput(format!(
+                "score of node {} is {}",
+                self.candidates[i], answer.scores[i]
+            )));
+        }
+        if !answer.gpus.is_empty() {
+            if answer.gpus.len() != n {
+                return Err(PolicyError::InvalidOutput(format!("{} GPU masks for {n} candidate nodes", answer.gpus.len())));
+            }
+            for (i, &mask) in answer.gpus.iter().enumerate() {
+                let id = self.candidates[i];
+                validate_mask(&fleet.nodes()[id as usize], id, shape, mask)?;
+            }
+        }
+        let mut best = 0;
+        for i in 1..n {
+            let (a, b) = (answer.scores[i], answer.scores[best]);
+            let rank = |k: usize| tie_rank.map_or(self.candidates[k], |r| r[self.candidates[k] as usize]);
+            if a > b || (a == b && (rank(i), self.candidates[i]) < (rank(best), self.candidates[best])) {
+                best = i;
+            }
+        }
+        let node_id = self.candidates[best];
+        let node = &fleet.nodes()[node_id as usize];
+        let mask = match answer.gpus.get(best) {
+            Some(&m) if m != 0 => m,
+            _ => default_gpus(node, shape),
+        };
+        Ok(Some(Placement { node: node_id, gpus: mask, score: answer.scores[best] }))
+    }
+
+    /// Why each node refuses `shape`, counted by first failing reason (for
+    /// "why is my job pending" answers).
+    pub fn unfit_reasons(fleet: &Fleet, shape: &TaskShape) -> BTreeMap<Unfit, u32> {
+        let mut reasons = BTreeMap::new();
+        for node in fleet.nodes() {
+            if let Err(why) = predicate::check(node, shape) {
+                *reasons.entry(why).or_insert(0) += 1;
+            }
+        }
+        reasons
+    }
+
+    fn fill_batch(&mut self, fleet: &Fleet, shape: &TaskShape, meta: TaskMeta) {
+        let b = &mut self.batch;
+        b.clear();
+        if b.models != fleet.models {
+            b.models = fleet.models.clone();
+        }
+        for &id in &self.candidates {
+            let n = &fleet.nodes()[id as usize];
+            b.push(
+                id,
+                n.model.unwrap_or(u32::MAX),
+                n.switch_domain,
+                n.cpu_free_milli,
+                n.cpu_total_milli,
+                n.memory_free_mib,
+                n.memory_total_mib,
+                &n.gpus,
+            );
+        }
+        let t = &mut self.task;
+        t.job_id = meta.job_id;
+        t.gpu_count = shape.gpu_count;
+        t.gpu_milli = shape.gpu_milli;
+        t.cpu_milli = shape.cpu_milli;
+        t.memory_mib = shape.memory_mib;
+        t.models.clear();
+        t.models.extend_from_slice(&shape.models);
+        t.priority = meta.priority;
+        t.gang_size = meta.gang_size.max(1);
+        t.gang_index = meta.gang_index;
+    }
+}
+
+/// Checks a policy's GPU mask for one candidate: 0 (host chooses), or
+/// exactly the task's GPU count, all existing and each with enough free.
+pub fn validate_mask(node: &Node, id: NodeId, shape: &TaskShape, mask: u64) -> Result<(), PolicyError> {
+    if mask == 0 {
+        return Ok(());
+    }
+    let gpus = node.gpus.len();
+    if gpus < 64 && mask >> gpus != 0 {
+        return Err(PolicyError::InvalidOutput(format!("GPU mask {mask:#x} names a GPU node {id} does not have ({gpus} GPUs)")));
+    }
+    if mask.count_ones() != shape.gpu_count {
+        return Err(PolicyError::InvalidOutput(format!(
+            "GPU mask {mask:#x} for node {id} names {} GPUs, task wants {}",
+            mask.count_ones(),
+            shape.gpu_count
+        )));
+    }
+    if let Some(g) = gpus_of(mask).find(|&g| node.gpus[g] < shape.gpu_milli) {
+        return Err(PolicyError::InvalidOutput(format!(
+            "GPU {g} of node {id} has {} milli free, task wants {}",
+            node.gpus[g], shape.gpu_milli
+        )));
+    }
+    Ok(())
+}
+
+/// The host's GPU choice: whole GPUs lowest index first among idle ones; a
+/// shared GPU on the fitting GPU with the least free (best fit). The node
+/// must already pass the predicate.
+pub fn default_gpus(node: &Node, shape: &TaskShape) -> u64 {
+    if shape.gpu_count == 0 {
+        return 0;
+    }
+    if shape.gpu_milli < MILLI_PER_GPU {
+        let best = node.gpus.iter().enumerate().filter(|&(_, &f)| f >= shape.gpu_milli).min_by_key(|&(g, &f)| (f, g));
+        return best.map_or(0, |(g, _)| 1u64 << g);
+    }
+    let mut mask = 0u64;
+    for (g, _) in node.gpus.iter().enumerate().filter(|&(_, &f)| f >= shape.gpu_milli).take(shape.gpu_count as usize) {
+        mask |= 1u64 << g;
+    }
+    mask
+}

@@ -1,0 +1,111 @@
+//! `berth bench score`: one placement-scoring call timed in wasm and in the
+//! same policy compiled natively.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_core::PlacementPolicy;
+use berth_sdk::{Nodes, Task};
+use serde::Serialize;
+
+use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
+use crate::{catalog, native, synth};
+
+#[derive(Debug, Serialize)]
+pub struct ScoreBench {
+    pub policy: String,
+    pub candidates: usize,
+    /// Median wall time of one scoring call through wasm, in ns.
+    pub wasm_ns: u64,
+    /// Median of the same call compiled natively (null: no native build).
+    pub native_ns: Option<u64>,
+    /// wasm_ns / native_ns.
+    pub ratio: Option<f64>,
+    /// Median time to instantiate the pre-linked component, in ns.
+    pub instantiate_ns: u64,
+    pub samples: usize,
+}
+
+/// A batch of `n` partly occupied nodes and a half-GPU task.
+pub fn batch(n: usize, seed: u64) -> (Task, Nodes) {
+    let fleet = synth::fleet(n, seed, true);
+    let mut nodes = Nodes { models: fleet.models.clone(), ..Nodes::default() };
+    for (i, node) in fleet.nodes().iter().enumerate() {
+        nodes.push(
+            i as u32,
+            node.model.unwrap_or(0),
+            node.switch_domain,
+            node.cpu_free_milli,
+            node.cpu_total_milli,
+            node.memory_free_mib,
+            node.memory_total_mib,
+            &node.gpus,
+        );
+    }
+    let task = Task { job_id: 1, gpu_count: 1, gpu_milli: 500, cpu_milli: 4000, memory_mib: 16 << 10, gang_size: 1, ..Task::default() };
+    (task, nodes)
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+/// Times `f` until `budget` is spent (at least `min` runs) and returns the
+/// median sample in ns.
+fn time_calls(budget: Duration, min: usize, mut f: impl FnMut()) -> (u64, usize) {
+    for _ in 0..3 {
+        f();
+    }
+    let start = Instant::now();
+    let mut samples = Vec::new();
+    while samples.len() < min || (start.elapsed() < budget && samples.len() < 100_000) {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed().as_nanos() as u64);
+    }
+    let n = samples.len();
+    (median(samples), n)
+}
+
+pub fn score(engine: Arc<PolicyEngine>, spec: &str, candidates: usize) -> anyhow::Result<ScoreBench> {
+    let path = catalog::resolve(spec)?;
+    let loaded = LoadedPolicy::from_file(&engine, &path)?;
+    let name = loaded.info.name.clone();
+    let (task, mut nodes) = batch(candidates, 7);
+    let budget = Duration::from_millis(1500);
+
+    let (instantiate_ns, _) = time_calls(Duration::from_millis(300), 10, || {
+        let mut p = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
+        p.warm().expect("instantiate");
+    });
+
+    let mut wasm = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
+    let wasm_answer = wasm.score(&task, &mut nodes)?;
+    let (wasm_ns, samples) = time_calls(budget, 20, || {
+        std::hint::black_box(wasm.score(&task, &mut nodes).expect("wasm score"));
+    });
+
+    let native_ns = match native::by_name(&name) {
+        Some(mut p) => {
+            let native_answer = p.score(&task, &mut nodes)?;
+            anyhow::ensure!(native_answer == wasm_answer, "native and wasm builds of {name} disagree");
+            Some(
+                time_calls(budget, 20, || {
+                    std::hint::black_box(p.score(&task, &mut nodes).expect("native score"));
+                })
+                .0,
+            )
+        }
+        None => None,
+    };
+    Ok(ScoreBench {
+        policy: name,
+        candidates,
+        wasm_ns,
+        native_ns,
+        ratio: native_ns.map(|n| wasm_ns as f64 / n.max(1) as f64),
+        instantiate_ns,
+        samples,
+    })
+}

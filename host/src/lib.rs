@@ -1,0 +1,12 @@
+//! Berth's host: the policy host (wasmtime), benchmarks, demo and the parts
+//! the `berth` binary drives. The scheduling core lives in `berth-core`.
+
+pub mod bench;
+pub mod catalog;
+pub mod componentize;
+pub mod demo;
+pub mod native;
+pub mod synth;
+pub mod wasm;
+
+pub use berth_core as core;

@@ -1,0 +1,48 @@
+//! The same policy sources compiled natively: for benchmarks (wasm against
+//! native on identical logic) and equivalence tests. Not a production path:
+//! native code is not sandboxed.
+
+use berth_core::{PlacementPolicy, PolicyError};
+use berth_sdk::{Nodes, Policy, Scores, Task};
+
+/// Adapts an SDK policy, compiled into this binary, to the core's trait.
+#[derive(Default)]
+pub struct NativePolicy<P: Policy>(pub P);
+
+impl<P: Policy> NativePolicy<P> {
+    pub fn configure(&mut self, config: &str) -> Result<(), PolicyError> {
+        self.0.configure(config).map_err(PolicyError::Guest)
+    }
+}
+
+impl<P: Policy> PlacementPolicy for NativePolicy<P> {
+    fn describe(&self) -> String {
+        format!("{}@{} (native)", P::NAME, P::VERSION)
+    }
+    fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        self.0.score(task, nodes).map_err(PolicyError::Guest)
+    }
+}
+
+/// Names of the policies this binary also carries natively.
+pub const NATIVE_POLICIES: &[&str] = &["binpack", "spread"];
+
+/// A native build of a bundled policy, by its name.
+pub fn by_name(name: &str) -> Option<Box<dyn NativeScorer>> {
+    match name {
+        "binpack" => Some(Box::new(NativePolicy::<berth_policy_binpack::Binpack>::default())),
+        "spread" => Some(Box::new(NativePolicy::<berth_policy_spread::Spread>::default())),
+        _ => None,
+    }
+}
+
+/// A native policy that can also take its configuration.
+pub trait NativeScorer: PlacementPolicy + Send {
+    fn configure(&mut self, config: &str) -> Result<(), PolicyError>;
+}
+
+impl<P: Policy + Send> NativeScorer for NativePolicy<P> {
+    fn configure(&mut self, config: &str) -> Result<(), PolicyError> {
+        NativePolicy::configure(self, config)
+    }
+}

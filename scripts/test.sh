@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: installs the guest toolchain if needed, builds every policy
+# and test guest to a component, then runs the whole test suite (release: the
+# wasm and replay tests are slow unoptimised).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/build-policies.sh
+cargo test --release --workspace "$@"

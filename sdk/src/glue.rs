@@ -1,0 +1,107 @@
+//! The wasm side of the boundary: generated bindings and the moves between
+//! them and the SDK's types. Only compiled for wasm32.
+
+use crate::{Allocations, Level, Nodes, Plan, Policy, Scores, Snapshot, Task};
+
+pub mod wit {
+    wit_bindgen::generate!({
+        path: "../wit/v0.1.0",
+        world: "placement-policy",
+        pub_export_macro: true,
+        default_bindings_module: "berth_sdk::glue::wit",
+    });
+}
+
+use wit::berth::policy::types as w;
+
+pub fn log(level: Level, message: &str) {
+    let level = match level {
+        Level::Trace => w::Level::Trace,
+        Level::Debug => w::Level::Debug,
+        Level::Info => w::Level::Info,
+        Level::Warn => w::Level::Warn,
+        Level::Error => w::Level::Error,
+    };
+    wit::berth::policy::host::log(level, message);
+}
+
+pub fn info<P: Policy>() -> w::PolicyInfo {
+    w::PolicyInfo {
+        name: P::NAME.to_string(),
+        version: P::VERSION.to_string(),
+        hooks: w::Hooks::from_bits_truncate(P::HOOKS.bits()),
+    }
+}
+
+fn task(t: w::Task) -> Task {
+    Task {
+        job_id: t.job_id,
+        gpu_count: t.gpu_count,
+        gpu_milli: t.gpu_milli,
+        cpu_milli: t.cpu_milli,
+        memory_mib: t.memory_mib,
+        models: t.models,
+        priority: t.priority,
+        gang_size: t.gang_size,
+        gang_index: t.gang_index,
+    }
+}
+
+fn nodes(n: w::Nodes) -> Nodes {
+    Nodes {
+        ids: n.ids,
+        model: n.model,
+        models: n.models,
+        switch_domain: n.switch_domain,
+        cpu_free_milli: n.cpu_free_milli,
+        cpu_total_milli: n.cpu_total_milli,
+        memory_free_mib: n.memory_free_mib,
+        memory_total_mib: n.memory_total_mib,
+        gpu_count: n.gpu_count,
+        gpu_start: n.gpu_start,
+        gpu_free_milli: n.gpu_free_milli,
+    }
+}
+
+fn allocations(a: w::Allocations) -> Allocations {
+    Allocations {
+        ids: a.ids,
+        job_ids: a.job_ids,
+        node: a.node,
+        gpus: a.gpus,
+        gpu_milli: a.gpu_milli,
+        cpu_milli: a.cpu_milli,
+        memory_mib: a.memory_mib,
+        priority: a.priority,
+        movable: a.movable,
+        gang_id: a.gang_id,
+        state_bytes: a.state_bytes,
+        remaining_s: a.remaining_s,
+        running_s: a.running_s,
+        since_checkpoint_s: a.since_checkpoint_s,
+    }
+}
+
+pub fn score<P: Policy>(p: &mut P, t: w::Task, n: w::Nodes) -> Result<w::Scores, String> {
+    let s: Scores = p.score(&task(t), &nodes(n))?;
+    Ok(w::Scores { scores: s.scores, gpus: s.gpus })
+}
+
+pub fn compact<P: Policy>(p: &mut P, s: w::Snapshot) -> Result<w::Plan, String> {
+    let snapshot = Snapshot {
+        nodes: nodes(s.nodes),
+        allocations: allocations(s.allocations),
+        pending: crate::Pending {
+            gpu_count: s.pending.gpu_count,
+            gpu_milli: s.pending.gpu_milli,
+            whole_nodes: s.pending.whole_nodes,
+            model: s.pending.model,
+        },
+    };
+    let plan: Plan = p.compact(&snapshot)?;
+    Ok(w::Plan { chain: plan.chain, allocation: plan.allocation, dest_node: plan.dest_node, dest_gpus: plan.dest_gpus })
+}
+
+pub fn rank<P: Policy>(p: &mut P, demand: w::Task, victims: w::Allocations) -> Result<Vec<u32>, String> {
+    p.rank(&task(demand), &allocations(victims))
+}

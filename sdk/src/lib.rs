@@ -1,0 +1,148 @@
+//! Berth guest SDK: write a scheduling policy in plain Rust.
+//!
+//! The contract (`wit/v0.1.0/policy.wit`) passes data as columns, which is what
+//! makes a call across the wasm boundary cheap. This crate gives policy authors
+//! typed views over those columns ([`Nodes::iter`] yields one [`NodeView`] per
+//! node) and a trait, [`Policy`], whose hooks all have documented defaults, so
+//! a policy implements only what it needs and exports with one macro:
+//!
+//! ```
+//! use berth_sdk::{Hooks, Nodes, Policy, Scores, Task};
+//!
+//! #[derive(Default)]
+//! struct MostFreeCpu;
+//!
+//! impl Policy for MostFreeCpu {
+//!     const NAME: &'static str = "most-free-cpu";
+//!     const VERSION: &'static str = "0.1.0";
+//!     const HOOKS: Hooks = Hooks::SCORE;
+//!
+//!     fn score(&mut self, _task: &Task, nodes: &Nodes) -> Result<Scores, String> {
+//!         Ok(Scores::from_scores(nodes.iter().map(|n| n.cpu_free_milli as f64).collect()))
+//!     }
+//! }
+//!
+//! berth_sdk::export!(MostFreeCpu);
+//! ```
+//!
+//! The same source compiles natively (the macro then expands to nothing), so
+//! the host can benchmark wasm against native on identical logic.
+
+mod types;
+pub use types::*;
+
+#[cfg(target_arch = "wasm32")]
+#[doc(hidden)]
+pub mod glue;
+
+/// A scheduling policy. Every hook has a default, so implement only those you
+/// claim in [`Policy::HOOKS`]; the host never calls a hook you do not claim.
+pub trait Policy: Default + 'static {
+    /// Short stable name, lowercase with dashes.
+    const NAME: &'static str;
+    /// The policy's own semantic version.
+    const VERSION: &'static str;
+    /// Hooks this policy really implements.
+    const HOOKS: Hooks;
+
+    /// Per-partition configuration (TOML or JSON text; empty for defaults).
+    /// Default: accepts only empty configuration.
+    fn configure(&mut self, config: &str) -> Result<(), String> {
+        if config.trim().is_empty() {
+            Ok(())
+        } else {
+            Err(format!("policy {} takes no configuration", Self::NAME))
+        }
+    }
+
+    /// Placement scoring. Default: every node scores 0 and the host chooses
+    /// GPUs.
+    fn score(&mut self, _task: &Task, nodes: &Nodes) -> Result<Scores, String> {
+        Ok(Scores::from_scores(vec![0.0; nodes.len()]))
+    }
+
+    /// Compaction planning. Default: an empty plan (move nothing).
+    fn compact(&mut self, _snapshot: &Snapshot) -> Result<Plan, String> {
+        Ok(Plan::default())
+    }
+
+    /// Preemption ranking: indexes into `victims`, best victim first.
+    /// Default: [`default_rank`].
+    fn rank(&mut self, _demand: &Task, victims: &Allocations) -> Result<Vec<u32>, String> {
+        Ok(default_rank(victims))
+    }
+}
+
+/// The documented default preemption order: lowest priority first, then the
+/// least work lost (`since-checkpoint-s` x GPUs held), then allocation id.
+pub fn default_rank(victims: &Allocations) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..victims.ids.len() as u32).collect();
+    order.sort_by_key(|&i| {
+        let i = i as usize;
+        let gpus = u64::from(victims.gpus[i].count_ones()).max(1);
+        (victims.priority[i], victims.since_checkpoint_s[i].saturating_mul(gpus), victims.ids[i])
+    });
+    order
+}
+
+/// Severity of a [`log`] line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// Sends a log line to the host, which tags it with the policy and partition
+/// and rate-limits it. In a native build this does nothing.
+pub fn log(level: Level, message: &str) {
+    #[cfg(target_arch = "wasm32")]
+    glue::log(level, message);
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = (level, message);
+}
+
+/// Exports a [`Policy`] implementation as the component's `policy` interface.
+/// Expands to nothing outside wasm32, so the crate also builds natively.
+#[macro_export]
+macro_rules! export {
+    ($policy:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            use $crate::glue::wit;
+            struct BerthGuest;
+            ::std::thread_local! {
+                static STATE: ::std::cell::RefCell<$policy> =
+                    ::std::cell::RefCell::new(<$policy as ::std::default::Default>::default());
+            }
+            impl wit::exports::berth::policy::policy::Guest for BerthGuest {
+                fn info() -> wit::exports::berth::policy::policy::PolicyInfo {
+                    $crate::glue::info::<$policy>()
+                }
+                fn configure(config: ::std::string::String) -> ::std::result::Result<(), ::std::string::String> {
+                    STATE.with(|s| $crate::Policy::configure(&mut *s.borrow_mut(), &config))
+                }
+                fn score(
+                    task: wit::berth::policy::types::Task,
+                    nodes: wit::berth::policy::types::Nodes,
+                ) -> ::std::result::Result<wit::berth::policy::types::Scores, ::std::string::String> {
+                    STATE.with(|s| $crate::glue::score(&mut *s.borrow_mut(), task, nodes))
+                }
+                fn compact(
+                    snapshot: wit::berth::policy::types::Snapshot,
+                ) -> ::std::result::Result<wit::berth::policy::types::Plan, ::std::string::String> {
+                    STATE.with(|s| $crate::glue::compact(&mut *s.borrow_mut(), snapshot))
+                }
+                fn rank(
+                    demand: wit::berth::policy::types::Task,
+                    victims: wit::berth::policy::types::Allocations,
+                ) -> ::std::result::Result<::std::vec::Vec<u32>, ::std::string::String> {
+                    STATE.with(|s| $crate::glue::rank(&mut *s.borrow_mut(), demand, victims))
+                }
+            }
+            $crate::glue::wit::export!(BerthGuest with_types_in $crate::glue::wit);
+        };
+    };
+}

@@ -1,0 +1,258 @@
+//! Plain Rust mirrors of the contract's records. Field meanings are those of
+//! `wit/v0.1.0/policy.wit`; the columns move in and out of the bindings
+//! without copying.
+
+/// Hooks a policy implements (a bit set, as the WIT `flags hooks`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Hooks(u8);
+
+impl Hooks {
+    pub const NONE: Hooks = Hooks(0);
+    pub const SCORE: Hooks = Hooks(1);
+    pub const COMPACT: Hooks = Hooks(2);
+    pub const RANK: Hooks = Hooks(4);
+
+    pub const fn union(self, other: Hooks) -> Hooks {
+        Hooks(self.0 | other.0)
+    }
+    pub const fn contains(self, other: Hooks) -> bool {
+        self.0 & other.0 == other.0
+    }
+    pub const fn bits(self) -> u8 {
+        self.0
+    }
+    pub const fn from_bits_truncate(bits: u8) -> Hooks {
+        Hooks(bits & 7)
+    }
+}
+
+impl std::ops::BitOr for Hooks {
+    type Output = Hooks;
+    fn bitor(self, rhs: Hooks) -> Hooks {
+        self.union(rhs)
+    }
+}
+
+impl std::fmt::Display for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = [(Hooks::SCORE, "score"), (Hooks::COMPACT, "compact"), (Hooks::RANK, "rank")]
+            .into_iter()
+            .filter(|(h, _)| self.contains(*h))
+            .map(|(_, n)| n)
+            .collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// What a policy says about itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyInfo {
+    pub name: String,
+    pub version: String,
+    pub hooks: Hooks,
+}
+
+/// One task to place (see the WIT `task`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Task {
+    pub job_id: u64,
+    pub gpu_count: u32,
+    pub gpu_milli: u32,
+    pub cpu_milli: u32,
+    pub memory_mib: u64,
+    pub models: Vec<u32>,
+    pub priority: u32,
+    pub gang_size: u32,
+    pub gang_index: u32,
+}
+
+impl Task {
+    /// Whether the task accepts GPU model `model` (an index into `Nodes::models`).
+    pub fn accepts_model(&self, model: u32) -> bool {
+        self.models.is_empty() || self.models.contains(&model)
+    }
+    /// Total milli-GPU the task asks for.
+    pub fn total_gpu_milli(&self) -> u64 {
+        u64::from(self.gpu_count) * u64::from(self.gpu_milli)
+    }
+}
+
+/// A batch of nodes, as columns (see the WIT `nodes`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Nodes {
+    pub ids: Vec<u32>,
+    pub model: Vec<u32>,
+    pub models: Vec<String>,
+    pub switch_domain: Vec<u32>,
+    pub cpu_free_milli: Vec<u32>,
+    pub cpu_total_milli: Vec<u32>,
+    pub memory_free_mib: Vec<u64>,
+    pub memory_total_mib: Vec<u64>,
+    pub gpu_count: Vec<u32>,
+    pub gpu_start: Vec<u32>,
+    pub gpu_free_milli: Vec<u32>,
+}
+
+/// One node of a [`Nodes`] batch, read through the columns.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeView<'a> {
+    /// Position in the batch (the index of its score).
+    pub index: usize,
+    pub id: u32,
+    pub model: u32,
+    pub switch_domain: u32,
+    pub cpu_free_milli: u32,
+    pub cpu_total_milli: u32,
+    pub memory_free_mib: u64,
+    pub memory_total_mib: u64,
+    /// Free thousandths of each GPU of the node.
+    pub gpu_free_milli: &'a [u32],
+}
+
+impl NodeView<'_> {
+    pub fn gpu_count(&self) -> u32 {
+        self.gpu_free_milli.len() as u32
+    }
+    /// Free milli-GPU summed over the node's GPUs.
+    pub fn gpu_free_total(&self) -> u32 {
+        self.gpu_free_milli.iter().sum()
+    }
+    /// Idle (fully free) GPUs.
+    pub fn idle_gpus(&self) -> u32 {
+        self.gpu_free_milli.iter().filter(|&&f| f == 1000).count() as u32
+    }
+}
+
+impl Nodes {
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+    /// The node at position `index`.
+    pub fn get(&self, index: usize) -> NodeView<'_> {
+        let start = self.gpu_start[index] as usize;
+        let count = self.gpu_count[index] as usize;
+        NodeView {
+            index,
+            id: self.ids[index],
+            model: self.model[index],
+            switch_domain: self.switch_domain[index],
+            cpu_free_milli: self.cpu_free_milli[index],
+            cpu_total_milli: self.cpu_total_milli[index],
+            memory_free_mib: self.memory_free_mib[index],
+            memory_total_mib: self.memory_total_mib[index],
+            gpu_free_milli: &self.gpu_free_milli[start..start + count],
+        }
+    }
+    /// Iterates the nodes as typed views, in batch order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = NodeView<'_>> + '_ {
+        (0..self.len()).map(move |i| self.get(i))
+    }
+    /// Empties every column, keeping capacity (hosts reuse one batch).
+    pub fn clear(&mut self) {
+        self.ids.clear();
+        self.model.clear();
+        self.switch_domain.clear();
+        self.cpu_free_milli.clear();
+        self.cpu_total_milli.clear();
+        self.memory_free_mib.clear();
+        self.memory_total_mib.clear();
+        self.gpu_count.clear();
+        self.gpu_start.clear();
+        self.gpu_free_milli.clear();
+    }
+    /// Appends one node (a convenience for hosts and tests).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        id: u32,
+        model: u32,
+        switch_domain: u32,
+        cpu_free_milli: u32,
+        cpu_total_milli: u32,
+        memory_free_mib: u64,
+        memory_total_mib: u64,
+        gpu_free_milli: &[u32],
+    ) {
+        self.ids.push(id);
+        self.model.push(model);
+        self.switch_domain.push(switch_domain);
+        self.cpu_free_milli.push(cpu_free_milli);
+        self.cpu_total_milli.push(cpu_total_milli);
+        self.memory_free_mib.push(memory_free_mib);
+        self.memory_total_mib.push(memory_total_mib);
+        self.gpu_count.push(gpu_free_milli.len() as u32);
+        self.gpu_start.push(self.gpu_free_milli.len() as u32);
+        self.gpu_free_milli.extend_from_slice(gpu_free_milli);
+    }
+}
+
+/// What `score` returns (see the WIT `scores`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Scores {
+    pub scores: Vec<f64>,
+    pub gpus: Vec<u64>,
+}
+
+impl Scores {
+    /// Scores only; the host chooses GPUs on every node.
+    pub fn from_scores(scores: Vec<f64>) -> Scores {
+        Scores { scores, gpus: Vec::new() }
+    }
+}
+
+/// Running allocations, as columns (see the WIT `allocations`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Allocations {
+    pub ids: Vec<u32>,
+    pub job_ids: Vec<u64>,
+    pub node: Vec<u32>,
+    pub gpus: Vec<u64>,
+    pub gpu_milli: Vec<u32>,
+    pub cpu_milli: Vec<u32>,
+    pub memory_mib: Vec<u64>,
+    pub priority: Vec<u32>,
+    pub movable: Vec<u8>,
+    pub gang_id: Vec<u64>,
+    pub state_bytes: Vec<u64>,
+    pub remaining_s: Vec<u64>,
+    pub running_s: Vec<u64>,
+    pub since_checkpoint_s: Vec<u64>,
+}
+
+impl Allocations {
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// Pending shapes compaction should make room for (see the WIT `pending`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pending {
+    pub gpu_count: Vec<u32>,
+    pub gpu_milli: Vec<u32>,
+    pub whole_nodes: Vec<u32>,
+    pub model: Vec<u32>,
+}
+
+/// A partition as compaction sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub nodes: Nodes,
+    pub allocations: Allocations,
+    pub pending: Pending,
+}
+
+/// A compaction plan, as columns (see the WIT `plan`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub chain: Vec<u32>,
+    pub allocation: Vec<u32>,
+    pub dest_node: Vec<u32>,
+    pub dest_gpus: Vec<u64>,
+}

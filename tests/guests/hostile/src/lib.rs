@@ -1,0 +1,98 @@
+//! A deliberately hostile policy. What it does on `score` depends on the
+//! task's `job_id`, so one component exercises every failure and a test can
+//! follow each failure with an honest call on the same policy:
+//!
+//! 0 honest (score = free milli-GPU of the node) · 1 infinite loop ·
+//! 2 memory bomb · 3 panic · 4 wrong number of scores · 5 NaN score ·
+//! 6 GPU mask naming a GPU the node lacks · 7 huge output ·
+//! 8 infinite score · 9 deep recursion (stack overflow) · 10 log flood
+//! then honest · 11 returns a guest error.
+//! `rank`: job 0 honest, 1 duplicate index, 2 out-of-range index.
+//! `configure("reject")` fails; anything else is accepted.
+
+use berth_sdk::{Allocations, Hooks, Level, Nodes, Policy, Scores, Task};
+
+#[derive(Default)]
+struct Hostile;
+
+fn honest(nodes: &Nodes) -> Scores {
+    Scores::from_scores(nodes.iter().map(|n| n.gpu_free_total() as f64).collect())
+}
+
+#[inline(never)]
+#[allow(unconditional_recursion)]
+fn recurse(depth: u64, sink: &mut [u64; 64]) -> u64 {
+    sink[(depth % 64) as usize] = depth;
+    let mut local = [depth; 128];
+    local[(depth % 128) as usize] ^= recurse(depth + 1, sink);
+    local.iter().sum()
+}
+
+impl Policy for Hostile {
+    const NAME: &'static str = "hostile";
+    const VERSION: &'static str = "0.0.1";
+    const HOOKS: Hooks = Hooks::SCORE.union(Hooks::RANK);
+
+    fn configure(&mut self, config: &str) -> Result<(), String> {
+        if config == "reject" { Err("configuration rejected on purpose".into()) } else { Ok(()) }
+    }
+
+    fn score(&mut self, task: &Task, nodes: &Nodes) -> Result<Scores, String> {
+        match task.job_id {
+            1 => {
+                let mut x: u64 = 1;
+                loop {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            }
+            2 => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(vec![1u8; 16 << 20]);
+                    std::hint::black_box(&hoard);
+                }
+            }
+            3 => panic!("hostile guest panics on purpose"),
+            4 => Ok(Scores::from_scores(vec![1.0; nodes.len() + 1])),
+            5 => {
+                let mut s = honest(nodes);
+                s.scores[0] = f64::NAN;
+                Ok(s)
+            }
+            6 => {
+                let mut s = honest(nodes);
+                s.gpus = vec![1u64 << 63; nodes.len()];
+                Ok(s)
+            }
+            7 => Ok(Scores::from_scores(vec![0.5; 6_000_000])),
+            8 => {
+                let mut s = honest(nodes);
+                s.scores[nodes.len() - 1] = f64::INFINITY;
+                Ok(s)
+            }
+            9 => {
+                let mut sink = [0u64; 64];
+                Ok(Scores::from_scores(vec![recurse(0, &mut sink) as f64; nodes.len()]))
+            }
+            10 => {
+                for i in 0..100_000 {
+                    berth_sdk::log(Level::Info, &format!("flood line {i}"));
+                }
+                Ok(honest(nodes))
+            }
+            11 => Err("hostile guest declines to score".into()),
+            _ => Ok(honest(nodes)),
+        }
+    }
+
+    fn rank(&mut self, demand: &Task, victims: &Allocations) -> Result<Vec<u32>, String> {
+        let n = victims.len() as u32;
+        Ok(match demand.job_id {
+            1 => vec![0, 0],
+            2 => vec![n + 5],
+            _ => (0..n).rev().collect(),
+        })
+    }
+}
+
+berth_sdk::export!(Hostile);

@@ -1,0 +1,37 @@
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use berth::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn component(dir: &str, name: &str) -> PathBuf {
+    let path = repo_root().join("target").join(dir).join(format!("{name}.wasm"));
+    assert!(path.is_file(), "{} is missing: run scripts/build-policies.sh first", path.display());
+    path
+}
+
+pub fn policy_path(name: &str) -> PathBuf {
+    component("policies", name)
+}
+
+pub fn guest_path(name: &str) -> PathBuf {
+    component("test-guests", name)
+}
+
+/// One engine for the whole test binary, with no artifact cache unless a
+/// test asks for one.
+pub fn engine() -> Arc<PolicyEngine> {
+    static ENGINE: OnceLock<Arc<PolicyEngine>> = OnceLock::new();
+    ENGINE.get_or_init(|| Arc::new(PolicyEngine::new(None).expect("engine"))).clone()
+}
+
+pub fn load(path: &std::path::Path) -> Arc<LoadedPolicy> {
+    LoadedPolicy::from_file(&engine(), path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
+}
+
+pub fn wasm_policy(path: &std::path::Path, limits: Limits) -> WasmPolicy {
+    WasmPolicy::new(engine(), load(path), limits)
+}
