@@ -40,6 +40,7 @@ pub fn batch(n: usize, seed: u64) -> (Task, Nodes) {
             node.memory_free_mib,
             node.memory_total_mib,
             &node.gpus,
+            node.alloc_kinds(),
         );
     }
     let task = Task { job_id: 1, gpu_count: 1, gpu_milli: 500, cpu_milli: 4000, memory_mib: 16 << 10, gang_size: 1, ..Task::default() };

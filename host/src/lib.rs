@@ -6,6 +6,7 @@ pub mod catalog;
 pub mod componentize;
 pub mod demo;
 pub mod native;
+pub mod replay;
 pub mod synth;
 pub mod wasm;
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use berth::wasm::{LoadedPolicy, PolicyEngine};
+use berth::replay::{self, report};
 use berth::{bench, catalog, componentize, demo};
 use clap::{Parser, Subcommand};
 
@@ -29,6 +30,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Replay a trace (openb node and pod lists, or a generated one) with
+    /// each policy and seed under the FGD paper's protocol.
+    Replay(ReplayArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -39,6 +43,50 @@ enum Command {
         #[command(subcommand)]
         what: PolicyCommand,
     },
+}
+
+#[derive(clap::Args)]
+struct ReplayArgs {
+    /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model). Omit both --nodes
+    /// and --pods to replay a seeded, generated trace.
+    #[arg(long, requires = "pods")]
+    nodes: Option<PathBuf>,
+    /// Pod list CSV (openb format, 11 or 5 columns).
+    #[arg(long, requires = "nodes")]
+    pods: Option<PathBuf>,
+    /// Policies (names of bundled components or .wasm paths); repeatable.
+    #[arg(long = "policy", required = true)]
+    policies: Vec<String>,
+    /// Seeds: a range `42-51`, a list `1,2,3`, or one seed.
+    #[arg(long, default_value = "42-51")]
+    seeds: String,
+    /// Write every arrival point 1..130 as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Draw unallocated % against arrival % as SVG.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Replay the pod list exactly as given: no shuffle, no tuning, ties to
+    /// the first node.
+    #[arg(long)]
+    keep_order: bool,
+    /// Run native builds of the bundled policies instead of wasm (to measure
+    /// the wasm overhead; not sandboxed).
+    #[arg(long)]
+    native: bool,
+    /// Published results to show beside Berth's (default: the FGD table next
+    /// to the pod list, if there is one).
+    #[arg(long)]
+    published: Option<PathBuf>,
+    /// Nodes of the generated trace.
+    #[arg(long, default_value_t = 400)]
+    synthetic_nodes: usize,
+    /// Worker threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -91,6 +139,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
+        Command::Replay(args) => replay(engine()?, args)?,
         Command::Bench { what: BenchCommand::Score { policy, candidates, json } } => {
             anyhow::ensure!(candidates > 0, "--candidates must be at least 1");
             let r = bench::score(engine()?, &policy, candidates)?;
@@ -127,6 +176,49 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         },
+    }
+    Ok(())
+}
+
+fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
+    let opts = replay::ReplayOptions {
+        trace: args.nodes.clone().zip(args.pods.clone()),
+        synthetic_nodes: args.synthetic_nodes,
+        policies: args.policies.clone(),
+        seeds: replay::parse_seeds(&args.seeds).context("--seeds")?,
+        keep_order: args.keep_order,
+        native: args.native,
+        workers: args.workers,
+        progress: !args.quiet,
+    };
+    anyhow::ensure!(opts.synthetic_nodes > 0, "--synthetic-nodes must be at least 1");
+    let started = std::time::Instant::now();
+    let outcome = replay::run(engine, &opts)?;
+    let elapsed = started.elapsed();
+
+    let workload = args.pods.as_ref().and_then(|p| p.file_stem()).map(|s| s.to_string_lossy().into_owned());
+    let published_path = args
+        .published
+        .clone()
+        .or_else(|| args.pods.as_ref().and_then(|p| p.parent()).map(|d| d.join("fgd_published_unallocated.csv")).filter(|p| p.is_file()));
+    let published = match (&published_path, &workload) {
+        (Some(path), Some(w)) => report::read_published(path, w)?,
+        _ => Default::default(),
+    };
+    let source = workload.clone().unwrap_or_else(|| format!("generated trace ({} nodes)", opts.synthetic_nodes));
+    println!(
+        "{source}: {} policies x {} seeds in {:.1} s ({})",
+        outcome.policies.len(),
+        opts.seeds.len(),
+        elapsed.as_secs_f64(),
+        if opts.native { "native" } else { "wasm" }
+    );
+    print!("{}", report::table(&outcome.rows, &outcome.policies, &published));
+    if let Some(path) = &args.json {
+        report::write_json(path, &outcome.rows)?;
+    }
+    if let Some(path) = &args.svg {
+        report::write_svg(path, &format!("Unallocated GPUs: {source}"), &outcome.rows, &outcome.policies)?;
     }
     Ok(())
 }

@@ -25,13 +25,20 @@ impl<P: Policy> PlacementPolicy for NativePolicy<P> {
 }
 
 /// Names of the policies this binary also carries natively.
-pub const NATIVE_POLICIES: &[&str] = &["binpack", "spread"];
+pub const NATIVE_POLICIES: &[&str] =
+    &["binpack", "spread", "random", "dotprod", "gpu-clustering", "gpu-packing", "best-fit", "fgd"];
 
 /// A native build of a bundled policy, by its name.
 pub fn by_name(name: &str) -> Option<Box<dyn NativeScorer>> {
     match name {
         "binpack" => Some(Box::new(NativePolicy::<berth_policy_binpack::Binpack>::default())),
         "spread" => Some(Box::new(NativePolicy::<berth_policy_spread::Spread>::default())),
+        "random" => Some(Box::new(NativePolicy::<berth_policy_random::Random>::default())),
+        "dotprod" => Some(Box::new(NativePolicy::<berth_policy_dotprod::DotProd>::default())),
+        "gpu-clustering" => Some(Box::new(NativePolicy::<berth_policy_gpu_clustering::GpuClustering>::default())),
+        "gpu-packing" => Some(Box::new(NativePolicy::<berth_policy_gpu_packing::GpuPacking>::default())),
+        "best-fit" => Some(Box::new(NativePolicy::<berth_policy_best_fit::BestFit>::default())),
+        "fgd" => Some(Box::new(NativePolicy::<berth_policy_fgd::Fgd>::default())),
         _ => None,
     }
 }

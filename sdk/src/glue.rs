@@ -60,6 +60,7 @@ fn nodes(n: w::Nodes) -> Nodes {
         gpu_count: n.gpu_count,
         gpu_start: n.gpu_start,
         gpu_free_milli: n.gpu_free_milli,
+        alloc_kinds: n.alloc_kinds,
     }
 }
 

@@ -46,13 +46,10 @@ pub trait Policy: Default + 'static {
     const HOOKS: Hooks;
 
     /// Per-partition configuration (TOML or JSON text; empty for defaults).
-    /// Default: accepts only empty configuration.
-    fn configure(&mut self, config: &str) -> Result<(), String> {
-        if config.trim().is_empty() {
-            Ok(())
-        } else {
-            Err(format!("policy {} takes no configuration", Self::NAME))
-        }
+    /// Default: ignores it (hosts may send context, such as a replay's seed,
+    /// that only some policies use).
+    fn configure(&mut self, _config: &str) -> Result<(), String> {
+        Ok(())
     }
 
     /// Placement scoring. Default: every node scores 0 and the host chooses

@@ -91,6 +91,7 @@ pub struct Nodes {
     pub gpu_count: Vec<u32>,
     pub gpu_start: Vec<u32>,
     pub gpu_free_milli: Vec<u32>,
+    pub alloc_kinds: Vec<u64>,
 }
 
 /// One node of a [`Nodes`] batch, read through the columns.
@@ -107,6 +108,18 @@ pub struct NodeView<'a> {
     pub memory_total_mib: u64,
     /// Free thousandths of each GPU of the node.
     pub gpu_free_milli: &'a [u32],
+    /// Kinds of GPU allocation on the node (see the WIT `alloc-kinds`).
+    pub alloc_kinds: u64,
+}
+
+/// The allocation-kind bit of a GPU allocation: 0 for a shared GPU, `k` for
+/// `k` whole GPUs; `None` for CPU-only work.
+pub fn alloc_kind_bit(gpu_count: u32, gpu_milli: u32) -> Option<u32> {
+    match (gpu_count, gpu_milli) {
+        (0, _) => None,
+        (_, m) if m < 1000 => Some(0),
+        (k, _) => Some(k.min(63)),
+    }
 }
 
 impl NodeView<'_> {
@@ -144,6 +157,7 @@ impl Nodes {
             memory_free_mib: self.memory_free_mib[index],
             memory_total_mib: self.memory_total_mib[index],
             gpu_free_milli: &self.gpu_free_milli[start..start + count],
+            alloc_kinds: self.alloc_kinds[index],
         }
     }
     /// Iterates the nodes as typed views, in batch order.
@@ -162,6 +176,7 @@ impl Nodes {
         self.gpu_count.clear();
         self.gpu_start.clear();
         self.gpu_free_milli.clear();
+        self.alloc_kinds.clear();
     }
     /// Appends one node (a convenience for hosts and tests).
     #[allow(clippy::too_many_arguments)]
@@ -175,6 +190,7 @@ impl Nodes {
         memory_free_mib: u64,
         memory_total_mib: u64,
         gpu_free_milli: &[u32],
+        alloc_kinds: u64,
     ) {
         self.ids.push(id);
         self.model.push(model);
@@ -186,6 +202,7 @@ impl Nodes {
         self.gpu_count.push(gpu_free_milli.len() as u32);
         self.gpu_start.push(self.gpu_free_milli.len() as u32);
         self.gpu_free_milli.extend_from_slice(gpu_free_milli);
+        self.alloc_kinds.push(alloc_kinds);
     }
 }
 

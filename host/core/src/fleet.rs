@@ -48,6 +48,8 @@ pub struct Node {
     pub gpus: Vec<u32>,
     /// False when cordoned or unhealthy: the predicate skips it.
     pub schedulable: bool,
+    /// Running GPU allocations per kind (see [`berth_sdk::alloc_kind_bit`]).
+    kind_counts: [u32; 64],
 }
 
 impl Node {
@@ -63,7 +65,13 @@ impl Node {
             memory_free_mib: memory_mib,
             gpus: vec![MILLI_PER_GPU; gpu_count],
             schedulable: true,
+            kind_counts: [0; 64],
         }
+    }
+
+    /// Kinds of GPU allocation running here, as the contract's bit set.
+    pub fn alloc_kinds(&self) -> u64 {
+        self.kind_counts.iter().enumerate().filter(|&(_, &c)| c > 0).fold(0, |acc, (k, _)| acc | 1u64 << k)
     }
 
     pub fn gpu_free_milli(&self) -> u64 {
@@ -111,6 +119,11 @@ pub struct Allocation {
 }
 
 impl Allocation {
+    /// The allocation's kind bit (shared GPU, k whole GPUs), if it holds GPUs.
+    pub fn kind(&self) -> Option<u32> {
+        berth_sdk::alloc_kind_bit(self.gpus.count_ones(), self.gpu_milli)
+    }
+
     pub fn gpu_milli_total(&self) -> u64 {
         u64::from(self.gpus.count_ones()) * u64::from(self.gpu_milli)
     }
@@ -192,6 +205,9 @@ impl Fleet {
         for g in gpus_of(alloc.gpus) {
             node.gpus[g] -= alloc.gpu_milli;
         }
+        if let Some(k) = alloc.kind() {
+            node.kind_counts[k as usize] += 1;
+        }
         self.gpu_allocated_milli += alloc.gpu_milli_total();
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
         Ok(())
@@ -209,6 +225,12 @@ impl Fleet {
         }
         if gpus_of(alloc.gpus).any(|g| MILLI_PER_GPU - node.gpus[g] < alloc.gpu_milli) {
             return Err(FleetError::NotAllocated { node: alloc.node, what: "GPU" });
+        }
+        if let Some(k) = alloc.kind() {
+            if node.kind_counts[k as usize] == 0 {
+                return Err(FleetError::NotAllocated { node: alloc.node, what: "allocation of this kind" });
+            }
+            node.kind_counts[k as usize] -= 1;
         }
         node.cpu_free_milli += alloc.cpu_milli;
         node.memory_free_mib += alloc.memory_mib;

@@ -130,6 +130,7 @@ impl Placer {
                 n.memory_free_mib,
                 n.memory_total_mib,
                 &n.gpus,
+                n.alloc_kinds(),
             );
         }
         let t = &mut self.task;

@@ -301,6 +301,7 @@ fn take_nodes(n: &mut Nodes) -> w::Nodes {
         gpu_count: take(&mut n.gpu_count),
         gpu_start: take(&mut n.gpu_start),
         gpu_free_milli: take(&mut n.gpu_free_milli),
+        alloc_kinds: take(&mut n.alloc_kinds),
     }
 }
 
@@ -317,6 +318,7 @@ fn restore_nodes(n: &mut Nodes, w: &mut w::Nodes) {
     n.gpu_count = take(&mut w.gpu_count);
     n.gpu_start = take(&mut w.gpu_start);
     n.gpu_free_milli = take(&mut w.gpu_free_milli);
+    n.alloc_kinds = take(&mut w.alloc_kinds);
 }
 
 fn take_allocations(a: &mut Allocations) -> w::Allocations {

@@ -1,0 +1,184 @@
+//! Trace replay: readers, the FGD protocol, reports. Runs every (policy,
+//! seed) pair, seeds in parallel, each pair on its own policy instance.
+
+pub mod fgd;
+pub mod openb;
+pub mod report;
+pub mod synthetic;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use berth_core::PlacementPolicy;
+use serde::Serialize;
+
+use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
+use crate::{catalog, native};
+use fgd::Experiment;
+use report::{Curve, ResultRow};
+
+/// What to replay.
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    /// Trace files; `None`: a generated trace of `synthetic_nodes` nodes.
+    pub trace: Option<(PathBuf, PathBuf)>,
+    pub synthetic_nodes: usize,
+    /// Policy names or component paths.
+    pub policies: Vec<String>,
+    pub seeds: Vec<u64>,
+    pub keep_order: bool,
+    /// Run the policies' native builds instead of wasm (benchmarks only).
+    pub native: bool,
+    /// Worker threads; 0 = one per core.
+    pub workers: usize,
+    pub progress: bool,
+}
+
+/// The outcome of a replay.
+#[derive(Debug, Serialize)]
+pub struct ReplayOutcome {
+    /// Policy names in the order given.
+    pub policies: Vec<String>,
+    pub rows: Vec<ResultRow>,
+    /// Per (policy, seed): pods offered and placed, final unallocated %.
+    pub runs: Vec<RunSummary>,
+}
+
+#[derive(Debug, Serialize, Clone)]
+pub struct RunSummary {
+    pub policy: String,
+    pub seed: u64,
+    pub pods_offered: usize,
+    pub pods_placed: usize,
+    pub final_unallocated_pct: f64,
+}
+
+/// The configuration every replayed policy receives: the seed (for
+/// policies that draw random numbers) and the workload's typical pods (for
+/// fragmentation-aware policies). Policies ignore what they do not use.
+pub fn policy_config(exp: &Experiment, seed: u64) -> String {
+    let typical = fgd::typical_pods(exp);
+    serde_json::json!({ "seed": seed, "typical_pods": typical }).to_string()
+}
+
+enum Source {
+    Wasm(Arc<LoadedPolicy>),
+    Native(String),
+}
+
+pub fn run(engine: Arc<PolicyEngine>, opts: &ReplayOptions) -> anyhow::Result<ReplayOutcome> {
+    anyhow::ensure!(!opts.policies.is_empty(), "no policy given (--policy NAME|PATH, repeatable)");
+    anyhow::ensure!(!opts.seeds.is_empty(), "no seeds given");
+    let (nodes, pods, label) = match &opts.trace {
+        Some((nodes, pods)) => (openb::read_nodes(nodes)?, openb::read_pods(pods)?, pods.display().to_string()),
+        None => {
+            let (n, p) = synthetic::trace(opts.synthetic_nodes, 1);
+            (n, p, "generated trace".to_string())
+        }
+    };
+    let exp = Experiment::new(&nodes, &pods).map_err(anyhow::Error::msg).with_context(|| label)?;
+
+    let mut sources = Vec::new();
+    let mut names = Vec::new();
+    for spec in &opts.policies {
+        if opts.native {
+            let name = spec.clone();
+            anyhow::ensure!(native::by_name(&name).is_some(), "no native build of policy {name:?} (native: {:?})", native::NATIVE_POLICIES);
+            names.push(name.clone());
+            sources.push(Source::Native(name));
+        } else {
+            let path = catalog::resolve(spec)?;
+            let loaded = LoadedPolicy::from_file(&engine, &path).with_context(|| format!("loading {}", path.display()))?;
+            names.push(loaded.info.name.clone());
+            sources.push(Source::Wasm(loaded));
+        }
+    }
+
+    let jobs: Vec<(usize, u64)> = (0..sources.len()).flat_map(|p| opts.seeds.iter().map(move |&s| (p, s))).collect();
+    let pods_per_run = exp.arrival_order(opts.seeds[0]).0.len() as u64;
+    let bar = if opts.progress {
+        let bar = indicatif::ProgressBar::new(pods_per_run * jobs.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {percent}% {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<fgd::RunResult, String>>>> = Mutex::new(vec![None; jobs.len()]);
+    let workers = if opts.workers == 0 { std::thread::available_parallelism().map_or(2, |n| n.get()) } else { opts.workers };
+    std::thread::scope(|scope| {
+        for _ in 0..workers.min(jobs.len()) {
+            scope.spawn(|| {
+                loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(p, seed)) = jobs.get(k) else { break };
+                    let config = policy_config(&exp, seed);
+                    let outcome = (|| -> anyhow::Result<fgd::RunResult> {
+                        let mut policy: Box<dyn PlacementPolicy> = match &sources[p] {
+                            Source::Wasm(loaded) => {
+                                let mut w = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
+                                w.configure(&config)?;
+                                Box::new(w)
+                            }
+                            Source::Native(name) => {
+                                let mut n = native::by_name(name).expect("checked above");
+                                n.configure(&config)?;
+                                n
+                            }
+                        };
+                        Ok(exp.run(seed, &mut *policy, opts.keep_order, |n| bar.inc(n as u64))?)
+                    })();
+                    bar.set_message(format!("{} seed {seed}", names[p]));
+                    results.lock().expect("no worker panics")[k] = Some(outcome.map_err(|e| format!("{} seed {seed}: {e:#}", names[p])));
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+
+    let results = results.into_inner().expect("no worker panics");
+    let mut rows = Vec::new();
+    let mut runs = Vec::new();
+    for (p, name) in names.iter().enumerate() {
+        let mut curves: Vec<Curve> = Vec::new();
+        for (k, &(jp, seed)) in jobs.iter().enumerate() {
+            if jp != p {
+                continue;
+            }
+            let r = results[k].clone().expect("every job ran").map_err(anyhow::Error::msg)?;
+            runs.push(RunSummary {
+                policy: name.clone(),
+                seed,
+                pods_offered: r.pods_offered,
+                pods_placed: r.pods_placed,
+                final_unallocated_pct: r.final_unallocated_pct,
+            });
+            curves.push(r.curve);
+        }
+        rows.extend(report::aggregate(name, &curves));
+    }
+    Ok(ReplayOutcome { policies: names, rows, runs })
+}
+
+/// Parses `42-51` or `42,45,50` or `7`.
+pub fn parse_seeds(text: &str) -> anyhow::Result<Vec<u64>> {
+    let mut seeds = Vec::new();
+    for part in text.split(',') {
+        let part = part.trim();
+        if let Some((a, b)) = part.split_once('-') {
+            let (a, b): (u64, u64) = (a.trim().parse().context("seed range start")?, b.trim().parse().context("seed range end")?);
+            anyhow::ensure!(a <= b, "seed range {part:?} is empty");
+            anyhow::ensure!(b - a < 10_000, "seed range {part:?} is too long");
+            seeds.extend(a..=b);
+        } else {
+            seeds.push(part.parse().with_context(|| format!("seed {part:?} is not a number"))?);
+        }
+    }
+    Ok(seeds)
+}
