@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # The demo: builds the host and the bundled policies (installing the guest
-# toolchain if needed), then places a seeded, generated workload on a
-# generated fleet with each bundled policy, in wasm.
+# toolchain if needed), then replays a seeded, generated GPU-cluster trace
+# with the six FGD-paper policies as wasm components, under the FGD paper's
+# protocol. Writes target/demo/replay.{json,svg}. Extra arguments go to
+# `berth replay` (e.g. --nodes/--pods to replay your own openb trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build-policies.sh
-exec target/release/berth demo "$@"
+mkdir -p target/demo
+target/release/berth replay \
+    --policy random --policy dotprod --policy gpu-clustering --policy gpu-packing --policy best-fit --policy fgd \
+    --seeds 42-46 --json target/demo/replay.json --svg target/demo/replay.svg "$@"
+echo "wrote target/demo/replay.json and target/demo/replay.svg"

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build-policies.sh
-cargo test --release --workspace "$@"
+BERTH_REQUIRE_TRACES="${BERTH_REQUIRE_TRACES:-${CI:+1}}" cargo test --release --workspace "$@"

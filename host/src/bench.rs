@@ -43,7 +43,7 @@ pub fn batch(n: usize, seed: u64) -> (Task, Nodes) {
             node.alloc_kinds(),
         );
     }
-    let task = Task { job_id: 1, gpu_count: 1, gpu_milli: 500, cpu_milli: 4000, memory_mib: 16 << 10, gang_size: 1, ..Task::default() };
+    let task = Task { job_id: 0, gpu_count: 1, gpu_milli: 500, cpu_milli: 4000, memory_mib: 16 << 10, gang_size: 1, ..Task::default() };
     (task, nodes)
 }
 

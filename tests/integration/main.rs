@@ -5,3 +5,4 @@ mod common;
 mod containment;
 mod equivalence;
 mod loading;
+mod replay;
