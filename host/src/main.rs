@@ -81,6 +81,15 @@ struct ReplayArgs {
     /// Nodes of the generated trace.
     #[arg(long, default_value_t = 400)]
     synthetic_nodes: usize,
+    /// Write every run's decisions (step, pod, node, GPUs) as CSV files in
+    /// this folder, for pod-by-pod comparison with another simulator.
+    #[arg(long)]
+    decisions: Option<PathBuf>,
+    /// Compute FGD's typical pods from this pod list rather than the
+    /// replayed one (use the original workload when replaying another
+    /// simulator's tuned order with --keep-order).
+    #[arg(long)]
+    typical_from: Option<PathBuf>,
     /// Worker threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     workers: usize,
@@ -190,6 +199,8 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
         native: args.native,
         workers: args.workers,
         progress: !args.quiet,
+        decisions_dir: args.decisions.clone(),
+        typical_from: args.typical_from.clone(),
     };
     anyhow::ensure!(opts.synthetic_nodes > 0, "--synthetic-nodes must be at least 1");
     let started = std::time::Instant::now();

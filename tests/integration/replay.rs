@@ -140,6 +140,8 @@ fn replay_six(dir: &Path, trace: &str) -> berth::replay::ReplayOutcome {
         native: false,
         workers: 0,
         progress: false,
+        decisions_dir: None,
+        typical_from: None,
     };
     replay::run(engine(), &opts).unwrap()
 }
@@ -192,7 +194,7 @@ fn fgd_table_multigpu40() {
 fn six_policies_wasm_equals_native() {
     let (nodes, pods) = berth::replay::synthetic::trace(120, 5);
     let exp = Experiment::new(&nodes, &pods).unwrap();
-    let config = replay::policy_config(&exp, 3);
+    let config = replay::policy_config(&typical_pods(&exp), 3);
     for name in SIX {
         let mut wasm = wasm_policy(&policy_path(name), Limits::default());
         wasm.configure(&config).unwrap();

@@ -35,6 +35,9 @@ pub struct RunResult {
     pub pods_placed: usize,
     /// Unallocated GPU % after the last pod.
     pub final_unallocated_pct: f64,
+    /// Every attempt in order: (pod index in the name-sorted list, node and
+    /// GPU mask, or `None` when nothing fitted).
+    pub decisions: Vec<(usize, Option<(u32, u64)>)>,
 }
 
 impl Experiment {
@@ -78,6 +81,24 @@ impl Experiment {
             shaped.push((pod.clone(), shape));
         }
         Ok(Experiment { fleet, pods: shaped, node_names })
+    }
+
+    /// Writes one run's decisions as CSV: `step,pod,node,gpus` (node empty
+    /// and gpus empty for a pod that fitted nowhere; gpus as indexes joined
+    /// by `|`), for pod-by-pod comparison with another simulator.
+    pub fn decisions_csv(&self, run: &RunResult) -> String {
+        let mut out = String::from("step,pod,node,gpus\n");
+        for (step, (pod, placed)) in run.decisions.iter().enumerate() {
+            let (node, gpus) = match placed {
+                Some((n, mask)) => (
+                    self.node_names[*n as usize].as_str(),
+                    berth_core::fleet::gpus_of(*mask).map(|g| g.to_string()).collect::<Vec<_>>().join("|"),
+                ),
+                None => ("", String::new()),
+            };
+            out.push_str(&format!("{step},{},{node},{gpus}\n", self.pods[*pod].0.name));
+        }
+        out
     }
 
     pub fn fleet(&self) -> &Fleet {
@@ -155,13 +176,16 @@ impl Experiment {
         let mut requested = 0f64;
         let mut sums = vec![(0f64, 0u32); MAX_ARRIVAL_PCT + 2];
         let mut placed = 0;
+        let mut decisions = Vec::with_capacity(order.len());
         for (k, &i) in order.iter().enumerate() {
             let shape = &self.pods[i].1;
             let meta = TaskMeta { job_id: i as u64, ..TaskMeta::default() };
-            if let Some(p) = placer.place(&fleet, shape, meta, policy, Some(&tie_rank))? {
+            let placement = placer.place(&fleet, shape, meta, policy, Some(&tie_rank))?;
+            if let Some(p) = &placement {
                 fleet.allocate(&Fleet::allocation(p.node, shape, p.gpus)).map_err(|e| PolicyError::InvalidOutput(e.to_string()))?;
                 placed += 1;
             }
+            decisions.push((i, placement.map(|p| (p.node, p.gpus))));
             requested += shape.total_gpu_milli() as f64;
             let arrived = round_half_even(requested / capacity * 100.0);
             if arrived >= 0.0 && (arrived as usize) < sums.len() {
@@ -181,6 +205,7 @@ impl Experiment {
             pods_offered: order.len(),
             pods_placed: placed,
             final_unallocated_pct: 100.0 - 100.0 * fleet.gpu_allocated_milli() as f64 / capacity,
+            decisions,
         })
     }
 }

@@ -34,6 +34,11 @@ pub struct ReplayOptions {
     /// Worker threads; 0 = one per core.
     pub workers: usize,
     pub progress: bool,
+    /// Take the typical pods from this pod list instead of the replayed one
+    /// (when the replayed list is another simulator's tuned order).
+    pub typical_from: Option<PathBuf>,
+    /// Write each run's decisions as `<dir>/<policy>-seed<seed>.csv`.
+    pub decisions_dir: Option<PathBuf>,
 }
 
 /// The outcome of a replay.
@@ -58,8 +63,7 @@ pub struct RunSummary {
 /// The configuration every replayed policy receives: the seed (for
 /// policies that draw random numbers) and the workload's typical pods (for
 /// fragmentation-aware policies). Policies ignore what they do not use.
-pub fn policy_config(exp: &Experiment, seed: u64) -> String {
-    let typical = fgd::typical_pods(exp);
+pub fn policy_config(typical: &[fgd::TypicalPod], seed: u64) -> String {
     serde_json::json!({ "seed": seed, "typical_pods": typical }).to_string()
 }
 
@@ -79,6 +83,13 @@ pub fn run(engine: Arc<PolicyEngine>, opts: &ReplayOptions) -> anyhow::Result<Re
         }
     };
     let exp = Experiment::new(&nodes, &pods).map_err(anyhow::Error::msg).with_context(|| label)?;
+    let typical = match &opts.typical_from {
+        Some(path) => {
+            let source = Experiment::new(&nodes, &openb::read_pods(path)?).map_err(anyhow::Error::msg)?;
+            fgd::typical_pods(&source)
+        }
+        None => fgd::typical_pods(&exp),
+    };
 
     let mut sources = Vec::new();
     let mut names = Vec::new();
@@ -118,7 +129,7 @@ pub fn run(engine: Arc<PolicyEngine>, opts: &ReplayOptions) -> anyhow::Result<Re
                 loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&(p, seed)) = jobs.get(k) else { break };
-                    let config = policy_config(&exp, seed);
+                    let config = policy_config(&typical, seed);
                     let outcome = (|| -> anyhow::Result<fgd::RunResult> {
                         let mut policy: Box<dyn PlacementPolicy> = match &sources[p] {
                             Source::Wasm(loaded) => {
@@ -152,6 +163,11 @@ pub fn run(engine: Arc<PolicyEngine>, opts: &ReplayOptions) -> anyhow::Result<Re
                 continue;
             }
             let r = results[k].clone().expect("every job ran").map_err(anyhow::Error::msg)?;
+            if let Some(dir) = &opts.decisions_dir {
+                std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+                let path = dir.join(format!("{name}-seed{seed}.csv"));
+                std::fs::write(&path, exp.decisions_csv(&r)).with_context(|| path.display().to_string())?;
+            }
             runs.push(RunSummary {
                 policy: name.clone(),
                 seed,
