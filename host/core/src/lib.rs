@@ -9,6 +9,7 @@ pub mod fleet;
 pub mod placement;
 pub mod policy;
 pub mod predicate;
+pub mod sim;
 pub mod task;
 
 pub use fleet::{Allocation, Fleet, FleetError, ModelId, Node, NodeId};

@@ -1,0 +1,217 @@
+//! Event-driven scheduling in simulated time: jobs arrive, wait in a
+//! priority queue, start all-or-nothing (every task of a gang or none), run
+//! for their duration and leave. No IO and no wall clock: the caller hands in
+//! the jobs and the policy, and gets back what happened, deterministically.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet};
+
+use crate::fleet::{Allocation, Fleet};
+use crate::placement::{Placer, TaskMeta};
+use crate::policy::{PlacementPolicy, PolicyError};
+use crate::task::TaskShape;
+
+/// One job: `tasks` identical tasks (a gang when more than one), each of
+/// `shape`, on distinct or shared nodes as the policy decides.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    pub id: u64,
+    /// Workload class index (the caller's naming, e.g. online inference).
+    pub class: u8,
+    /// Larger is more important; only the order matters here.
+    pub priority: u32,
+    pub arrival_s: u64,
+    pub duration_s: u64,
+    pub tasks: u32,
+    pub shape: TaskShape,
+}
+
+impl Job {
+    pub fn gpus(&self) -> u64 {
+        u64::from(self.tasks) * u64::from(self.shape.gpu_count)
+    }
+}
+
+/// What happened to one job.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct JobOutcome {
+    /// Start time; `None` if it never started before the horizon.
+    pub start_s: Option<u64>,
+    /// Distinct switch domains its tasks landed in.
+    pub domains: u32,
+}
+
+/// Allocation sampled over time, integrated exactly between events.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Utilisation {
+    /// Integral of allocated milli-GPU over time (milli-GPU x seconds).
+    pub all_milli_s: f64,
+    /// The same counting only jobs at or above the high-priority threshold.
+    pub high_milli_s: f64,
+    /// Seconds covered.
+    pub seconds: f64,
+}
+
+/// The result of a simulation.
+#[derive(Clone, Debug, Default)]
+pub struct SimOutcome {
+    /// Indexed like the input jobs.
+    pub jobs: Vec<JobOutcome>,
+    pub utilisation: Utilisation,
+    /// Scheduling passes run and placement calls made.
+    pub passes: u64,
+    pub placements: u64,
+}
+
+/// Simulation settings.
+#[derive(Clone, Copy, Debug)]
+pub struct SimConfig {
+    /// Stop at this simulated time.
+    pub horizon_s: u64,
+    /// Jobs with priority >= this count as high priority in utilisation.
+    pub high_priority: u32,
+}
+
+/// Runs `jobs` (any order) on `fleet` with `policy` until the horizon.
+/// Each scheduling pass walks the queue in (priority desc, arrival) order and
+/// starts every job that fits; a shape that did not fit is not retried in the
+/// same pass.
+pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolicy, config: SimConfig) -> Result<SimOutcome, PolicyError> {
+    let mut arrivals: Vec<usize> = (0..jobs.len()).collect();
+    arrivals.sort_by_key(|&i| (jobs[i].arrival_s, jobs[i].id));
+    let mut next_arrival = 0;
+    let mut pending: Vec<usize> = Vec::new();
+    let mut running: BinaryHeap<Reverse<(u64, usize)>> = BinaryHeap::new();
+    let mut held: Vec<Vec<Allocation>> = vec![Vec::new(); jobs.len()];
+    let mut outcome = SimOutcome { jobs: vec![JobOutcome::default(); jobs.len()], ..SimOutcome::default() };
+    let mut placer = Placer::new();
+    let mut now = 0u64;
+    let mut high_milli = 0u64;
+
+    loop {
+        // The next event: an arrival or a departure, whichever is first.
+        let t_arrival = arrivals.get(next_arrival).map(|&i| jobs[i].arrival_s);
+        let t_departure = running.peek().map(|Reverse((t, _))| *t);
+        let Some(t) = [t_arrival, t_departure].into_iter().flatten().min() else { break };
+        let t = t.min(config.horizon_s);
+        let dt = (t - now) as f64;
+        outcome.utilisation.all_milli_s += fleet.gpu_allocated_milli() as f64 * dt;
+        outcome.utilisation.high_milli_s += high_milli as f64 * dt;
+        outcome.utilisation.seconds += dt;
+        now = t;
+        if now >= config.horizon_s {
+            break;
+        }
+        while let Some(&Reverse((end, j))) = running.peek() {
+            if end > now {
+                break;
+            }
+            running.pop();
+            for alloc in held[j].drain(..) {
+                fleet.release(&alloc).expect("a running job's allocations are held");
+            }
+            if jobs[j].priority >= config.high_priority {
+                high_milli -= jobs[j].gpus() * u64::from(jobs[j].shape.gpu_milli);
+            }
+        }
+        while let Some(&i) = arrivals.get(next_arrival) {
+            if jobs[i].arrival_s > now {
+                break;
+            }
+            pending.push(i);
+            next_arrival += 1;
+        }
+        pending.sort_by_key(|&i| (Reverse(jobs[i].priority), jobs[i].arrival_s, jobs[i].id));
+        outcome.passes += 1;
+        let mut failed: HashSet<(u32, &TaskShape)> = HashSet::new();
+        let mut still_pending = Vec::with_capacity(pending.len());
+        for &j in &pending {
+            let job = &jobs[j];
+            if failed.contains(&(job.tasks, &job.shape)) {
+                still_pending.push(j);
+                continue;
+            }
+            match start_gang(fleet, &mut placer, policy, job, &mut outcome.placements)? {
+                Some((allocs, domains)) => {
+                    held[j] = allocs;
+                    outcome.jobs[j] = JobOutcome { start_s: Some(now), domains };
+                    running.push(Reverse((now.saturating_add(job.duration_s.max(1)), j)));
+                    if job.priority >= config.high_priority {
+                        high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
+                    }
+                }
+                None => {
+                    failed.insert((job.tasks, &job.shape));
+                    still_pending.push(j);
+                }
+            }
+        }
+        pending = still_pending;
+    }
+    Ok(outcome)
+}
+
+/// Places every task of `job` or none: tasks are placed and allocated one
+/// by one, and everything is released if one does not fit.
+fn start_gang(
+    fleet: &mut Fleet,
+    placer: &mut Placer,
+    policy: &mut dyn PlacementPolicy,
+    job: &Job,
+    placements: &mut u64,
+) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
+    if job.tasks > 1 && fitting_tasks(fleet, &job.shape, job.tasks) < job.tasks {
+        return Ok(None); // cannot fit even ignoring placement: skip the policy
+    }
+    let mut allocs = Vec::with_capacity(job.tasks as usize);
+    for index in 0..job.tasks {
+        let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: index };
+        *placements += 1;
+        let placed = match placer.place(fleet, &job.shape, meta, policy, None) {
+            Ok(p) => p,
+            Err(e) => {
+                rollback(fleet, &mut allocs);
+                return Err(e);
+            }
+        };
+        let Some(p) = placed else {
+            rollback(fleet, &mut allocs);
+            return Ok(None);
+        };
+        let alloc = Fleet::allocation(p.node, &job.shape, p.gpus);
+        fleet.allocate(&alloc).map_err(|e| PolicyError::InvalidOutput(e.to_string()))?;
+        allocs.push(alloc);
+    }
+    let domains: HashSet<u32> = allocs.iter().map(|a| fleet.nodes()[a.node as usize].switch_domain).collect();
+    Ok(Some((allocs, domains.len() as u32)))
+}
+
+/// How many tasks of `shape` the fleet could hold at most right now
+/// (counting each node's capacity for several; stops counting at `enough`).
+pub fn fitting_tasks(fleet: &Fleet, shape: &TaskShape, enough: u32) -> u32 {
+    let mut total = 0u32;
+    for node in fleet.nodes() {
+        if crate::predicate::check(node, shape).is_err() {
+            continue;
+        }
+        let by = |free: u64, want: u64| if want == 0 { u64::MAX } else { free / want };
+        let gpu = if shape.gpu_count == 0 {
+            u64::MAX
+        } else {
+            let per_gpu = node.gpus.iter().map(|&f| u64::from(f / shape.gpu_milli.max(1))).sum::<u64>();
+            per_gpu / u64::from(shape.gpu_count)
+        };
+        let n = gpu.min(by(u64::from(node.cpu_free_milli), u64::from(shape.cpu_milli))).min(by(node.memory_free_mib, shape.memory_mib));
+        total = total.saturating_add(n.min(u64::from(enough)) as u32);
+        if total >= enough {
+            return enough;
+        }
+    }
+    total
+}
+
+fn rollback(fleet: &mut Fleet, allocs: &mut Vec<Allocation>) {
+    for alloc in allocs.drain(..) {
+        fleet.release(&alloc).expect("just allocated");
+    }
+}

@@ -1,0 +1,185 @@
+//! Fleet and topology configuration (TOML) and the seeded fleet generator.
+//!
+//! Nodes of one shape are laid out in order; every `nodes_per_switch`
+//! consecutive nodes of a shape share an access switch (a switch domain never
+//! mixes models, as in ASI where a switch joins 32-64 eight-GPU nodes), every
+//! `switches_per_aggregation` switches an aggregation switch, and every
+//! `nodes_per_partition` nodes a partition.
+
+use anyhow::Context;
+use berth_core::{Fleet, Node};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+
+/// A fleet description.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FleetConfig {
+    /// Seed for node health.
+    #[serde(default)]
+    pub seed: u64,
+    /// Nodes under one access switch (ASI: 32-64 eight-GPU nodes).
+    pub nodes_per_switch: u32,
+    /// Access switches under one aggregation switch.
+    #[serde(default = "default_aggregation")]
+    pub switches_per_aggregation: u32,
+    /// Nodes per partition (ASI compacts partitions of about 500 nodes).
+    pub nodes_per_partition: u32,
+    /// Share of nodes marked unhealthy (not schedulable), 0..1.
+    #[serde(default)]
+    pub unhealthy_fraction: f64,
+    /// Node shapes and how many of each.
+    pub shapes: Vec<NodeShape>,
+}
+
+fn default_aggregation() -> u32 {
+    8
+}
+
+/// One kind of node.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeShape {
+    /// GPU model name (e.g. "H20").
+    pub model: String,
+    pub count: u32,
+    pub gpus: u32,
+    pub cpu_cores: u32,
+    pub memory_gib: u32,
+}
+
+/// Where each node sits in the topology (parallel to the fleet's nodes).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Topology {
+    pub partition: Vec<u32>,
+    pub aggregation: Vec<u32>,
+    /// Nodes per access switch, for the domain lower bound of a gang.
+    pub nodes_per_switch: u32,
+}
+
+/// The embedded default: a synthetic ASI fleet of 20,000 eight-GPU nodes
+/// (160,000 GPUs) over five models, 48 nodes per access switch, partitions
+/// of 500 nodes.
+pub const ASI_DEFAULT: &str = r#"
+seed = 7
+nodes_per_switch = 48
+switches_per_aggregation = 8
+nodes_per_partition = 500
+unhealthy_fraction = 0.004
+
+[[shapes]]
+model = "H20"
+count = 6000
+gpus = 8
+cpu_cores = 128
+memory_gib = 2048
+
+[[shapes]]
+model = "H800"
+count = 5000
+gpus = 8
+cpu_cores = 128
+memory_gib = 2048
+
+[[shapes]]
+model = "A100"
+count = 4000
+gpus = 8
+cpu_cores = 96
+memory_gib = 1024
+
+[[shapes]]
+model = "L20"
+count = 3000
+gpus = 8
+cpu_cores = 64
+memory_gib = 1024
+
+[[shapes]]
+model = "PPU"
+count = 2000
+gpus = 8
+cpu_cores = 96
+memory_gib = 1024
+"#;
+
+impl FleetConfig {
+    pub fn parse(text: &str, origin: &str) -> anyhow::Result<FleetConfig> {
+        let cfg: FleetConfig = toml::from_str(text).with_context(|| format!("fleet config {origin}"))?;
+        cfg.check().with_context(|| format!("fleet config {origin}"))?;
+        Ok(cfg)
+    }
+
+    /// Reads a fleet config file, or the embedded default for `asi`.
+    pub fn load(spec: &str) -> anyhow::Result<FleetConfig> {
+        if spec == "asi" {
+            return FleetConfig::parse(ASI_DEFAULT, "(embedded asi)");
+        }
+        let text = std::fs::read_to_string(spec).with_context(|| format!("reading fleet config {spec}"))?;
+        FleetConfig::parse(&text, spec)
+    }
+
+    /// Scales every shape's count by `factor` (at least one node each), for
+    /// smaller runs of the same mix.
+    pub fn scaled(&self, factor: f64) -> FleetConfig {
+        let mut c = self.clone();
+        for s in &mut c.shapes {
+            s.count = ((f64::from(s.count) * factor).round() as u32).max(1);
+        }
+        c
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.nodes_per_switch > 0, "nodes_per_switch must be positive");
+        anyhow::ensure!(self.switches_per_aggregation > 0, "switches_per_aggregation must be positive");
+        anyhow::ensure!(self.nodes_per_partition > 0, "nodes_per_partition must be positive");
+        anyhow::ensure!((0.0..1.0).contains(&self.unhealthy_fraction), "unhealthy_fraction must be in [0, 1)");
+        anyhow::ensure!(!self.shapes.is_empty(), "no node shapes");
+        for (i, s) in self.shapes.iter().enumerate() {
+            let at = format!("shapes[{i}] ({})", s.model);
+            anyhow::ensure!(!s.model.is_empty(), "{at}: empty model");
+            anyhow::ensure!(s.gpus as usize <= berth_core::MAX_GPUS_PER_NODE, "{at}: {} GPUs per node is too many", s.gpus);
+            anyhow::ensure!(s.cpu_cores > 0 && s.memory_gib > 0, "{at}: CPU and memory must be positive");
+        }
+        Ok(())
+    }
+
+    /// Builds the fleet and its topology.
+    pub fn build(&self) -> anyhow::Result<(Fleet, Topology)> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        let mut models: Vec<String> = Vec::new();
+        let mut nodes = Vec::new();
+        let mut topo = Topology { nodes_per_switch: self.nodes_per_switch, ..Topology::default() };
+        let mut switch = 0u32;
+        for shape in &self.shapes {
+            let model = match models.iter().position(|m| m == &shape.model) {
+                Some(i) => i,
+                None => {
+                    models.push(shape.model.clone());
+                    models.len() - 1
+                }
+            } as u32;
+            for k in 0..shape.count {
+                if k > 0 && k % self.nodes_per_switch == 0 {
+                    switch += 1;
+                }
+                let id = nodes.len() as u32;
+                let mut node = Node::new(
+                    format!("{}-{id:05}", shape.model.to_lowercase()),
+                    (shape.gpus > 0).then_some(model),
+                    shape.gpus as usize,
+                    shape.cpu_cores * 1000,
+                    u64::from(shape.memory_gib) * 1024,
+                );
+                node.switch_domain = switch;
+                node.schedulable = !rng.random_bool(self.unhealthy_fraction);
+                topo.partition.push(id / self.nodes_per_partition);
+                topo.aggregation.push(switch / self.switches_per_aggregation);
+                nodes.push(node);
+            }
+            switch += 1;
+        }
+        Ok((Fleet::new(models, nodes)?, topo))
+    }
+}

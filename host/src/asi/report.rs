@@ -1,0 +1,162 @@
+//! The event-driven replay and its report: allocation (all and high
+//! priority only), queueing delay per class, unstarted jobs, and switch
+//! domains per large gang against the lower bound.
+
+use std::sync::Arc;
+
+use berth_core::sim::{simulate, Job, SimConfig, SimOutcome};
+use berth_core::Fleet;
+use serde::Serialize;
+
+use super::fleet::Topology;
+use super::workload::{CLASSES, HIGH_PRIORITY};
+use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
+
+/// Gangs of at least this many GPUs count as large.
+pub const LARGE_GANG_GPUS: u64 = 64;
+
+#[derive(Debug, Serialize, Clone, PartialEq)]
+pub struct ClassReport {
+    pub class: String,
+    pub jobs: usize,
+    pub started: usize,
+    pub wait_p50_s: u64,
+    pub wait_p90_s: u64,
+    pub wait_p99_s: u64,
+    pub wait_max_s: u64,
+}
+
+#[derive(Debug, Serialize, Clone, PartialEq)]
+pub struct EventReport {
+    pub policy: String,
+    pub nodes: usize,
+    pub gpus: u64,
+    pub jobs: usize,
+    pub simulated_days: f64,
+    /// Time-averaged allocated GPUs over installed, %.
+    pub allocation_pct: f64,
+    /// The same counting high-priority jobs only.
+    pub high_priority_allocation_pct: f64,
+    pub classes: Vec<ClassReport>,
+    /// Large gangs (>= 64 GPUs) started, mean switch domains they used, and
+    /// the mean lower bound ceil(GPUs / GPUs per domain).
+    pub large_gangs_started: usize,
+    pub large_gang_domains_mean: f64,
+    pub large_gang_domains_lower_bound_mean: f64,
+    pub placement_calls: u64,
+    /// Wall time of the simulation, s (informational).
+    pub wall_s: f64,
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Summarises one simulation.
+pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out: &SimOutcome, wall_s: f64) -> EventReport {
+    let total = fleet.gpu_total_milli() as f64;
+    let secs = out.utilisation.seconds.max(1.0);
+    let classes = CLASSES
+        .iter()
+        .enumerate()
+        .map(|(c, name)| {
+            let mut waits: Vec<u64> = jobs
+                .iter()
+                .zip(&out.jobs)
+                .filter(|(j, _)| j.class as usize == c)
+                .filter_map(|(j, o)| o.start_s.map(|s| s - j.arrival_s))
+                .collect();
+            waits.sort_unstable();
+            ClassReport {
+                class: name.to_string(),
+                jobs: jobs.iter().filter(|j| j.class as usize == c).count(),
+                started: waits.len(),
+                wait_p50_s: percentile(&waits, 50.0),
+                wait_p90_s: percentile(&waits, 90.0),
+                wait_p99_s: percentile(&waits, 99.0),
+                wait_max_s: waits.last().copied().unwrap_or(0),
+            }
+        })
+        .collect();
+    let gpus_per_node = fleet.nodes().iter().map(|n| n.gpus.len() as u64).max().unwrap_or(8).max(1);
+    let per_domain = gpus_per_node * u64::from(topo.nodes_per_switch.max(1));
+    let large: Vec<(u32, u64)> = jobs
+        .iter()
+        .zip(&out.jobs)
+        .filter(|(j, o)| j.gpus() >= LARGE_GANG_GPUS && o.start_s.is_some())
+        .map(|(j, o)| (o.domains, j.gpus().div_ceil(per_domain)))
+        .collect();
+    let mean = |f: &dyn Fn(&(u32, u64)) -> f64| if large.is_empty() { 0.0 } else { large.iter().map(f).sum::<f64>() / large.len() as f64 };
+    EventReport {
+        policy: policy.to_string(),
+        nodes: fleet.nodes().len(),
+        gpus: fleet.gpu_total_milli() / 1000,
+        jobs: jobs.len(),
+        simulated_days: secs / 86_400.0,
+        allocation_pct: 100.0 * out.utilisation.all_milli_s / (secs * total),
+        high_priority_allocation_pct: 100.0 * out.utilisation.high_milli_s / (secs * total),
+        classes,
+        large_gangs_started: large.len(),
+        large_gang_domains_mean: mean(&|x| f64::from(x.0)),
+        large_gang_domains_lower_bound_mean: mean(&|x| x.1 as f64),
+        placement_calls: out.placements,
+        wall_s,
+    }
+}
+
+/// Simulates `jobs` on a fresh copy of `fleet` with one wasm policy.
+pub fn run_policy(
+    engine: &Arc<PolicyEngine>,
+    loaded: &Arc<LoadedPolicy>,
+    fleet: &Fleet,
+    topo: &Topology,
+    jobs: &[Job],
+    horizon_s: u64,
+) -> anyhow::Result<EventReport> {
+    let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
+    let mut fleet = fleet.clone();
+    let started = std::time::Instant::now();
+    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY })?;
+    fleet.check_invariants().map_err(anyhow::Error::msg)?;
+    Ok(summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64()))
+}
+
+fn hours(s: u64) -> String {
+    format!("{:.1}h", s as f64 / 3600.0)
+}
+
+/// The side-by-side table of several policies' reports.
+pub fn table(reports: &[EventReport]) -> String {
+    let mut out = String::new();
+    if let Some(r) = reports.first() {
+        out.push_str(&format!("{} nodes, {} GPUs, {} jobs, {:.1} simulated days\n", r.nodes, r.gpus, r.jobs, r.simulated_days));
+    }
+    let row = |label: &str, f: &dyn Fn(&EventReport) -> String| {
+        let mut line = format!("{label:<34}");
+        for r in reports {
+            line.push_str(&format!("{:>22}", f(r)));
+        }
+        line.push('\n');
+        line
+    };
+    out.push_str(&row("", &|r| r.policy.clone()));
+    out.push_str(&row("allocation % (all)", &|r| format!("{:.2}", r.allocation_pct)));
+    out.push_str(&row("allocation % (high priority only)", &|r| format!("{:.2}", r.high_priority_allocation_pct)));
+    for (c, name) in CLASSES.iter().enumerate() {
+        out.push_str(&row(&format!("{name}: started/jobs"), &|r| format!("{}/{}", r.classes[c].started, r.classes[c].jobs)));
+        out.push_str(&row(&format!("{name}: wait p50/p90/p99"), &|r| {
+            let k = &r.classes[c];
+            format!("{}/{}/{}", hours(k.wait_p50_s), hours(k.wait_p90_s), hours(k.wait_p99_s))
+        }));
+    }
+    out.push_str(&row("large gangs (>=64 GPUs) started", &|r| r.large_gangs_started.to_string()));
+    out.push_str(&row("  switch domains used (mean)", &|r| format!("{:.2}", r.large_gang_domains_mean)));
+    out.push_str(&row("  lower bound (mean)", &|r| format!("{:.2}", r.large_gang_domains_lower_bound_mean)));
+    out.push_str(&row("placement calls", &|r| r.placement_calls.to_string()));
+    out.push_str(&row("wall time", &|r| format!("{:.1} s", r.wall_s)));
+    out
+}

@@ -1,0 +1,158 @@
+//! ASI-scale fleets and workloads, and event-driven replay.
+
+use berth::asi::fleet::{FleetConfig, ASI_DEFAULT};
+use berth::asi::report::{run_policy, LARGE_GANG_GPUS};
+use berth::asi::workload::{WorkloadConfig, CLASSES, HIGH_PRIORITY};
+use berth_core::sim::{fitting_tasks, simulate, SimConfig};
+
+use crate::common::{engine, load, policy_path, wasm_policy};
+
+#[test]
+fn default_fleet_is_asi_scale() {
+    let cfg = FleetConfig::parse(ASI_DEFAULT, "default").unwrap();
+    let (fleet, topo) = cfg.build().unwrap();
+    assert_eq!(fleet.nodes().len(), 20_000);
+    assert_eq!(fleet.gpu_total_milli(), 160_000_000);
+    assert_eq!(fleet.models.len(), 5);
+    // Every switch domain holds 1..=48 nodes of one model.
+    let mut domains: std::collections::BTreeMap<u32, (Option<u32>, u32)> = Default::default();
+    for n in fleet.nodes() {
+        let e = domains.entry(n.switch_domain).or_insert((n.model, 0));
+        assert_eq!(e.0, n.model, "a switch domain mixes models");
+        e.1 += 1;
+    }
+    assert!(domains.values().all(|&(_, count)| (1..=48).contains(&count)));
+    let partitions = topo.partition.iter().max().unwrap() + 1;
+    assert_eq!(partitions, 40, "500-node partitions");
+    let unhealthy = fleet.nodes().iter().filter(|n| !n.schedulable).count();
+    assert!(unhealthy > 20 && unhealthy < 200, "{unhealthy} unhealthy of 20,000 at 0.4%");
+}
+
+#[test]
+fn bad_fleet_configs_say_what_is_wrong() {
+    let err = format!("{:#}", FleetConfig::parse("nodes_per_switch = 0\nnodes_per_partition = 5\nshapes = []", "x.toml").unwrap_err());
+    assert!(err.contains("x.toml") && err.contains("nodes_per_switch"), "{err}");
+    let err = format!("{:#}", FleetConfig::parse("nodes_per_switch = 4\nnodes_per_partition = 5\nsurprise = 1\nshapes = []", "y.toml").unwrap_err());
+    assert!(err.contains("surprise"), "{err}");
+    let bad_shape = "nodes_per_switch = 4\nnodes_per_partition = 5\n[[shapes]]\nmodel = \"H20\"\ncount = 2\ngpus = 99\ncpu_cores = 8\nmemory_gib = 8\n";
+    let err = format!("{:#}", FleetConfig::parse(bad_shape, "z.toml").unwrap_err());
+    assert!(err.contains("shapes[0] (H20)") && err.contains("99 GPUs"), "{err}");
+}
+
+#[test]
+fn workload_follows_the_asi_mix() {
+    let (fleet, _) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.1).build().unwrap();
+    let cfg = WorkloadConfig { days: 7.0, ..WorkloadConfig::default() };
+    let jobs = cfg.generate(&fleet);
+    assert!(jobs.len() > 10_000, "{} jobs", jobs.len());
+    let n = jobs.len() as f64;
+    for (c, expected) in cfg.class_shares.iter().enumerate() {
+        let share = 100.0 * jobs.iter().filter(|j| j.class as usize == c).count() as f64 / n;
+        // High-priority classes are thinned by the daily cycle, low priority
+        // is not; shares stay within a few points of the mix.
+        assert!((share - expected).abs() < 4.0, "{}: {share:.1}% vs {expected}%", CLASSES[c]);
+    }
+    let pinned = jobs.iter().filter(|j| j.shape.models.len() == 1).count() as f64 / n;
+    assert!(pinned > 0.985, "pinned {pinned}");
+    let mut hours: Vec<f64> = jobs.iter().map(|j| j.duration_s as f64 / 3600.0).collect();
+    hours.sort_by(f64::total_cmp);
+    let (median, p90) = (hours[hours.len() / 2], hours[hours.len() * 9 / 10]);
+    assert!((median - 5.0).abs() < 0.6, "median {median} h");
+    assert!((p90 - 24.0).abs() < 3.0, "p90 {p90} h");
+    assert!(jobs.iter().any(|j| j.gpus() >= 256), "gangs of 256+ GPUs");
+    assert!(jobs.iter().any(|j| j.gpus() == 1));
+    assert!(jobs.iter().any(|j| j.shape.gpu_count == 8 && j.shape.cpu_milli == 128_000), "8 GPUs + 128 cores");
+    // Daily cycle: more high-priority arrivals in the first half of each day
+    // (sine peak) than in the second.
+    let (first, second) = jobs
+        .iter()
+        .filter(|j| j.priority >= HIGH_PRIORITY)
+        .fold((0, 0), |(a, b), j| if j.arrival_s % 86_400 < 43_200 { (a + 1, b) } else { (a, b + 1) });
+    assert!(first as f64 > 1.2 * second as f64, "{first} vs {second}");
+    assert_eq!(cfg.generate(&fleet), jobs, "seeded: the same jobs again");
+    assert_ne!(WorkloadConfig { seed: 2, ..cfg.clone() }.generate(&fleet), jobs);
+}
+
+#[test]
+fn event_replay_is_all_or_nothing_and_deterministic() {
+    let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.01).build().unwrap();
+    let cfg = WorkloadConfig { days: 3.0, load: 1.3, ..WorkloadConfig::default() };
+    let jobs = cfg.generate(&fleet);
+    let mut policy = wasm_policy(&policy_path("best-fit"), Default::default());
+    let mut f1 = fleet.clone();
+    let horizon = 3 * 86_400;
+    let out = simulate(&mut f1, &jobs, &mut policy, SimConfig { horizon_s: horizon, high_priority: HIGH_PRIORITY }).unwrap();
+    f1.check_invariants().unwrap();
+    // Overloaded: some jobs wait, some never start; none start early.
+    assert!(out.jobs.iter().any(|o| o.start_s.is_none()));
+    for (j, o) in jobs.iter().zip(&out.jobs) {
+        if let Some(s) = o.start_s {
+            assert!(s >= j.arrival_s);
+            assert!(o.domains >= 1 && o.domains <= j.tasks);
+        }
+    }
+    // Everything still running at the horizon is exactly what is allocated.
+    let running: u64 = jobs
+        .iter()
+        .zip(&out.jobs)
+        .filter(|(j, o)| o.start_s.is_some_and(|s| s + j.duration_s.max(1) > horizon))
+        .map(|(j, _)| j.gpus() * 1000)
+        .sum();
+    assert_eq!(f1.gpu_allocated_milli(), running, "gangs hold all their GPUs or none");
+    assert!(out.utilisation.high_milli_s <= out.utilisation.all_milli_s);
+
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon).unwrap();
+    assert!(report.allocation_pct > 30.0 && report.allocation_pct <= 100.0, "{}", report.allocation_pct);
+    assert!(report.high_priority_allocation_pct <= report.allocation_pct);
+    assert_eq!(report.classes.iter().map(|c| c.jobs).sum::<usize>(), jobs.len());
+    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon).unwrap();
+    assert_eq!((again.allocation_pct, again.classes.clone()), (report.allocation_pct, report.classes.clone()));
+    if report.large_gangs_started > 0 {
+        assert!(report.large_gang_domains_mean >= report.large_gang_domains_lower_bound_mean);
+    }
+    assert!(LARGE_GANG_GPUS == 64);
+}
+
+#[test]
+fn fitting_tasks_counts_capacity() {
+    let (fleet, _) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.001).build().unwrap();
+    let whole_node = berth_core::TaskShape { gpu_count: 8, gpu_milli: 1000, cpu_milli: 64_000, memory_mib: 1024, models: vec![] };
+    let schedulable = fleet.nodes().iter().filter(|n| n.schedulable).count() as u32;
+    assert_eq!(fitting_tasks(&fleet, &whole_node, 1000), schedulable);
+    let one_gpu = berth_core::TaskShape { gpu_count: 1, ..whole_node.clone() };
+    assert_eq!(fitting_tasks(&fleet, &one_gpu, 3), 3, "stops counting at enough");
+}
+
+#[test]
+fn cli_event_replay() {
+    let dir = std::env::temp_dir().join(format!("berth-asi-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("r.json");
+    let workload = dir.join("w.toml");
+    std::fs::write(&workload, "seed = 3\ndays = 1.0\nload = 0.8\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["replay", "--fleet", "asi", "--fleet-scale", "0.005", "--seeds", "3", "--policy", "best-fit", "--policy", "binpack", "--quiet"])
+        .arg("--workload")
+        .arg(&workload)
+        .arg("--json")
+        .arg(&json)
+        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("allocation % (high priority only)") && text.contains("binpack"), "{text}");
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["reports"].as_array().unwrap().len(), 2);
+
+    std::fs::write(&workload, "days = -1\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["replay", "--fleet", "asi", "--seeds", "1", "--policy", "best-fit"])
+        .arg("--workload")
+        .arg(&workload)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("days must be"), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
