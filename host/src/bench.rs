@@ -110,3 +110,63 @@ pub fn score(engine: Arc<PolicyEngine>, spec: &str, candidates: usize) -> anyhow
         samples,
     })
 }
+
+#[derive(Debug, Serialize)]
+pub struct PlaceBench {
+    pub policy: String,
+    pub nodes: usize,
+    pub jobs: usize,
+    pub tasks_placed: u64,
+    /// Wall time to place one job (all its tasks, or find it does not fit).
+    pub job_p50_us: f64,
+    pub job_p99_us: f64,
+    pub job_max_us: f64,
+    /// Same, for single-task jobs only.
+    pub single_p99_us: f64,
+    /// Tasks placed per second on one core.
+    pub placements_per_s: f64,
+}
+
+/// Places the first `jobs` jobs of the default ASI workload on a fleet
+/// config, one after another with no departures, timing each job.
+pub fn place(engine: Arc<PolicyEngine>, spec: &str, fleet_spec: &str, scale: f64, jobs: usize) -> anyhow::Result<PlaceBench> {
+    use crate::asi::{fleet::FleetConfig, workload::WorkloadConfig};
+    let (mut fleet, _) = FleetConfig::load(fleet_spec)?.scaled(scale).build()?;
+    let workload = WorkloadConfig { days: 2.0, ..WorkloadConfig::default() }.generate(&fleet);
+    let loaded = LoadedPolicy::from_file(&engine, &catalog::resolve(spec)?)?;
+    let mut policy = WasmPolicy::new(engine, loaded.clone(), Limits::default());
+    policy.warm()?;
+    let mut placer = berth_core::Placer::new();
+    let mut per_job = Vec::new();
+    let mut single = Vec::new();
+    let mut tasks = 0u64;
+    let mut calls = 0u64;
+    let started = Instant::now();
+    for job in workload.iter().take(jobs) {
+        let t = Instant::now();
+        let placed = berth_core::sim::place_gang(&mut fleet, &mut placer, &mut policy, job, &mut calls)?;
+        let ns = t.elapsed().as_nanos() as u64;
+        per_job.push(ns);
+        if job.tasks == 1 {
+            single.push(ns);
+        }
+        if placed.is_some() {
+            tasks += u64::from(job.tasks);
+        }
+    }
+    let total = started.elapsed().as_secs_f64();
+    per_job.sort_unstable();
+    single.sort_unstable();
+    let pct = |v: &[u64], p: f64| if v.is_empty() { 0.0 } else { v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1] as f64 / 1e3 };
+    Ok(PlaceBench {
+        policy: loaded.info.name.clone(),
+        nodes: fleet.nodes().len(),
+        jobs: per_job.len(),
+        tasks_placed: tasks,
+        job_p50_us: pct(&per_job, 0.5),
+        job_p99_us: pct(&per_job, 0.99),
+        job_max_us: per_job.last().map_or(0.0, |&n| n as f64 / 1e3),
+        single_p99_us: pct(&single, 0.99),
+        placements_per_s: tasks as f64 / total,
+    })
+}

@@ -114,6 +114,20 @@ struct ReplayArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Place jobs of the synthetic ASI workload on a fleet config (default:
+    /// the 20,000-node ASI fleet) with no departures; time each job.
+    Place {
+        #[arg(long)]
+        policy: String,
+        #[arg(long, default_value = "asi")]
+        fleet: String,
+        #[arg(long, default_value_t = 1.0)]
+        fleet_scale: f64,
+        #[arg(long, default_value_t = 3000)]
+        jobs: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Time one placement-scoring call in wasm and natively.
     Score {
         #[arg(long)]
@@ -163,6 +177,17 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Replay(args) => replay(engine()?, args)?,
+        Command::Bench { what: BenchCommand::Place { policy, fleet, fleet_scale, jobs, json } } => {
+            let r = bench::place(engine()?, &policy, &fleet, fleet_scale, jobs)?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "{} on {} nodes, {} jobs ({} tasks placed): per job p50 {:.0} us, p99 {:.0} us, max {:.0} us; single-task p99 {:.0} us; {:.0} placements/s on one core",
+                    r.policy, r.nodes, r.jobs, r.tasks_placed, r.job_p50_us, r.job_p99_us, r.job_max_us, r.single_p99_us, r.placements_per_s
+                );
+            }
+        }
         Command::Bench { what: BenchCommand::Score { policy, candidates, json } } => {
             anyhow::ensure!(candidates > 0, "--candidates must be at least 1");
             let r = bench::score(engine()?, &policy, candidates)?;

@@ -131,7 +131,7 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
                 still_pending.push(j);
                 continue;
             }
-            match start_gang(fleet, &mut placer, policy, job, &mut outcome.placements)? {
+            match place_gang(fleet, &mut placer, policy, job, &mut outcome.placements)? {
                 Some((allocs, domains)) => {
                     held[j] = allocs;
                     outcome.jobs[j] = JobOutcome { start_s: Some(now), domains };
@@ -152,8 +152,9 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
 }
 
 /// Places every task of `job` or none: tasks are placed and allocated one
-/// by one, and everything is released if one does not fit.
-fn start_gang(
+/// by one, and everything is released if one does not fit. Returns the
+/// allocations and the number of distinct switch domains used.
+pub fn place_gang(
     fleet: &mut Fleet,
     placer: &mut Placer,
     policy: &mut dyn PlacementPolicy,
