@@ -209,7 +209,10 @@ fn main() -> anyhow::Result<()> {
         Command::Policy { what } => match what {
             PolicyCommand::Info { policy } => {
                 let loaded = LoadedPolicy::from_file(&*engine()?, &catalog::resolve(&policy)?)?;
-                println!("name:    {}\nversion: {}\nhooks:   {}\nsha256:  {}", loaded.info.name, loaded.info.version, loaded.info.hooks, loaded.hash);
+                println!(
+                    "name:     {}\nversion:  {}\nhooks:    {}\ncontract: berth:policy@{}\nsha256:   {}",
+                    loaded.info.name, loaded.info.version, loaded.info.hooks, loaded.contract, loaded.hash
+                );
             }
             PolicyCommand::Componentize { module, output } => {
                 let bytes = std::fs::read(&module).with_context(|| format!("reading {}", module.display()))?;

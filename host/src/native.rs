@@ -3,7 +3,7 @@
 //! native code is not sandboxed.
 
 use berth_core::{PlacementPolicy, PolicyError};
-use berth_sdk::{Nodes, Policy, Scores, Task};
+use berth_sdk::{Domains, Hooks, Nodes, Policy, Scores, Task};
 
 /// Adapts an SDK policy, compiled into this binary, to the core's trait.
 #[derive(Default)]
@@ -22,11 +22,17 @@ impl<P: Policy> PlacementPolicy for NativePolicy<P> {
     fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
         self.0.score(task, nodes).map_err(PolicyError::Guest)
     }
+    fn score_domains(&mut self, task: &Task, domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        if !P::HOOKS.contains(Hooks::DOMAINS) {
+            return Ok(None);
+        }
+        self.0.score_domains(task, domains).map(Some).map_err(PolicyError::Guest)
+    }
 }
 
 /// Names of the policies this binary also carries natively.
 pub const NATIVE_POLICIES: &[&str] =
-    &["binpack", "spread", "random", "dotprod", "gpu-clustering", "gpu-packing", "best-fit", "fgd"];
+    &["binpack", "spread", "random", "dotprod", "gpu-clustering", "gpu-packing", "best-fit", "fgd", "topo-entropy"];
 
 /// A native build of a bundled policy, by its name.
 pub fn by_name(name: &str) -> Option<Box<dyn NativeScorer>> {
@@ -39,6 +45,7 @@ pub fn by_name(name: &str) -> Option<Box<dyn NativeScorer>> {
         "gpu-packing" => Some(Box::new(NativePolicy::<berth_policy_gpu_packing::GpuPacking>::default())),
         "best-fit" => Some(Box::new(NativePolicy::<berth_policy_best_fit::BestFit>::default())),
         "fgd" => Some(Box::new(NativePolicy::<berth_policy_fgd::Fgd>::default())),
+        "topo-entropy" => Some(Box::new(NativePolicy::<berth_policy_topo_entropy::TopoEntropy>::default())),
         _ => None,
     }
 }

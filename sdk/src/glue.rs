@@ -1,11 +1,11 @@
 //! The wasm side of the boundary: generated bindings and the moves between
 //! them and the SDK's types. Only compiled for wasm32.
 
-use crate::{Allocations, Level, Nodes, Plan, Policy, Scores, Snapshot, Task};
+use crate::{Allocations, Domains, Level, Nodes, Plan, Policy, Scores, Snapshot, Task};
 
 pub mod wit {
     wit_bindgen::generate!({
-        path: "../wit/v0.1.0",
+        path: "../wit/v0.2.0",
         world: "placement-policy",
         pub_export_macro: true,
         default_bindings_module: "berth_sdk::glue::wit",
@@ -105,4 +105,17 @@ pub fn compact<P: Policy>(p: &mut P, s: w::Snapshot) -> Result<w::Plan, String> 
 
 pub fn rank<P: Policy>(p: &mut P, demand: w::Task, victims: w::Allocations) -> Result<Vec<u32>, String> {
     p.rank(&task(demand), &allocations(victims))
+}
+
+pub fn score_domains<P: Policy>(p: &mut P, t: w::Task, d: w::Domains) -> Result<Vec<f64>, String> {
+    let domains = Domains {
+        ids: d.ids,
+        aggregation: d.aggregation,
+        nodes: d.nodes,
+        idle_nodes: d.idle_nodes,
+        gpus_total: d.gpus_total,
+        gpus_idle: d.gpus_idle,
+        fitting_tasks: d.fitting_tasks,
+    };
+    p.score_domains(&task(t), &domains)
 }

@@ -1,6 +1,6 @@
 //! Berth guest SDK: write a scheduling policy in plain Rust.
 //!
-//! The contract (`wit/v0.1.0/policy.wit`) passes data as columns, which is what
+//! The contract (`wit/v0.2.0/policy.wit`; hosts still load 0.1.0 components) passes data as columns, which is what
 //! makes a call across the wasm boundary cheap. This crate gives policy authors
 //! typed views over those columns ([`Nodes::iter`] yields one [`NodeView`] per
 //! node) and a trait, [`Policy`], whose hooks all have documented defaults, so
@@ -56,6 +56,13 @@ pub trait Policy: Default + 'static {
     /// GPUs.
     fn score(&mut self, _task: &Task, nodes: &Nodes) -> Result<Scores, String> {
         Ok(Scores::from_scores(vec![0.0; nodes.len()]))
+    }
+
+    /// Gang placement by switch domain: one score per domain, higher
+    /// better. Default: all 0 (claim [`Hooks::DOMAINS`] to be asked at all;
+    /// otherwise gangs are placed topology-blind).
+    fn score_domains(&mut self, _task: &Task, domains: &Domains) -> Result<Vec<f64>, String> {
+        Ok(vec![0.0; domains.len()])
     }
 
     /// Compaction planning. Default: an empty plan (move nothing).
@@ -126,6 +133,12 @@ macro_rules! export {
                     nodes: wit::berth::policy::types::Nodes,
                 ) -> ::std::result::Result<wit::berth::policy::types::Scores, ::std::string::String> {
                     STATE.with(|s| $crate::glue::score(&mut *s.borrow_mut(), task, nodes))
+                }
+                fn score_domains(
+                    task: wit::berth::policy::types::Task,
+                    domains: wit::berth::policy::types::Domains,
+                ) -> ::std::result::Result<::std::vec::Vec<f64>, ::std::string::String> {
+                    STATE.with(|s| $crate::glue::score_domains(&mut *s.borrow_mut(), task, domains))
                 }
                 fn compact(
                     snapshot: wit::berth::policy::types::Snapshot,

@@ -11,6 +11,8 @@ impl Hooks {
     pub const SCORE: Hooks = Hooks(1);
     pub const COMPACT: Hooks = Hooks(2);
     pub const RANK: Hooks = Hooks(4);
+    /// Switch-domain scoring for gangs (contract 0.2.0).
+    pub const DOMAINS: Hooks = Hooks(8);
 
     pub const fn union(self, other: Hooks) -> Hooks {
         Hooks(self.0 | other.0)
@@ -22,7 +24,7 @@ impl Hooks {
         self.0
     }
     pub const fn from_bits_truncate(bits: u8) -> Hooks {
-        Hooks(bits & 7)
+        Hooks(bits & 15)
     }
 }
 
@@ -35,7 +37,7 @@ impl std::ops::BitOr for Hooks {
 
 impl std::fmt::Display for Hooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names: Vec<&str> = [(Hooks::SCORE, "score"), (Hooks::COMPACT, "compact"), (Hooks::RANK, "rank")]
+        let names: Vec<&str> = [(Hooks::SCORE, "score"), (Hooks::COMPACT, "compact"), (Hooks::RANK, "rank"), (Hooks::DOMAINS, "domains")]
             .into_iter()
             .filter(|(h, _)| self.contains(*h))
             .map(|(_, n)| n)
@@ -240,6 +242,27 @@ pub struct Allocations {
 }
 
 impl Allocations {
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// Switch domains a gang could use, as columns (see the WIT `domains`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Domains {
+    pub ids: Vec<u32>,
+    pub aggregation: Vec<u32>,
+    pub nodes: Vec<u32>,
+    pub idle_nodes: Vec<u32>,
+    pub gpus_total: Vec<u32>,
+    pub gpus_idle: Vec<u32>,
+    pub fitting_tasks: Vec<u32>,
+}
+
+impl Domains {
     pub fn len(&self) -> usize {
         self.ids.len()
     }

@@ -3,7 +3,7 @@
 use berth::asi::fleet::{FleetConfig, ASI_DEFAULT};
 use berth::asi::report::{run_policy, LARGE_GANG_GPUS};
 use berth::asi::workload::{WorkloadConfig, CLASSES, HIGH_PRIORITY};
-use berth_core::sim::{fitting_tasks, simulate, SimConfig};
+use berth_core::sim::{domain_table, fitting_tasks, simulate, SimConfig};
 
 use crate::common::{engine, load, policy_path, wasm_policy};
 
@@ -155,4 +155,36 @@ fn cli_event_replay() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("days must be"), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The entropy policy packs large gangs into fewer switch domains than the
+/// topology-blind best-fit, on the same fleet and jobs, and starts as many.
+#[test]
+fn entropy_policy_uses_fewer_domains_per_large_gang() {
+    let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.03).build().unwrap();
+    let jobs = WorkloadConfig { days: 4.0, seed: 5, ..WorkloadConfig::default() }.generate(&fleet);
+    let horizon = 4 * 86_400;
+    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon).unwrap();
+    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon).unwrap();
+    assert!(blind.large_gangs_started > 20, "{}", blind.large_gangs_started);
+    assert!(aware.large_gangs_started as f64 >= 0.95 * blind.large_gangs_started as f64);
+    assert!(aware.large_gang_domains_mean >= aware.large_gang_domains_lower_bound_mean);
+    assert!(
+        aware.large_gang_domains_mean < 0.8 * blind.large_gang_domains_mean,
+        "entropy {} vs best-fit {} domains per large gang",
+        aware.large_gang_domains_mean,
+        blind.large_gang_domains_mean
+    );
+}
+
+#[test]
+fn domain_table_matches_the_fleet() {
+    let (fleet, _) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.01).build().unwrap();
+    let shape = berth_core::TaskShape { gpu_count: 8, gpu_milli: 1000, cpu_milli: 64_000, memory_mib: 1024, models: vec![0] };
+    let (d, total) = domain_table(&fleet, &shape);
+    assert_eq!(total, u64::from(fitting_tasks(&fleet, &shape, u32::MAX)));
+    let model0 = fleet.nodes().iter().filter(|n| n.model == Some(0) && n.schedulable).count() as u32;
+    assert_eq!(d.nodes.iter().sum::<u32>(), model0, "only nodes of the accepted model count");
+    assert!(d.ids.windows(2).all(|w| w[0] < w[1]));
+    assert!(d.fitting_tasks.iter().zip(&d.nodes).all(|(f, n)| f <= n), "one 8-GPU task per node at most");
 }

@@ -174,3 +174,24 @@ fn columns_survive_a_trap() {
     assert_eq!(policy.score(&honest, &mut nodes).unwrap().scores.len(), 50);
     assert_eq!(policy.instantiations, 2, "a trapped instance is replaced, not re-entered");
 }
+
+#[test]
+fn domain_scores_are_checked() {
+    let mut policy = wasm_policy(&guest_path("hostile"), limits());
+    let mut domains = berth_sdk::Domains {
+        ids: vec![3, 7],
+        aggregation: vec![0, 0],
+        nodes: vec![4, 4],
+        idle_nodes: vec![4, 1],
+        gpus_total: vec![32, 32],
+        gpus_idle: vec![32, 8],
+        fitting_tasks: vec![4, 1],
+    };
+    let task = |job| berth_sdk::Task { job_id: job, gpu_count: 8, gpu_milli: 1000, gang_size: 4, ..Default::default() };
+    assert_eq!(policy.score_domains_raw(&task(0), &mut domains).unwrap(), Some(vec![0.0, 0.0]));
+    let err = policy.score_domains_raw(&task(1), &mut domains).unwrap_err();
+    assert!(matches!(&err, PolicyError::InvalidOutput(m) if m.contains("5 domain scores for 2")), "{err:?}");
+    let err = policy.score_domains_raw(&task(2), &mut domains).unwrap_err();
+    assert!(matches!(&err, PolicyError::InvalidOutput(m) if m.contains("domain 3")), "{err:?}");
+    assert_eq!(domains.ids, vec![3, 7], "columns come back");
+}

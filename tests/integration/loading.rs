@@ -55,3 +55,23 @@ fn precompiled_artifacts_are_cached_by_content() {
     assert_eq!(third.info, first.info);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn contract_0_1_0_components_keep_loading() {
+    let old = crate::common::load(&crate::common::guest_path("v010"));
+    assert_eq!(old.contract, "0.1.0");
+    assert_eq!(old.info.name, "v010-most-free-cpu");
+    assert_eq!(crate::common::load(&policy_path("binpack")).contract, "0.2.0");
+    // It decides through the same core as new components.
+    let mut policy = berth::wasm::WasmPolicy::new(engine(), old, Default::default());
+    let mut fleet = berth::synth::fleet(8, 1, false);
+    let shape = berth_core::TaskShape { gpu_count: 1, gpu_milli: 1000, cpu_milli: 100_000, memory_mib: 1, models: vec![] };
+    let meta = berth_core::TaskMeta::default();
+    let first = berth_core::Placer::new().place(&fleet, &shape, meta, &mut policy, None).unwrap().unwrap();
+    fleet.allocate(&berth_core::Fleet::allocation(first.node, &shape, first.gpus)).unwrap();
+    let second = berth_core::Placer::new().place(&fleet, &shape, meta, &mut policy, None).unwrap().unwrap();
+    assert_ne!(first.node, second.node, "most free CPU moves on after the first node filled");
+    // 0.1.0 has no domain hook: gangs fall back to topology-blind placement.
+    let mut domains = berth_sdk::Domains { ids: vec![0], aggregation: vec![0], nodes: vec![1], idle_nodes: vec![1], gpus_total: vec![8], gpus_idle: vec![8], fitting_tasks: vec![1] };
+    assert_eq!(policy.score_domains_raw(&berth_sdk::Task::default(), &mut domains).unwrap(), None);
+}

@@ -40,6 +40,8 @@ pub struct Node {
     pub model: Option<ModelId>,
     /// Access-switch domain.
     pub switch_domain: u32,
+    /// Aggregation switch above the access switch.
+    pub aggregation: u32,
     pub cpu_total_milli: u32,
     pub cpu_free_milli: u32,
     pub memory_total_mib: u64,
@@ -59,6 +61,7 @@ impl Node {
             name: name.into(),
             model,
             switch_domain: 0,
+            aggregation: 0,
             cpu_total_milli: cpu_milli,
             cpu_free_milli: cpu_milli,
             memory_total_mib: memory_mib,

@@ -56,14 +56,34 @@ impl Placer {
         policy: &mut dyn PlacementPolicy,
         tie_rank: Option<&[u32]>,
     ) -> Result<Option<Placement>, PolicyError> {
+        self.place_among(fleet, shape, meta, policy, tie_rank, &|_| true)
+    }
+
+    /// [`Placer::place`] restricted to the nodes `keep` accepts (e.g. the
+    /// switch domains chosen for a gang).
+    pub fn place_among(
+        &mut self,
+        fleet: &Fleet,
+        shape: &TaskShape,
+        meta: TaskMeta,
+        policy: &mut dyn PlacementPolicy,
+        tie_rank: Option<&[u32]>,
+        keep: &dyn Fn(&Node) -> bool,
+    ) -> Result<Option<Placement>, PolicyError> {
         self.candidates.clear();
         self.candidates.extend(
-            fleet.nodes().iter().enumerate().filter(|(_, n)| predicate::check(n, shape).is_ok()).map(|(i, _)| i as NodeId),
+            fleet
+                .nodes()
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| keep(n) && predicate::check(n, shape).is_ok())
+                .map(|(i, _)| i as NodeId),
         );
         if self.candidates.is_empty() {
             return Ok(None);
         }
-        self.fill_batch(fleet, shape, meta);
+        fill_task(&mut self.task, shape, meta);
+        self.fill_batch(fleet);
         let answer = policy.score(&self.task, &mut self.batch)?;
         let n = self.candidates.len();
         if answer.scores.len() != n {
@@ -113,7 +133,7 @@ impl Placer {
         reasons
     }
 
-    fn fill_batch(&mut self, fleet: &Fleet, shape: &TaskShape, meta: TaskMeta) {
+    fn fill_batch(&mut self, fleet: &Fleet) {
         let b = &mut self.batch;
         b.clear();
         if b.models != fleet.models {
@@ -133,18 +153,21 @@ impl Placer {
                 n.alloc_kinds(),
             );
         }
-        let t = &mut self.task;
-        t.job_id = meta.job_id;
-        t.gpu_count = shape.gpu_count;
-        t.gpu_milli = shape.gpu_milli;
-        t.cpu_milli = shape.cpu_milli;
-        t.memory_mib = shape.memory_mib;
-        t.models.clear();
-        t.models.extend_from_slice(&shape.models);
-        t.priority = meta.priority;
-        t.gang_size = meta.gang_size.max(1);
-        t.gang_index = meta.gang_index;
     }
+}
+
+/// Fills the contract's task record from a shape and its identity.
+pub fn fill_task(t: &mut Task, shape: &TaskShape, meta: TaskMeta) {
+    t.job_id = meta.job_id;
+    t.gpu_count = shape.gpu_count;
+    t.gpu_milli = shape.gpu_milli;
+    t.cpu_milli = shape.cpu_milli;
+    t.memory_mib = shape.memory_mib;
+    t.models.clear();
+    t.models.extend_from_slice(&shape.models);
+    t.priority = meta.priority;
+    t.gang_size = meta.gang_size.max(1);
+    t.gang_index = meta.gang_index;
 }
 
 /// Checks a policy's GPU mask for one candidate: 0 (host chooses), or

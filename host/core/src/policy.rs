@@ -2,7 +2,7 @@
 //! policy host, native builds of the same policies in benchmarks, or test
 //! doubles. The types that cross are the contract's columns (`berth_sdk`).
 
-pub use berth_sdk::{Nodes, Scores, Task};
+pub use berth_sdk::{Domains, Nodes, Scores, Task};
 
 /// Everything that can go wrong in one policy call. The policy host maps
 /// traps, deadlines and memory caps onto these; the core adds the checks of
@@ -41,6 +41,13 @@ pub trait PlacementPolicy {
     /// the columns out of `nodes` while it works (to avoid copying them) but
     /// must put them back before returning, error or not.
     fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError>;
+
+    /// Scores switch domains for a gang (`task.gang_size` tasks), one finite
+    /// score per domain; `Ok(None)` when the policy has no opinion, and the
+    /// gang is then placed topology-blind. Same column contract as `score`.
+    fn score_domains(&mut self, _task: &Task, _domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        Ok(None)
+    }
 }
 
 impl<P: PlacementPolicy + ?Sized> PlacementPolicy for Box<P> {
@@ -49,5 +56,8 @@ impl<P: PlacementPolicy + ?Sized> PlacementPolicy for Box<P> {
     }
     fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
         (**self).score(task, nodes)
+    }
+    fn score_domains(&mut self, task: &Task, domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        (**self).score_domains(task, domains)
     }
 }

@@ -164,11 +164,39 @@ pub fn place_gang(
     if job.tasks > 1 && fitting_tasks(fleet, &job.shape, job.tasks) < job.tasks {
         return Ok(None); // cannot fit even ignoring placement: skip the policy
     }
+    // A gang asks the policy for switch domains first; with an answer, its
+    // tasks go only to the best domains that together hold it.
+    let mut allowed: Option<HashSet<u32>> = None;
+    if job.tasks > 1 {
+        let (mut domains, _) = domain_table(fleet, &job.shape);
+        let mut task = berth_sdk::Task::default();
+        crate::placement::fill_task(&mut task, &job.shape, TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 });
+        if let Some(scores) = policy.score_domains(&task, &mut domains)? {
+            if scores.len() != domains.len() || scores.iter().any(|s| !s.is_finite()) {
+                return Err(PolicyError::InvalidOutput(format!("{} domain scores for {} domains, or one not finite", scores.len(), domains.len())));
+            }
+            let mut order: Vec<usize> = (0..domains.len()).collect();
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(domains.ids[a].cmp(&domains.ids[b])));
+            let mut chosen = HashSet::new();
+            let mut fits = 0u32;
+            for i in order {
+                if fits >= job.tasks {
+                    break;
+                }
+                if domains.fitting_tasks[i] > 0 {
+                    chosen.insert(domains.ids[i]);
+                    fits += domains.fitting_tasks[i];
+                }
+            }
+            allowed = Some(chosen);
+        }
+    }
+    let keep = |n: &crate::fleet::Node| allowed.as_ref().is_none_or(|a| a.contains(&n.switch_domain));
     let mut allocs = Vec::with_capacity(job.tasks as usize);
     for index in 0..job.tasks {
         let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: index };
         *placements += 1;
-        let placed = match placer.place(fleet, &job.shape, meta, policy, None) {
+        let placed = match placer.place_among(fleet, &job.shape, meta, policy, None, &keep) {
             Ok(p) => p,
             Err(e) => {
                 rollback(fleet, &mut allocs);
@@ -187,23 +215,60 @@ pub fn place_gang(
     Ok(Some((allocs, domains.len() as u32)))
 }
 
+/// How many tasks of `shape` one node could hold right now.
+pub fn tasks_on_node(node: &crate::fleet::Node, shape: &TaskShape) -> u32 {
+    if crate::predicate::check(node, shape).is_err() {
+        return 0;
+    }
+    let by = |free: u64, want: u64| if want == 0 { u64::MAX } else { free / want };
+    let gpu = if shape.gpu_count == 0 {
+        u64::MAX
+    } else {
+        let per_gpu = node.gpus.iter().map(|&f| u64::from(f / shape.gpu_milli.max(1))).sum::<u64>();
+        per_gpu / u64::from(shape.gpu_count)
+    };
+    let n = gpu.min(by(u64::from(node.cpu_free_milli), u64::from(shape.cpu_milli))).min(by(node.memory_free_mib, shape.memory_mib));
+    n.min(u64::from(u32::MAX)) as u32
+}
+
+/// The switch domains as a gang of `shape` sees them (see the WIT
+/// `domains`), sorted by domain id, and the total tasks that fit.
+pub fn domain_table(fleet: &Fleet, shape: &TaskShape) -> (berth_sdk::Domains, u64) {
+    let mut by_domain: std::collections::BTreeMap<u32, [u64; 6]> = Default::default();
+    for node in fleet.nodes() {
+        if !node.schedulable || (shape.gpu_count > 0 && !shape.accepts(node.model)) {
+            continue;
+        }
+        let e = by_domain.entry(node.switch_domain).or_insert([u64::from(node.aggregation), 0, 0, 0, 0, 0]);
+        e[1] += 1;
+        e[2] += u64::from(node.is_idle());
+        e[3] += node.gpus.len() as u64;
+        e[4] += node.gpus.iter().filter(|&&g| g == crate::MILLI_PER_GPU).count() as u64;
+        e[5] += u64::from(tasks_on_node(node, shape));
+    }
+    let mut d = berth_sdk::Domains::default();
+    let mut total = 0;
+    for (id, v) in by_domain {
+        let c = |x: u64| x.min(u64::from(u32::MAX)) as u32;
+        d.ids.push(id);
+        d.aggregation.push(c(v[0]));
+        d.nodes.push(c(v[1]));
+        d.idle_nodes.push(c(v[2]));
+        d.gpus_total.push(c(v[3]));
+        d.gpus_idle.push(c(v[4]));
+        d.fitting_tasks.push(c(v[5]));
+        total += v[5];
+    }
+    (d, total)
+}
+
 /// How many tasks of `shape` the fleet could hold at most right now
 /// (counting each node's capacity for several; stops counting at `enough`).
 pub fn fitting_tasks(fleet: &Fleet, shape: &TaskShape, enough: u32) -> u32 {
     let mut total = 0u32;
     for node in fleet.nodes() {
-        if crate::predicate::check(node, shape).is_err() {
-            continue;
-        }
-        let by = |free: u64, want: u64| if want == 0 { u64::MAX } else { free / want };
-        let gpu = if shape.gpu_count == 0 {
-            u64::MAX
-        } else {
-            let per_gpu = node.gpus.iter().map(|&f| u64::from(f / shape.gpu_milli.max(1))).sum::<u64>();
-            per_gpu / u64::from(shape.gpu_count)
-        };
-        let n = gpu.min(by(u64::from(node.cpu_free_milli), u64::from(shape.cpu_milli))).min(by(node.memory_free_mib, shape.memory_mib));
-        total = total.saturating_add(n.min(u64::from(enough)) as u32);
+        let n = tasks_on_node(node, shape);
+        total = total.saturating_add(n.min(enough));
         if total >= enough {
             return enough;
         }

@@ -173,6 +173,7 @@ impl FleetConfig {
                     u64::from(shape.memory_gib) * 1024,
                 );
                 node.switch_domain = switch;
+                node.aggregation = switch / self.switches_per_aggregation;
                 node.schedulable = !rng.random_bool(self.unhealthy_fraction);
                 topo.partition.push(id / self.nodes_per_partition);
                 topo.aggregation.push(switch / self.switches_per_aggregation);

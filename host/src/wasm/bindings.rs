@@ -1,10 +1,16 @@
-//! Generated bindings, one module per contract version. A later contract adds
-//! a `v0_2_0` module beside this one; components are matched by what they
-//! export.
+//! Generated bindings, one module per contract version, bound side by side:
+//! a component is matched by the version of `berth:policy/policy` it exports.
 
 pub mod v0_1_0 {
     wasmtime::component::bindgen!({
         path: "../wit/v0.1.0",
+        world: "placement-policy",
+    });
+}
+
+pub mod v0_2_0 {
+    wasmtime::component::bindgen!({
+        path: "../wit/v0.2.0",
         world: "placement-policy",
     });
 }

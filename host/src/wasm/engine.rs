@@ -8,7 +8,7 @@ use std::time::Duration;
 use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Config, Engine, ResourceLimiter};
 
-use super::bindings::v0_1_0 as v1;
+use super::bindings::{v0_1_0 as v1, v0_2_0 as v2};
 
 /// Epoch ticks are this long; deadlines are whole numbers of ticks.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
@@ -56,17 +56,56 @@ impl ResourceLimiter for GuestState {
     }
 }
 
+/// Log severities of every contract version, as one type.
+#[derive(Clone, Copy)]
+enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
 impl v1::berth::policy::types::Host for GuestState {}
+impl v2::berth::policy::types::Host for GuestState {}
 
 impl v1::berth::policy::host::Host for GuestState {
     fn log(&mut self, level: v1::berth::policy::types::Level, message: String) {
+        use v1::berth::policy::types::Level as L;
+        let level = match level {
+            L::Trace => LogLevel::Trace,
+            L::Debug => LogLevel::Debug,
+            L::Info => LogLevel::Info,
+            L::Warn => LogLevel::Warn,
+            L::Error => LogLevel::Error,
+        };
+        self.log_line(level, message);
+    }
+}
+
+impl v2::berth::policy::host::Host for GuestState {
+    fn log(&mut self, level: v2::berth::policy::types::Level, message: String) {
+        use v2::berth::policy::types::Level as L;
+        let level = match level {
+            L::Trace => LogLevel::Trace,
+            L::Debug => LogLevel::Debug,
+            L::Info => LogLevel::Info,
+            L::Warn => LogLevel::Warn,
+            L::Error => LogLevel::Error,
+        };
+        self.log_line(level, message);
+    }
+}
+
+impl GuestState {
+    fn log_line(&mut self, level: LogLevel, message: String) {
         if self.log_budget == 0 {
             self.logs_dropped += 1;
             return;
         }
         self.log_budget -= 1;
         let message: String = message.chars().take(1024).collect();
-        use v1::berth::policy::types::Level as L;
+        use LogLevel as L;
         let policy = self.policy.as_str();
         match level {
             L::Trace => tracing::trace!(target: "berth::policy", policy, "{message}"),
@@ -110,6 +149,7 @@ impl PolicyEngine {
         let engine = Engine::new(&config)?;
         let mut linker = Linker::new(&engine);
         v1::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
+        v2::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
 
         let stop = Arc::new(AtomicBool::new(false));
         let (weak_engine, stop_flag) = (engine.weak(), stop.clone());

@@ -5,18 +5,49 @@ use std::path::Path;
 use std::sync::Arc;
 
 use berth_core::PolicyError;
-use berth_sdk::{Allocations, Hooks, Nodes, Plan, PolicyInfo, Scores, Snapshot, Task};
+use berth_sdk::{Allocations, Domains, Hooks, Nodes, Plan, PolicyInfo, Scores, Snapshot, Task};
 use wasmtime::Store;
 
-use super::bindings::v0_1_0 as v1;
+use super::bindings::{v0_1_0 as v1, v0_2_0 as v2};
 use super::cache;
 use super::engine::{GuestState, Limits, PolicyEngine, TICK};
 
-use v1::berth::policy::types as w;
+/// A pre-linked component of one contract version.
+enum Pre {
+    V1(v1::PlacementPolicyPre<GuestState>),
+    V2(v2::PlacementPolicyPre<GuestState>),
+}
+
+/// A live component's exports, of one contract version.
+pub(crate) enum Bindings {
+    V1(v1::PlacementPolicy),
+    V2(v2::PlacementPolicy),
+}
+
+/// Runs `$body` with `$b` bound to the version's bindings and `$c` to that
+/// version's column conversions: one body, every contract version.
+macro_rules! each_version {
+    ($bindings:expr, $b:ident, $c:ident => $body:expr) => {
+        match $bindings {
+            Bindings::V1($b) => {
+                #[allow(unused_imports)]
+                use conv_v1 as $c;
+                $body
+            }
+            Bindings::V2($b) => {
+                #[allow(unused_imports)]
+                use conv_v2 as $c;
+                $body
+            }
+        }
+    };
+}
 
 /// A validated, pre-linked component: cheap to instantiate many times.
 pub struct LoadedPolicy {
-    pre: v1::PlacementPolicyPre<GuestState>,
+    pre: Pre,
+    /// Contract version the component implements, e.g. `0.2.0`.
+    pub contract: &'static str,
     /// SHA-256 of the component bytes.
     pub hash: String,
     /// What the component said about itself at load.
@@ -35,18 +66,29 @@ impl LoadedPolicy {
             .linker
             .instantiate_pre(&component)
             .map_err(|e| PolicyError::Load(format!("not a berth:policy@0.1.0 component: {e:#}")))?;
-        let pre = v1::PlacementPolicyPre::new(instance_pre)
-            .map_err(|e| PolicyError::Load(format!("not a berth:policy@0.1.0 component: {e:#}")))?;
-        let mut loaded = LoadedPolicy { pre, hash, info: PolicyInfo { name: String::new(), version: String::new(), hooks: Hooks::NONE } };
+        // Newest contract first; a component exports exactly one.
+        let (pre, contract) = match v2::PlacementPolicyPre::new(instance_pre.clone()) {
+            Ok(p) => (Pre::V2(p), "0.2.0"),
+            Err(e2) => match v1::PlacementPolicyPre::new(instance_pre) {
+                Ok(p) => (Pre::V1(p), "0.1.0"),
+                Err(e1) => {
+                    return Err(PolicyError::Load(format!(
+                        "exports neither berth:policy@0.2.0 ({e2:#}) nor berth:policy@0.1.0 ({e1:#})"
+                    )));
+                }
+            },
+        };
+        let mut loaded =
+            LoadedPolicy { pre, contract, hash, info: PolicyInfo { name: String::new(), version: String::new(), hooks: Hooks::NONE } };
         let mut probe = Instance::new(engine, &loaded, Limits::default(), "loading")?;
-        let info = probe.call(engine, |b, s| b.berth_policy_policy().call_info(s))?;
+        let info = probe.call(engine, |b, s| each_version!(b, b, c => c::info(b.berth_policy_policy().call_info(s)?)))?;
         if info.name.is_empty() || !info.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-') {
             return Err(PolicyError::Load(format!("policy name {:?} is not lowercase-with-dashes", info.name)));
         }
         if !is_semver(&info.version) {
             return Err(PolicyError::Load(format!("policy version {:?} is not semver (x.y.z)", info.version)));
         }
-        loaded.info = PolicyInfo { name: info.name, version: info.version, hooks: hooks_of(info.hooks) };
+        loaded.info = info;
         Ok(Arc::new(loaded))
     }
 
@@ -54,13 +96,6 @@ impl LoadedPolicy {
         let bytes = std::fs::read(path).map_err(|e| PolicyError::Load(format!("{}: {e}", path.display())))?;
         Self::from_bytes(engine, &bytes)
     }
-}
-
-fn hooks_of(h: w::Hooks) -> Hooks {
-    [(w::Hooks::SCORE, Hooks::SCORE), (w::Hooks::COMPACT, Hooks::COMPACT), (w::Hooks::RANK, Hooks::RANK)]
-        .into_iter()
-        .filter(|(wit, _)| h.contains(*wit))
-        .fold(Hooks::NONE, |acc, (_, ours)| acc | ours)
 }
 
 fn is_semver(v: &str) -> bool {
@@ -73,7 +108,7 @@ fn is_semver(v: &str) -> bool {
 /// must not be re-entered.
 struct Instance {
     store: Store<GuestState>,
-    bindings: v1::PlacementPolicy,
+    bindings: Bindings,
     limits: Limits,
 }
 
@@ -90,7 +125,11 @@ impl Instance {
         store.limiter(|s| s);
         store.set_epoch_deadline(deadline_ticks(&limits));
         store.epoch_deadline_trap();
-        let bindings = loaded.pre.instantiate(&mut store).map_err(|e| classify(e, &store, &limits))?;
+        let bindings = match &loaded.pre {
+            Pre::V1(pre) => pre.instantiate(&mut store).map(Bindings::V1),
+            Pre::V2(pre) => pre.instantiate(&mut store).map(Bindings::V2),
+        }
+        .map_err(|e| classify(e, &store, &limits))?;
         Ok(Instance { store, bindings, limits })
     }
 
@@ -99,7 +138,7 @@ impl Instance {
     fn call<R>(
         &mut self,
         _engine: &PolicyEngine,
-        f: impl FnOnce(&v1::PlacementPolicy, &mut Store<GuestState>) -> wasmtime::Result<R>,
+        f: impl FnOnce(&Bindings, &mut Store<GuestState>) -> wasmtime::Result<R>,
     ) -> Result<R, PolicyError> {
         self.store.set_epoch_deadline(deadline_ticks(&self.limits));
         self.store.data_mut().log_budget = self.limits.log_lines_per_call;
@@ -163,7 +202,7 @@ impl WasmPolicy {
             self.instantiations += 1;
             if !self.config.is_empty() {
                 let config = self.config.clone();
-                inst.call(&self.engine, |b, s| b.berth_policy_policy().call_configure(s, &config))?
+                inst.call(&self.engine, |b, s| each_version!(b, b, _c => b.berth_policy_policy().call_configure(s, &config)))?
                     .map_err(PolicyError::Guest)?;
             }
             self.instance = Some(inst);
@@ -175,7 +214,7 @@ impl WasmPolicy {
     /// next call starts clean.
     fn call<R>(
         &mut self,
-        f: impl FnOnce(&v1::PlacementPolicy, &mut Store<GuestState>) -> wasmtime::Result<R>,
+        f: impl FnOnce(&Bindings, &mut Store<GuestState>) -> wasmtime::Result<R>,
     ) -> Result<R, PolicyError> {
         let engine = self.engine.clone();
         let result = self.instance()?.call(&engine, f);
@@ -192,7 +231,7 @@ impl WasmPolicy {
     /// Applies a configuration. On error the previous one stays in force.
     pub fn configure(&mut self, config: &str) -> Result<(), PolicyError> {
         let owned = config.to_string();
-        match self.call(|b, s| b.berth_policy_policy().call_configure(s, &owned))? {
+        match self.call(|b, s| each_version!(b, b, _c => b.berth_policy_policy().call_configure(s, &owned)))? {
             Ok(()) => {
                 self.config = owned;
                 Ok(())
@@ -208,46 +247,46 @@ impl WasmPolicy {
     /// Placement scoring, unchecked: the core validates the answer.
     pub fn score_raw(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
         self.require(Hooks::SCORE, "score")?;
-        let t = to_wit_task(task);
-        let mut n = take_nodes(nodes);
-        let result = self.call(|b, s| b.berth_policy_policy().call_score(s, &t, &n));
-        restore_nodes(nodes, &mut n);
-        let scores = result?.map_err(PolicyError::Guest)?;
-        Ok(Scores { scores: scores.scores, gpus: scores.gpus })
+        let result = self.call(|b, s| {
+            each_version!(b, b, c => {
+                let t = c::task(task);
+                let mut n = c::take_nodes(nodes);
+                let r = b.berth_policy_policy().call_score(s, &t, &n);
+                c::restore_nodes(nodes, &mut n);
+                r.map(|answer| answer.map(|x| Scores { scores: x.scores, gpus: x.gpus }))
+            })
+        });
+        result?.map_err(PolicyError::Guest)
     }
 
     /// Compaction planning, unchecked: the host validates every move.
     pub fn compact(&mut self, snapshot: &mut Snapshot) -> Result<Plan, PolicyError> {
         self.require(Hooks::COMPACT, "compact")?;
-        let mut snap = w::Snapshot {
-            nodes: take_nodes(&mut snapshot.nodes),
-            allocations: take_allocations(&mut snapshot.allocations),
-            pending: w::Pending {
-                gpu_count: std::mem::take(&mut snapshot.pending.gpu_count),
-                gpu_milli: std::mem::take(&mut snapshot.pending.gpu_milli),
-                whole_nodes: std::mem::take(&mut snapshot.pending.whole_nodes),
-                model: std::mem::take(&mut snapshot.pending.model),
-            },
-        };
-        let result = self.call(|b, s| b.berth_policy_policy().call_compact(s, &snap));
-        restore_nodes(&mut snapshot.nodes, &mut snap.nodes);
-        restore_allocations(&mut snapshot.allocations, &mut snap.allocations);
-        let p = &mut snapshot.pending;
-        p.gpu_count = snap.pending.gpu_count;
-        p.gpu_milli = snap.pending.gpu_milli;
-        p.whole_nodes = snap.pending.whole_nodes;
-        p.model = snap.pending.model;
-        let plan = result?.map_err(PolicyError::Guest)?;
-        Ok(Plan { chain: plan.chain, allocation: plan.allocation, dest_node: plan.dest_node, dest_gpus: plan.dest_gpus })
+        let result = self.call(|b, s| {
+            each_version!(b, b, c => {
+                let mut snap = c::take_snapshot(snapshot);
+                let r = b.berth_policy_policy().call_compact(s, &snap);
+                c::restore_snapshot(snapshot, &mut snap);
+                r.map(|answer| {
+                    answer.map(|p| Plan { chain: p.chain, allocation: p.allocation, dest_node: p.dest_node, dest_gpus: p.dest_gpus })
+                })
+            })
+        });
+        result?.map_err(PolicyError::Guest)
     }
 
     /// Preemption ranking, checked: every index in range and at most once.
     pub fn rank(&mut self, demand: &Task, victims: &mut Allocations) -> Result<Vec<u32>, PolicyError> {
         self.require(Hooks::RANK, "rank")?;
-        let t = to_wit_task(demand);
-        let mut v = take_allocations(victims);
-        let result = self.call(|b, s| b.berth_policy_policy().call_rank(s, &t, &v));
-        restore_allocations(victims, &mut v);
+        let result = self.call(|b, s| {
+            each_version!(b, b, c => {
+                let t = c::task(demand);
+                let mut v = c::take_allocations(victims);
+                let r = b.berth_policy_policy().call_rank(s, &t, &v);
+                c::restore_allocations(victims, &mut v);
+                r
+            })
+        });
         let order = result?.map_err(PolicyError::Guest)?;
         let mut seen = vec![false; victims.len()];
         for &i in &order {
@@ -262,6 +301,34 @@ impl WasmPolicy {
     }
 }
 
+impl WasmPolicy {
+    /// Switch-domain scores for a gang (contract 0.2.0), checked: one finite
+    /// score per domain. `Ok(None)` when the policy does not claim the hook.
+    pub fn score_domains_raw(&mut self, task: &Task, domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        if !self.loaded.info.hooks.contains(Hooks::DOMAINS) {
+            return Ok(None);
+        }
+        let result = self.call(|b, s| match b {
+            Bindings::V1(_) => Ok(Err("contract 0.1.0 has no score-domains".to_string())),
+            Bindings::V2(b) => {
+                let t = conv_v2::task(task);
+                let mut d = conv_v2::take_domains(domains);
+                let r = b.berth_policy_policy().call_score_domains(s, &t, &d);
+                conv_v2::restore_domains(domains, &mut d);
+                r
+            }
+        });
+        let scores = result?.map_err(PolicyError::Guest)?;
+        if scores.len() != domains.len() {
+            return Err(PolicyError::InvalidOutput(format!("{} domain scores for {} domains", scores.len(), domains.len())));
+        }
+        if let Some(i) = scores.iter().position(|x| !x.is_finite()) {
+            return Err(PolicyError::InvalidOutput(format!("score of domain {} is {}", domains.ids[i], scores[i])));
+        }
+        Ok(Some(scores))
+    }
+}
+
 impl berth_core::PlacementPolicy for WasmPolicy {
     fn describe(&self) -> String {
         format!("{}@{} (wasm)", self.loaded.info.name, self.loaded.info.version)
@@ -269,92 +336,168 @@ impl berth_core::PlacementPolicy for WasmPolicy {
     fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
         self.score_raw(task, nodes)
     }
-}
-
-fn to_wit_task(t: &Task) -> w::Task {
-    w::Task {
-        job_id: t.job_id,
-        gpu_count: t.gpu_count,
-        gpu_milli: t.gpu_milli,
-        cpu_milli: t.cpu_milli,
-        memory_mib: t.memory_mib,
-        models: t.models.clone(),
-        priority: t.priority,
-        gang_size: t.gang_size,
-        gang_index: t.gang_index,
+    fn score_domains(&mut self, task: &Task, domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        self.score_domains_raw(task, domains)
     }
 }
 
-// The columns move into the binding's record for the call and back after:
+// The columns move into the binding's records for a call and back after:
 // lowering copies them into guest memory once, and nothing else copies them.
-fn take_nodes(n: &mut Nodes) -> w::Nodes {
-    use std::mem::take;
-    w::Nodes {
-        ids: take(&mut n.ids),
-        model: take(&mut n.model),
-        models: take(&mut n.models),
-        switch_domain: take(&mut n.switch_domain),
-        cpu_free_milli: take(&mut n.cpu_free_milli),
-        cpu_total_milli: take(&mut n.cpu_total_milli),
-        memory_free_mib: take(&mut n.memory_free_mib),
-        memory_total_mib: take(&mut n.memory_total_mib),
-        gpu_count: take(&mut n.gpu_count),
-        gpu_start: take(&mut n.gpu_start),
-        gpu_free_milli: take(&mut n.gpu_free_milli),
-        alloc_kinds: take(&mut n.alloc_kinds),
+// One macro, expanded per contract version (their Rust types differ).
+macro_rules! columns {
+    ($w:path) => {
+        use berth_sdk::{Allocations, Hooks, Nodes, PolicyInfo, Snapshot, Task};
+        use std::mem::take;
+        use $w as w;
+
+        pub fn info(i: w::PolicyInfo) -> wasmtime::Result<PolicyInfo> {
+            let hooks = [(w::Hooks::SCORE, Hooks::SCORE), (w::Hooks::COMPACT, Hooks::COMPACT), (w::Hooks::RANK, Hooks::RANK)]
+                .into_iter()
+                .filter(|(wit, _)| i.hooks.contains(*wit))
+                .fold(Hooks::NONE, |acc, (_, ours)| acc | ours);
+            Ok(PolicyInfo { name: i.name, version: i.version, hooks: hooks | extra_hooks(&i.hooks) })
+        }
+
+        pub fn task(t: &Task) -> w::Task {
+            w::Task {
+                job_id: t.job_id,
+                gpu_count: t.gpu_count,
+                gpu_milli: t.gpu_milli,
+                cpu_milli: t.cpu_milli,
+                memory_mib: t.memory_mib,
+                models: t.models.clone(),
+                priority: t.priority,
+                gang_size: t.gang_size,
+                gang_index: t.gang_index,
+            }
+        }
+
+        pub fn take_nodes(n: &mut Nodes) -> w::Nodes {
+            w::Nodes {
+                ids: take(&mut n.ids),
+                model: take(&mut n.model),
+                models: take(&mut n.models),
+                switch_domain: take(&mut n.switch_domain),
+                cpu_free_milli: take(&mut n.cpu_free_milli),
+                cpu_total_milli: take(&mut n.cpu_total_milli),
+                memory_free_mib: take(&mut n.memory_free_mib),
+                memory_total_mib: take(&mut n.memory_total_mib),
+                gpu_count: take(&mut n.gpu_count),
+                gpu_start: take(&mut n.gpu_start),
+                gpu_free_milli: take(&mut n.gpu_free_milli),
+                alloc_kinds: take(&mut n.alloc_kinds),
+            }
+        }
+
+        pub fn restore_nodes(n: &mut Nodes, w: &mut w::Nodes) {
+            n.ids = take(&mut w.ids);
+            n.model = take(&mut w.model);
+            n.models = take(&mut w.models);
+            n.switch_domain = take(&mut w.switch_domain);
+            n.cpu_free_milli = take(&mut w.cpu_free_milli);
+            n.cpu_total_milli = take(&mut w.cpu_total_milli);
+            n.memory_free_mib = take(&mut w.memory_free_mib);
+            n.memory_total_mib = take(&mut w.memory_total_mib);
+            n.gpu_count = take(&mut w.gpu_count);
+            n.gpu_start = take(&mut w.gpu_start);
+            n.gpu_free_milli = take(&mut w.gpu_free_milli);
+            n.alloc_kinds = take(&mut w.alloc_kinds);
+        }
+
+        pub fn take_allocations(a: &mut Allocations) -> w::Allocations {
+            w::Allocations {
+                ids: take(&mut a.ids),
+                job_ids: take(&mut a.job_ids),
+                node: take(&mut a.node),
+                gpus: take(&mut a.gpus),
+                gpu_milli: take(&mut a.gpu_milli),
+                cpu_milli: take(&mut a.cpu_milli),
+                memory_mib: take(&mut a.memory_mib),
+                priority: take(&mut a.priority),
+                movable: take(&mut a.movable),
+                gang_id: take(&mut a.gang_id),
+                state_bytes: take(&mut a.state_bytes),
+                remaining_s: take(&mut a.remaining_s),
+                running_s: take(&mut a.running_s),
+                since_checkpoint_s: take(&mut a.since_checkpoint_s),
+            }
+        }
+
+        pub fn restore_allocations(a: &mut Allocations, w: &mut w::Allocations) {
+            a.ids = take(&mut w.ids);
+            a.job_ids = take(&mut w.job_ids);
+            a.node = take(&mut w.node);
+            a.gpus = take(&mut w.gpus);
+            a.gpu_milli = take(&mut w.gpu_milli);
+            a.cpu_milli = take(&mut w.cpu_milli);
+            a.memory_mib = take(&mut w.memory_mib);
+            a.priority = take(&mut w.priority);
+            a.movable = take(&mut w.movable);
+            a.gang_id = take(&mut w.gang_id);
+            a.state_bytes = take(&mut w.state_bytes);
+            a.remaining_s = take(&mut w.remaining_s);
+            a.running_s = take(&mut w.running_s);
+            a.since_checkpoint_s = take(&mut w.since_checkpoint_s);
+        }
+
+        pub fn take_snapshot(s: &mut Snapshot) -> w::Snapshot {
+            w::Snapshot {
+                nodes: take_nodes(&mut s.nodes),
+                allocations: take_allocations(&mut s.allocations),
+                pending: w::Pending {
+                    gpu_count: take(&mut s.pending.gpu_count),
+                    gpu_milli: take(&mut s.pending.gpu_milli),
+                    whole_nodes: take(&mut s.pending.whole_nodes),
+                    model: take(&mut s.pending.model),
+                },
+            }
+        }
+
+        pub fn restore_snapshot(s: &mut Snapshot, w: &mut w::Snapshot) {
+            restore_nodes(&mut s.nodes, &mut w.nodes);
+            restore_allocations(&mut s.allocations, &mut w.allocations);
+            s.pending.gpu_count = take(&mut w.pending.gpu_count);
+            s.pending.gpu_milli = take(&mut w.pending.gpu_milli);
+            s.pending.whole_nodes = take(&mut w.pending.whole_nodes);
+            s.pending.model = take(&mut w.pending.model);
+        }
+    };
+}
+
+mod conv_v1 {
+    columns!(super::v1::berth::policy::types);
+
+    fn extra_hooks(_: &w::Hooks) -> Hooks {
+        Hooks::NONE
     }
 }
 
-fn restore_nodes(n: &mut Nodes, w: &mut w::Nodes) {
-    use std::mem::take;
-    n.ids = take(&mut w.ids);
-    n.model = take(&mut w.model);
-    n.models = take(&mut w.models);
-    n.switch_domain = take(&mut w.switch_domain);
-    n.cpu_free_milli = take(&mut w.cpu_free_milli);
-    n.cpu_total_milli = take(&mut w.cpu_total_milli);
-    n.memory_free_mib = take(&mut w.memory_free_mib);
-    n.memory_total_mib = take(&mut w.memory_total_mib);
-    n.gpu_count = take(&mut w.gpu_count);
-    n.gpu_start = take(&mut w.gpu_start);
-    n.gpu_free_milli = take(&mut w.gpu_free_milli);
-    n.alloc_kinds = take(&mut w.alloc_kinds);
-}
+mod conv_v2 {
+    columns!(super::v2::berth::policy::types);
 
-fn take_allocations(a: &mut Allocations) -> w::Allocations {
-    use std::mem::take;
-    w::Allocations {
-        ids: take(&mut a.ids),
-        job_ids: take(&mut a.job_ids),
-        node: take(&mut a.node),
-        gpus: take(&mut a.gpus),
-        gpu_milli: take(&mut a.gpu_milli),
-        cpu_milli: take(&mut a.cpu_milli),
-        memory_mib: take(&mut a.memory_mib),
-        priority: take(&mut a.priority),
-        movable: take(&mut a.movable),
-        gang_id: take(&mut a.gang_id),
-        state_bytes: take(&mut a.state_bytes),
-        remaining_s: take(&mut a.remaining_s),
-        running_s: take(&mut a.running_s),
-        since_checkpoint_s: take(&mut a.since_checkpoint_s),
+    fn extra_hooks(h: &w::Hooks) -> Hooks {
+        if h.contains(w::Hooks::DOMAINS) { Hooks::DOMAINS } else { Hooks::NONE }
     }
-}
 
-fn restore_allocations(a: &mut Allocations, w: &mut w::Allocations) {
-    use std::mem::take;
-    a.ids = take(&mut w.ids);
-    a.job_ids = take(&mut w.job_ids);
-    a.node = take(&mut w.node);
-    a.gpus = take(&mut w.gpus);
-    a.gpu_milli = take(&mut w.gpu_milli);
-    a.cpu_milli = take(&mut w.cpu_milli);
-    a.memory_mib = take(&mut w.memory_mib);
-    a.priority = take(&mut w.priority);
-    a.movable = take(&mut w.movable);
-    a.gang_id = take(&mut w.gang_id);
-    a.state_bytes = take(&mut w.state_bytes);
-    a.remaining_s = take(&mut w.remaining_s);
-    a.running_s = take(&mut w.running_s);
-    a.since_checkpoint_s = take(&mut w.since_checkpoint_s);
+    pub fn take_domains(d: &mut berth_sdk::Domains) -> w::Domains {
+        w::Domains {
+            ids: take(&mut d.ids),
+            aggregation: take(&mut d.aggregation),
+            nodes: take(&mut d.nodes),
+            idle_nodes: take(&mut d.idle_nodes),
+            gpus_total: take(&mut d.gpus_total),
+            gpus_idle: take(&mut d.gpus_idle),
+            fitting_tasks: take(&mut d.fitting_tasks),
+        }
+    }
+
+    pub fn restore_domains(d: &mut berth_sdk::Domains, w: &mut w::Domains) {
+        d.ids = take(&mut w.ids);
+        d.aggregation = take(&mut w.aggregation);
+        d.nodes = take(&mut w.nodes);
+        d.idle_nodes = take(&mut w.idle_nodes);
+        d.gpus_total = take(&mut w.gpus_total);
+        d.gpus_idle = take(&mut w.gpus_idle);
+        d.fitting_tasks = take(&mut w.fitting_tasks);
+    }
 }

@@ -8,9 +8,10 @@
 //! 8 infinite score · 9 deep recursion (stack overflow) · 10 log flood
 //! then honest · 11 returns a guest error.
 //! `rank`: job 0 honest, 1 duplicate index, 2 out-of-range index.
+//! `score-domains`: job 0 honest (all 0), 1 wrong length, 2 NaN.
 //! `configure("reject")` fails; anything else is accepted.
 
-use berth_sdk::{Allocations, Hooks, Level, Nodes, Policy, Scores, Task};
+use berth_sdk::{Allocations, Domains, Hooks, Level, Nodes, Policy, Scores, Task};
 
 #[derive(Default)]
 struct Hostile;
@@ -31,7 +32,15 @@ fn recurse(depth: u64, sink: &mut [u64; 64]) -> u64 {
 impl Policy for Hostile {
     const NAME: &'static str = "hostile";
     const VERSION: &'static str = "0.0.1";
-    const HOOKS: Hooks = Hooks::SCORE.union(Hooks::RANK);
+    const HOOKS: Hooks = Hooks::SCORE.union(Hooks::RANK).union(Hooks::DOMAINS);
+
+    fn score_domains(&mut self, task: &Task, domains: &Domains) -> Result<Vec<f64>, String> {
+        Ok(match task.job_id {
+            1 => vec![0.0; domains.len() + 3],
+            2 => vec![f64::NAN; domains.len()],
+            _ => vec![0.0; domains.len()],
+        })
+    }
 
     fn configure(&mut self, config: &str) -> Result<(), String> {
         if config == "reject" { Err("configuration rejected on purpose".into()) } else { Ok(()) }
