@@ -61,6 +61,15 @@ struct ReplayArgs {
     /// Simulated days of arrivals for --fleet (overrides the workload's).
     #[arg(long, requires = "fleet")]
     days: Option<f64>,
+    /// Starvation guard for --fleet: reserve capacity for a job that has
+    /// waited this many hours and still cannot start (backfill only work
+    /// that ends before the reservation).
+    #[arg(long, requires = "fleet")]
+    reserve_after_h: Option<f64>,
+    /// Starvation guard for --fleet: priority points a waiting job gains per
+    /// hour.
+    #[arg(long, requires = "fleet", default_value_t = 0.0)]
+    aging: f64,
     /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model). Omit both --nodes
     /// and --pods to replay a seeded, generated trace.
     #[arg(long, requires = "pods")]
@@ -297,6 +306,15 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs) 
     workload.seed = seeds[0];
     let jobs = workload.generate(&fleet);
     let horizon = (workload.days * 86_400.0) as u64;
+    anyhow::ensure!(args.aging >= 0.0 && args.aging.is_finite(), "--aging must be a non-negative number");
+    let guard = match args.reserve_after_h {
+        Some(h) => {
+            anyhow::ensure!(h >= 0.0 && h.is_finite(), "--reserve-after-h must be a non-negative number of hours");
+            Some(berth_core::sim::StarvationGuard { reserve_after_s: (h * 3600.0) as u64, aging_per_hour: args.aging })
+        }
+        None if args.aging > 0.0 => Some(berth_core::sim::StarvationGuard { reserve_after_s: u64::MAX, aging_per_hour: args.aging }),
+        None => None,
+    };
     let mut reports = Vec::new();
     for spec in &args.policies {
         let path = catalog::resolve(spec)?;
@@ -304,7 +322,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs) 
         if !args.quiet {
             eprintln!("simulating {} jobs with {} ...", jobs.len(), loaded.info.name);
         }
-        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon)?);
+        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, guard)?);
     }
     print!("{}", asi_report::table(&reports));
     if let Some(path) = &args.json {

@@ -81,7 +81,7 @@ fn event_replay_is_all_or_nothing_and_deterministic() {
     let mut policy = wasm_policy(&policy_path("best-fit"), Default::default());
     let mut f1 = fleet.clone();
     let horizon = 3 * 86_400;
-    let out = simulate(&mut f1, &jobs, &mut policy, SimConfig { horizon_s: horizon, high_priority: HIGH_PRIORITY }).unwrap();
+    let out = simulate(&mut f1, &jobs, &mut policy, SimConfig { horizon_s: horizon, high_priority: HIGH_PRIORITY, guard: None }).unwrap();
     f1.check_invariants().unwrap();
     // Overloaded: some jobs wait, some never start; none start early.
     assert!(out.jobs.iter().any(|o| o.start_s.is_none()));
@@ -101,11 +101,11 @@ fn event_replay_is_all_or_nothing_and_deterministic() {
     assert_eq!(f1.gpu_allocated_milli(), running, "gangs hold all their GPUs or none");
     assert!(out.utilisation.high_milli_s <= out.utilisation.all_milli_s);
 
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None).unwrap();
     assert!(report.allocation_pct > 30.0 && report.allocation_pct <= 100.0, "{}", report.allocation_pct);
     assert!(report.high_priority_allocation_pct <= report.allocation_pct);
     assert_eq!(report.classes.iter().map(|c| c.jobs).sum::<usize>(), jobs.len());
-    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon).unwrap();
+    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None).unwrap();
     assert_eq!((again.allocation_pct, again.classes.clone()), (report.allocation_pct, report.classes.clone()));
     if report.large_gangs_started > 0 {
         assert!(report.large_gang_domains_mean >= report.large_gang_domains_lower_bound_mean);
@@ -145,6 +145,13 @@ fn cli_event_replay() {
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(doc["reports"].as_array().unwrap().len(), 2);
 
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["replay", "--fleet", "asi", "--seeds", "1", "--policy", "best-fit", "--reserve-after-h=-1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--reserve-after-h"));
+
     std::fs::write(&workload, "days = -1\n").unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(["replay", "--fleet", "asi", "--seeds", "1", "--policy", "best-fit"])
@@ -164,8 +171,8 @@ fn entropy_policy_uses_fewer_domains_per_large_gang() {
     let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.03).build().unwrap();
     let jobs = WorkloadConfig { days: 4.0, seed: 5, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
-    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon).unwrap();
-    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon).unwrap();
+    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None).unwrap();
+    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, None).unwrap();
     assert!(blind.large_gangs_started > 20, "{}", blind.large_gangs_started);
     assert!(aware.large_gangs_started as f64 >= 0.95 * blind.large_gangs_started as f64);
     assert!(aware.large_gang_domains_mean >= aware.large_gang_domains_lower_bound_mean);
@@ -187,4 +194,24 @@ fn domain_table_matches_the_fleet() {
     assert_eq!(d.nodes.iter().sum::<u32>(), model0, "only nodes of the accepted model count");
     assert!(d.ids.windows(2).all(|w| w[0] < w[1]));
     assert!(d.fitting_tasks.iter().zip(&d.nodes).all(|(f, n)| f <= n), "one 8-GPU task per node at most");
+}
+
+/// Under overload, the starvation guard (reservations with drained nodes)
+/// starts more of the largest gangs and cuts their longest wait.
+#[test]
+fn starvation_guard_protects_the_largest_gangs() {
+    let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.02).build().unwrap();
+    let jobs = WorkloadConfig { days: 4.0, load: 1.2, seed: 1, ..WorkloadConfig::default() }.generate(&fleet);
+    let horizon = 4 * 86_400;
+    let policy = load(&policy_path("topo-entropy"));
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, None).unwrap();
+    let guard = berth_core::sim::StarvationGuard { reserve_after_s: 2 * 3600, aging_per_hour: 0.0 };
+    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, Some(guard)).unwrap();
+    assert_eq!(without.reservations, 0);
+    assert!(with.reservations > 0);
+    assert!(without.largest_gangs > 10, "{}", without.largest_gangs);
+    assert!(with.largest_gangs_started > without.largest_gangs_started, "{} vs {}", with.largest_gangs_started, without.largest_gangs_started);
+    assert!(with.largest_gang_wait_max_s < without.largest_gang_wait_max_s);
+    // Draining costs little allocation here.
+    assert!(with.allocation_pct > without.allocation_pct - 3.0, "{} vs {}", with.allocation_pct, without.allocation_pct);
 }

@@ -56,7 +56,7 @@ impl Placer {
         policy: &mut dyn PlacementPolicy,
         tie_rank: Option<&[u32]>,
     ) -> Result<Option<Placement>, PolicyError> {
-        self.place_among(fleet, shape, meta, policy, tie_rank, &|_| true)
+        self.place_among(fleet, shape, meta, policy, tie_rank, &|_, _| true)
     }
 
     /// [`Placer::place`] restricted to the nodes `keep` accepts (e.g. the
@@ -68,7 +68,7 @@ impl Placer {
         meta: TaskMeta,
         policy: &mut dyn PlacementPolicy,
         tie_rank: Option<&[u32]>,
-        keep: &dyn Fn(&Node) -> bool,
+        keep: &dyn Fn(NodeId, &Node) -> bool,
     ) -> Result<Option<Placement>, PolicyError> {
         self.candidates.clear();
         self.candidates.extend(
@@ -76,7 +76,7 @@ impl Placer {
                 .nodes()
                 .iter()
                 .enumerate()
-                .filter(|(_, n)| keep(n) && predicate::check(n, shape).is_ok())
+                .filter(|&(i, n)| keep(i as NodeId, n) && predicate::check(n, shape).is_ok())
                 .map(|(i, _)| i as NodeId),
         );
         if self.candidates.is_empty() {

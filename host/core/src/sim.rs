@@ -6,7 +6,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 
-use crate::fleet::{Allocation, Fleet};
+use crate::fleet::{Allocation, Fleet, NodeId};
 use crate::placement::{Placer, TaskMeta};
 use crate::policy::{PlacementPolicy, PolicyError};
 use crate::task::TaskShape;
@@ -61,15 +61,32 @@ pub struct SimOutcome {
     /// Scheduling passes run and placement calls made.
     pub passes: u64,
     pub placements: u64,
+    /// Reservations the starvation guard made.
+    pub reservations: u64,
 }
 
 /// Simulation settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SimConfig {
     /// Stop at this simulated time.
     pub horizon_s: u64,
     /// Jobs with priority >= this count as high priority in utilisation.
     pub high_priority: u32,
+    /// Keeps large gangs from waiting forever behind streams of small jobs.
+    pub guard: Option<StarvationGuard>,
+}
+
+/// The starvation guard: aging raises a waiting job's place in the queue,
+/// and a job that has waited long enough and still cannot start gets a
+/// reservation. While it holds one, other jobs start only if they will have
+/// ended by the reservation's time (the earliest time enough running work
+/// will have ended for it), so the reserved job starts then at the latest.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StarvationGuard {
+    /// A job waiting this long that cannot start gets the reservation.
+    pub reserve_after_s: u64,
+    /// Priority points added per hour of waiting.
+    pub aging_per_hour: f64,
 }
 
 /// Runs `jobs` (any order) on `fleet` with `policy` until the horizon.
@@ -87,6 +104,10 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
     let mut placer = Placer::new();
     let mut now = 0u64;
     let mut high_milli = 0u64;
+    // The job holding the reservation, the time it is planned for, and the
+    // nodes drained for it.
+    let mut reservation: Option<(usize, u64)> = None;
+    let mut drained: HashSet<NodeId> = HashSet::new();
 
     loop {
         // The next event: an arrival or a departure, whichever is first.
@@ -121,17 +142,34 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
             pending.push(i);
             next_arrival += 1;
         }
-        pending.sort_by_key(|&i| (Reverse(jobs[i].priority), jobs[i].arrival_s, jobs[i].id));
+        let aging = config.guard.map_or(0.0, |g| g.aging_per_hour);
+        let effective = |i: usize| {
+            let waited_h = (now - jobs[i].arrival_s) as f64 / 3600.0;
+            u64::from(jobs[i].priority) + (aging * waited_h) as u64
+        };
+        pending.sort_by_key(|&i| (Reverse(effective(i)), jobs[i].arrival_s, jobs[i].id));
         outcome.passes += 1;
-        let mut failed: HashSet<(u32, &TaskShape)> = HashSet::new();
+        if let Some((r, until)) = reservation
+            && (outcome.jobs[r].start_s.is_some() || now >= until)
+        {
+            reservation = None; // started, or the estimate passed: re-plan
+            drained.clear();
+        }
+        // Shapes that did not fit this pass (with or without the drained
+        // nodes): not retried until the next event.
+        let mut failed: HashSet<(bool, u32, &TaskShape)> = HashSet::new();
         let mut still_pending = Vec::with_capacity(pending.len());
         for &j in &pending {
             let job = &jobs[j];
-            if failed.contains(&(job.tasks, &job.shape)) {
+            // Under a reservation, work that would still run at its time
+            // keeps off the drained nodes; shorter work may use them.
+            let avoid_drained = reservation.is_some_and(|(r, until)| r != j && now.saturating_add(job.duration_s) > until);
+            if failed.contains(&(avoid_drained, job.tasks, &job.shape)) {
                 still_pending.push(j);
                 continue;
             }
-            match place_gang(fleet, &mut placer, policy, job, &mut outcome.placements)? {
+            let keep = |id: NodeId, _: &crate::fleet::Node| !avoid_drained || !drained.contains(&id);
+            match place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)? {
                 Some((allocs, domains)) => {
                     held[j] = allocs;
                     outcome.jobs[j] = JobOutcome { start_s: Some(now), domains };
@@ -141,8 +179,17 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
                     }
                 }
                 None => {
-                    failed.insert((job.tasks, &job.shape));
+                    failed.insert((avoid_drained, job.tasks, &job.shape));
                     still_pending.push(j);
+                    if let Some(g) = config.guard
+                        && reservation.is_none()
+                        && now - job.arrival_s >= g.reserve_after_s
+                    {
+                        let (until, nodes) = shadow_time(fleet, &running, &held, job);
+                        outcome.reservations += 1;
+                        reservation = Some((j, until));
+                        drained = nodes;
+                    }
                 }
             }
         }
@@ -160,6 +207,7 @@ pub fn place_gang(
     policy: &mut dyn PlacementPolicy,
     job: &Job,
     placements: &mut u64,
+    keep: &dyn Fn(NodeId, &crate::fleet::Node) -> bool,
 ) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
     if job.tasks > 1 && fitting_tasks(fleet, &job.shape, job.tasks) < job.tasks {
         return Ok(None); // cannot fit even ignoring placement: skip the policy
@@ -191,7 +239,7 @@ pub fn place_gang(
             allowed = Some(chosen);
         }
     }
-    let keep = |n: &crate::fleet::Node| allowed.as_ref().is_none_or(|a| a.contains(&n.switch_domain));
+    let keep = |id: NodeId, n: &crate::fleet::Node| keep(id, n) && allowed.as_ref().is_none_or(|a| a.contains(&n.switch_domain));
     let mut allocs = Vec::with_capacity(job.tasks as usize);
     for index in 0..job.tasks {
         let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: index };
@@ -213,6 +261,47 @@ pub fn place_gang(
     }
     let domains: HashSet<u32> = allocs.iter().map(|a| fleet.nodes()[a.node as usize].switch_domain).collect();
     Ok(Some((allocs, domains.len() as u32)))
+}
+
+/// The earliest time enough running work will have ended for `job` to fit,
+/// given the running jobs' planned ends (`u64::MAX` if it never would), and
+/// the nodes to drain for it: those that will hold it then, most capacity
+/// first.
+fn shadow_time(
+    fleet: &Fleet,
+    running: &BinaryHeap<Reverse<(u64, usize)>>,
+    held: &[Vec<Allocation>],
+    job: &Job,
+) -> (u64, HashSet<NodeId>) {
+    let mut ends: Vec<(u64, usize)> = running.iter().map(|Reverse(x)| *x).collect();
+    ends.sort_unstable();
+    let mut scratch = fleet.clone();
+    for (end, j) in ends {
+        for alloc in &held[j] {
+            scratch.release(alloc).expect("held by a running job");
+        }
+        if fitting_tasks(&scratch, &job.shape, job.tasks) >= job.tasks {
+            let mut by_room: Vec<(u32, NodeId)> = scratch
+                .nodes()
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (tasks_on_node(n, &job.shape), i as NodeId))
+                .filter(|&(t, _)| t > 0)
+                .collect();
+            by_room.sort_by_key(|&(t, i)| (Reverse(t), i));
+            let mut nodes = HashSet::new();
+            let mut room = 0;
+            for (t, i) in by_room {
+                if room >= job.tasks {
+                    break;
+                }
+                room += t;
+                nodes.insert(i);
+            }
+            return (end, nodes);
+        }
+    }
+    (u64::MAX, HashSet::new())
 }
 
 /// How many tasks of `shape` one node could hold right now.

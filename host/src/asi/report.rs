@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use berth_core::sim::{simulate, Job, SimConfig, SimOutcome};
+use berth_core::sim::{simulate, Job, SimConfig, SimOutcome, StarvationGuard};
 use berth_core::Fleet;
 use serde::Serialize;
 
@@ -14,6 +14,8 @@ use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
 
 /// Gangs of at least this many GPUs count as large.
 pub const LARGE_GANG_GPUS: u64 = 64;
+/// The largest gangs, whose waits the starvation guard protects.
+pub const LARGEST_GANG_GPUS: u64 = 256;
 
 #[derive(Debug, Serialize, Clone, PartialEq)]
 pub struct ClassReport {
@@ -43,6 +45,14 @@ pub struct EventReport {
     pub large_gangs_started: usize,
     pub large_gang_domains_mean: f64,
     pub large_gang_domains_lower_bound_mean: f64,
+    /// Gangs of >= 256 GPUs: arrived, started, and the p99 and max wait of
+    /// those started (s). Unstarted ones count as waiting to the horizon.
+    pub largest_gangs: usize,
+    pub largest_gangs_started: usize,
+    pub largest_gang_wait_p99_s: u64,
+    pub largest_gang_wait_max_s: u64,
+    /// Reservations made by the starvation guard.
+    pub reservations: u64,
     pub placement_calls: u64,
     /// Wall time of the simulation, s (informational).
     pub wall_s: f64,
@@ -90,6 +100,15 @@ pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out
         .filter(|(j, o)| j.gpus() >= LARGE_GANG_GPUS && o.start_s.is_some())
         .map(|(j, o)| (o.domains, j.gpus().div_ceil(per_domain)))
         .collect();
+    let horizon = out.utilisation.seconds as u64;
+    let mut largest_waits: Vec<u64> = jobs
+        .iter()
+        .zip(&out.jobs)
+        .filter(|(j, _)| j.gpus() >= LARGEST_GANG_GPUS)
+        .map(|(j, o)| o.start_s.unwrap_or(horizon.max(j.arrival_s)) - j.arrival_s)
+        .collect();
+    largest_waits.sort_unstable();
+    let largest_started = jobs.iter().zip(&out.jobs).filter(|(j, o)| j.gpus() >= LARGEST_GANG_GPUS && o.start_s.is_some()).count();
     let mean = |f: &dyn Fn(&(u32, u64)) -> f64| if large.is_empty() { 0.0 } else { large.iter().map(f).sum::<f64>() / large.len() as f64 };
     EventReport {
         policy: policy.to_string(),
@@ -103,6 +122,11 @@ pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out
         large_gangs_started: large.len(),
         large_gang_domains_mean: mean(&|x| f64::from(x.0)),
         large_gang_domains_lower_bound_mean: mean(&|x| x.1 as f64),
+        largest_gangs: largest_waits.len(),
+        largest_gangs_started: largest_started,
+        largest_gang_wait_p99_s: percentile(&largest_waits, 99.0),
+        largest_gang_wait_max_s: largest_waits.last().copied().unwrap_or(0),
+        reservations: out.reservations,
         placement_calls: out.placements,
         wall_s,
     }
@@ -116,11 +140,12 @@ pub fn run_policy(
     topo: &Topology,
     jobs: &[Job],
     horizon_s: u64,
+    guard: Option<StarvationGuard>,
 ) -> anyhow::Result<EventReport> {
     let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
     let mut fleet = fleet.clone();
     let started = std::time::Instant::now();
-    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY })?;
+    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guard })?;
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
     Ok(summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64()))
 }
@@ -156,6 +181,9 @@ pub fn table(reports: &[EventReport]) -> String {
     out.push_str(&row("large gangs (>=64 GPUs) started", &|r| r.large_gangs_started.to_string()));
     out.push_str(&row("  switch domains used (mean)", &|r| format!("{:.2}", r.large_gang_domains_mean)));
     out.push_str(&row("  lower bound (mean)", &|r| format!("{:.2}", r.large_gang_domains_lower_bound_mean)));
+    out.push_str(&row("gangs >=256 GPUs: started/arrived", &|r| format!("{}/{}", r.largest_gangs_started, r.largest_gangs)));
+    out.push_str(&row("  wait p99 / max", &|r| format!("{}/{}", hours(r.largest_gang_wait_p99_s), hours(r.largest_gang_wait_max_s))));
+    out.push_str(&row("reservations", &|r| r.reservations.to_string()));
     out.push_str(&row("placement calls", &|r| r.placement_calls.to_string()));
     out.push_str(&row("wall time", &|r| format!("{:.1} s", r.wall_s)));
     out
