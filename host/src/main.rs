@@ -30,6 +30,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Event-driven replay of a fleet config (`--fleet`), then the
+    /// accounting at the end: installed / healthy / schedulable / busy /
+    /// productive GPUs per model, stranded GPUs by cause, and a shape quote.
+    Report(ReplayArgs),
     /// Replay a trace (openb node and pod lists, or a generated one) with
     /// each policy and seed under the FGD paper's protocol.
     Replay(ReplayArgs),
@@ -61,6 +65,11 @@ struct ReplayArgs {
     /// Simulated days of arrivals for --fleet (overrides the workload's).
     #[arg(long, requires = "fleet")]
     days: Option<f64>,
+    /// Quote a shape at the end of a --fleet run, e.g.
+    /// `model=H800,gpus=8,cores=128,memory-gib=512,tasks=32,same-domain`:
+    /// how many could start now and when the next could.
+    #[arg(long, requires = "fleet")]
+    quote: Option<String>,
     /// Starvation guard for --fleet: reserve capacity for a job that has
     /// waited this many hours and still cannot start (backfill only work
     /// that ends before the reservation).
@@ -186,6 +195,10 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Replay(args) => replay(engine()?, args)?,
+        Command::Report(args) => {
+            let fleet = args.fleet.clone().ok_or_else(|| anyhow::anyhow!("berth report needs --fleet (asi or a fleet TOML)"))?;
+            event_replay(engine()?, &fleet, &args, true)?
+        }
         Command::Bench { what: BenchCommand::Place { policy, fleet, fleet_scale, jobs, json } } => {
             let r = bench::place(engine()?, &policy, &fleet, fleet_scale, jobs)?;
             if json {
@@ -242,7 +255,7 @@ fn main() -> anyhow::Result<()> {
 
 fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(fleet) = &args.fleet {
-        return event_replay(engine, fleet, &args);
+        return event_replay(engine, fleet, &args, false);
     }
     let opts = replay::ReplayOptions {
         trace: args.nodes.clone().zip(args.pods.clone()),
@@ -288,7 +301,34 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs) -> anyhow::Result<()> {
+/// Parses `model=H800,gpus=8,cores=128,memory-gib=512,tasks=32,same-domain`.
+fn parse_quote(spec: &str, fleet: &berth_core::Fleet) -> anyhow::Result<berth_core::accounting::PendingShape> {
+    let mut shape = berth_core::TaskShape { gpu_count: 1, gpu_milli: 1000, ..Default::default() };
+    let (mut tasks, mut same_domain) = (1u32, false);
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (key, value) = part.split_once('=').unwrap_or((part, ""));
+        let num = || value.parse::<u32>().with_context(|| format!("--quote {key}={value:?}: not a whole number"));
+        match key {
+            "model" => {
+                let id = fleet.model_id(value).ok_or_else(|| anyhow::anyhow!("--quote model={value:?}: the fleet has {:?}", fleet.models))?;
+                shape.models = vec![id];
+            }
+            "gpus" => shape.gpu_count = num()?,
+            "cores" => shape.cpu_milli = num()? * 1000,
+            "memory-gib" => shape.memory_mib = u64::from(num()?) * 1024,
+            "tasks" => tasks = num()?.max(1),
+            "same-domain" => same_domain = true,
+            other => anyhow::bail!("--quote: unknown key {other:?} (model, gpus, cores, memory-gib, tasks, same-domain)"),
+        }
+    }
+    if shape.gpu_count == 0 {
+        shape.gpu_milli = 0;
+    }
+    shape.check().map_err(|e| anyhow::anyhow!("--quote: {e}"))?;
+    Ok(berth_core::accounting::PendingShape { shape, tasks, same_domain })
+}
+
+fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, accounting: bool) -> anyhow::Result<()> {
     use berth::asi::{fleet::FleetConfig, report as asi_report, workload::WorkloadConfig};
     anyhow::ensure!(args.fleet_scale > 0.0 && args.fleet_scale <= 10.0, "--fleet-scale must be in (0, 10]");
     let config = FleetConfig::load(fleet_spec)?.scaled(args.fleet_scale);
@@ -315,6 +355,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs) 
         None if args.aging > 0.0 => Some(berth_core::sim::StarvationGuard { reserve_after_s: u64::MAX, aging_per_hour: args.aging }),
         None => None,
     };
+    let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
     let mut reports = Vec::new();
     for spec in &args.policies {
         let path = catalog::resolve(spec)?;
@@ -322,9 +363,14 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs) 
         if !args.quiet {
             eprintln!("simulating {} jobs with {} ...", jobs.len(), loaded.info.name);
         }
-        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, guard)?);
+        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, guard, request.as_ref())?);
     }
     print!("{}", asi_report::table(&reports));
+    if accounting || request.is_some() {
+        for r in &reports {
+            print!("\n{}", asi_report::accounting_table(r));
+        }
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "reports": reports }))?)
             .with_context(|| format!("writing {}", path.display()))?;

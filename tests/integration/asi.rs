@@ -101,11 +101,11 @@ fn event_replay_is_all_or_nothing_and_deterministic() {
     assert_eq!(f1.gpu_allocated_milli(), running, "gangs hold all their GPUs or none");
     assert!(out.utilisation.high_milli_s <= out.utilisation.all_milli_s);
 
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
     assert!(report.allocation_pct > 30.0 && report.allocation_pct <= 100.0, "{}", report.allocation_pct);
     assert!(report.high_priority_allocation_pct <= report.allocation_pct);
     assert_eq!(report.classes.iter().map(|c| c.jobs).sum::<usize>(), jobs.len());
-    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None).unwrap();
+    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
     assert_eq!((again.allocation_pct, again.classes.clone()), (report.allocation_pct, report.classes.clone()));
     if report.large_gangs_started > 0 {
         assert!(report.large_gang_domains_mean >= report.large_gang_domains_lower_bound_mean);
@@ -146,6 +146,23 @@ fn cli_event_replay() {
     assert_eq!(doc["reports"].as_array().unwrap().len(), 2);
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["report", "--fleet", "asi", "--fleet-scale", "0.005", "--seeds", "3", "--policy", "topo-entropy", "--quiet"])
+        .args(["--quote", "model=H800,gpus=8,cores=64,tasks=2,same-domain", "--days", "1"])
+        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in ["installed", "healthy", "schedulable", "productive", "stranded", "quote:"] {
+        assert!(text.contains(needle), "{needle}: {text}");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["report", "--fleet", "asi", "--seeds", "1", "--policy", "best-fit", "--quote", "model=H800,colour=red"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown key \"colour\""), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(["replay", "--fleet", "asi", "--seeds", "1", "--policy", "best-fit", "--reserve-after-h=-1"])
         .output()
         .unwrap();
@@ -171,8 +188,8 @@ fn entropy_policy_uses_fewer_domains_per_large_gang() {
     let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.03).build().unwrap();
     let jobs = WorkloadConfig { days: 4.0, seed: 5, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
-    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None).unwrap();
-    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, None).unwrap();
+    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
+    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
     assert!(blind.large_gangs_started > 20, "{}", blind.large_gangs_started);
     assert!(aware.large_gangs_started as f64 >= 0.95 * blind.large_gangs_started as f64);
     assert!(aware.large_gang_domains_mean >= aware.large_gang_domains_lower_bound_mean);
@@ -204,9 +221,9 @@ fn starvation_guard_protects_the_largest_gangs() {
     let jobs = WorkloadConfig { days: 4.0, load: 1.2, seed: 1, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
     let policy = load(&policy_path("topo-entropy"));
-    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, None).unwrap();
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, None, None).unwrap();
     let guard = berth_core::sim::StarvationGuard { reserve_after_s: 2 * 3600, aging_per_hour: 0.0 };
-    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, Some(guard)).unwrap();
+    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, Some(guard), None).unwrap();
     assert_eq!(without.reservations, 0);
     assert!(with.reservations > 0);
     assert!(without.largest_gangs > 10, "{}", without.largest_gangs);

@@ -5,6 +5,7 @@
 //! handed a policy through [`policy::PlacementPolicy`] and the caller decides
 //! time, so the same code runs in the live host and in deterministic replay.
 
+pub mod accounting;
 pub mod fleet;
 pub mod placement;
 pub mod policy;

@@ -63,6 +63,12 @@ pub struct SimOutcome {
     pub placements: u64,
     /// Reservations the starvation guard made.
     pub reservations: u64,
+    /// Jobs still waiting at the end, and the work still running (planned
+    /// end, allocations) — the state accounting and quotes look at.
+    pub pending_at_end: Vec<usize>,
+    pub running_at_end: Vec<(u64, usize, Vec<Allocation>)>,
+    /// Simulated time at the end.
+    pub end_s: u64,
 }
 
 /// Simulation settings.
@@ -195,6 +201,9 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
         }
         pending = still_pending;
     }
+    outcome.end_s = now;
+    outcome.pending_at_end = pending;
+    outcome.running_at_end = running.into_iter().map(|Reverse((end, j))| (end, j, std::mem::take(&mut held[j]))).collect();
     Ok(outcome)
 }
 

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use berth_core::accounting::{account, quote, Accounting, PendingShape, Quote};
 use berth_core::sim::{simulate, Job, SimConfig, SimOutcome, StarvationGuard};
 use berth_core::Fleet;
 use serde::Serialize;
@@ -53,6 +54,10 @@ pub struct EventReport {
     pub largest_gang_wait_max_s: u64,
     /// Reservations made by the starvation guard.
     pub reservations: u64,
+    /// The three denominators and stranded GPUs at the end of the run.
+    pub accounting: Accounting,
+    /// The quote for the requested shape at the end of the run, if any.
+    pub quote: Option<Quote>,
     pub placement_calls: u64,
     /// Wall time of the simulation, s (informational).
     pub wall_s: f64,
@@ -127,9 +132,41 @@ pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out
         largest_gang_wait_p99_s: percentile(&largest_waits, 99.0),
         largest_gang_wait_max_s: largest_waits.last().copied().unwrap_or(0),
         reservations: out.reservations,
+        accounting: Accounting::default(),
+        quote: None,
         placement_calls: out.placements,
         wall_s,
     }
+}
+
+/// Share of an allocation doing useful work, by class: online inference
+/// follows its daily demand (half idle at the trough), the rest loses a
+/// little to checkpoints and restarts. Synthetic: live hosts measure it.
+fn productive_share(job: &Job, at_s: u64) -> f64 {
+    match job.class {
+        0 => 0.75 + 0.25 * (std::f64::consts::TAU * at_s as f64 / 86_400.0).sin(),
+        _ => 0.95,
+    }
+}
+
+/// Accounts the fleet as the simulation left it: pending shapes are the
+/// distinct shapes still waiting (gangs want one switch domain).
+pub fn account_at_end(fleet: &Fleet, topo: &Topology, jobs: &[Job], out: &SimOutcome) -> Accounting {
+    let mut pending: Vec<PendingShape> = Vec::new();
+    for &j in &out.pending_at_end {
+        let p = PendingShape { shape: jobs[j].shape.clone(), tasks: jobs[j].tasks, same_domain: jobs[j].tasks > 1 };
+        if !pending.contains(&p) {
+            pending.push(p);
+        }
+    }
+    let mut productive = vec![0u64; fleet.nodes().len()];
+    for (_, j, allocs) in &out.running_at_end {
+        let share = productive_share(&jobs[*j], out.end_s);
+        for a in allocs {
+            productive[a.node as usize] += (a.gpu_milli_total() as f64 * share) as u64;
+        }
+    }
+    account(fleet, &pending, &topo.partition, &|i, _| productive[i])
 }
 
 /// Simulates `jobs` on a fresh copy of `fleet` with one wasm policy.
@@ -141,13 +178,20 @@ pub fn run_policy(
     jobs: &[Job],
     horizon_s: u64,
     guard: Option<StarvationGuard>,
+    request: Option<&PendingShape>,
 ) -> anyhow::Result<EventReport> {
     let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
     let mut fleet = fleet.clone();
     let started = std::time::Instant::now();
     let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guard })?;
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
-    Ok(summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64()))
+    let mut report = summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64());
+    report.accounting = account_at_end(&fleet, topo, jobs, &out);
+    if let Some(request) = request {
+        let running: Vec<(u64, Vec<berth_core::Allocation>)> = out.running_at_end.iter().map(|(e, _, a)| (*e, a.clone())).collect();
+        report.quote = Some(quote(&fleet, request, &running, out.end_s));
+    }
+    Ok(report)
 }
 
 fn hours(s: u64) -> String {
@@ -186,5 +230,43 @@ pub fn table(reports: &[EventReport]) -> String {
     out.push_str(&row("reservations", &|r| r.reservations.to_string()));
     out.push_str(&row("placement calls", &|r| r.placement_calls.to_string()));
     out.push_str(&row("wall time", &|r| format!("{:.1} s", r.wall_s)));
+    out
+}
+
+/// The accounting tables of one report: denominators per model and in
+/// total, stranded GPUs by cause, and the quote.
+pub fn accounting_table(r: &EventReport) -> String {
+    let a = &r.accounting;
+    let mut out = format!("{} at the end of the run\n", r.policy);
+    out.push_str(&format!("{:<12}{:>12}{:>12}{:>14}{:>12}{:>12}\n", "GPUs", "installed", "healthy", "schedulable", "busy", "productive"));
+    let line = |name: &str, d: &berth_core::accounting::Denominators| {
+        format!("{name:<12}{:>12.0}{:>12.0}{:>14.1}{:>12.1}{:>12.1}\n", d.installed, d.healthy, d.schedulable, d.busy, d.productive)
+    };
+    for (model, d) in &a.by_model {
+        out.push_str(&line(model, d));
+    }
+    out.push_str(&line("total", &a.total));
+    let pct = |x: f64, of: f64| if of > 0.0 { 100.0 * x / of } else { 0.0 };
+    out.push_str(&format!(
+        "busy: {:.1}% of installed, {:.1}% of healthy; productive: {:.1}% of busy\n",
+        pct(a.total.busy, a.total.installed),
+        pct(a.total.busy, a.total.healthy),
+        pct(a.total.productive, a.total.busy)
+    ));
+    out.push_str("idle GPUs stranded (no pending shape can use them):");
+    if a.stranded.is_empty() {
+        out.push_str(" none");
+    }
+    for (cause, g) in &a.stranded {
+        out.push_str(&format!(" {cause:?} {g:.1};"));
+    }
+    out.push('\n');
+    if let Some(q) = &r.quote {
+        out.push_str(&format!(
+            "quote: {} could start now; next {}\n",
+            q.now,
+            q.next_in_s.map_or("not within running work".to_string(), |s| format!("in {:.1} h", s as f64 / 3600.0))
+        ));
+    }
     out
 }

@@ -1,0 +1,186 @@
+//! Fleet accounting with the three denominators ASI reports need:
+//! physical (installed, healthy), schedulable (idle capacity some pending
+//! shape can use now) and productive (allocated and advancing work), plus
+//! idle GPUs stranded by cause and shape quotes. Pure functions of fleet
+//! state.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::fleet::{Allocation, Fleet, Node};
+use crate::predicate::{self, Unfit};
+use crate::sim::{fitting_tasks, tasks_on_node};
+use crate::task::TaskShape;
+use crate::MILLI_PER_GPU;
+
+/// GPUs (in whole GPUs, fractional where shared) of one group of nodes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Denominators {
+    pub installed: f64,
+    pub healthy: f64,
+    /// Idle GPU capacity on healthy nodes that at least one pending shape
+    /// could use now.
+    pub schedulable: f64,
+    pub busy: f64,
+    /// Allocated and advancing work (from telemetry; the caller's estimate
+    /// in replay).
+    pub productive: f64,
+}
+
+/// Why idle GPUs on healthy nodes serve no pending shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum StrandedCause {
+    /// No pending shape accepts the node's GPU model.
+    ModelMismatch,
+    /// The GPUs are free but the host lacks CPU or memory for any shape.
+    CpuStarved,
+    /// The node is partly used: too few whole GPUs (or shares) left.
+    PartiallyUsed,
+    /// A task would fit the node, but its gang cannot fit the node's switch
+    /// domain.
+    Topology,
+}
+
+/// A pending shape: per-task shape, tasks, and whether the gang must stay
+/// within one switch domain.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PendingShape {
+    pub shape: TaskShape,
+    pub tasks: u32,
+    pub same_domain: bool,
+}
+
+/// The accounting of a fleet at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Accounting {
+    pub total: Denominators,
+    /// By GPU model name.
+    pub by_model: BTreeMap<String, Denominators>,
+    /// By partition (as the caller numbers them).
+    pub by_partition: BTreeMap<u32, Denominators>,
+    /// Idle GPUs on healthy nodes no pending shape can use, by cause.
+    pub stranded: BTreeMap<StrandedCause, f64>,
+}
+
+fn gpus(milli: u64) -> f64 {
+    milli as f64 / f64::from(MILLI_PER_GPU)
+}
+
+/// How the idle GPUs of one healthy node stand against the pending shapes:
+/// `None` if some shape can use them, else the cause.
+fn idle_cause(node: &Node, pending: &[PendingShape], room: &[BTreeMap<u32, u32>]) -> Option<StrandedCause> {
+    let mut best: Option<StrandedCause> = None;
+    let mut note = |c: StrandedCause| best = Some(best.map_or(c, |b: StrandedCause| b.max(c)));
+    for (p, room) in pending.iter().zip(room) {
+        match predicate::check(node, &p.shape) {
+            Ok(()) => {
+                if p.same_domain && p.tasks > 1 && room.get(&node.switch_domain).copied().unwrap_or(0) < p.tasks {
+                    note(StrandedCause::Topology);
+                } else {
+                    return None;
+                }
+            }
+            Err(Unfit::ModelMismatch) | Err(Unfit::Unschedulable) => note(StrandedCause::ModelMismatch),
+            Err(Unfit::Cpu) | Err(Unfit::Memory) => {
+                // CPU-starved only if the GPUs themselves would do.
+                let gpu_only = TaskShape { cpu_milli: 0, memory_mib: 0, ..p.shape.clone() };
+                if predicate::check(node, &gpu_only).is_ok() {
+                    note(StrandedCause::CpuStarved);
+                } else {
+                    note(StrandedCause::PartiallyUsed);
+                }
+            }
+            Err(Unfit::GpuCount) | Err(Unfit::GpuFree) => note(StrandedCause::PartiallyUsed),
+        }
+    }
+    Some(best.unwrap_or(StrandedCause::ModelMismatch))
+}
+
+/// Accounts `fleet` against the `pending` shapes. `partition_of[node]` names
+/// each node's partition; `productive_milli(node)` is the allocated
+/// milli-GPU doing useful work there.
+pub fn account(fleet: &Fleet, pending: &[PendingShape], partition_of: &[u32], productive_milli: &dyn Fn(usize, &Node) -> u64) -> Accounting {
+    let mut acc = Accounting::default();
+    // Tasks of each same-domain gang shape that fit per domain, computed
+    // once per shape.
+    let room: Vec<BTreeMap<u32, u32>> = pending
+        .iter()
+        .map(|p| {
+            let mut m = BTreeMap::new();
+            if p.same_domain && p.tasks > 1 {
+                for n in fleet.nodes() {
+                    *m.entry(n.switch_domain).or_insert(0) += tasks_on_node(n, &p.shape);
+                }
+            }
+            m
+        })
+        .collect();
+    for (i, node) in fleet.nodes().iter().enumerate() {
+        let installed = node.gpu_total_milli();
+        let free = node.gpu_free_milli();
+        let busy = installed - free;
+        let mut d = Denominators { installed: gpus(installed), busy: gpus(busy), productive: gpus(productive_milli(i, node).min(busy)), ..Default::default() };
+        if node.schedulable {
+            d.healthy = gpus(installed);
+            if free > 0 {
+                match idle_cause(node, pending, &room) {
+                    None => d.schedulable = gpus(free),
+                    Some(cause) => *acc.stranded.entry(cause).or_insert(0.0) += gpus(free),
+                }
+            }
+        }
+        let model = node.model.map_or_else(|| "cpu-only".to_string(), |m| fleet.models[m as usize].clone());
+        for target in [&mut acc.total, acc.by_model.entry(model).or_default(), acc.by_partition.entry(partition_of.get(i).copied().unwrap_or(0)).or_default()] {
+            target.installed += d.installed;
+            target.healthy += d.healthy;
+            target.schedulable += d.schedulable;
+            target.busy += d.busy;
+            target.productive += d.productive;
+        }
+    }
+    acc
+}
+
+/// A shape quote: how many could start now, and when the next could.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Quote {
+    /// Copies of the whole request (all tasks) that fit right now.
+    pub now: u32,
+    /// Seconds from now until one more copy could start as running work
+    /// ends on plan; `None` if never (or not within the running work).
+    pub next_in_s: Option<u64>,
+}
+
+/// Quotes `request` on `fleet`, given running work as (planned end, its
+/// allocations), at time `now_s`.
+pub fn quote(fleet: &Fleet, request: &PendingShape, running: &[(u64, Vec<Allocation>)], now_s: u64) -> Quote {
+    let copies = |f: &Fleet| -> u32 {
+        if request.same_domain && request.tasks > 1 {
+            let mut per: BTreeMap<u32, u32> = BTreeMap::new();
+            for n in f.nodes() {
+                *per.entry(n.switch_domain).or_insert(0) += tasks_on_node(n, &request.shape);
+            }
+            per.values().map(|&t| t / request.tasks).sum()
+        } else {
+            fitting_tasks(f, &request.shape, u32::MAX) / request.tasks.max(1)
+        }
+    };
+    let now = copies(fleet);
+    let mut ends: Vec<&(u64, Vec<Allocation>)> = running.iter().collect();
+    ends.sort_by_key(|(end, _)| *end);
+    let mut scratch = fleet.clone();
+    let mut next_in_s = None;
+    for (end, allocs) in ends {
+        for a in allocs {
+            if scratch.release(a).is_err() {
+                return Quote { now, next_in_s: None };
+            }
+        }
+        if copies(&scratch) > now {
+            next_in_s = Some(end.saturating_sub(now_s));
+            break;
+        }
+    }
+    Quote { now, next_in_s }
+}
