@@ -59,15 +59,18 @@ struct ReplayArgs {
     /// Scale every node count of the fleet config (e.g. 0.05 for 1,000 nodes).
     #[arg(long, default_value_t = 1.0, requires = "fleet")]
     fleet_scale: f64,
-    /// Workload config (TOML) for --fleet; default: ASI's job mix.
+    /// Workload for --fleet: a TOML config of the generator (default: ASI's
+    /// job mix), or a CSV of jobs (id,class,arrival_s,duration_s,tasks,gpus,
+    /// gpu_milli,cpu_milli,memory_mib,model).
     #[arg(long, requires = "fleet")]
     workload: Option<PathBuf>,
     /// Simulated days of arrivals for --fleet (overrides the workload's).
     #[arg(long, requires = "fleet")]
     days: Option<f64>,
     /// Quote a shape at the end of a --fleet run, e.g.
-    /// `model=H800,gpus=8,cores=128,memory-gib=512,tasks=32,same-domain`:
-    /// how many could start now and when the next could.
+    /// `model=H800,gpus=8,cores=128,memory-gib=512,tasks=32,same-domain,deadline-h=2`:
+    /// how many could start now, when the next could, and whether one can
+    /// start by the deadline.
     #[arg(long, requires = "fleet")]
     quote: Option<String>,
     /// Starvation guard for --fleet: reserve capacity for a job that has
@@ -302,9 +305,9 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
 }
 
 /// Parses `model=H800,gpus=8,cores=128,memory-gib=512,tasks=32,same-domain`.
-fn parse_quote(spec: &str, fleet: &berth_core::Fleet) -> anyhow::Result<berth_core::accounting::PendingShape> {
+fn parse_quote(spec: &str, fleet: &berth_core::Fleet) -> anyhow::Result<(berth_core::accounting::PendingShape, Option<u64>)> {
     let mut shape = berth_core::TaskShape { gpu_count: 1, gpu_milli: 1000, ..Default::default() };
-    let (mut tasks, mut same_domain) = (1u32, false);
+    let (mut tasks, mut same_domain, mut deadline) = (1u32, false, None);
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (key, value) = part.split_once('=').unwrap_or((part, ""));
         let num = || value.parse::<u32>().with_context(|| format!("--quote {key}={value:?}: not a whole number"));
@@ -318,14 +321,19 @@ fn parse_quote(spec: &str, fleet: &berth_core::Fleet) -> anyhow::Result<berth_co
             "memory-gib" => shape.memory_mib = u64::from(num()?) * 1024,
             "tasks" => tasks = num()?.max(1),
             "same-domain" => same_domain = true,
-            other => anyhow::bail!("--quote: unknown key {other:?} (model, gpus, cores, memory-gib, tasks, same-domain)"),
+            "deadline-h" => {
+                let h: f64 = value.parse().with_context(|| format!("--quote deadline-h={value:?}: not a number"))?;
+                anyhow::ensure!(h >= 0.0 && h.is_finite(), "--quote deadline-h must be a non-negative number of hours");
+                deadline = Some((h * 3600.0) as u64);
+            }
+            other => anyhow::bail!("--quote: unknown key {other:?} (model, gpus, cores, memory-gib, tasks, same-domain, deadline-h)"),
         }
     }
     if shape.gpu_count == 0 {
         shape.gpu_milli = 0;
     }
     shape.check().map_err(|e| anyhow::anyhow!("--quote: {e}"))?;
-    Ok(berth_core::accounting::PendingShape { shape, tasks, same_domain })
+    Ok((berth_core::accounting::PendingShape { shape, tasks, same_domain }, deadline))
 }
 
 fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, accounting: bool) -> anyhow::Result<()> {
@@ -333,9 +341,13 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     anyhow::ensure!(args.fleet_scale > 0.0 && args.fleet_scale <= 10.0, "--fleet-scale must be in (0, 10]");
     let config = FleetConfig::load(fleet_spec)?.scaled(args.fleet_scale);
     let (fleet, topo) = config.build()?;
+    let csv_jobs = match &args.workload {
+        Some(path) if path.extension().is_some_and(|e| e == "csv") => Some(berth::asi::workload::read_csv(path, &fleet)?),
+        _ => None,
+    };
     let mut workload = match &args.workload {
-        Some(path) => WorkloadConfig::load_file(&path.to_string_lossy())?,
-        None => WorkloadConfig::default(),
+        Some(path) if csv_jobs.is_none() => WorkloadConfig::load_file(&path.to_string_lossy())?,
+        _ => WorkloadConfig::default(),
     };
     if let Some(days) = args.days {
         workload.days = days;
@@ -344,7 +356,16 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     let seeds = replay::parse_seeds(&args.seeds).context("--seeds")?;
     anyhow::ensure!(seeds.len() == 1, "event-driven replay takes one seed (--seeds N)");
     workload.seed = seeds[0];
-    let jobs = workload.generate(&fleet);
+    let jobs = match csv_jobs {
+        Some(jobs) => {
+            if args.days.is_none() {
+                // Run until the last job could have ended.
+                workload.days = jobs.iter().map(|j| j.arrival_s + j.duration_s).max().unwrap_or(0) as f64 / 86_400.0 + 1e-6;
+            }
+            jobs
+        }
+        None => workload.generate(&fleet),
+    };
     let horizon = (workload.days * 86_400.0) as u64;
     anyhow::ensure!(args.aging >= 0.0 && args.aging.is_finite(), "--aging must be a non-negative number");
     let guard = match args.reserve_after_h {

@@ -147,13 +147,13 @@ fn cli_event_replay() {
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(["report", "--fleet", "asi", "--fleet-scale", "0.005", "--seeds", "3", "--policy", "topo-entropy", "--quiet"])
-        .args(["--quote", "model=H800,gpus=8,cores=64,tasks=2,same-domain", "--days", "1"])
+        .args(["--quote", "model=H800,gpus=8,cores=64,tasks=2,same-domain,deadline-h=1", "--days", "1"])
         .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
-    for needle in ["installed", "healthy", "schedulable", "productive", "stranded", "quote:"] {
+    for needle in ["installed", "healthy", "schedulable", "productive", "stranded", "quote:", "deadline"] {
         assert!(text.contains(needle), "{needle}: {text}");
     }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
@@ -231,4 +231,38 @@ fn starvation_guard_protects_the_largest_gangs() {
     assert!(with.largest_gang_wait_max_s < without.largest_gang_wait_max_s);
     // Draining costs little allocation here.
     assert!(with.allocation_pct > without.allocation_pct - 3.0, "{} vs {}", with.allocation_pct, without.allocation_pct);
+}
+
+#[test]
+fn workload_csv_reads_jobs_and_names_bad_rows() {
+    let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.002).build().unwrap();
+    let dir = std::env::temp_dir().join(format!("berth-jobs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let header = berth::asi::workload::CSV_COLUMNS.join(",");
+    let good = dir.join("jobs.csv");
+    std::fs::write(
+        &good,
+        format!("{header}\n1,training,0,3600,2,8,1000,64000,1024,H20\n2,offline-inference,10,600,1,1,1000,8000,1024,\n3,development,20,60,1,0,0,1000,10,\n"),
+    )
+    .unwrap();
+    let jobs = berth::asi::workload::read_csv(&good, &fleet).unwrap();
+    assert_eq!(jobs.len(), 3);
+    assert_eq!((jobs[0].tasks, jobs[0].gpus(), jobs[0].priority), (2, 16, HIGH_PRIORITY));
+    assert!(jobs[1].priority < HIGH_PRIORITY && jobs[1].shape.models.is_empty());
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, 7200, None, None).unwrap();
+    assert_eq!(report.classes.iter().map(|c| c.started).sum::<usize>(), 3);
+
+    for (row, needle) in [
+        ("1,teaching,0,1,1,1,1000,1,1,", "column \"class\""),
+        ("1,training,0,1,1,1,1000,1,1,Z80", "column \"model\""),
+        ("1,training,soon,1,1,1,1000,1,1,", "column \"arrival_s\""),
+        ("1,training,0,1,0,1,1000,1,1,", "column \"tasks\""),
+        ("1,training,0,1,1,2,500,1,1,", "single GPU"),
+    ] {
+        let bad = dir.join("bad.csv");
+        std::fs::write(&bad, format!("{header}\n{row}\n")).unwrap();
+        let err = berth::asi::workload::read_csv(&bad, &fleet).unwrap_err().to_string();
+        assert!(err.contains("bad.csv:2") && err.contains(needle), "{row}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

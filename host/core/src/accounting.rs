@@ -150,11 +150,15 @@ pub struct Quote {
     /// Seconds from now until one more copy could start as running work
     /// ends on plan; `None` if never (or not within the running work).
     pub next_in_s: Option<u64>,
+    /// With a start deadline (seconds from now): whether one copy can start
+    /// by then (now, or as running work ends).
+    pub meets_deadline: Option<bool>,
 }
 
 /// Quotes `request` on `fleet`, given running work as (planned end, its
-/// allocations), at time `now_s`.
-pub fn quote(fleet: &Fleet, request: &PendingShape, running: &[(u64, Vec<Allocation>)], now_s: u64) -> Quote {
+/// allocations), at time `now_s`, against an optional start deadline
+/// (seconds from now).
+pub fn quote(fleet: &Fleet, request: &PendingShape, running: &[(u64, Vec<Allocation>)], now_s: u64, deadline_s: Option<u64>) -> Quote {
     let copies = |f: &Fleet| -> u32 {
         if request.same_domain && request.tasks > 1 {
             let mut per: BTreeMap<u32, u32> = BTreeMap::new();
@@ -174,7 +178,7 @@ pub fn quote(fleet: &Fleet, request: &PendingShape, running: &[(u64, Vec<Allocat
     for (end, allocs) in ends {
         for a in allocs {
             if scratch.release(a).is_err() {
-                return Quote { now, next_in_s: None };
+                return Quote { now, next_in_s: None, meets_deadline: deadline_s.map(|_| now > 0) };
             }
         }
         if copies(&scratch) > now {
@@ -182,5 +186,6 @@ pub fn quote(fleet: &Fleet, request: &PendingShape, running: &[(u64, Vec<Allocat
             break;
         }
     }
-    Quote { now, next_in_s }
+    let meets_deadline = deadline_s.map(|d| now > 0 || next_in_s.is_some_and(|n| n <= d));
+    Quote { now, next_in_s, meets_deadline }
 }

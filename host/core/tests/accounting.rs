@@ -59,12 +59,17 @@ fn gangs_that_want_one_domain_strand_split_capacity() {
 #[test]
 fn quotes_count_now_and_the_next_start() {
     let (fleet, allocs) = fleet();
-    let q = quote(&fleet, &whole_node_a(1, false), &[(5_000, vec![allocs[0].clone()]), (9_000, vec![allocs[1].clone()])], 1_000);
+    let q = quote(&fleet, &whole_node_a(1, false), &[(5_000, vec![allocs[0].clone()]), (9_000, vec![allocs[1].clone()])], 1_000, Some(0));
     assert_eq!(q.now, 2);
     // Node 2 frees at t=5000, i.e. 4000 s from now.
     assert_eq!(q.next_in_s, Some(4_000));
-    let gang = quote(&fleet, &whole_node_a(3, true), &[(5_000, vec![allocs[0].clone()]), (9_000, vec![allocs[1].clone()])], 1_000);
+    assert_eq!(q.meets_deadline, Some(true), "two could start now");
+    let running = [(5_000, vec![allocs[0].clone()]), (9_000, vec![allocs[1].clone()])];
+    let gang = quote(&fleet, &whole_node_a(3, true), &running, 1_000, Some(7_999));
     assert_eq!(gang.now, 0);
     // Domain 0 holds three free nodes once node 3's CPU is back too.
     assert_eq!(gang.next_in_s, Some(8_000));
+    assert_eq!(gang.meets_deadline, Some(false));
+    assert_eq!(quote(&fleet, &whole_node_a(3, true), &running, 1_000, Some(8_000)).meets_deadline, Some(true));
+    assert_eq!(quote(&fleet, &whole_node_a(3, true), &running, 1_000, None).meets_deadline, None);
 }

@@ -178,7 +178,7 @@ pub fn run_policy(
     jobs: &[Job],
     horizon_s: u64,
     guard: Option<StarvationGuard>,
-    request: Option<&PendingShape>,
+    request: Option<&(PendingShape, Option<u64>)>,
 ) -> anyhow::Result<EventReport> {
     let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
     let mut fleet = fleet.clone();
@@ -187,9 +187,9 @@ pub fn run_policy(
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
     let mut report = summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64());
     report.accounting = account_at_end(&fleet, topo, jobs, &out);
-    if let Some(request) = request {
+    if let Some((request, deadline)) = request {
         let running: Vec<(u64, Vec<berth_core::Allocation>)> = out.running_at_end.iter().map(|(e, _, a)| (*e, a.clone())).collect();
-        report.quote = Some(quote(&fleet, request, &running, out.end_s));
+        report.quote = Some(quote(&fleet, request, &running, out.end_s, *deadline));
     }
     Ok(report)
 }
@@ -263,9 +263,14 @@ pub fn accounting_table(r: &EventReport) -> String {
     out.push('\n');
     if let Some(q) = &r.quote {
         out.push_str(&format!(
-            "quote: {} could start now; next {}\n",
+            "quote: {} could start now; next {}{}\n",
             q.now,
-            q.next_in_s.map_or("not within running work".to_string(), |s| format!("in {:.1} h", s as f64 / 3600.0))
+            q.next_in_s.map_or("not within running work".to_string(), |s| format!("in {:.1} h", s as f64 / 3600.0)),
+            match q.meets_deadline {
+                Some(true) => "; meets the start deadline",
+                Some(false) => "; misses the start deadline",
+                None => "",
+            }
         ));
     }
     out

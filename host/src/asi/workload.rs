@@ -223,3 +223,40 @@ fn standard_normal(rng: &mut ChaCha8Rng) -> f64 {
     let u2: f64 = rng.random();
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
+
+/// Columns of a workload CSV, in order.
+pub const CSV_COLUMNS: [&str; 10] =
+    ["id", "class", "arrival_s", "duration_s", "tasks", "gpus", "gpu_milli", "cpu_milli", "memory_mib", "model"];
+
+/// Reads jobs from a CSV with [`CSV_COLUMNS`]: `class` one of [`CLASSES`]
+/// (which sets the priority), `model` a model of `fleet` or empty for any.
+/// A bad row is an error naming file, line and column.
+pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate::replay::openb::TraceError> {
+    let mut reader = crate::replay::openb::Reader::open(path)?;
+    reader.require(&CSV_COLUMNS)?;
+    let mut jobs = Vec::new();
+    reader.rows(|row| {
+        let class = CLASSES.iter().position(|c| *c == row.str(1)).ok_or_else(|| row.err(1, format!("{:?} is not one of {CLASSES:?}", row.str(1))))?;
+        let model = match row.str(9) {
+            "" => vec![],
+            m => vec![fleet.model_id(m).ok_or_else(|| row.err(9, format!("model {m:?} is not in the fleet ({:?})", fleet.models)))?],
+        };
+        let gpus: u32 = row.num(5)?;
+        let job = Job {
+            id: row.num(0)?,
+            class: class as u8,
+            priority: if class == 1 { LOW_PRIORITY } else { HIGH_PRIORITY },
+            arrival_s: row.num(2)?,
+            duration_s: row.num(3)?,
+            tasks: row.num(4)?,
+            shape: TaskShape { gpu_count: gpus, gpu_milli: row.num(6)?, cpu_milli: row.num(7)?, memory_mib: row.num(8)?, models: model },
+        };
+        if job.tasks == 0 {
+            return Err(row.err(4, "a job needs at least one task"));
+        }
+        job.shape.check().map_err(|e| row.err(6, e))?;
+        jobs.push(job);
+        Ok(())
+    })?;
+    Ok(jobs)
+}

@@ -51,14 +51,15 @@ impl PodRow {
     }
 }
 
-struct Reader {
+/// A CSV file read row by row, every error naming file, line and column.
+pub(crate) struct Reader {
     path: PathBuf,
     inner: csv::Reader<std::fs::File>,
     header: Vec<String>,
 }
 
 impl Reader {
-    fn open(path: &Path) -> Result<Reader, TraceError> {
+    pub(crate) fn open(path: &Path) -> Result<Reader, TraceError> {
         let file = std::fs::File::open(path).map_err(|source| TraceError::Io { path: path.to_path_buf(), source })?;
         let mut inner = csv::ReaderBuilder::new().has_headers(true).trim(csv::Trim::All).from_reader(file);
         let header = inner
@@ -70,7 +71,7 @@ impl Reader {
         Ok(Reader { path: path.to_path_buf(), inner, header })
     }
 
-    fn require(&self, wanted: &[&str]) -> Result<(), TraceError> {
+    pub(crate) fn require(&self, wanted: &[&str]) -> Result<(), TraceError> {
         for (i, w) in wanted.iter().enumerate() {
             if self.header.get(i).map(String::as_str) != Some(*w) {
                 return Err(TraceError::File {
@@ -83,7 +84,7 @@ impl Reader {
     }
 
     /// Calls `f` with each record and its line number.
-    fn rows(&mut self, mut f: impl FnMut(&Row) -> Result<(), TraceError>) -> Result<(), TraceError> {
+    pub(crate) fn rows(&mut self, mut f: impl FnMut(&Row) -> Result<(), TraceError>) -> Result<(), TraceError> {
         let mut record = csv::StringRecord::new();
         loop {
             match self.inner.read_record(&mut record) {
@@ -109,7 +110,7 @@ impl Reader {
     }
 }
 
-struct Row<'a> {
+pub(crate) struct Row<'a> {
     path: &'a Path,
     header: &'a [String],
     record: &'a csv::StringRecord,
@@ -117,7 +118,7 @@ struct Row<'a> {
 }
 
 impl Row<'_> {
-    fn err(&self, column: usize, message: impl Into<String>) -> TraceError {
+    pub(crate) fn err(&self, column: usize, message: impl Into<String>) -> TraceError {
         TraceError::Row {
             path: self.path.to_path_buf(),
             line: self.line,
@@ -125,10 +126,10 @@ impl Row<'_> {
             message: message.into(),
         }
     }
-    fn str(&self, column: usize) -> &str {
+    pub(crate) fn str(&self, column: usize) -> &str {
         &self.record[column]
     }
-    fn num<T: std::str::FromStr>(&self, column: usize) -> Result<T, TraceError> {
+    pub(crate) fn num<T: std::str::FromStr>(&self, column: usize) -> Result<T, TraceError> {
         let text = self.str(column);
         text.parse().map_err(|_| self.err(column, format!("{text:?} is not a non-negative integer in range")))
     }
