@@ -273,6 +273,17 @@ fn check_mask(id: NodeId, node: &Node, mask: u64) -> Result<(), FleetError> {
     Ok(())
 }
 
+/// The id of model `name` in a model table being built, adding it if new.
+pub fn intern_model(models: &mut Vec<String>, name: &str) -> ModelId {
+    match models.iter().position(|m| m == name) {
+        Some(i) => i as ModelId,
+        None => {
+            models.push(name.to_string());
+            (models.len() - 1) as ModelId
+        }
+    }
+}
+
 /// GPU indexes named by a mask, lowest first.
 pub fn gpus_of(mask: u64) -> impl Iterator<Item = usize> {
     (0..64usize).filter(move |g| mask & (1u64 << g) != 0)

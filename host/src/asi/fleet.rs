@@ -153,13 +153,7 @@ impl FleetConfig {
         let mut topo = Topology { nodes_per_switch: self.nodes_per_switch, ..Topology::default() };
         let mut switch = 0u32;
         for shape in &self.shapes {
-            let model = match models.iter().position(|m| m == &shape.model) {
-                Some(i) => i,
-                None => {
-                    models.push(shape.model.clone());
-                    models.len() - 1
-                }
-            } as u32;
+            let model = berth_core::fleet::intern_model(&mut models, &shape.model);
             for k in 0..shape.count {
                 if k > 0 && k % self.nodes_per_switch == 0 {
                     switch += 1;

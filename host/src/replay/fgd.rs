@@ -49,13 +49,7 @@ impl Experiment {
         let mut fleet_nodes = Vec::new();
         let mut node_names = Vec::new();
         for row in nodes.iter().filter(|n| n.gpus > 0) {
-            let model = match models.iter().position(|m| m == &row.model) {
-                Some(i) => i,
-                None => {
-                    models.push(row.model.clone());
-                    models.len() - 1
-                }
-            } as u32;
+            let model = berth_core::fleet::intern_model(&mut models, &row.model);
             fleet_nodes.push(Node::new(&row.name, Some(model), row.gpus as usize, row.cpu_milli, row.memory_mib));
             node_names.push(row.name.clone());
         }
