@@ -66,36 +66,29 @@ enum LogLevel {
     Error,
 }
 
-impl v1::berth::policy::types::Host for GuestState {}
-impl v2::berth::policy::types::Host for GuestState {}
+/// The host imports of one contract version: the same log sink for all.
+macro_rules! host_imports {
+    ($v:ident) => {
+        impl $v::berth::policy::types::Host for GuestState {}
 
-impl v1::berth::policy::host::Host for GuestState {
-    fn log(&mut self, level: v1::berth::policy::types::Level, message: String) {
-        use v1::berth::policy::types::Level as L;
-        let level = match level {
-            L::Trace => LogLevel::Trace,
-            L::Debug => LogLevel::Debug,
-            L::Info => LogLevel::Info,
-            L::Warn => LogLevel::Warn,
-            L::Error => LogLevel::Error,
-        };
-        self.log_line(level, message);
-    }
+        impl $v::berth::policy::host::Host for GuestState {
+            fn log(&mut self, level: $v::berth::policy::types::Level, message: String) {
+                use $v::berth::policy::types::Level as L;
+                let level = match level {
+                    L::Trace => LogLevel::Trace,
+                    L::Debug => LogLevel::Debug,
+                    L::Info => LogLevel::Info,
+                    L::Warn => LogLevel::Warn,
+                    L::Error => LogLevel::Error,
+                };
+                self.log_line(level, message);
+            }
+        }
+    };
 }
 
-impl v2::berth::policy::host::Host for GuestState {
-    fn log(&mut self, level: v2::berth::policy::types::Level, message: String) {
-        use v2::berth::policy::types::Level as L;
-        let level = match level {
-            L::Trace => LogLevel::Trace,
-            L::Debug => LogLevel::Debug,
-            L::Info => LogLevel::Info,
-            L::Warn => LogLevel::Warn,
-            L::Error => LogLevel::Error,
-        };
-        self.log_line(level, message);
-    }
-}
+host_imports!(v1);
+host_imports!(v2);
 
 impl GuestState {
     fn log_line(&mut self, level: LogLevel, message: String) {
