@@ -1,11 +1,12 @@
 //! Placement: filter with the predicate, ask the policy, check its answer,
 //! choose. The core, not the policy, has the last word on every GPU.
 
-use std::collections::BTreeMap;
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
-use berth_sdk::{Nodes, Task};
+use berth_sdk::{Nodes, Scores, Task};
 
-use crate::fleet::{gpus_of, Fleet, Node, NodeId};
+use crate::fleet::{gpus_of, Allocation, Fleet, Node, NodeId};
 use crate::policy::{PlacementPolicy, PolicyError};
 use crate::predicate::{self, Unfit};
 use crate::task::TaskShape;
@@ -70,6 +71,130 @@ impl Placer {
         tie_rank: Option<&[u32]>,
         keep: &dyn Fn(NodeId, &Node) -> bool,
     ) -> Result<Option<Placement>, PolicyError> {
+        let Some(answer) = self.score_candidates(fleet, shape, meta, policy, keep)? else { return Ok(None) };
+        let rank = |id: NodeId| (tie_rank.map_or(id, |r| r[id as usize]), id);
+        let mut best = 0;
+        for i in 1..self.candidates.len() {
+            let (a, b) = (answer.scores[i], answer.scores[best]);
+            if a > b || (a == b && rank(self.candidates[i]) < rank(self.candidates[best])) {
+                best = i;
+            }
+        }
+        let node_id = self.candidates[best];
+        let mask = chosen_gpus(&fleet.nodes()[node_id as usize], shape, answer.gpus.get(best).copied());
+        Ok(Some(Placement { node: node_id, gpus: mask, score: answer.scores[best] }))
+    }
+
+    /// Places `count` tasks of `shape` (a gang) all or nothing, allocating
+    /// them on `fleet`; on `None` or an error nothing stays allocated.
+    ///
+    /// One scoring call covers every candidate; after a task lands, only the
+    /// candidates in the switch domain of the node it landed on are scored
+    /// again, because a score may depend on the task, the node and the other
+    /// candidates of its switch domain, but on nothing further away (the
+    /// contract's locality rule). So the tasks land exactly where one call
+    /// per task would put them, at a fraction of the cost: a 32-task gang on
+    /// 20,000 nodes is one large call and 31 calls of one domain each.
+    #[allow(clippy::too_many_arguments)]
+    pub fn place_tasks(
+        &mut self,
+        fleet: &mut Fleet,
+        shape: &TaskShape,
+        meta: TaskMeta,
+        count: u32,
+        policy: &mut dyn PlacementPolicy,
+        tie_rank: Option<&[u32]>,
+        keep: &dyn Fn(NodeId, &Node) -> bool,
+    ) -> Result<Option<Vec<Allocation>>, PolicyError> {
+        let mut allocs = Vec::with_capacity(count as usize);
+        if count == 0 {
+            return Ok(Some(allocs));
+        }
+        let Some(answer) = self.score_candidates(fleet, shape, meta, policy, keep)? else { return Ok(None) };
+        let candidates = std::mem::take(&mut self.candidates);
+        let rank = |id: NodeId| (tie_rank.map_or(id, |r| r[id as usize]), id);
+        // Heap entries carry a stamp; rescoring a candidate bumps its stamp,
+        // which makes its older entries stale.
+        let mut stamp = vec![0u32; candidates.len()];
+        let entry = |score: f64, i: usize, stamp: u32, mask: Option<u64>| Ranked { score: score + 0.0, rank: rank(candidates[i]), index: i, stamp, mask };
+        let mut heap: BinaryHeap<Ranked> = (0..candidates.len()).map(|i| entry(answer.scores[i], i, 0, answer.gpus.get(i).copied())).collect();
+        let mut by_domain: HashMap<u32, Vec<usize>> = HashMap::new();
+        if count > 1 {
+            for (i, &id) in candidates.iter().enumerate() {
+                by_domain.entry(fleet.nodes()[id as usize].switch_domain).or_default().push(i);
+            }
+        }
+        let mut rescored = Vec::new();
+        let mut result = Ok(true);
+        for index in 0..count {
+            let best = loop {
+                match heap.pop() {
+                    Some(e) if e.stamp != stamp[e.index] => continue,
+                    other => break other,
+                }
+            };
+            let Some(best) = best else {
+                result = Ok(false);
+                break;
+            };
+            let node_id = candidates[best.index];
+            stamp[best.index] += 1;
+            let mask = chosen_gpus(&fleet.nodes()[node_id as usize], shape, best.mask);
+            let alloc = Fleet::allocation(node_id, shape, mask);
+            if let Err(e) = fleet.allocate(&alloc) {
+                result = Err(PolicyError::InvalidOutput(e.to_string()));
+                break;
+            }
+            allocs.push(alloc);
+            if index + 1 == count {
+                break;
+            }
+            // Only this node changed: score its domain's candidates again.
+            let domain = fleet.nodes()[node_id as usize].switch_domain;
+            rescored.clear();
+            rescored.extend(by_domain[&domain].iter().copied().filter(|&i| predicate::check(&fleet.nodes()[candidates[i] as usize], shape).is_ok()));
+            if rescored.is_empty() {
+                continue;
+            }
+            self.candidates.clear();
+            self.candidates.extend(rescored.iter().map(|&i| candidates[i]));
+            fill_task(&mut self.task, shape, TaskMeta { gang_index: index + 1, ..meta });
+            self.fill_batch(fleet);
+            match self.checked_score(fleet, shape, policy) {
+                Ok(again) => {
+                    for (k, &i) in rescored.iter().enumerate() {
+                        stamp[i] += 1;
+                        heap.push(entry(again.scores[k], i, stamp[i], again.gpus.get(k).copied()));
+                    }
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        self.candidates = candidates;
+        match result {
+            Ok(true) => Ok(Some(allocs)),
+            other => {
+                for alloc in allocs.drain(..) {
+                    fleet.release(&alloc).expect("just allocated");
+                }
+                other.map(|_| None)
+            }
+        }
+    }
+
+    /// Filters the candidates `keep` accepts through the predicate, scores
+    /// them in one call and checks the answer; `None` when none fits.
+    fn score_candidates(
+        &mut self,
+        fleet: &Fleet,
+        shape: &TaskShape,
+        meta: TaskMeta,
+        policy: &mut dyn PlacementPolicy,
+        keep: &dyn Fn(NodeId, &Node) -> bool,
+    ) -> Result<Option<Scores>, PolicyError> {
         self.candidates.clear();
         self.candidates.extend(
             fleet
@@ -84,6 +209,12 @@ impl Placer {
         }
         fill_task(&mut self.task, shape, meta);
         self.fill_batch(fleet);
+        self.checked_score(fleet, shape, policy).map(Some)
+    }
+
+    /// One scoring call over the current batch, with every score and mask
+    /// checked: one score per candidate, all finite, masks valid.
+    fn checked_score(&mut self, fleet: &Fleet, shape: &TaskShape, policy: &mut dyn PlacementPolicy) -> Result<Scores, PolicyError> {
         let answer = policy.score(&self.task, &mut self.batch)?;
         let n = self.candidates.len();
         if answer.scores.len() != n {
@@ -104,21 +235,7 @@ impl Placer {
                 validate_mask(&fleet.nodes()[id as usize], id, shape, mask)?;
             }
         }
-        let mut best = 0;
-        for i in 1..n {
-            let (a, b) = (answer.scores[i], answer.scores[best]);
-            let rank = |k: usize| tie_rank.map_or(self.candidates[k], |r| r[self.candidates[k] as usize]);
-            if a > b || (a == b && (rank(i), self.candidates[i]) < (rank(best), self.candidates[best])) {
-                best = i;
-            }
-        }
-        let node_id = self.candidates[best];
-        let node = &fleet.nodes()[node_id as usize];
-        let mask = match answer.gpus.get(best) {
-            Some(&m) if m != 0 => m,
-            _ => default_gpus(node, shape),
-        };
-        Ok(Some(Placement { node: node_id, gpus: mask, score: answer.scores[best] }))
+        Ok(answer)
     }
 
     /// Why each node refuses `shape`, counted by first failing reason (for
@@ -153,6 +270,45 @@ impl Placer {
                 n.alloc_kinds(),
             );
         }
+    }
+}
+
+/// A scored candidate in the gang heap: highest score first, then the
+/// lowest (tie rank, node id).
+struct Ranked {
+    score: f64,
+    rank: (u32, NodeId),
+    /// Index into the candidates, and the candidate's stamp when scored.
+    index: usize,
+    stamp: u32,
+    mask: Option<u64>,
+}
+
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.score.total_cmp(&other.score).then_with(|| other.rank.cmp(&self.rank))
+    }
+}
+
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Ranked {}
+
+/// The policy's mask when it named one (already validated), else the host's.
+fn chosen_gpus(node: &Node, shape: &TaskShape, policy_mask: Option<u64>) -> u64 {
+    match policy_mask {
+        Some(m) if m != 0 => m,
+        _ => default_gpus(node, shape),
     }
 }
 

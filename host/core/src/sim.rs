@@ -207,8 +207,8 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
     Ok(outcome)
 }
 
-/// Places every task of `job` or none: tasks are placed and allocated one
-/// by one, and everything is released if one does not fit. Returns the
+/// Places every task of `job` or none (see [`Placer::place_tasks`]), a gang
+/// first choosing switch domains when the policy scores them. Returns the
 /// allocations and the number of distinct switch domains used.
 pub fn place_gang(
     fleet: &mut Fleet,
@@ -249,25 +249,9 @@ pub fn place_gang(
         }
     }
     let keep = |id: NodeId, n: &crate::fleet::Node| keep(id, n) && allowed.as_ref().is_none_or(|a| a.contains(&n.switch_domain));
-    let mut allocs = Vec::with_capacity(job.tasks as usize);
-    for index in 0..job.tasks {
-        let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: index };
-        *placements += 1;
-        let placed = match placer.place_among(fleet, &job.shape, meta, policy, None, &keep) {
-            Ok(p) => p,
-            Err(e) => {
-                rollback(fleet, &mut allocs);
-                return Err(e);
-            }
-        };
-        let Some(p) = placed else {
-            rollback(fleet, &mut allocs);
-            return Ok(None);
-        };
-        let alloc = Fleet::allocation(p.node, &job.shape, p.gpus);
-        fleet.allocate(&alloc).map_err(|e| PolicyError::InvalidOutput(e.to_string()))?;
-        allocs.push(alloc);
-    }
+    let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 };
+    let Some(allocs) = placer.place_tasks(fleet, &job.shape, meta, job.tasks, policy, None, &keep)? else { return Ok(None) };
+    *placements += u64::from(job.tasks);
     let domains: HashSet<u32> = allocs.iter().map(|a| fleet.nodes()[a.node as usize].switch_domain).collect();
     Ok(Some((allocs, domains.len() as u32)))
 }
@@ -372,10 +356,4 @@ pub fn fitting_tasks(fleet: &Fleet, shape: &TaskShape, enough: u32) -> u32 {
         }
     }
     total
-}
-
-fn rollback(fleet: &mut Fleet, allocs: &mut Vec<Allocation>) {
-    for alloc in allocs.drain(..) {
-        fleet.release(&alloc).expect("just allocated");
-    }
 }

@@ -34,7 +34,11 @@ fn arb_shape() -> impl Strategy<Value = TaskShape> {
 
 fn small_fleet(gpus_per_node: usize) -> Fleet {
     let nodes = (0..12)
-        .map(|i| Node::new(format!("n{i}"), Some(i % 2), if i == 11 { 0 } else { gpus_per_node }, 64_000, 256_000))
+        .map(|i| {
+            let mut n = Node::new(format!("n{i}"), Some(i % 2), if i == 11 { 0 } else { gpus_per_node }, 64_000, 256_000);
+            n.switch_domain = i / 4;
+            n
+        })
         .map(|mut n| {
             if n.gpus.is_empty() {
                 n.model = None;
@@ -141,4 +145,95 @@ fn model_alternatives_are_honoured() {
     assert_eq!(reasons.get(&berth_core::Unfit::ModelMismatch), Some(&7));
     let either = TaskShape { models: vec![0, 1], ..want_b };
     assert_eq!(Placer::unfit_reasons(&fleet, &either).get(&berth_core::Unfit::ModelMismatch), Some(&1));
+}
+
+/// A domain-local test policy that also names GPUs: prefers fuller nodes in
+/// fuller domains
+/// (scores tie often, so the tie order matters) and picks the highest-index
+/// fitting GPUs, never the host's default.
+struct FullestHighGpus;
+
+impl PlacementPolicy for FullestHighGpus {
+    fn describe(&self) -> String {
+        "fullest-high-gpus".into()
+    }
+    fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        let mut scores = Vec::new();
+        let mut masks = Vec::new();
+        // Busyness of each switch domain among the candidates, as the
+        // topology policy uses it: allowed by the locality rule.
+        let mut per_domain: std::collections::HashMap<u32, u64> = Default::default();
+        for n in nodes.iter() {
+            *per_domain.entry(n.switch_domain).or_default() += u64::from(n.gpu_free_total());
+        }
+        for n in nodes.iter() {
+            scores.push(-f64::from(n.gpu_free_total() / 1000) - (per_domain[&n.switch_domain] / 4000) as f64);
+            let mut mask = 0u64;
+            let fitting = n.gpu_free_milli.iter().enumerate().rev().filter(|&(_, &f)| f >= task.gpu_milli);
+            for (g, _) in fitting.take(task.gpu_count as usize) {
+                mask |= 1 << g;
+            }
+            masks.push(if task.gpu_count == 0 { 0 } else { mask });
+        }
+        Ok(Scores { scores, gpus: masks })
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+
+    /// A gang placed with one scoring call (plus one-node rescoring) lands
+    /// exactly where one call per task would put it, and a gang that does
+    /// not fit leaves the fleet as it was.
+    #[test]
+    fn gang_placement_matches_task_by_task(
+        background in prop::collection::vec(arb_shape(), 0..40),
+        gang in arb_shape(),
+        count in 1u32..12,
+        ranked in any::<bool>(),
+        fullest in any::<bool>(),
+    ) {
+        let mut fleet = small_fleet(8);
+        let mut placer = Placer::new();
+        for (i, shape) in background.iter().enumerate() {
+            if let Some(p) = placer.place(&fleet, shape, TaskMeta { job_id: i as u64, ..Default::default() }, &mut MostFree, None).unwrap() {
+                fleet.allocate(&Fleet::allocation(p.node, shape, p.gpus)).unwrap();
+            }
+        }
+        let tie_rank: Vec<u32> = (0..12).map(|i| (i * 7) % 12).collect();
+        let tie_rank = ranked.then_some(&tie_rank[..]);
+        let mut policy: Box<dyn PlacementPolicy> = if fullest { Box::new(FullestHighGpus) } else { Box::new(MostFree) };
+        let meta = TaskMeta { job_id: 99, gang_size: count, ..Default::default() };
+
+        // The reference: one call per task, allocating as it goes.
+        let mut by_task = fleet.clone();
+        let mut expected = Vec::new();
+        for index in 0..count {
+            match placer.place(&by_task, &gang, TaskMeta { gang_index: index, ..meta }, policy.as_mut(), tie_rank).unwrap() {
+                Some(p) => {
+                    let alloc = Fleet::allocation(p.node, &gang, p.gpus);
+                    by_task.allocate(&alloc).unwrap();
+                    expected.push(alloc);
+                }
+                None => {
+                    expected.clear();
+                    break;
+                }
+            }
+        }
+
+        let before = fleet.clone();
+        let got = placer.place_tasks(&mut fleet, &gang, meta, count, policy.as_mut(), tie_rank, &|_, _| true).unwrap();
+        match got {
+            Some(allocs) => {
+                prop_assert_eq!(&allocs, &expected);
+                prop_assert_eq!(fleet.nodes(), by_task.nodes());
+            }
+            None => {
+                prop_assert!(expected.is_empty(), "task by task placed {} tasks", expected.len());
+                prop_assert_eq!(fleet.nodes(), before.nodes());
+            }
+        }
+        prop_assert!(fleet.check_invariants().is_ok());
+    }
 }
