@@ -5,9 +5,11 @@ pub mod asi;
 pub mod bench;
 pub mod catalog;
 pub mod componentize;
+pub mod conformance;
 pub mod demo;
 pub mod native;
 pub mod replay;
+pub mod scaffold;
 pub mod synth;
 pub mod wasm;
 

@@ -172,6 +172,35 @@ enum PolicyCommand {
     },
     /// List bundled components.
     List,
+    /// Run the conformance suite on a component: every claimed hook against
+    /// fixed scenarios, pass or fail per contract rule; exits non-zero on a
+    /// failure.
+    Test {
+        component: PathBuf,
+        /// Per-call deadline (default: the host's).
+        #[arg(long)]
+        deadline_ms: Option<u64>,
+        /// Memory cap per instance (default: the host's).
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        /// Configuration passed to `configure` first (default: empty).
+        #[arg(long, default_value = "")]
+        config: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Scaffold a policy project in a new folder `<name>` that builds to a
+    /// component (see its README).
+    New {
+        /// rust, python, js or c.
+        #[arg(long)]
+        lang: String,
+        /// Policy name (lowercase with dashes); also the folder created.
+        name: String,
+        /// Create the folder here instead of the current directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -243,6 +272,29 @@ fn main() -> anyhow::Result<()> {
                 let bytes = std::fs::read(&module).with_context(|| format!("reading {}", module.display()))?;
                 let component = componentize::componentize(&bytes).with_context(|| format!("componentizing {}", module.display()))?;
                 std::fs::write(&output, component).with_context(|| format!("writing {}", output.display()))?;
+            }
+            PolicyCommand::Test { component, deadline_ms, memory_mib, config, json } => {
+                let mut opts = berth::conformance::Options { config, ..Default::default() };
+                if let Some(ms) = deadline_ms {
+                    opts.limits.deadline = std::time::Duration::from_millis(ms);
+                }
+                if let Some(mib) = memory_mib {
+                    opts.limits.memory_bytes = mib << 20;
+                }
+                let report = berth::conformance::run_file(engine()?, &catalog::resolve(&component.to_string_lossy())?, &opts)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&report)?);
+                } else {
+                    println!("{report}");
+                }
+                if !report.passed() {
+                    std::process::exit(1);
+                }
+            }
+            PolicyCommand::New { lang, name, dir } => {
+                let root = dir.unwrap_or_else(|| PathBuf::from("."));
+                let created = berth::scaffold::create(&lang, &name, &root)?;
+                println!("created {}; see its README.md: build, then test", created.display());
             }
             PolicyCommand::List => {
                 let dir = catalog::policy_dir();

@@ -5,5 +5,6 @@ mod asi;
 mod common;
 mod containment;
 mod equivalence;
+mod languages;
 mod loading;
 mod replay;

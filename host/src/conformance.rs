@@ -1,0 +1,717 @@
+//! `berth policy test`: a conformance suite for policy components in any
+//! language. Every hook the component claims runs against fixed scenarios
+//! (small fleets with several models, shared GPUs, cordoned and CPU-only
+//! nodes, gangs with switch domains, running allocations for ranking and
+//! compaction), and every answer is checked against the contract. Each
+//! rule passes or fails on its own, with the first few failing scenarios
+//! named, so an author sees exactly what to fix.
+//!
+//! Scenario `k` of a hook carries job id `k`: a policy that misbehaves on
+//! one input fails on that scenario only.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_core::{fleet::gpus_of, predicate, Allocation, Fleet, Node, PolicyError, TaskShape};
+use berth_sdk::{Allocations, Domains, Hooks, Nodes, Pending, Plan, Scores, Snapshot, Task};
+use serde::Serialize;
+
+use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
+
+/// Most failing scenarios listed per rule.
+const SHOWN: usize = 3;
+
+/// One rule's verdict.
+#[derive(Clone, Debug, Serialize)]
+pub struct RuleResult {
+    /// `hook/rule`, e.g. `score/finite`.
+    pub rule: String,
+    /// What the rule asks of the policy.
+    pub what: &'static str,
+    /// Calls or answers the rule looked at.
+    pub checked: usize,
+    /// One line per failing scenario.
+    pub failures: Vec<String>,
+}
+
+impl RuleResult {
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// The suite's verdict on one component.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub policy: String,
+    pub version: String,
+    pub contract: String,
+    pub hooks: String,
+    pub deadline_ms: u64,
+    pub memory_cap_mib: u64,
+    /// Slowest call of the run, in ms.
+    pub slowest_call_ms: f64,
+    pub rules: Vec<RuleResult>,
+}
+
+impl Report {
+    pub fn passed(&self) -> bool {
+        self.rules.iter().all(RuleResult::passed)
+    }
+
+    /// Names of the failed rules.
+    pub fn failed(&self) -> Vec<&str> {
+        self.rules.iter().filter(|r| !r.passed()).map(|r| r.rule.as_str()).collect()
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} {} (berth:policy@{}, hooks: {}), deadline {} ms, memory cap {} MiB",
+            self.policy,
+            self.version,
+            self.contract,
+            if self.hooks.is_empty() { "none" } else { &self.hooks },
+            self.deadline_ms,
+            self.memory_cap_mib
+        )?;
+        for r in &self.rules {
+            let verdict = if r.passed() { "PASS" } else { "FAIL" };
+            writeln!(f, "{verdict}  {:<28} {} ({} checked)", r.rule, r.what, r.checked)?;
+            for line in r.failures.iter().take(SHOWN) {
+                writeln!(f, "        {line}")?;
+            }
+            if r.failures.len() > SHOWN {
+                writeln!(f, "        ... and {} more", r.failures.len() - SHOWN)?;
+            }
+        }
+        let failed = self.rules.iter().filter(|r| !r.passed()).count();
+        writeln!(f, "slowest call: {:.1} ms", self.slowest_call_ms)?;
+        write!(f, "{} passed, {} failed", self.rules.len() - failed, failed)
+    }
+}
+
+/// Options of a run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Deadline and memory cap every call runs under (the host's defaults
+    /// unless an operator would set others).
+    pub limits: Limits,
+    /// Configuration passed to `configure` before the scenarios.
+    pub config: String,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { limits: Limits::default(), config: String::new() }
+    }
+}
+
+/// Collects verdicts in rule order.
+#[derive(Default)]
+struct Rules {
+    order: Vec<String>,
+    by_name: BTreeMap<String, RuleResult>,
+}
+
+impl Rules {
+    fn declare(&mut self, rule: &str, what: &'static str) {
+        if !self.by_name.contains_key(rule) {
+            self.order.push(rule.to_string());
+            self.by_name.insert(rule.to_string(), RuleResult { rule: rule.to_string(), what, checked: 0, failures: Vec::new() });
+        }
+    }
+
+    fn check(&mut self, rule: &str, ok: bool, failure: impl FnOnce() -> String) {
+        let r = self.by_name.get_mut(rule).unwrap_or_else(|| panic!("rule {rule} declared"));
+        r.checked += 1;
+        if !ok {
+            r.failures.push(failure());
+        }
+    }
+
+    fn into_vec(mut self) -> Vec<RuleResult> {
+        self.order.iter().map(|n| self.by_name.remove(n).expect("declared")).collect()
+    }
+}
+
+/// The rules every hook's calls share: how a call may fail at all.
+fn declare_call_rules(rules: &mut Rules, hook: &str) {
+    rules.declare(&format!("{hook}/no-trap"), "no trap (panic, unreachable, stack overflow)");
+    rules.declare(&format!("{hook}/no-error"), "no error returned on valid input");
+    rules.declare(&format!("{hook}/deadline"), "every call within the deadline");
+    rules.declare(&format!("{hook}/memory-cap"), "memory stays under the cap");
+}
+
+/// Files a call under the four call rules: it fails the one its error
+/// belongs to and counts as checked for the others.
+fn call_outcome<T>(rules: &mut Rules, hook: &str, label: &str, result: &Result<T, PolicyError>) {
+    let failed = match result {
+        Ok(_) => None,
+        Err(PolicyError::Trap(_)) => Some("no-trap"),
+        Err(PolicyError::Timeout { .. }) => Some("deadline"),
+        Err(PolicyError::OutOfMemory { .. }) => Some("memory-cap"),
+        Err(_) => Some("no-error"),
+    };
+    for rule in ["no-trap", "no-error", "deadline", "memory-cap"] {
+        rules.check(&format!("{hook}/{rule}"), failed != Some(rule), || {
+            format!("{label}: {}", result.as_ref().err().map(brief).unwrap_or_default())
+        });
+    }
+}
+
+/// An error on one line: a trap's wasm backtrace is left out, its cause kept.
+fn brief(e: &PolicyError) -> String {
+    let text = e.to_string();
+    match (e, text.rfind("wasm trap: ")) {
+        (PolicyError::Trap(_), Some(i)) => match text.find("memory fault") {
+            Some(f) => format!("policy trapped: {}", text[f..].lines().next().unwrap_or_default()),
+            None => format!("policy trapped: {}", text[i..].lines().next().unwrap_or_default()),
+        },
+        _ => text.lines().next().unwrap_or_default().to_string(),
+    }
+}
+
+/// One placement-scoring scenario: a fleet and a task; the batch is the
+/// nodes that pass the predicate, as the host would send.
+struct ScoreCase {
+    name: &'static str,
+    fleet: Arc<Fleet>,
+    shape: TaskShape,
+    gang_size: u32,
+    gang_index: u32,
+    priority: u32,
+}
+
+struct DomainCase {
+    name: &'static str,
+    fleet: Arc<Fleet>,
+    shape: TaskShape,
+    gang_size: u32,
+}
+
+struct RankCase {
+    name: &'static str,
+    demand: TaskShape,
+    victims: Allocations,
+}
+
+struct CompactCase {
+    name: &'static str,
+    snapshot: Snapshot,
+}
+
+fn node(name: &str, model: Option<u32>, gpus: usize, cores: u32, gib: u64, domain: u32) -> Node {
+    let mut n = Node::new(name, model, gpus, cores * 1000, gib << 10);
+    n.switch_domain = domain;
+    n.aggregation = domain / 2;
+    n
+}
+
+fn shape(gpu_count: u32, gpu_milli: u32, cores: u32, gib: u64, models: &[u32]) -> TaskShape {
+    TaskShape { gpu_count, gpu_milli, cpu_milli: cores * 1000, memory_mib: gib << 10, models: models.to_vec() }
+}
+
+/// A mixed fleet: three GPU models, 8- and 4-GPU nodes, CPU-only nodes, a
+/// cordoned node, four switch domains; shared GPUs, whole-GPU and CPU-only
+/// work running. Returns the fleet and what runs on it.
+fn mixed_fleet() -> (Fleet, Vec<Allocation>) {
+    let models = vec!["H800".to_string(), "A100".to_string(), "L20".to_string()];
+    let mut nodes = Vec::new();
+    for i in 0..16u32 {
+        let (model, gpus, cores, gib) = match i % 4 {
+            0 => (Some(0), 8, 128, 1024),
+            1 => (Some(1), 8, 96, 768),
+            2 => (Some(2), 4, 64, 512),
+            _ => (Some(0), 8, 128, 2048),
+        };
+        nodes.push(node(&format!("gpu-{i:02}"), model, gpus, cores, gib, i / 4));
+    }
+    nodes.push(node("cpu-00", None, 0, 64, 256, 0));
+    nodes.push(node("cpu-01", None, 0, 32, 128, 3));
+    let mut fleet = Fleet::new(models, nodes).expect("valid fleet");
+    fleet.set_schedulable(7, false).expect("node 7 exists");
+    let running: Vec<(u32, u64, TaskShape)> = vec![
+        (0, 0b1, shape(1, 500, 4, 32, &[])),
+        (0, 0b1, shape(1, 250, 2, 16, &[])),
+        (0, 0b110, shape(2, 1000, 16, 128, &[])),
+        (1, 0b1111_0000, shape(4, 1000, 32, 256, &[])),
+        (2, 0b10, shape(1, 750, 8, 64, &[])),
+        (3, 0xff, shape(8, 1000, 96, 1024, &[])),
+        (5, 0b1, shape(1, 1000, 8, 64, &[])),
+        (5, 0b10, shape(1, 300, 4, 32, &[])),
+        (5, 0b100, shape(1, 600, 4, 32, &[])),
+        (9, 0b1100, shape(2, 1000, 8, 64, &[])),
+        (10, 0b1, shape(1, 100, 1, 8, &[])),
+        (12, 0b1111, shape(4, 1000, 64, 512, &[])),
+        (14, 0b1, shape(1, 900, 4, 16, &[])),
+        (16, 0, shape(0, 0, 16, 64, &[])),
+    ];
+    let mut allocs = Vec::new();
+    for (n, mask, s) in running {
+        let a = Fleet::allocation(n, &s, mask);
+        fleet.allocate(&a).expect("scenario allocation fits");
+        allocs.push(a);
+    }
+    (fleet, allocs)
+}
+
+/// An idle fleet of one model and a large, partly occupied one.
+fn other_fleets() -> (Fleet, Fleet) {
+    let idle = Fleet::new(vec!["H20".into()], (0..6).map(|i| node(&format!("idle-{i}"), Some(0), 8, 192, 2048, i / 3)).collect())
+        .expect("valid fleet");
+    (idle, crate::synth::fleet(2_000, 11, true))
+}
+
+fn score_cases() -> Vec<ScoreCase> {
+    let (mixed, _) = mixed_fleet();
+    let (idle, large) = other_fleets();
+    let (mixed, idle, large) = (Arc::new(mixed), Arc::new(idle), Arc::new(large));
+    let case = |name, fleet: &Arc<Fleet>, shape: TaskShape| ScoreCase {
+        name,
+        fleet: fleet.clone(),
+        shape,
+        gang_size: 1,
+        gang_index: 0,
+        priority: 0,
+    };
+    vec![
+        case("half a GPU, any model", &mixed, shape(1, 500, 4, 32, &[])),
+        case("quarter GPU on an A100", &mixed, shape(1, 250, 2, 16, &[1])),
+        case("one whole GPU", &mixed, shape(1, 1000, 8, 64, &[])),
+        case("two GPUs on an H800", &mixed, shape(2, 1000, 16, 128, &[0])),
+        case("four GPUs, H800 or L20", &mixed, shape(4, 1000, 32, 256, &[0, 2])),
+        case("eight GPUs", &mixed, shape(8, 1000, 64, 512, &[])),
+        case("CPU only", &mixed, shape(0, 0, 8, 32, &[])),
+        case("tiny share", &mixed, shape(1, 1, 0, 0, &[])),
+        case("large memory", &mixed, shape(1, 1000, 8, 1500, &[])),
+        case("idle fleet, one GPU", &idle, shape(1, 1000, 8, 64, &[])),
+        case("idle fleet, shared GPU", &idle, shape(1, 600, 4, 32, &[])),
+        case("2,000 nodes, half a GPU", &large, shape(1, 500, 4, 16, &[])),
+        ScoreCase { gang_size: 4, gang_index: 2, priority: 5, ..case("gang task 3 of 4", &mixed, shape(2, 1000, 16, 128, &[])) },
+        case("2,000 nodes, eight GPUs", &large, shape(8, 1000, 16, 64, &[0])),
+    ]
+}
+
+fn domain_cases() -> Vec<DomainCase> {
+    let (mixed, _) = mixed_fleet();
+    let (_, large) = other_fleets();
+    let (mixed, large) = (Arc::new(mixed), Arc::new(large));
+    vec![
+        DomainCase { name: "gang of 4 x 2 GPUs", fleet: mixed.clone(), shape: shape(2, 1000, 16, 128, &[]), gang_size: 4 },
+        DomainCase { name: "gang of 8 x 8 GPUs on H800", fleet: mixed.clone(), shape: shape(8, 1000, 64, 512, &[0]), gang_size: 8 },
+        DomainCase { name: "gang of 3 shared GPUs", fleet: mixed, shape: shape(1, 500, 4, 32, &[]), gang_size: 3 },
+        DomainCase { name: "gang of 64 x 8 GPUs, 2,000 nodes", fleet: large, shape: shape(8, 1000, 16, 64, &[]), gang_size: 64 },
+    ]
+}
+
+/// Running allocations as the contract's columns, with varied priority,
+/// gangs, movability and checkpoints.
+fn allocation_columns(allocs: &[Allocation]) -> Allocations {
+    let mut a = Allocations::default();
+    for (i, al) in allocs.iter().enumerate() {
+        let i = i as u32;
+        a.ids.push(100 + i);
+        a.job_ids.push(u64::from(1000 + i / 2));
+        a.node.push(al.node);
+        a.gpus.push(al.gpus);
+        a.gpu_milli.push(al.gpu_milli);
+        a.cpu_milli.push(al.cpu_milli);
+        a.memory_mib.push(al.memory_mib);
+        a.priority.push(i % 3);
+        a.movable.push(u8::from(i % 5 != 4));
+        a.gang_id.push(if i % 4 == 0 { u64::from(7 + i / 8) } else { 0 });
+        a.state_bytes.push(u64::from(i) << 30);
+        a.remaining_s.push(u64::from(i * 600));
+        a.running_s.push(u64::from(3600 + i * 60));
+        a.since_checkpoint_s.push(u64::from(i * 97 % 3600));
+    }
+    a
+}
+
+fn rank_cases() -> Vec<RankCase> {
+    let (_, allocs) = mixed_fleet();
+    let all = allocation_columns(&allocs);
+    let mut one = allocation_columns(&allocs[..1]);
+    one.priority[0] = 1;
+    vec![
+        RankCase { name: "eight GPUs wanted, 14 victims", demand: shape(8, 1000, 64, 512, &[0]), victims: all.clone() },
+        RankCase { name: "half a GPU wanted, 14 victims", demand: shape(1, 500, 4, 32, &[]), victims: all },
+        RankCase { name: "one victim", demand: shape(1, 1000, 8, 64, &[]), victims: one },
+    ]
+}
+
+/// The columns of every node of a fleet (what a snapshot carries).
+pub fn nodes_of(fleet: &Fleet, keep: impl Fn(&Node) -> bool) -> Nodes {
+    let mut nodes = Nodes { models: fleet.models.clone(), ..Nodes::default() };
+    for (id, n) in fleet.nodes().iter().enumerate().filter(|(_, n)| keep(n)) {
+        nodes.push(
+            id as u32,
+            n.model.unwrap_or(u32::MAX),
+            n.switch_domain,
+            n.cpu_free_milli,
+            n.cpu_total_milli,
+            n.memory_free_mib,
+            n.memory_total_mib,
+            &n.gpus,
+            n.alloc_kinds(),
+        );
+    }
+    nodes
+}
+
+fn compact_cases() -> Vec<CompactCase> {
+    let (fleet, allocs) = mixed_fleet();
+    let pending = Pending { gpu_count: vec![8, 1, 4], gpu_milli: vec![1000, 500, 1000], whole_nodes: vec![2, 0, 0], model: vec![0, u32::MAX, 2] };
+    let full = Snapshot { nodes: nodes_of(&fleet, |_| true), allocations: allocation_columns(&allocs), pending: pending.clone() };
+    let empty = Snapshot { nodes: nodes_of(&fleet, |_| true), allocations: Allocations::default(), pending: Pending::default() };
+    vec![CompactCase { name: "mixed fleet, three pending shapes", snapshot: full }, CompactCase { name: "nothing running", snapshot: empty }]
+}
+
+fn task_of(shape: &TaskShape, job_id: u64, gang_size: u32, gang_index: u32, priority: u32) -> Task {
+    Task {
+        job_id,
+        gpu_count: shape.gpu_count,
+        gpu_milli: shape.gpu_milli,
+        cpu_milli: shape.cpu_milli,
+        memory_mib: shape.memory_mib,
+        models: shape.models.clone(),
+        priority,
+        gang_size,
+        gang_index,
+    }
+}
+
+/// Every answer of one pass over the scenarios, for the determinism check.
+#[derive(Default, PartialEq, Debug)]
+struct Answers {
+    score: Vec<Option<(Vec<u64>, Vec<u64>)>>,
+    domains: Vec<Option<Vec<u64>>>,
+    rank: Vec<Option<Vec<u32>>>,
+    compact: Vec<Option<Plan>>,
+}
+
+fn bits(v: &[f64]) -> Vec<u64> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+struct Suite {
+    score: Vec<ScoreCase>,
+    domains: Vec<DomainCase>,
+    rank: Vec<RankCase>,
+    compact: Vec<CompactCase>,
+}
+
+/// Runs the suite on a component file.
+pub fn run_file(engine: Arc<PolicyEngine>, path: &std::path::Path, opts: &Options) -> anyhow::Result<Report> {
+    let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Ok(run(engine, &bytes, opts))
+}
+
+/// Runs the suite on a component's bytes. A component that does not load
+/// fails the `load` rule and nothing else runs.
+pub fn run(engine: Arc<PolicyEngine>, bytes: &[u8], opts: &Options) -> Report {
+    let mut rules = Rules::default();
+    rules.declare("load", "compiles, links with only the host's imports, `info` names a policy");
+    let mut report = Report {
+        policy: "?".into(),
+        version: "?".into(),
+        contract: "?".into(),
+        hooks: String::new(),
+        deadline_ms: opts.limits.deadline.as_millis() as u64,
+        memory_cap_mib: opts.limits.memory_bytes >> 20,
+        slowest_call_ms: 0.0,
+        rules: Vec::new(),
+    };
+    let loaded = match LoadedPolicy::from_bytes(&engine, bytes) {
+        Ok(l) => l,
+        Err(e) => {
+            rules.check("load", false, || e.to_string());
+            report.rules = rules.into_vec();
+            return report;
+        }
+    };
+    rules.check("load", true, String::new);
+    report.policy = loaded.info.name.clone();
+    report.version = loaded.info.version.clone();
+    report.contract = loaded.contract.to_string();
+    report.hooks = loaded.info.hooks.to_string();
+    let hooks = loaded.info.hooks;
+
+    rules.declare("configure/accepts", "accepts the empty configuration (or the one given)");
+    for hook in ["score", "score-domains", "rank", "compact"] {
+        let claimed = match hook {
+            "score" => hooks.contains(Hooks::SCORE),
+            "score-domains" => hooks.contains(Hooks::DOMAINS),
+            "rank" => hooks.contains(Hooks::RANK),
+            _ => hooks.contains(Hooks::COMPACT),
+        };
+        if !claimed {
+            continue;
+        }
+        declare_call_rules(&mut rules, hook);
+        match hook {
+            "score" => {
+                rules.declare("score/length", "one score per node, one GPU mask per node or none");
+                rules.declare("score/finite", "no NaN or infinite score");
+                rules.declare("score/gpu-masks", "masks name the task's GPU count, existing GPUs with enough free");
+            }
+            "score-domains" => {
+                rules.declare("score-domains/length", "one score per domain");
+                rules.declare("score-domains/finite", "no NaN or infinite score");
+            }
+            "rank" => {
+                rules.declare("rank/in-range", "every index names a victim");
+                rules.declare("rank/unique", "no victim ranked twice");
+            }
+            _ => {
+                rules.declare("compact/lengths", "the plan's four columns have one entry per move");
+                rules.declare("compact/chains", "chains numbered from 0, each chain's moves contiguous");
+                rules.declare("compact/moves", "moves name movable allocations and nodes of the snapshot");
+                rules.declare("compact/gpu-masks", "destination masks name the allocation's GPU count on existing GPUs");
+            }
+        }
+        rules.declare(&format!("{hook}/deterministic"), "a fresh instance answers the same calls the same");
+    }
+
+    let suite = Suite { score: score_cases(), domains: domain_cases(), rank: rank_cases(), compact: compact_cases() };
+    let mut slowest = Duration::ZERO;
+    let first = pass(&engine, &loaded, opts, &suite, Some(&mut rules), &mut slowest);
+    let second = pass(&engine, &loaded, opts, &suite, None, &mut slowest);
+    report.slowest_call_ms = slowest.as_secs_f64() * 1e3;
+    if let (Some(a), Some(b)) = (first, second) {
+        let mut compare = |hook: &str, names: Vec<&str>, same: Vec<bool>| {
+            let rule = format!("{hook}/deterministic");
+            if !rules.by_name.contains_key(&rule) {
+                return;
+            }
+            for (k, (name, same)) in names.into_iter().zip(same).enumerate() {
+                rules.check(&rule, same, || format!("scenario {k} ({name}): the second instance answered differently"));
+            }
+        };
+        compare("score", suite.score.iter().map(|c| c.name).collect(), a.score.iter().zip(&b.score).map(|(x, y)| x == y).collect());
+        compare(
+            "score-domains",
+            suite.domains.iter().map(|c| c.name).collect(),
+            a.domains.iter().zip(&b.domains).map(|(x, y)| x == y).collect(),
+        );
+        compare("rank", suite.rank.iter().map(|c| c.name).collect(), a.rank.iter().zip(&b.rank).map(|(x, y)| x == y).collect());
+        compare("compact", suite.compact.iter().map(|c| c.name).collect(), a.compact.iter().zip(&b.compact).map(|(x, y)| x == y).collect());
+    }
+    report.rules = rules.into_vec();
+    report
+}
+
+/// One pass over every scenario on a fresh, configured instance; checks
+/// the answers when `rules` is given. `None` if configuration failed.
+fn pass(
+    engine: &Arc<PolicyEngine>,
+    loaded: &Arc<LoadedPolicy>,
+    opts: &Options,
+    suite: &Suite,
+    mut rules: Option<&mut Rules>,
+    slowest: &mut Duration,
+) -> Option<Answers> {
+    let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), opts.limits);
+    let configured = policy.configure(&opts.config);
+    if let Some(rules) = rules.as_deref_mut() {
+        rules.check("configure/accepts", configured.is_ok(), || format!("configure({:?}): {}", opts.config, configured.clone().unwrap_err()));
+    }
+    configured.ok()?;
+    let hooks = loaded.info.hooks;
+    let mut answers = Answers::default();
+    let mut timed = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        *slowest = (*slowest).max(t.elapsed());
+    };
+
+    if hooks.contains(Hooks::SCORE) {
+        for (k, case) in suite.score.iter().enumerate() {
+            let mut nodes = nodes_of(&case.fleet, |n| predicate::check(n, &case.shape).is_ok());
+            let task = task_of(&case.shape, k as u64, case.gang_size, case.gang_index, case.priority);
+            let mut result = Err(PolicyError::Unsupported("score"));
+            timed(&mut || result = policy.score_raw(&task, &mut nodes));
+            let label = format!("scenario {k} ({}, {} nodes)", case.name, nodes.len());
+            answers.score.push(result.as_ref().ok().map(|s| (bits(&s.scores), s.gpus.clone())));
+            if let Some(rules) = rules.as_deref_mut() {
+                call_outcome(rules, "score", &label, &result);
+                if let Ok(answer) = &result {
+                    check_scores(rules, &label, &case.fleet, &case.shape, &nodes, answer);
+                }
+            }
+        }
+    }
+    if hooks.contains(Hooks::DOMAINS) {
+        for (k, case) in suite.domains.iter().enumerate() {
+            let (mut domains, _) = berth_core::sim::domain_table(&case.fleet, &case.shape);
+            let task = task_of(&case.shape, k as u64, case.gang_size, 0, 0);
+            let mut result = Err(PolicyError::Unsupported("score-domains"));
+            timed(&mut || result = policy.score_domains_raw(&task, &mut domains));
+            let label = format!("scenario {k} ({}, {} domains)", case.name, domains.len());
+            // The host checks length and finiteness itself; file its
+            // verdict under the rule it broke.
+            let result = result.map(|s| s.unwrap_or_default());
+            answers.domains.push(result.as_ref().ok().map(|s| bits(s)));
+            if let Some(rules) = rules.as_deref_mut() {
+                check_domains(rules, &label, &domains, &result);
+            }
+        }
+    }
+    if hooks.contains(Hooks::RANK) {
+        for (k, case) in suite.rank.iter().enumerate() {
+            let mut victims = case.victims.clone();
+            let task = task_of(&case.demand, k as u64, 1, 0, 9);
+            let mut result = Err(PolicyError::Unsupported("rank"));
+            timed(&mut || result = policy.rank(&task, &mut victims));
+            let label = format!("scenario {k} ({})", case.name);
+            answers.rank.push(result.as_ref().ok().cloned());
+            if let Some(rules) = rules.as_deref_mut() {
+                check_rank(rules, &label, &result);
+            }
+        }
+    }
+    if hooks.contains(Hooks::COMPACT) {
+        for (k, case) in suite.compact.iter().enumerate() {
+            let mut snapshot = case.snapshot.clone();
+            let mut result = Err(PolicyError::Unsupported("compact"));
+            timed(&mut || result = policy.compact(&mut snapshot));
+            let label = format!("scenario {k} ({})", case.name);
+            answers.compact.push(result.as_ref().ok().cloned());
+            if let Some(rules) = rules.as_deref_mut() {
+                call_outcome(rules, "compact", &label, &result);
+                if let Ok(plan) = &result {
+                    check_plan(rules, &label, &case.snapshot, plan);
+                }
+            }
+        }
+    }
+    Some(answers)
+}
+
+fn check_scores(rules: &mut Rules, label: &str, fleet: &Fleet, shape: &TaskShape, nodes: &Nodes, answer: &Scores) {
+    let n = nodes.len();
+    let lengths_ok = answer.scores.len() == n && (answer.gpus.is_empty() || answer.gpus.len() == n);
+    rules.check("score/length", lengths_ok, || {
+        format!("{label}: {} scores and {} GPU masks for {n} nodes", answer.scores.len(), answer.gpus.len())
+    });
+    let bad = answer.scores.iter().position(|s| !s.is_finite());
+    rules.check("score/finite", bad.is_none(), || format!("{label}: score {} is {}", bad.unwrap_or(0), answer.scores[bad.unwrap_or(0)]));
+    let mut mask_error = None;
+    if answer.gpus.len() == n {
+        for (i, &mask) in answer.gpus.iter().enumerate() {
+            let id = nodes.ids[i];
+            if let Err(e) = berth_core::placement::validate_mask(&fleet.nodes()[id as usize], id, shape, mask) {
+                mask_error = Some(format!("{label}: {e}"));
+                break;
+            }
+        }
+    }
+    rules.check("score/gpu-masks", mask_error.is_none(), || mask_error.clone().unwrap_or_default());
+}
+
+fn check_domains(rules: &mut Rules, label: &str, domains: &Domains, result: &Result<Vec<f64>, PolicyError>) {
+    // The policy host rejects a wrong length or a non-finite score as
+    // InvalidOutput before the answer reaches us: tell the two apart by the
+    // domain count in the message it writes.
+    let (length_bad, finite_bad) = match result {
+        Err(PolicyError::InvalidOutput(msg)) if msg.contains("domain scores for") => (Some(msg.clone()), None),
+        Err(PolicyError::InvalidOutput(msg)) => (None, Some(msg.clone())),
+        Ok(s) => (
+            (s.len() != domains.len()).then(|| format!("{} scores for {} domains", s.len(), domains.len())),
+            s.iter().find(|x| !x.is_finite()).map(|x| format!("a score is {x}")),
+        ),
+        Err(_) => (None, None),
+    };
+    let other = match result {
+        Err(PolicyError::InvalidOutput(_)) => Ok(()),
+        Err(e) => Err(e.clone()),
+        Ok(_) => Ok(()),
+    };
+    call_outcome(rules, "score-domains", label, &other);
+    if matches!(result, Ok(_) | Err(PolicyError::InvalidOutput(_))) {
+        rules.check("score-domains/length", length_bad.is_none(), || format!("{label}: {}", length_bad.clone().unwrap_or_default()));
+        rules.check("score-domains/finite", finite_bad.is_none(), || format!("{label}: {}", finite_bad.clone().unwrap_or_default()));
+    }
+}
+
+fn check_rank(rules: &mut Rules, label: &str, result: &Result<Vec<u32>, PolicyError>) {
+    // As for domains: the policy host checks indexes and says which way
+    // they are wrong ("out of" the victims, or "ranked twice").
+    let other = match result {
+        Err(PolicyError::InvalidOutput(_)) | Ok(_) => Ok(()),
+        Err(e) => Err(e.clone()),
+    };
+    call_outcome(rules, "rank", label, &other);
+    match result {
+        Err(PolicyError::InvalidOutput(msg)) => {
+            let twice = msg.contains("twice");
+            rules.check("rank/in-range", twice, || format!("{label}: {msg}"));
+            rules.check("rank/unique", !twice, || format!("{label}: {msg}"));
+        }
+        Ok(_) => {
+            rules.check("rank/in-range", true, String::new);
+            rules.check("rank/unique", true, String::new);
+        }
+        Err(_) => {}
+    }
+}
+
+fn check_plan(rules: &mut Rules, label: &str, snapshot: &Snapshot, plan: &Plan) {
+    let moves = plan.chain.len();
+    let lengths_ok = plan.allocation.len() == moves && plan.dest_node.len() == moves && plan.dest_gpus.len() == moves;
+    rules.check("compact/lengths", lengths_ok, || {
+        format!(
+            "{label}: columns of {}, {}, {} and {} entries",
+            moves,
+            plan.allocation.len(),
+            plan.dest_node.len(),
+            plan.dest_gpus.len()
+        )
+    });
+    if !lengths_ok {
+        return;
+    }
+    // Chains start at 0 and each next chain is the previous + 1.
+    let mut chains_ok = plan.chain.first().is_none_or(|&c| c == 0);
+    for w in plan.chain.windows(2) {
+        chains_ok &= w[1] == w[0] || w[1] == w[0] + 1;
+    }
+    rules.check("compact/chains", chains_ok, || format!("{label}: chain column {:?}", &plan.chain[..moves.min(16)]));
+    let allocs = &snapshot.allocations;
+    let nodes = &snapshot.nodes;
+    let node_ids: HashSet<u32> = nodes.ids.iter().copied().collect();
+    let mut move_error = None;
+    let mut mask_error = None;
+    for m in 0..moves {
+        let Some(a) = allocs.ids.iter().position(|&id| id == plan.allocation[m]) else {
+            move_error.get_or_insert(format!("{label}: move {m} names allocation {}, not in the snapshot", plan.allocation[m]));
+            continue;
+        };
+        if allocs.movable[a] == 0 {
+            move_error.get_or_insert(format!("{label}: move {m} moves allocation {}, which is not movable", plan.allocation[m]));
+        }
+        let dest = plan.dest_node[m];
+        if !node_ids.contains(&dest) {
+            move_error.get_or_insert(format!("{label}: move {m} goes to node {dest}, not in the snapshot"));
+            continue;
+        }
+        let mask = plan.dest_gpus[m];
+        if mask != 0 {
+            let i = nodes.ids.iter().position(|&id| id == dest).expect("checked above");
+            let gpus = nodes.gpu_count[i];
+            let wanted = allocs.gpus[a].count_ones();
+            if (gpus < 64 && mask >> gpus != 0) || mask.count_ones() != wanted {
+                mask_error.get_or_insert(format!(
+                    "{label}: move {m}: mask {mask:#x} on a {gpus}-GPU node for an allocation of {wanted} GPUs (GPUs {:?})",
+                    gpus_of(mask).collect::<Vec<_>>()
+                ));
+            }
+        }
+    }
+    rules.check("compact/moves", move_error.is_none(), || move_error.clone().unwrap_or_default());
+    rules.check("compact/gpu-masks", mask_error.is_none(), || mask_error.clone().unwrap_or_default());
+}

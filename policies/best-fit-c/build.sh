@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds best-fit-c.wasm into $1 (default: .): C bindings from the WIT with
+# `wit-bindgen c`, clang for wasm32-wasi against Debian's wasi-libc (only
+# malloc and libm are used, so the module imports nothing from WASI), then
+# `berth policy componentize`. Needs $BERTH or berth on PATH.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="$(cd "${1:-.}" && pwd)"
+berth="${BERTH:-$(command -v berth || echo berth)}"
+gen="$(mktemp -d)"
+trap 'rm -rf "$gen"' EXIT
+wit-bindgen c "$here/../../wit/v0.2.0" --world placement-policy --out-dir "$gen" >/dev/null
+# A reactor: no main; the host calls the exports.
+clang --target=wasm32-wasi -O2 -mexec-model=reactor -Wall -Werror -Wno-unused-function \
+    -I "$gen" -I "$here" \
+    "$here/best_fit.c" "$here/config.c" "$gen/placement_policy.c" "$gen/placement_policy_component_type.o" \
+    -o "$gen/best_fit_c.module.wasm"
+"$berth" policy componentize "$gen/best_fit_c.module.wasm" -o "$out/best-fit-c.wasm"

@@ -1,0 +1,214 @@
+//! Policies in other languages: the conformance suite (`berth policy
+//! test`), best-fit in Rust, Python, JavaScript and C agreeing pod by pod
+//! on the openb trace, and `berth policy new` projects that build and pass.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use berth::conformance::{self, Options, Report};
+use berth::replay::fgd::{typical_pods, Experiment};
+use berth::replay::openb::{read_nodes, read_pods};
+use berth::wasm::{Limits, WasmPolicy};
+
+use crate::common::{engine, guest_path, load, policy_path, repo_root};
+
+/// best-fit in every language; the first is the reference.
+const BEST_FIT: [&str; 4] = ["best-fit", "best-fit-py", "best-fit-js", "best-fit-c"];
+
+fn conformance(path: &Path) -> Report {
+    conformance::run_file(engine(), path, &Options::default()).unwrap()
+}
+
+#[test]
+fn best_fit_in_every_language_conforms() {
+    for name in BEST_FIT {
+        let report = conformance(&policy_path(name));
+        assert!(report.passed(), "{name}:\n{report}");
+        assert_eq!(report.policy, name);
+        // score only: load, configure, and the score rules.
+        assert!(report.rules.iter().any(|r| r.rule == "score/deterministic" && r.checked == 14), "{report}");
+        assert!(!report.rules.iter().any(|r| r.rule.starts_with("rank/")), "{report}");
+    }
+}
+
+#[test]
+fn every_bundled_policy_conforms() {
+    let dir = repo_root().join("target/policies");
+    let mut tested = 0;
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        let name = entry.file_name().into_string().unwrap();
+        let Some(name) = name.strip_suffix(".wasm") else { continue };
+        if BEST_FIT[1..].contains(&name) {
+            continue; // the test above
+        }
+        let report = conformance(&entry.path());
+        assert!(report.passed(), "{name}:\n{report}");
+        tested += 1;
+    }
+    assert!(tested >= 9, "{tested} bundled policies tested");
+    let v010 = conformance(&guest_path("v010"));
+    assert!(v010.passed(), "{v010}");
+    assert_eq!(v010.contract, "0.1.0");
+    // topo-entropy claims score-domains: those rules ran and passed.
+    let topo = conformance(&policy_path("topo-entropy"));
+    assert!(topo.rules.iter().any(|r| r.rule == "score-domains/finite" && r.checked == 4), "{topo}");
+}
+
+#[test]
+fn hostile_guest_fails_the_rules_it_breaks() {
+    // A short deadline keeps the infinite loop cheap; the 2,000-node
+    // scenarios stay far inside it for the honest answers.
+    let opts = Options { limits: Limits { deadline: std::time::Duration::from_millis(200), ..Limits::default() }, ..Options::default() };
+    let report = conformance::run_file(engine(), &guest_path("hostile"), &opts).unwrap();
+    assert!(!report.passed());
+    let failed = report.failed();
+    // job 1 loops, 2 hoards memory, 3 panics, 4 miscounts, 5 NaN, 6 names
+    // a GPU the node lacks, 7 answers 6 million scores, 8 infinity,
+    // 9 overflows its stack, 11 declines; rank 1 repeats, 2 overflows;
+    // score-domains 1 miscounts, 2 NaN.
+    for rule in [
+        "score/deadline",
+        "score/memory-cap",
+        "score/no-trap",
+        "score/no-error",
+        "score/length",
+        "score/finite",
+        "score/gpu-masks",
+        "score-domains/length",
+        "score-domains/finite",
+        "rank/in-range",
+        "rank/unique",
+    ] {
+        assert!(failed.contains(&rule), "{rule} should fail:\n{report}");
+    }
+    for rule in ["load", "configure/accepts", "score/deterministic", "rank/no-trap", "score-domains/no-trap"] {
+        assert!(!failed.contains(&rule), "{rule} should pass:\n{report}");
+    }
+    let text = report.to_string();
+    assert!(text.contains("FAIL  score/finite") && text.contains("scenario 5"), "{text}");
+    assert!(text.contains("PASS  load"), "{text}");
+}
+
+#[test]
+fn cli_policy_test_exits_non_zero_on_failure() {
+    let berth = env!("CARGO_BIN_EXE_berth");
+    let run = |path: PathBuf| Command::new(berth).args(["policy", "test", "--deadline-ms", "200"]).arg(path).output().unwrap();
+    let good = run(policy_path("best-fit-c"));
+    let stdout = String::from_utf8_lossy(&good.stdout);
+    assert!(good.status.success(), "{stdout}{}", String::from_utf8_lossy(&good.stderr));
+    assert!(stdout.contains("PASS  score/gpu-masks") && stdout.contains(" passed, 0 failed"), "{stdout}");
+    let bad = run(guest_path("hostile"));
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stdout).contains("FAIL  rank/unique"));
+}
+
+/// The openb folder, or `None` (skipped) unless BERTH_REQUIRE_TRACES is set.
+fn openb_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("BERTH_OPENB_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("../shared/data/openb"));
+    if dir.join("openb_node_list_gpu_node.csv").is_file() {
+        return Some(dir);
+    }
+    let required = std::env::var("BERTH_REQUIRE_TRACES").is_ok_and(|v| !v.is_empty());
+    assert!(!required, "openb trace not found at {}", dir.display());
+    eprintln!("skipping: openb trace not found at {}", dir.display());
+    None
+}
+
+/// The acceptance test of the four languages: the default openb replay,
+/// seeds 42-51, every pod placed on the same node and GPUs as Rust
+/// best-fit's (and dropped where it is dropped).
+#[test]
+fn best_fit_languages_agree_pod_by_pod_on_openb() {
+    let Some(dir) = openb_dir() else { return };
+    let nodes = read_nodes(&dir.join("openb_node_list_gpu_node.csv")).unwrap();
+    let pods = read_pods(&dir.join("openb_pod_list_default.csv")).unwrap();
+    let exp = Experiment::new(&nodes, &pods).unwrap();
+    let typical = typical_pods(&exp);
+    let loaded: Vec<_> = BEST_FIT.iter().map(|n| load(&policy_path(n))).collect();
+    let seeds: Vec<u64> = (42..=51).collect();
+    let runs: Vec<(usize, u64)> = (0..BEST_FIT.len()).flat_map(|p| seeds.iter().map(move |&s| (p, s))).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results = std::sync::Mutex::new(vec![None; runs.len()]);
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                while let Some(&(p, seed)) = runs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                    let mut policy = WasmPolicy::new(engine(), loaded[p].clone(), Limits::default());
+                    policy.configure(&berth::replay::policy_config(&typical, seed)).unwrap();
+                    let r = exp.run(seed, &mut policy, false, |_| {}).unwrap_or_else(|e| panic!("{} seed {seed}: {e}", BEST_FIT[p]));
+                    results.lock().unwrap()[p * seeds.len() + (seed - 42) as usize] = Some(r);
+                }
+            });
+        }
+    });
+    let results: Vec<_> = results.into_inner().unwrap().into_iter().map(Option::unwrap).collect();
+    for (k, &seed) in seeds.iter().enumerate() {
+        let reference = &results[k];
+        assert!(reference.pods_placed > 8_000, "seed {seed}: {} placed", reference.pods_placed);
+        for (p, name) in BEST_FIT.iter().enumerate().skip(1) {
+            let other = &results[p * seeds.len() + k];
+            assert_eq!(other.decisions.len(), reference.decisions.len(), "{name} seed {seed}");
+            let first_mismatch = reference.decisions.iter().zip(&other.decisions).position(|(a, b)| a != b);
+            assert!(
+                first_mismatch.is_none(),
+                "{name} seed {seed}: pod {} differs: {:?} vs best-fit {:?}",
+                first_mismatch.unwrap(),
+                other.decisions[first_mismatch.unwrap()],
+                reference.decisions[first_mismatch.unwrap()]
+            );
+            assert_eq!(other.curve, reference.curve, "{name} seed {seed}");
+        }
+    }
+}
+
+/// `berth policy new` in every language builds (with the toolchains
+/// scripts/install-lang-toolchains.sh installs) to a component that passes
+/// the conformance suite. Skipped per language whose toolchain is missing,
+/// except under BERTH_REQUIRE_TOOLCHAINS=1 (CI: build-policies.sh installs
+/// them).
+#[test]
+fn scaffolded_projects_build_and_conform() {
+    let berth = env!("CARGO_BIN_EXE_berth");
+    let scratch = std::env::temp_dir().join(format!("berth-test-{}-scaffold", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let tools = std::env::var_os("BERTH_TOOLS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/berth-tools"));
+    let path = std::env::join_paths(
+        ["py/bin", "npm/bin", "cargo/bin"].iter().map(|d| tools.join(d)).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
+    )
+    .unwrap();
+    let has = |tool: &str| Command::new("sh").arg("-c").arg(format!("command -v {tool}")).env("PATH", &path).output().is_ok_and(|o| o.status.success());
+    let required = std::env::var("BERTH_REQUIRE_TOOLCHAINS").is_ok_and(|v| !v.is_empty());
+    for (lang, tool) in [("rust", "cargo"), ("python", "componentize-py"), ("js", "componentize-js"), ("c", "wit-bindgen")] {
+        if !has(tool) {
+            assert!(!required, "{tool} missing for --lang {lang}");
+            eprintln!("skipping --lang {lang}: {tool} not found (scripts/install-lang-toolchains.sh installs it)");
+            continue;
+        }
+        let name = format!("hello-{lang}");
+        let out = Command::new(berth).args(["policy", "new", "--lang", lang, &name, "--dir"]).arg(&scratch).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let project = scratch.join(&name);
+        let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
+        assert!(readme.contains("./build.sh") && readme.contains(&format!("berth policy test {name}.wasm")), "{readme}");
+        let build = Command::new(project.join("build.sh"))
+            .env("PATH", &path)
+            .env("BERTH", berth)
+            // Rust: share the guest build's dependencies.
+            .env("CARGO_TARGET_DIR", repo_root().join("target/guest-scaffold"))
+            .output()
+            .unwrap();
+        assert!(build.status.success(), "{lang} build:\n{}{}", String::from_utf8_lossy(&build.stdout), String::from_utf8_lossy(&build.stderr));
+        let report = conformance(&project.join(format!("{name}.wasm")));
+        assert!(report.passed(), "{lang}:\n{report}");
+        assert_eq!(report.policy, name);
+        // A second project of the same name is refused.
+        let again = Command::new(berth).args(["policy", "new", "--lang", lang, &name, "--dir"]).arg(&scratch).output().unwrap();
+        assert!(!again.status.success());
+    }
+    let bad = Command::new(berth).args(["policy", "new", "--lang", "cobol", "x"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown language"));
+    let _ = std::fs::remove_dir_all(&scratch);
+}
