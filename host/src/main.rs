@@ -419,15 +419,13 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         None => workload.generate(&fleet),
     };
     let horizon = (workload.days * 86_400.0) as u64;
-    anyhow::ensure!(args.aging >= 0.0 && args.aging.is_finite(), "--aging must be a non-negative number");
-    let guard = match args.reserve_after_h {
-        Some(h) => {
-            anyhow::ensure!(h >= 0.0 && h.is_finite(), "--reserve-after-h must be a non-negative number of hours");
-            Some(berth_core::sim::StarvationGuard { reserve_after_s: (h * 3600.0) as u64, aging_per_hour: args.aging })
-        }
-        None if args.aging > 0.0 => Some(berth_core::sim::StarvationGuard { reserve_after_s: u64::MAX, aging_per_hour: args.aging }),
-        None => None,
-    };
+    // The fleet config's guards, with the fleet-wide one replaced by the
+    // command-line flags when given.
+    let mut guards = config.guards().with_context(|| format!("fleet config {fleet_spec}"))?;
+    if args.reserve_after_h.is_some() || args.aging > 0.0 {
+        let flags = berth::asi::fleet::GuardConfig { reserve_after_h: args.reserve_after_h, aging_per_hour: args.aging };
+        guards.fleet = flags.to_guard().context("--reserve-after-h / --aging")?;
+    }
     let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
     let mut reports = Vec::new();
     for spec in &args.policies {
@@ -436,7 +434,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         if !args.quiet {
             eprintln!("simulating {} jobs with {} ...", jobs.len(), loaded.info.name);
         }
-        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, guard, request.as_ref())?);
+        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref())?);
     }
     print!("{}", asi_report::table(&reports));
     if accounting || request.is_some() {

@@ -3,7 +3,7 @@
 use berth::asi::fleet::{FleetConfig, ASI_DEFAULT};
 use berth::asi::report::{run_policy, LARGE_GANG_GPUS};
 use berth::asi::workload::{WorkloadConfig, CLASSES, HIGH_PRIORITY};
-use berth_core::sim::{domain_table, fitting_tasks, simulate, SimConfig};
+use berth_core::sim::{domain_table, fitting_tasks, simulate, Guards, SimConfig};
 
 use crate::common::{engine, load, policy_path, wasm_policy};
 
@@ -37,6 +37,35 @@ fn bad_fleet_configs_say_what_is_wrong() {
     let bad_shape = "nodes_per_switch = 4\nnodes_per_partition = 5\n[[shapes]]\nmodel = \"H20\"\ncount = 2\ngpus = 99\ncpu_cores = 8\nmemory_gib = 8\n";
     let err = format!("{:#}", FleetConfig::parse(bad_shape, "z.toml").unwrap_err());
     assert!(err.contains("shapes[0] (H20)") && err.contains("99 GPUs"), "{err}");
+}
+
+/// Guards come from the fleet config: fleet-wide, overridden per partition,
+/// and a bad setting names where it is.
+#[test]
+fn guards_are_configured_per_partition() {
+    let base = "nodes_per_switch = 4\nnodes_per_partition = 4\n[[shapes]]\nmodel = \"H20\"\ncount = 12\ngpus = 8\ncpu_cores = 64\nmemory_gib = 512\n";
+    let good = format!(
+        "{base}[guard]\nreserve_after_h = 6\n[[partition_guard]]\npartitions = [1]\nreserve_after_h = 1.5\naging_per_hour = 2\n[[partition_guard]]\npartitions = [2]\noff = true\n"
+    );
+    let cfg = FleetConfig::parse(&good, "g.toml").unwrap();
+    let guards = cfg.guards().unwrap();
+    assert_eq!(guards.fleet.unwrap().reserve_after_s, 6 * 3600);
+    assert_eq!(guards.partitions[&1].unwrap().reserve_after_s, 5400);
+    assert_eq!(guards.partitions[&1].unwrap().aging_per_hour, 2.0);
+    assert_eq!(guards.partitions[&2], None);
+    let (fleet, topo) = cfg.build().unwrap();
+    assert!(fleet.nodes().iter().enumerate().all(|(i, n)| n.partition == topo.partition[i] && n.partition == i as u32 / 4));
+
+    for (extra, needle) in [
+        ("[[partition_guard]]\npartitions = [3]\nreserve_after_h = 1\n", "partition 3 does not exist"),
+        ("[[partition_guard]]\npartitions = [0]\nreserve_after_h = -1\n", "partition_guard[0]"),
+        ("[[partition_guard]]\npartitions = [0]\noff = true\naging_per_hour = 1\n", "off = true with settings"),
+        ("[[partition_guard]]\npartitions = [0]\n[[partition_guard]]\npartitions = [0]\n", "partition 0 has a guard already"),
+        ("[guard]\naging_per_hour = -3\n", "[guard]"),
+    ] {
+        let err = format!("{:#}", FleetConfig::parse(&format!("{base}{extra}"), "bad.toml").unwrap_err());
+        assert!(err.contains("bad.toml") && err.contains(needle), "{extra}: {err}");
+    }
 }
 
 #[test]
@@ -81,7 +110,7 @@ fn event_replay_is_all_or_nothing_and_deterministic() {
     let mut policy = wasm_policy(&policy_path("best-fit"), Default::default());
     let mut f1 = fleet.clone();
     let horizon = 3 * 86_400;
-    let out = simulate(&mut f1, &jobs, &mut policy, SimConfig { horizon_s: horizon, high_priority: HIGH_PRIORITY, guard: None }).unwrap();
+    let out = simulate(&mut f1, &jobs, &mut policy, SimConfig { horizon_s: horizon, high_priority: HIGH_PRIORITY, guards: Guards::default() }).unwrap();
     f1.check_invariants().unwrap();
     // Overloaded: some jobs wait, some never start; none start early.
     assert!(out.jobs.iter().any(|o| o.start_s.is_none()));
@@ -101,11 +130,11 @@ fn event_replay_is_all_or_nothing_and_deterministic() {
     assert_eq!(f1.gpu_allocated_milli(), running, "gangs hold all their GPUs or none");
     assert!(out.utilisation.high_milli_s <= out.utilisation.all_milli_s);
 
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None).unwrap();
     assert!(report.allocation_pct > 30.0 && report.allocation_pct <= 100.0, "{}", report.allocation_pct);
     assert!(report.high_priority_allocation_pct <= report.allocation_pct);
     assert_eq!(report.classes.iter().map(|c| c.jobs).sum::<usize>(), jobs.len());
-    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
+    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None).unwrap();
     assert_eq!((again.allocation_pct, again.classes.clone()), (report.allocation_pct, report.classes.clone()));
     if report.large_gangs_started > 0 {
         assert!(report.large_gang_domains_mean >= report.large_gang_domains_lower_bound_mean);
@@ -188,8 +217,8 @@ fn entropy_policy_uses_fewer_domains_per_large_gang() {
     let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.03).build().unwrap();
     let jobs = WorkloadConfig { days: 4.0, seed: 5, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
-    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
-    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, None, None).unwrap();
+    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None).unwrap();
+    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, &Guards::default(), None).unwrap();
     assert!(blind.large_gangs_started > 20, "{}", blind.large_gangs_started);
     assert!(aware.large_gangs_started as f64 >= 0.95 * blind.large_gangs_started as f64);
     assert!(aware.large_gang_domains_mean >= aware.large_gang_domains_lower_bound_mean);
@@ -221,9 +250,9 @@ fn starvation_guard_protects_the_largest_gangs() {
     let jobs = WorkloadConfig { days: 4.0, load: 1.2, seed: 1, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
     let policy = load(&policy_path("topo-entropy"));
-    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, None, None).unwrap();
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None).unwrap();
     let guard = berth_core::sim::StarvationGuard { reserve_after_s: 2 * 3600, aging_per_hour: 0.0 };
-    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, Some(guard), None).unwrap();
+    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::everywhere(Some(guard)), None).unwrap();
     assert_eq!(without.reservations, 0);
     assert!(with.reservations > 0);
     assert!(without.largest_gangs > 10, "{}", without.largest_gangs);
@@ -249,8 +278,18 @@ fn workload_csv_reads_jobs_and_names_bad_rows() {
     assert_eq!(jobs.len(), 3);
     assert_eq!((jobs[0].tasks, jobs[0].gpus(), jobs[0].priority), (2, 16, HIGH_PRIORITY));
     assert!(jobs[1].priority < HIGH_PRIORITY && jobs[1].shape.models.is_empty());
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, 7200, None, None).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, 7200, &Guards::default(), None).unwrap();
     assert_eq!(report.classes.iter().map(|c| c.started).sum::<usize>(), 3);
+    assert!(jobs.iter().all(|j| j.partition.is_none()));
+
+    // An optional last column submits jobs to partitions.
+    let with_partition = dir.join("partitioned.csv");
+    std::fs::write(&with_partition, format!("{header},partition\n1,training,0,3600,1,8,1000,64000,1024,H20,0\n2,training,0,3600,1,8,1000,64000,1024,H20,\n")).unwrap();
+    let jobs = berth::asi::workload::read_csv(&with_partition, &fleet).unwrap();
+    assert_eq!((jobs[0].partition, jobs[1].partition), (Some(0), None));
+    std::fs::write(&with_partition, format!("{header},partition\n1,training,0,3600,1,8,1000,64000,1024,H20,9\n")).unwrap();
+    let err = berth::asi::workload::read_csv(&with_partition, &fleet).unwrap_err().to_string();
+    assert!(err.contains("partitioned.csv:2") && err.contains("partition 9 does not exist"), "{err}");
 
     for (row, needle) in [
         ("1,teaching,0,1,1,1,1000,1,1,", "column \"class\""),

@@ -42,6 +42,9 @@ pub struct Node {
     pub switch_domain: u32,
     /// Aggregation switch above the access switch.
     pub aggregation: u32,
+    /// Partition: the unit of per-partition settings (starvation guard,
+    /// compaction) and of jobs submitted to a partition.
+    pub partition: u32,
     pub cpu_total_milli: u32,
     pub cpu_free_milli: u32,
     pub memory_total_mib: u64,
@@ -62,6 +65,7 @@ impl Node {
             model,
             switch_domain: 0,
             aggregation: 0,
+            partition: 0,
             cpu_total_milli: cpu_milli,
             cpu_free_milli: cpu_milli,
             memory_total_mib: memory_mib,

@@ -4,7 +4,7 @@
 //! the jobs and the policy, and gets back what happened, deterministically.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 
 use crate::fleet::{Allocation, Fleet, NodeId};
 use crate::placement::{Placer, TaskMeta};
@@ -13,7 +13,7 @@ use crate::task::TaskShape;
 
 /// One job: `tasks` identical tasks (a gang when more than one), each of
 /// `shape`, on distinct or shared nodes as the policy decides.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Job {
     pub id: u64,
     /// Workload class index (the caller's naming, e.g. online inference).
@@ -24,6 +24,10 @@ pub struct Job {
     pub duration_s: u64,
     pub tasks: u32,
     pub shape: TaskShape,
+    /// The partition the job was submitted to: it runs on that partition's
+    /// nodes under that partition's starvation guard. `None`: anywhere,
+    /// under the fleet-wide guard.
+    pub partition: Option<u32>,
 }
 
 impl Job {
@@ -72,21 +76,52 @@ pub struct SimOutcome {
 }
 
 /// Simulation settings.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct SimConfig {
     /// Stop at this simulated time.
     pub horizon_s: u64,
     /// Jobs with priority >= this count as high priority in utilisation.
     pub high_priority: u32,
     /// Keeps large gangs from waiting forever behind streams of small jobs.
-    pub guard: Option<StarvationGuard>,
+    pub guards: Guards,
+}
+
+/// Starvation-guard settings: fleet-wide, and per partition.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Guards {
+    /// For jobs not submitted to a partition, or whose partition has no
+    /// setting of its own.
+    pub fleet: Option<StarvationGuard>,
+    /// Per-partition settings; `None` turns the guard off in a partition.
+    pub partitions: BTreeMap<u32, Option<StarvationGuard>>,
+}
+
+impl Guards {
+    /// The same guard everywhere.
+    pub fn everywhere(guard: Option<StarvationGuard>) -> Guards {
+        Guards { fleet: guard, partitions: BTreeMap::new() }
+    }
+
+    /// The guard that applies to `job`.
+    pub fn of(&self, job: &Job) -> Option<StarvationGuard> {
+        job.partition.and_then(|p| self.partitions.get(&p).copied()).unwrap_or(self.fleet)
+    }
+}
+
+/// A reservation of the starvation guard: the job and the time it is
+/// planned to start at the latest.
+struct Reservation {
+    job: usize,
+    until: u64,
 }
 
 /// The starvation guard: aging raises a waiting job's place in the queue,
 /// and a job that has waited long enough and still cannot start gets a
-/// reservation. While it holds one, other jobs start only if they will have
-/// ended by the reservation's time (the earliest time enough running work
-/// will have ended for it), so the reserved job starts then at the latest.
+/// reservation. While it holds one, other jobs start on its drained nodes
+/// only if they will have ended by the reservation's time (the earliest time
+/// enough running work will have ended for it), so the reserved job starts
+/// then at the latest. Each partition (and the fleet-wide scope) holds at
+/// most one reservation at a time.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StarvationGuard {
     /// A job waiting this long that cannot start gets the reservation.
@@ -110,10 +145,10 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
     let mut placer = Placer::new();
     let mut now = 0u64;
     let mut high_milli = 0u64;
-    // The job holding the reservation, the time it is planned for, and the
-    // nodes drained for it.
-    let mut reservation: Option<(usize, u64)> = None;
-    let mut drained: HashSet<NodeId> = HashSet::new();
+    // One reservation per scope (a partition, or `None` for fleet-wide),
+    // and which reservation drained each node.
+    let mut reservations: BTreeMap<Option<u32>, Reservation> = BTreeMap::new();
+    let mut drained_by: HashMap<NodeId, Option<u32>> = HashMap::new();
 
     loop {
         // The next event: an arrival or a departure, whichever is first.
@@ -148,33 +183,39 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
             pending.push(i);
             next_arrival += 1;
         }
-        let aging = config.guard.map_or(0.0, |g| g.aging_per_hour);
         let effective = |i: usize| {
+            let aging = config.guards.of(&jobs[i]).map_or(0.0, |g| g.aging_per_hour);
             let waited_h = (now - jobs[i].arrival_s) as f64 / 3600.0;
             u64::from(jobs[i].priority) + (aging * waited_h) as u64
         };
-        pending.sort_by_key(|&i| (Reverse(effective(i)), jobs[i].arrival_s, jobs[i].id));
+        pending.sort_by_cached_key(|&i| (Reverse(effective(i)), jobs[i].arrival_s, jobs[i].id));
         outcome.passes += 1;
-        if let Some((r, until)) = reservation
-            && (outcome.jobs[r].start_s.is_some() || now >= until)
-        {
-            reservation = None; // started, or the estimate passed: re-plan
-            drained.clear();
-        }
-        // Shapes that did not fit this pass (with or without the drained
-        // nodes): not retried until the next event.
-        let mut failed: HashSet<(bool, u32, &TaskShape)> = HashSet::new();
+        // A reservation whose job started, or whose estimate passed, is
+        // dropped and planned again.
+        reservations.retain(|_, r| outcome.jobs[r.job].start_s.is_none() && now < r.until);
+        drained_by.retain(|_, scope| reservations.contains_key(scope));
+        // Shapes that did not fit this pass under the same constraints: not
+        // retried until the next event.
+        let mut failed: HashSet<(Vec<Option<u32>>, Option<u32>, u32, &TaskShape)> = HashSet::new();
         let mut still_pending = Vec::with_capacity(pending.len());
         for &j in &pending {
             let job = &jobs[j];
-            // Under a reservation, work that would still run at its time
-            // keeps off the drained nodes; shorter work may use them.
-            let avoid_drained = reservation.is_some_and(|(r, until)| r != j && now.saturating_add(job.duration_s) > until);
-            if failed.contains(&(avoid_drained, job.tasks, &job.shape)) {
+            // Work that would still run at a reservation's time keeps off
+            // the nodes drained for it; shorter work may use them.
+            let avoided: Vec<Option<u32>> = reservations
+                .iter()
+                .filter(|(_, r)| r.job != j && now.saturating_add(job.duration_s) > r.until)
+                .map(|(scope, _)| *scope)
+                .collect();
+            let key = (avoided, job.partition, job.tasks, &job.shape);
+            if failed.contains(&key) {
                 still_pending.push(j);
                 continue;
             }
-            let keep = |id: NodeId, _: &crate::fleet::Node| !avoid_drained || !drained.contains(&id);
+            let avoided = &key.0;
+            let keep = |id: NodeId, n: &crate::fleet::Node| {
+                job.partition.is_none_or(|p| n.partition == p) && drained_by.get(&id).is_none_or(|scope| !avoided.contains(scope))
+            };
             match place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)? {
                 Some((allocs, domains)) => {
                     held[j] = allocs;
@@ -185,16 +226,19 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
                     }
                 }
                 None => {
-                    failed.insert((avoid_drained, job.tasks, &job.shape));
+                    failed.insert(key);
                     still_pending.push(j);
-                    if let Some(g) = config.guard
-                        && reservation.is_none()
+                    if let Some(g) = config.guards.of(job)
+                        && !reservations.contains_key(&job.partition)
                         && now - job.arrival_s >= g.reserve_after_s
                     {
-                        let (until, nodes) = shadow_time(fleet, &running, &held, job);
+                        let in_scope = |n: &crate::fleet::Node| job.partition.is_none_or(|p| n.partition == p);
+                        let (until, nodes) = shadow_time(fleet, &running, &held, job, &in_scope);
                         outcome.reservations += 1;
-                        reservation = Some((j, until));
-                        drained = nodes;
+                        for &id in &nodes {
+                            drained_by.entry(id).or_insert(job.partition);
+                        }
+                        reservations.insert(job.partition, Reservation { job: j, until });
                     }
                 }
             }
@@ -218,14 +262,14 @@ pub fn place_gang(
     placements: &mut u64,
     keep: &dyn Fn(NodeId, &crate::fleet::Node) -> bool,
 ) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
-    if job.tasks > 1 && fitting_tasks(fleet, &job.shape, job.tasks) < job.tasks {
+    if job.tasks > 1 && fitting_tasks_among(fleet, &job.shape, job.tasks, keep) < job.tasks {
         return Ok(None); // cannot fit even ignoring placement: skip the policy
     }
     // A gang asks the policy for switch domains first; with an answer, its
     // tasks go only to the best domains that together hold it.
     let mut allowed: Option<HashSet<u32>> = None;
     if job.tasks > 1 {
-        let (mut domains, _) = domain_table(fleet, &job.shape);
+        let (mut domains, _) = domain_table_among(fleet, &job.shape, keep);
         let mut task = berth_sdk::Task::default();
         crate::placement::fill_task(&mut task, &job.shape, TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 });
         if let Some(scores) = policy.score_domains(&task, &mut domains)? {
@@ -256,36 +300,39 @@ pub fn place_gang(
     Ok(Some((allocs, domains.len() as u32)))
 }
 
-/// The earliest time enough running work will have ended for `job` to fit,
-/// given the running jobs' planned ends (`u64::MAX` if it never would), and
-/// the nodes to drain for it: those that will hold it then, most capacity
-/// first.
+/// The earliest time enough running work will have ended for `job` to fit
+/// on the nodes `in_scope` accepts, given the running jobs' planned ends
+/// (`u64::MAX` if it never would), and the nodes to drain for it: those that
+/// will hold it then, most capacity first. Keeps a running count of the
+/// tasks that fit, updated only on the nodes each departure touches, so a
+/// reservation on 20,000 nodes costs one pass over them, not one per job.
 fn shadow_time(
     fleet: &Fleet,
     running: &BinaryHeap<Reverse<(u64, usize)>>,
     held: &[Vec<Allocation>],
     job: &Job,
+    in_scope: &dyn Fn(&crate::fleet::Node) -> bool,
 ) -> (u64, HashSet<NodeId>) {
+    let need = job.tasks;
+    let room = |n: &crate::fleet::Node| if in_scope(n) { u64::from(tasks_on_node(n, &job.shape).min(need)) } else { 0 };
     let mut ends: Vec<(u64, usize)> = running.iter().map(|Reverse(x)| *x).collect();
     ends.sort_unstable();
     let mut scratch = fleet.clone();
+    let mut fitting: u64 = scratch.nodes().iter().map(room).sum();
     for (end, j) in ends {
         for alloc in &held[j] {
+            let before = room(&scratch.nodes()[alloc.node as usize]);
             scratch.release(alloc).expect("held by a running job");
+            fitting += room(&scratch.nodes()[alloc.node as usize]) - before;
         }
-        if fitting_tasks(&scratch, &job.shape, job.tasks) >= job.tasks {
-            let mut by_room: Vec<(u32, NodeId)> = scratch
-                .nodes()
-                .iter()
-                .enumerate()
-                .map(|(i, n)| (tasks_on_node(n, &job.shape), i as NodeId))
-                .filter(|&(t, _)| t > 0)
-                .collect();
+        if fitting >= u64::from(need) {
+            let mut by_room: Vec<(u64, NodeId)> =
+                scratch.nodes().iter().enumerate().map(|(i, n)| (room(n), i as NodeId)).filter(|&(t, _)| t > 0).collect();
             by_room.sort_by_key(|&(t, i)| (Reverse(t), i));
             let mut nodes = HashSet::new();
             let mut room = 0;
             for (t, i) in by_room {
-                if room >= job.tasks {
+                if room >= u64::from(need) {
                     break;
                 }
                 room += t;
@@ -316,9 +363,14 @@ pub fn tasks_on_node(node: &crate::fleet::Node, shape: &TaskShape) -> u32 {
 /// The switch domains as a gang of `shape` sees them (see the WIT
 /// `domains`), sorted by domain id, and the total tasks that fit.
 pub fn domain_table(fleet: &Fleet, shape: &TaskShape) -> (berth_sdk::Domains, u64) {
-    let mut by_domain: std::collections::BTreeMap<u32, [u64; 6]> = Default::default();
-    for node in fleet.nodes() {
-        if !node.schedulable || (shape.gpu_count > 0 && !shape.accepts(node.model)) {
+    domain_table_among(fleet, shape, &|_, _| true)
+}
+
+/// [`domain_table`] counting only the nodes `keep` accepts.
+pub fn domain_table_among(fleet: &Fleet, shape: &TaskShape, keep: &dyn Fn(NodeId, &crate::fleet::Node) -> bool) -> (berth_sdk::Domains, u64) {
+    let mut by_domain: BTreeMap<u32, [u64; 6]> = Default::default();
+    for (id, node) in fleet.nodes().iter().enumerate() {
+        if !node.schedulable || (shape.gpu_count > 0 && !shape.accepts(node.model)) || !keep(id as NodeId, node) {
             continue;
         }
         let e = by_domain.entry(node.switch_domain).or_insert([u64::from(node.aggregation), 0, 0, 0, 0, 0]);
@@ -347,8 +399,16 @@ pub fn domain_table(fleet: &Fleet, shape: &TaskShape) -> (berth_sdk::Domains, u6
 /// How many tasks of `shape` the fleet could hold at most right now
 /// (counting each node's capacity for several; stops counting at `enough`).
 pub fn fitting_tasks(fleet: &Fleet, shape: &TaskShape, enough: u32) -> u32 {
+    fitting_tasks_among(fleet, shape, enough, &|_, _| true)
+}
+
+/// [`fitting_tasks`] counting only the nodes `keep` accepts.
+pub fn fitting_tasks_among(fleet: &Fleet, shape: &TaskShape, enough: u32, keep: &dyn Fn(NodeId, &crate::fleet::Node) -> bool) -> u32 {
     let mut total = 0u32;
-    for node in fleet.nodes() {
+    for (id, node) in fleet.nodes().iter().enumerate() {
+        if !keep(id as NodeId, node) {
+            continue;
+        }
         let n = tasks_on_node(node, shape);
         total = total.saturating_add(n.min(enough));
         if total >= enough {

@@ -7,6 +7,7 @@
 //! `nodes_per_partition` nodes a partition.
 
 use anyhow::Context;
+use berth_core::sim::{Guards, StarvationGuard};
 use berth_core::{Fleet, Node};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -31,6 +32,54 @@ pub struct FleetConfig {
     pub unhealthy_fraction: f64,
     /// Node shapes and how many of each.
     pub shapes: Vec<NodeShape>,
+    /// The fleet-wide starvation guard (absent: off).
+    #[serde(default)]
+    pub guard: Option<GuardConfig>,
+    /// Starvation guards of particular partitions, overriding `guard`.
+    #[serde(default)]
+    pub partition_guard: Vec<PartitionGuardConfig>,
+}
+
+/// Starvation-guard settings (see [`berth_core::sim::StarvationGuard`]).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GuardConfig {
+    /// Hours a job waits, unable to start, before it gets a reservation
+    /// (absent: no reservations, aging only).
+    pub reserve_after_h: Option<f64>,
+    /// Priority points a waiting job gains per hour.
+    #[serde(default)]
+    pub aging_per_hour: f64,
+}
+
+/// A guard for some partitions: `[[partition_guard]] partitions = [3, 4]`
+/// with `reserve_after_h` / `aging_per_hour`, or `off = true`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PartitionGuardConfig {
+    pub partitions: Vec<u32>,
+    #[serde(default)]
+    pub off: bool,
+    pub reserve_after_h: Option<f64>,
+    #[serde(default)]
+    pub aging_per_hour: f64,
+}
+
+impl GuardConfig {
+    /// The core's guard; `None` when it would do nothing.
+    pub fn to_guard(&self) -> anyhow::Result<Option<StarvationGuard>> {
+        let reserve = self.reserve_after_h.map(|h| {
+            anyhow::ensure!(h.is_finite() && h >= 0.0, "reserve_after_h must be a non-negative number of hours, not {h}");
+            Ok((h * 3600.0) as u64)
+        });
+        let reserve_after_s = reserve.transpose()?.unwrap_or(u64::MAX);
+        anyhow::ensure!(
+            self.aging_per_hour.is_finite() && self.aging_per_hour >= 0.0,
+            "aging_per_hour must be a non-negative number, not {}",
+            self.aging_per_hour
+        );
+        Ok((reserve_after_s != u64::MAX || self.aging_per_hour > 0.0).then_some(StarvationGuard { reserve_after_s, aging_per_hour: self.aging_per_hour }))
+    }
 }
 
 fn default_aggregation() -> u32 {
@@ -142,7 +191,38 @@ impl FleetConfig {
             anyhow::ensure!(s.gpus as usize <= berth_core::MAX_GPUS_PER_NODE, "{at}: {} GPUs per node is too many", s.gpus);
             anyhow::ensure!(s.cpu_cores > 0 && s.memory_gib > 0, "{at}: CPU and memory must be positive");
         }
+        self.guards()?;
         Ok(())
+    }
+
+    /// Partitions the fleet has (numbered from 0).
+    pub fn partitions(&self) -> u32 {
+        let nodes: u64 = self.shapes.iter().map(|s| u64::from(s.count)).sum();
+        nodes.div_ceil(u64::from(self.nodes_per_partition)) as u32
+    }
+
+    /// The starvation guards: fleet-wide and per partition.
+    pub fn guards(&self) -> anyhow::Result<Guards> {
+        let fleet = match &self.guard {
+            Some(g) => g.to_guard().context("[guard]")?,
+            None => None,
+        };
+        let mut guards = Guards { fleet, ..Guards::default() };
+        for (i, pg) in self.partition_guard.iter().enumerate() {
+            let at = format!("partition_guard[{i}]");
+            anyhow::ensure!(!pg.partitions.is_empty(), "{at}: no partitions listed");
+            anyhow::ensure!(!(pg.off && (pg.reserve_after_h.is_some() || pg.aging_per_hour > 0.0)), "{at}: off = true with settings");
+            let guard = if pg.off {
+                None
+            } else {
+                GuardConfig { reserve_after_h: pg.reserve_after_h, aging_per_hour: pg.aging_per_hour }.to_guard().context(at.clone())?
+            };
+            for &p in &pg.partitions {
+                anyhow::ensure!(p < self.partitions(), "{at}: partition {p} does not exist (the fleet has {})", self.partitions());
+                anyhow::ensure!(guards.partitions.insert(p, guard).is_none(), "{at}: partition {p} has a guard already");
+            }
+        }
+        Ok(guards)
     }
 
     /// Builds the fleet and its topology.
@@ -168,6 +248,7 @@ impl FleetConfig {
                 );
                 node.switch_domain = switch;
                 node.aggregation = switch / self.switches_per_aggregation;
+                node.partition = id / self.nodes_per_partition;
                 node.schedulable = !rng.random_bool(self.unhealthy_fraction);
                 topo.partition.push(id / self.nodes_per_partition);
                 topo.aggregation.push(switch / self.switches_per_aggregation);

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use berth_core::accounting::{account, quote, Accounting, PendingShape, Quote};
-use berth_core::sim::{simulate, Job, SimConfig, SimOutcome, StarvationGuard};
+use berth_core::sim::{simulate, Guards, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
 use serde::Serialize;
 
@@ -177,13 +177,13 @@ pub fn run_policy(
     topo: &Topology,
     jobs: &[Job],
     horizon_s: u64,
-    guard: Option<StarvationGuard>,
+    guards: &Guards,
     request: Option<&(PendingShape, Option<u64>)>,
 ) -> anyhow::Result<EventReport> {
     let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
     let mut fleet = fleet.clone();
     let started = std::time::Instant::now();
-    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guard })?;
+    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone() })?;
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
     let mut report = summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64());
     report.accounting = account_at_end(&fleet, topo, jobs, &out);

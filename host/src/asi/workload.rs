@@ -187,6 +187,7 @@ impl WorkloadConfig {
                 memory_mib: memory_gib * 1024,
                 models: if pinned { vec![model as u32] } else { vec![] },
             },
+            partition: None,
         }
     }
 }
@@ -229,11 +230,15 @@ pub const CSV_COLUMNS: [&str; 10] =
     ["id", "class", "arrival_s", "duration_s", "tasks", "gpus", "gpu_milli", "cpu_milli", "memory_mib", "model"];
 
 /// Reads jobs from a CSV with [`CSV_COLUMNS`]: `class` one of [`CLASSES`]
-/// (which sets the priority), `model` a model of `fleet` or empty for any.
+/// (which sets the priority), `model` a model of `fleet` or empty for any;
+/// an optional last column `partition` submits a job to a partition (empty:
+/// anywhere).
 /// A bad row is an error naming file, line and column.
 pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate::replay::openb::TraceError> {
     let mut reader = crate::replay::openb::Reader::open(path)?;
     reader.require(&CSV_COLUMNS)?;
+    let with_partition = reader.has_column(CSV_COLUMNS.len(), "partition");
+    let partitions = fleet.nodes().iter().map(|n| n.partition + 1).max().unwrap_or(0);
     let mut jobs = Vec::new();
     reader.rows(|row| {
         let class = CLASSES.iter().position(|c| *c == row.str(1)).ok_or_else(|| row.err(1, format!("{:?} is not one of {CLASSES:?}", row.str(1))))?;
@@ -250,6 +255,16 @@ pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate
             duration_s: row.num(3)?,
             tasks: row.num(4)?,
             shape: TaskShape { gpu_count: gpus, gpu_milli: row.num(6)?, cpu_milli: row.num(7)?, memory_mib: row.num(8)?, models: model },
+            partition: match with_partition.then(|| row.str(10)) {
+                None | Some("") => None,
+                Some(_) => {
+                    let p: u32 = row.num(10)?;
+                    if p >= partitions {
+                        return Err(row.err(10, format!("partition {p} does not exist (the fleet has {partitions})")));
+                    }
+                    Some(p)
+                }
+            },
         };
         if job.tasks == 0 {
             return Err(row.err(4, "a job needs at least one task"));

@@ -84,6 +84,11 @@ impl Reader {
     }
 
     /// Calls `f` with each record and its line number.
+    /// Whether column `index` exists and is named `name` (optional columns).
+    pub(crate) fn has_column(&self, index: usize, name: &str) -> bool {
+        self.header.get(index).is_some_and(|h| h == name)
+    }
+
     pub(crate) fn rows(&mut self, mut f: impl FnMut(&Row) -> Result<(), TraceError>) -> Result<(), TraceError> {
         let mut record = csv::StringRecord::new();
         loop {
