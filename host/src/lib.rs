@@ -10,6 +10,7 @@ pub mod demo;
 pub mod native;
 pub mod replay;
 pub mod scaffold;
+pub mod serve;
 pub mod synth;
 pub mod wasm;
 

@@ -47,6 +47,11 @@ enum Command {
         #[command(subcommand)]
         what: PolicyCommand,
     },
+    /// The live host: a gRPC API over a simulated fleet advancing in real
+    /// time, per-partition versioned policies, shadow A/B, circuit breaker.
+    Serve(berth::serve::cli::ServeArgs),
+    #[command(flatten)]
+    Api(berth::serve::cli::ApiCommand),
 }
 
 #[derive(clap::Args)]
@@ -172,6 +177,8 @@ enum PolicyCommand {
     },
     /// List bundled components.
     List,
+    #[command(flatten)]
+    Registry(berth::serve::cli::PolicyApiCommand),
     /// Run the conformance suite on a component: every claimed hook against
     /// fixed scenarios, pass or fail per contract rule; exits non-zero on a
     /// failure.
@@ -260,7 +267,10 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
+        Command::Serve(args) => berth::serve::cli::serve(args)?,
+        Command::Api(cmd) => berth::serve::cli::run(cmd)?,
         Command::Policy { what } => match what {
+            PolicyCommand::Registry(cmd) => berth::serve::cli::run_policy(cmd)?,
             PolicyCommand::Info { policy } => {
                 let loaded = LoadedPolicy::from_file(&*engine()?, &catalog::resolve(&policy)?)?;
                 println!(

@@ -8,3 +8,4 @@ mod equivalence;
 mod languages;
 mod loading;
 mod replay;
+mod serve;

@@ -1,0 +1,11 @@
+//! Generates the gRPC code of `berth serve` from host/proto with a vendored
+//! protoc, so building needs nothing installed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // SAFETY: build scripts are single-threaded here.
+    unsafe { std::env::set_var("PROTOC", protoc) };
+    println!("cargo:rerun-if-changed=proto");
+    tonic_prost_build::configure().compile_protos(&["proto/berth/v1/berth.proto"], &["proto"])?;
+    Ok(())
+}

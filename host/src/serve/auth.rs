@@ -1,0 +1,208 @@
+//! Access control. Uploading a policy is running code on the scheduler, so
+//! nothing is open by default: every call must present a bearer token or an
+//! mTLS client certificate named in the access file, and each identity holds
+//! a role per partition.
+//!
+//! ```toml
+//! # Optional: uploads must match one of these SHA-256 digests.
+//! allowed_components = ["9f2c..."]
+//!
+//! [[identities]]
+//! name = "ops"
+//! token = "ops-secret"             # or token_sha256 = "<hex>"
+//! cert_sha256 = "<hex of DER>"      # optional: mTLS client certificate
+//! roles = { "*" = "operator" }     # "*" = every partition
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use super::ServeError;
+
+/// What an identity may do in a partition; each role includes the ones
+/// before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Read jobs, nodes, accounting, decisions and policy history.
+    Viewer,
+    /// Also submit jobs, and cancel its own.
+    Tenant,
+    /// Also manage policies and cancel anyone's jobs.
+    Operator,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IdentityConfig {
+    name: String,
+    #[serde(default)]
+    token: Option<String>,
+    #[serde(default)]
+    token_sha256: Option<String>,
+    #[serde(default)]
+    cert_sha256: Option<String>,
+    roles: BTreeMap<String, Role>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AccessConfig {
+    #[serde(default)]
+    allowed_components: Option<Vec<String>>,
+    identities: Vec<IdentityConfig>,
+}
+
+/// A caller the server recognised.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub name: String,
+    roles: BTreeMap<String, Role>,
+}
+
+impl Identity {
+    /// The role in `partition`: the partition's own entry, else `*`.
+    pub fn role_in(&self, partition: &str) -> Option<Role> {
+        self.roles.get(partition).or_else(|| self.roles.get("*")).copied()
+    }
+
+    /// Checks that the identity holds at least `role` in `partition`.
+    pub fn require(&self, partition: &str, role: Role) -> Result<(), ServeError> {
+        match self.role_in(partition) {
+            Some(r) if r >= role => Ok(()),
+            held => {
+                let held = held.map_or("no role".to_string(), |r| format!("role {r:?}"));
+                let e = ServeError::PermissionDenied(format!(
+                    "{} holds {held} in partition {partition:?}; this needs {role:?}",
+                    self.name
+                ));
+                tracing::warn!(target: "berth::serve::auth", identity = %self.name, partition, "denied: {e}");
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The parsed access file.
+#[derive(Clone, Debug)]
+pub struct Access {
+    /// (SHA-256 of the token, identity)
+    tokens: Vec<(String, Identity)>,
+    /// (SHA-256 of the certificate's DER, identity)
+    certs: Vec<(String, Identity)>,
+    allowed_components: Option<Vec<String>>,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+impl Access {
+    pub fn load(path: &Path) -> anyhow::Result<Access> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading access file {}", path.display()))?;
+        Access::parse(&text).with_context(|| format!("access file {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> anyhow::Result<Access> {
+        let cfg: AccessConfig = toml::from_str(text)?;
+        anyhow::ensure!(!cfg.identities.is_empty(), "no identities: the API would be closed to everyone");
+        let mut access = Access { tokens: Vec::new(), certs: Vec::new(), allowed_components: None };
+        for id in cfg.identities {
+            anyhow::ensure!(!id.name.is_empty(), "an identity without a name");
+            let identity = Identity { name: id.name.clone(), roles: id.roles };
+            let token = match (id.token, id.token_sha256) {
+                (Some(t), None) => {
+                    anyhow::ensure!(t.len() >= 8, "identity {}: token shorter than 8 characters", id.name);
+                    Some(sha256_hex(t.as_bytes()))
+                }
+                (None, Some(h)) => Some(h.to_lowercase()),
+                (None, None) => None,
+                (Some(_), Some(_)) => anyhow::bail!("identity {}: give token or token_sha256, not both", id.name),
+            };
+            anyhow::ensure!(token.is_some() || id.cert_sha256.is_some(), "identity {}: needs a token or a cert_sha256", id.name);
+            if let Some(t) = token {
+                anyhow::ensure!(!access.tokens.iter().any(|(h, _)| *h == t), "identity {}: token used twice", id.name);
+                access.tokens.push((t, identity.clone()));
+            }
+            if let Some(c) = id.cert_sha256 {
+                access.certs.push((c.to_lowercase(), identity));
+            }
+        }
+        access.allowed_components = cfg.allowed_components.map(|v| v.into_iter().map(|h| h.to_lowercase()).collect());
+        Ok(access)
+    }
+
+    /// Who is calling: the bearer token, else the client certificate.
+    pub fn identify<T>(&self, request: &tonic::Request<T>) -> Result<Identity, ServeError> {
+        if let Some(value) = request.metadata().get("authorization") {
+            let value = value.to_str().map_err(|_| ServeError::Unauthenticated("authorization header is not text".into()))?;
+            let token = value
+                .strip_prefix("Bearer ")
+                .ok_or_else(|| ServeError::Unauthenticated("authorization header must be `Bearer <token>`".into()))?;
+            let digest = sha256_hex(token.trim().as_bytes());
+            return match self.tokens.iter().find(|(h, _)| *h == digest) {
+                Some((_, id)) => Ok(id.clone()),
+                None => {
+                    tracing::warn!(target: "berth::serve::auth", "unknown bearer token refused");
+                    Err(ServeError::Unauthenticated("unknown bearer token".into()))
+                }
+            };
+        }
+        if let Some(certs) = request.peer_certs()
+            && let Some(leaf) = certs.first()
+        {
+            let digest = sha256_hex(leaf.as_ref());
+            if let Some((_, id)) = self.certs.iter().find(|(h, _)| *h == digest) {
+                return Ok(id.clone());
+            }
+            tracing::warn!(target: "berth::serve::auth", cert = %digest, "unknown client certificate refused");
+            return Err(ServeError::Unauthenticated(format!("client certificate {digest} is not in the access file")));
+        }
+        tracing::warn!(target: "berth::serve::auth", "anonymous call refused");
+        Err(ServeError::Unauthenticated("no credentials: send `authorization: Bearer <token>` or a client certificate".into()))
+    }
+
+    /// Refuses a component whose digest is not allow-listed (when a list is set).
+    pub fn allow_component(&self, sha256: &str) -> Result<(), ServeError> {
+        match &self.allowed_components {
+            Some(list) if !list.iter().any(|h| h == sha256) => {
+                Err(ServeError::PermissionDenied(format!("component {sha256} is not on the allow-list")))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_are_per_partition_with_a_default() {
+        let a = Access::parse(
+            r#"
+            [[identities]]
+            name = "t"
+            token = "tenant-token"
+            roles = { "*" = "viewer", "gpu" = "tenant" }
+            "#,
+        )
+        .unwrap();
+        let id = &a.tokens[0].1;
+        assert!(id.require("gpu", Role::Tenant).is_ok());
+        assert!(id.require("other", Role::Tenant).is_err());
+        assert!(id.require("other", Role::Viewer).is_ok());
+        assert!(id.require("gpu", Role::Operator).is_err());
+    }
+
+    #[test]
+    fn empty_or_weak_configs_are_refused() {
+        assert!(Access::parse("identities = []").is_err());
+        assert!(Access::parse("[[identities]]\nname = \"x\"\ntoken = \"short\"\nroles = {}").is_err());
+        assert!(Access::parse("[[identities]]\nname = \"x\"\nroles = {}").is_err());
+    }
+}

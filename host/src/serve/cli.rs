@@ -1,0 +1,555 @@
+//! The command line of the live host: `berth serve`, and the client
+//! commands that talk to it (`berth submit`, `jobs`, `nodes`, `partitions`,
+//! `explain`, `accounting`, `decisions`, `cancel`, and `berth policy
+//! upload|activate|rollback|history|shadow|report`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+use super::auth::Access;
+use super::breaker::BreakerConfig;
+use super::pb::{self, berth_client::BerthClient};
+use super::server::{ServeConfig, TlsFiles, DEFAULT_FLEET};
+use crate::asi::fleet::FleetConfig;
+use crate::wasm::Limits;
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    #[arg(long, default_value = "127.0.0.1:7450")]
+    listen: SocketAddr,
+    /// Prometheus text endpoint (`/metrics`); `off` to disable.
+    #[arg(long, default_value = "127.0.0.1:7451")]
+    metrics_listen: String,
+    /// Registry, artifacts and decision log live here; survives restarts.
+    #[arg(long, default_value = "berth-state")]
+    state_dir: PathBuf,
+    /// Fleet config (TOML as for `replay --fleet`), `default` (3 partitions
+    /// of 32 eight-GPU nodes) or `asi`.
+    #[arg(long, default_value = "default")]
+    fleet: String,
+    #[arg(long, default_value_t = 1.0)]
+    fleet_scale: f64,
+    /// Access file (TOML): identities, tokens or client-certificate digests,
+    /// roles per partition, an optional component allow-list. Required: the
+    /// API is never open.
+    #[arg(long)]
+    access: PathBuf,
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// CA of client certificates (mTLS, optional for clients).
+    #[arg(long, requires = "tls_cert")]
+    client_ca: Option<PathBuf>,
+    /// The policy every partition starts with when its registry is empty.
+    #[arg(long, default_value = "binpack")]
+    default_policy: String,
+    /// Per-call deadline of a policy.
+    #[arg(long, default_value_t = 500)]
+    deadline_ms: u64,
+    #[arg(long, default_value_t = 256)]
+    memory_mib: u64,
+    /// Consecutive failed calls that trip a version's circuit breaker.
+    #[arg(long, default_value_t = 3)]
+    breaker_failures: u32,
+    /// Backoff after a trip before the version may run again (doubles per trip).
+    #[arg(long, default_value_t = 60)]
+    breaker_backoff_s: u64,
+    #[arg(long, default_value_t = 16 << 20)]
+    max_upload_bytes: usize,
+}
+
+impl ServeArgs {
+    pub fn config(&self) -> anyhow::Result<ServeConfig> {
+        anyhow::ensure!(self.breaker_failures > 0, "--breaker-failures must be at least 1");
+        anyhow::ensure!(self.deadline_ms > 0, "--deadline-ms must be positive");
+        let fleet = match self.fleet.as_str() {
+            "default" => FleetConfig::parse(DEFAULT_FLEET, "(embedded default)")?,
+            spec => FleetConfig::load(spec)?,
+        };
+        anyhow::ensure!(self.fleet_scale > 0.0 && self.fleet_scale <= 10.0, "--fleet-scale must be in (0, 10]");
+        let policy = crate::catalog::resolve(&self.default_policy)?;
+        Ok(ServeConfig {
+            listen: self.listen,
+            metrics_listen: match self.metrics_listen.as_str() {
+                "off" => None,
+                a => Some(a.parse().with_context(|| format!("--metrics-listen {a:?}"))?),
+            },
+            state_dir: self.state_dir.clone(),
+            fleet: fleet.scaled(self.fleet_scale),
+            access: Access::load(&self.access)?,
+            tls: self.tls_cert.clone().zip(self.tls_key.clone()).map(|(cert, key)| TlsFiles { cert, key, client_ca: self.client_ca.clone() }),
+            default_policy: std::fs::read(&policy).with_context(|| format!("reading {}", policy.display()))?,
+            limits: Limits { deadline: Duration::from_millis(self.deadline_ms), memory_bytes: self.memory_mib << 20, ..Limits::default() },
+            breaker: BreakerConfig { failures: self.breaker_failures, backoff: Duration::from_secs(self.breaker_backoff_s) },
+            max_upload_bytes: self.max_upload_bytes,
+        })
+    }
+}
+
+/// Runs the server until Ctrl-C or SIGTERM.
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = args.config()?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let handle = super::start(config).await?;
+        let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
+        eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics")));
+        for p in &handle.live.partitions {
+            let st = p.state.lock().unwrap();
+            let active = p.active().map_or("none".into(), |a| format!("{}@{} (version {})", a.meta.name, a.meta.semver, a.meta.version));
+            eprintln!("  partition {}: {} nodes, policy {active}", p.name, st.fleet.nodes().len());
+        }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        eprintln!("berth serve: stopping");
+        handle.shutdown().await;
+        anyhow::Ok(())
+    })
+}
+
+/// How a client reaches the server.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Conn {
+    /// Server URL (https:// for TLS).
+    #[arg(long, env = "BERTH_SERVER", default_value = "http://127.0.0.1:7450")]
+    server: String,
+    /// Bearer token.
+    #[arg(long, env = "BERTH_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// CA certificate (PEM) that signed the server's certificate.
+    #[arg(long, env = "BERTH_CA")]
+    ca: Option<PathBuf>,
+    /// Client certificate and key (PEM) for mTLS.
+    #[arg(long, requires = "key")]
+    cert: Option<PathBuf>,
+    #[arg(long, requires = "cert")]
+    key: Option<PathBuf>,
+}
+
+/// Adds the bearer token to every call.
+#[derive(Clone)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+pub type Client = BerthClient<InterceptedService<Channel, Bearer>>;
+
+/// Connects to a server: TLS when `ca` is given (and the client identity
+/// for mTLS), a bearer token when given.
+pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> anyhow::Result<Client> {
+    let mut endpoint = Channel::from_shared(server.to_string()).with_context(|| format!("server URL {server:?}"))?;
+    if ca.is_some() || identity.is_some() {
+        let mut tls = ClientTlsConfig::new();
+        if let Some(ca) = ca {
+            tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?));
+        }
+        if let Some((cert, key)) = identity {
+            tls = tls.identity(Identity::from_pem(std::fs::read(cert)?, std::fs::read(key)?));
+        }
+        endpoint = endpoint.tls_config(tls)?;
+    }
+    let channel = endpoint.connect().await.with_context(|| format!("connecting to {server}"))?;
+    let bearer = match token {
+        Some(t) => Some(format!("Bearer {t}").parse().context("token is not valid header text")?),
+        None => None,
+    };
+    Ok(BerthClient::with_interceptor(channel, Bearer(bearer)).max_encoding_message_size(64 << 20))
+}
+
+/// Client commands at the top level of `berth`.
+#[derive(clap::Subcommand, Debug)]
+pub enum ApiCommand {
+    /// Submit a job to a running `berth serve`.
+    Submit {
+        #[arg(long)]
+        partition: String,
+        #[arg(long, default_value_t = 1)]
+        tasks: u32,
+        /// GPUs per task.
+        #[arg(long, default_value_t = 1)]
+        gpus: u32,
+        /// Thousandths of each GPU (1000 = whole).
+        #[arg(long, default_value_t = 1000)]
+        gpu_milli: u32,
+        #[arg(long, default_value_t = 4)]
+        cores: u32,
+        #[arg(long, default_value_t = 16)]
+        memory_gib: u64,
+        /// Accepted GPU models (repeatable; none = any).
+        #[arg(long = "model")]
+        models: Vec<String>,
+        #[arg(long, default_value_t = 0)]
+        priority: u32,
+        /// Seconds the job runs once started.
+        #[arg(long, default_value_t = 600.0)]
+        duration_s: f64,
+        #[arg(long, default_value = "")]
+        name: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Cancel a job.
+    Cancel {
+        job: u64,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List jobs (newest first).
+    Jobs {
+        #[arg(long, default_value = "")]
+        partition: String,
+        #[arg(long, default_value = "")]
+        state: String,
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List nodes.
+    Nodes {
+        #[arg(long, default_value = "")]
+        partition: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List partitions with their active policy and candidate.
+    Partitions {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Why a job is pending.
+    Explain {
+        job: u64,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// GPU accounting: installed, healthy, schedulable, busy, productive; stranded by cause.
+    Accounting {
+        #[arg(long, default_value = "")]
+        partition: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Query the decision log (newest first).
+    Decisions {
+        #[arg(long, default_value = "")]
+        partition: String,
+        #[arg(long, default_value_t = 0)]
+        job: u64,
+        /// Registry version of the deciding policy.
+        #[arg(long, default_value_t = 0)]
+        version: u32,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Include shadow decisions (recorded, not actuated).
+        #[arg(long)]
+        shadow: bool,
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+/// `berth policy ...` commands that talk to a server.
+#[derive(clap::Subcommand, Debug)]
+pub enum PolicyApiCommand {
+    /// Upload a component as a partition's next version (validated first).
+    Upload {
+        #[arg(long)]
+        partition: String,
+        /// A .wasm path or the name of a bundled component.
+        policy: String,
+        /// Text for the policy's `configure` hook.
+        #[arg(long, default_value = "")]
+        config: String,
+        #[arg(long, default_value = "")]
+        note: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Make a version the partition's active policy (hot swap).
+    Activate {
+        #[arg(long)]
+        partition: String,
+        version: u32,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Activate an earlier version (default: the one before the current).
+    Rollback {
+        #[arg(long)]
+        partition: String,
+        version: Option<u32>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Versions and events of a partition's policy registry.
+    History {
+        #[arg(long)]
+        partition: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Run a candidate version beside the active one: `shadow` (recorded
+    /// only), `split` (a fraction of jobs decided by it) or `off`.
+    Shadow {
+        #[arg(long)]
+        partition: String,
+        #[arg(value_parser = ["shadow", "split", "off"])]
+        mode: String,
+        /// The candidate version (not needed for `off`).
+        version: Option<u32>,
+        #[arg(long, default_value_t = 0.5)]
+        fraction: f64,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// The A/B report of a partition's candidate.
+    Report {
+        #[arg(long)]
+        partition: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+fn ms_to_time(ms: u64) -> String {
+    if ms == 0 {
+        return "-".into();
+    }
+    let s = ms / 1000;
+    format!("{:02}:{:02}:{:02}.{:03}Z", (s / 3600) % 24, (s / 60) % 60, s % 60, ms % 1000)
+}
+
+fn placements(p: &[pb::TaskPlacement]) -> String {
+    p.iter().map(|t| format!("{}{:?}", t.node, t.gpus)).collect::<Vec<_>>().join(" ")
+}
+
+fn policy(p: &Option<pb::PolicyRef>) -> String {
+    p.as_ref().map_or("-".into(), |p| format!("v{} {}@{} ({})", p.version, p.name, p.policy_version, &p.sha256[..12.min(p.sha256.len())]))
+}
+
+async fn client(conn: &Conn) -> anyhow::Result<Client> {
+    let identity = conn.cert.as_deref().zip(conn.key.as_deref());
+    connect(&conn.server, conn.token.as_deref(), conn.ca.as_deref(), identity).await
+}
+
+/// Turns a gRPC status into an error that names its code.
+fn status(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
+pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
+    runtime()?.block_on(run_api(cmd))
+}
+
+async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
+    match cmd {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, conn } => {
+            let job = pb::JobSpec {
+                partition,
+                name,
+                tasks,
+                gpus,
+                gpu_milli: if gpus == 0 { 0 } else { gpu_milli },
+                cpu_milli: cores * 1000,
+                memory_mib: memory_gib * 1024,
+                models,
+                priority,
+                duration_s,
+            };
+            let r = client(&conn).await?.submit_job(pb::SubmitJobRequest { job: Some(job) }).await.map_err(status)?;
+            println!("job {}", r.into_inner().job_id);
+        }
+        ApiCommand::Cancel { job, conn } => {
+            let r = client(&conn).await?.cancel_job(pb::CancelJobRequest { job_id: job }).await.map_err(status)?;
+            println!("job {job} cancelled (was {})", r.into_inner().previous_state);
+        }
+        ApiCommand::Jobs { partition, state, limit, conn } => {
+            let r = client(&conn).await?.list_jobs(pb::ListJobsRequest { partition, state, limit }).await.map_err(status)?;
+            println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  placement", "job", "part", "owner", "state", "tasks", "gpus", "decided", "ver");
+            for j in r.into_inner().jobs {
+                let s = j.spec.unwrap_or_default();
+                let decided = if j.decision_id == 0 { "-".to_string() } else { format!("#{}", j.decision_id) };
+                let ver = if j.policy_version == 0 { "-".to_string() } else { format!("v{}", j.policy_version) };
+                println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}", j.id, s.partition, j.owner, j.state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
+            }
+        }
+        ApiCommand::Nodes { partition, conn } => {
+            let r = client(&conn).await?.list_nodes(pb::ListNodesRequest { partition }).await.map_err(status)?;
+            println!("{:<12} {:<5} {:<6} {:>6} {:>9} {:>10} {:>12}", "node", "part", "model", "switch", "idle GPUs", "free CPU", "free mem GiB");
+            for n in r.into_inner().nodes {
+                println!(
+                    "{:<12} {:<5} {:<6} {:>6} {:>6}/{:<2} {:>10} {:>12}{}",
+                    n.name,
+                    n.partition,
+                    n.model,
+                    n.switch_domain,
+                    n.gpus_idle,
+                    n.gpus,
+                    format!("{}/{}", n.cpu_free_milli / 1000, n.cpu_total_milli / 1000),
+                    format!("{}/{}", n.memory_free_mib / 1024, n.memory_total_mib / 1024),
+                    if n.schedulable { "" } else { "  unschedulable" }
+                );
+            }
+        }
+        ApiCommand::Partitions { conn } => {
+            let r = client(&conn).await?.list_partitions(pb::ListPartitionsRequest {}).await.map_err(status)?;
+            for p in r.into_inner().partitions {
+                println!(
+                    "{}: {} nodes, {:.1}/{} GPUs busy, {} pending, {} running; active {}{}{}",
+                    p.name,
+                    p.nodes,
+                    p.gpus_busy,
+                    p.gpus,
+                    p.pending_jobs,
+                    p.running_jobs,
+                    policy(&p.active),
+                    if p.shadow_mode == "off" { String::new() } else { format!("; {} {}", p.shadow_mode, policy(&p.candidate)) },
+                    if p.paused { "; PAUSED (no good policy version)" } else { "" }
+                );
+            }
+        }
+        ApiCommand::Explain { job, conn } => {
+            let r = client(&conn).await?.explain_job(pb::ExplainJobRequest { job_id: job }).await.map_err(status)?.into_inner();
+            println!("job {job}: {}", r.state);
+            println!("  {}", r.summary);
+            if !r.last_decision.is_empty() {
+                println!("  last: {}", r.last_decision);
+            }
+        }
+        ApiCommand::Accounting { partition, conn } => {
+            let r = client(&conn).await?.accounting(pb::AccountingRequest { partition }).await.map_err(status)?.into_inner();
+            println!("{:<16} {:>9} {:>9} {:>11} {:>9} {:>10}", "GPUs", "installed", "healthy", "schedulable", "busy", "productive");
+            for row in r.rows {
+                let d = row.gpus.unwrap_or_default();
+                println!("{:<16} {:>9.1} {:>9.1} {:>11.1} {:>9.1} {:>10.1}", row.group, d.installed, d.healthy, d.schedulable, d.busy, d.productive);
+            }
+            for s in r.stranded {
+                println!("stranded {:<14} {:.1} GPUs", s.cause, s.gpus);
+            }
+        }
+        ApiCommand::Decisions { partition, job, version, limit, shadow, conn } => {
+            let req = pb::QueryDecisionsRequest { partition, job_id: job, policy_version: version, limit, include_shadow: shadow };
+            let r = client(&conn).await?.query_decisions(req).await.map_err(status)?.into_inner();
+            println!("{:>5} {:<13} {:<4} {:>5} {:<7} {:<9} {:<20} {:<16} {:<8} {:>8}  result", "id", "time", "part", "job", "actor", "arm", "policy", "input", "outcome", "latency");
+            for d in r.decisions {
+                let result = if d.outcome == "placed" { placements(&d.placements) } else { d.detail };
+                println!(
+                    "{:>5} {:<13} {:<4} {:>5} {:<7} {:<9} {:<20} {:<16} {:<8} {:>6}us  {}",
+                    d.id,
+                    ms_to_time(d.unix_ms),
+                    d.partition,
+                    d.job_id,
+                    d.actor,
+                    d.arm,
+                    format!("v{} {}@{}", d.policy_version, d.policy, d.policy_semver),
+                    d.input_digest,
+                    d.outcome,
+                    d.latency_us,
+                    result
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn run_policy(cmd: PolicyApiCommand) -> anyhow::Result<()> {
+    runtime()?.block_on(run_policy_api(cmd))
+}
+
+async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
+    match cmd {
+        PolicyApiCommand::Upload { partition, policy: spec, config, note, conn } => {
+            let path = crate::catalog::resolve(&spec)?;
+            let component = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            let r = client(&conn).await?.upload_policy(pb::UploadPolicyRequest { partition: partition.clone(), component, config, note }).await.map_err(status)?;
+            let r = r.into_inner();
+            println!("{} {partition}: {}", if r.created { "uploaded to" } else { "already in" }, policy(&r.policy));
+        }
+        PolicyApiCommand::Activate { partition, version, conn } => {
+            let r = client(&conn).await?.activate_policy(pb::ActivatePolicyRequest { partition: partition.clone(), version }).await.map_err(status)?;
+            let r = r.into_inner();
+            println!("{partition}: active {} (was {}); swapped in {:.2} ms", policy(&r.active), policy(&r.previous), r.swap_us as f64 / 1e3);
+        }
+        PolicyApiCommand::Rollback { partition, version, conn } => {
+            let req = pb::RollbackPolicyRequest { partition: partition.clone(), version: version.unwrap_or(0) };
+            let r = client(&conn).await?.rollback_policy(req).await.map_err(status)?.into_inner();
+            println!("{partition}: rolled back to {} (was {}); swapped in {:.2} ms", policy(&r.active), policy(&r.previous), r.swap_us as f64 / 1e3);
+        }
+        PolicyApiCommand::History { partition, conn } => {
+            let r = client(&conn).await?.policy_history(pb::PolicyHistoryRequest { partition: partition.clone() }).await.map_err(status)?.into_inner();
+            println!("{partition}: active version {}", r.active_version);
+            for v in &r.versions {
+                let blocked = if v.blocked_until_unix_ms > super::unix_ms() { "  [breaker backoff]" } else { "" };
+                println!("  {}  by {} at {}  contract {}{}", policy(&v.policy), v.uploaded_by, ms_to_time(v.uploaded_unix_ms), v.contract, blocked);
+            }
+            println!("events:");
+            for e in &r.events {
+                println!("  {}  {:<10} v{:<3} by {:<8} {}", ms_to_time(e.unix_ms), e.kind, e.version, e.by, e.detail);
+            }
+        }
+        PolicyApiCommand::Shadow { partition, mode, version, fraction, conn } => {
+            anyhow::ensure!(mode == "off" || version.is_some(), "berth policy shadow {mode} needs a version");
+            let m = match mode.as_str() {
+                "shadow" => pb::ShadowMode::Shadow,
+                "split" => pb::ShadowMode::Split,
+                _ => pb::ShadowMode::Off,
+            };
+            let req = pb::SetShadowRequest { partition: partition.clone(), version: version.unwrap_or(0), mode: m as i32, fraction };
+            client(&conn).await?.set_shadow(req).await.map_err(status)?;
+            println!("{partition}: candidate {mode}{}", version.map_or(String::new(), |v| format!(" version {v}")));
+        }
+        PolicyApiCommand::Report { partition, conn } => {
+            let r = client(&conn).await?.shadow_report(pb::ShadowReportRequest { partition: partition.clone() }).await.map_err(status)?.into_inner();
+            println!("{partition}: mode {}; active {}; candidate {}", r.mode, policy(&r.active), policy(&r.candidate));
+            if r.arms.is_empty() {
+                println!("  samples {}, agreement {:.1}%, candidate errors {}", r.samples, r.agreement_rate * 100.0, r.candidate_errors);
+                println!("  score gap, candidate's view (own pick - active's pick): {:.3}", r.mean_candidate_score_gap);
+                println!("  score gap, active's view    (own pick - candidate's pick): {:.3}", r.mean_active_score_gap);
+                println!("  partly used nodes after: active {:.2}, candidate {:.2}", r.mean_partial_nodes_active, r.mean_partial_nodes_candidate);
+                if r.mean_domains_active > 0.0 || r.mean_domains_candidate > 0.0 {
+                    println!("  switch domains per gang: active {:.2}, candidate {:.2}", r.mean_domains_active, r.mean_domains_candidate);
+                }
+                for d in r.recent_diffs.iter().take(5) {
+                    println!("  job {} (decision {}): active {} | candidate {} ({})", d.job_id, d.decision_id, placements(&d.active), placements(&d.candidate), d.note);
+                }
+            }
+            for a in r.arms {
+                println!(
+                    "  arm {:<9} {}: {} decisions, {} placed, {} errors, latency {:.0} us, wait {:.2} s, partly used nodes after {:.2}, domains/gang {:.2}",
+                    a.arm,
+                    policy(&a.policy),
+                    a.decisions,
+                    a.placed,
+                    a.errors,
+                    a.mean_latency_us,
+                    a.mean_wait_s,
+                    a.mean_partial_nodes_after,
+                    a.mean_domains_per_gang
+                );
+            }
+        }
+    }
+    Ok(())
+}

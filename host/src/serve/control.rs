@@ -1,0 +1,284 @@
+//! Policy operations on the live host: upload (validated by a smoke call),
+//! activate (hot swap), roll back, shadow / split candidates, and the
+//! breaker's trip. Callers check access; these record who.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_core::sim::Job;
+use berth_core::{Placer, TaskShape};
+use berth_sdk::Hooks;
+
+use super::breaker;
+use super::registry::{Event, ShadowSetting, VersionMeta};
+use super::scheduler::{Arm, Candidate, Live, Trip};
+use super::shadow::{self, Mode};
+use super::{unix_ms, ServeError};
+use crate::wasm::{LoadedPolicy, WasmPolicy};
+
+/// The result of an activation.
+pub struct Swap {
+    pub active: VersionMeta,
+    pub previous: Option<VersionMeta>,
+    /// From the request to the new version being the one that decides.
+    pub took: Duration,
+}
+
+/// Activation-like events, newest last: the versions a partition ran.
+fn activations(events: &[Event]) -> impl DoubleEndedIterator<Item = &Event> {
+    events.iter().filter(|e| matches!(e.kind.as_str(), "activate" | "rollback" | "breaker"))
+}
+
+impl Live {
+    /// Checks a component the way a decision would use it: loads it, then
+    /// places one task and one two-task gang on a small synthetic fleet.
+    fn smoke(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
+        let loaded = LoadedPolicy::from_bytes(&self.engine, bytes).map_err(|e| ServeError::Rejected(e.to_string()))?;
+        if !loaded.info.hooks.contains(Hooks::SCORE) {
+            return Err(ServeError::Rejected(format!("{} does not implement the score hook", loaded.info.name)));
+        }
+        let mut policy = WasmPolicy::new(self.engine.clone(), loaded.clone(), self.limits);
+        if !config.is_empty() {
+            policy.configure(config).map_err(|e| ServeError::Rejected(format!("configure: {e}")))?;
+        }
+        let mut fleet = crate::synth::fleet(40, 3, true);
+        let shape = TaskShape { gpu_count: 1, gpu_milli: 500, cpu_milli: 1000, memory_mib: 1024, models: vec![] };
+        for tasks in [1, 2] {
+            let job = Job { id: 0, duration_s: 1, tasks, shape: shape.clone(), ..Job::default() };
+            let mut placements = 0;
+            berth_core::sim::place_gang(&mut fleet, &mut Placer::new(), &mut policy, &job, &mut placements, &|_, _| true)
+                .map_err(|e| ServeError::Rejected(format!("smoke call ({tasks} task(s) on a 40-node test fleet) failed: {e}")))?;
+        }
+        Ok(loaded)
+    }
+
+    /// Registers a component as the partition's next version (or returns
+    /// the version that already has these bytes and config).
+    pub fn upload(&self, by: &str, partition: &str, bytes: &[u8], config: &str, note: &str) -> Result<(VersionMeta, bool), ServeError> {
+        self.partition_index(partition)?;
+        if bytes.len() > self.max_upload_bytes {
+            return Err(ServeError::TooLarge { size: bytes.len(), limit: self.max_upload_bytes });
+        }
+        if bytes.is_empty() {
+            return Err(ServeError::Invalid("empty component".into()));
+        }
+        let sha256 = super::registry::sha256_hex(bytes);
+        self.access.allow_component(&sha256)?;
+        let loaded = self.smoke(bytes, config)?;
+        self.registry.put_component(&sha256, bytes)?;
+        let meta = VersionMeta {
+            version: 0,
+            sha256,
+            name: loaded.info.name.clone(),
+            semver: loaded.info.version.clone(),
+            contract: loaded.contract.to_string(),
+            config: config.to_string(),
+            uploaded_by: by.to_string(),
+            uploaded_unix_ms: unix_ms(),
+            note: note.to_string(),
+            blocked_until_unix_ms: 0,
+            trips: 0,
+        };
+        let (meta, created) = self.registry.add_version(partition, meta)?;
+        tracing::info!(target: "berth::serve", partition, version = meta.version, by, created, "policy {}@{} uploaded", meta.name, meta.semver);
+        Ok((meta, created))
+    }
+
+    fn load_arm(&self, meta: &VersionMeta) -> Result<Arm, ServeError> {
+        let bytes = self.registry.component(&meta.sha256)?;
+        Arm::load(&self.engine, &bytes, meta.clone(), self.limits)
+            .map_err(|e| ServeError::FailedPrecondition(format!("version {} no longer loads: {e}", meta.version)))
+    }
+
+    /// Makes `version` the partition's active policy: the next decision is
+    /// made by it; a decision in flight finishes on the old one.
+    pub fn activate(&self, by: &str, partition: &str, version: u32, kind: &str) -> Result<Swap, ServeError> {
+        let started = Instant::now();
+        let p = self.partition_index(partition)?;
+        let part = &self.partitions[p];
+        let record = self.registry.record(partition)?;
+        let meta = record.version(version).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: partition.into(), version })?;
+        let now = unix_ms();
+        if meta.blocked_until_unix_ms > now {
+            return Err(ServeError::FailedPrecondition(format!(
+                "version {version} tripped the circuit breaker; it may be activated again in {} s",
+                (meta.blocked_until_unix_ms - now).div_ceil(1000)
+            )));
+        }
+        let arm = Arc::new(self.load_arm(&meta)?);
+        let promoted = part.candidate().is_some_and(|c| c.arm.meta.version == version);
+        self.registry.update(partition, |r| {
+            r.active = Some(version);
+            r.events.push(Event { unix_ms: now, kind: kind.into(), version, by: by.into(), detail: format!("{}@{}", meta.name, meta.semver) });
+            if promoted {
+                r.shadow = None;
+                r.events.push(Event { unix_ms: now, kind: "shadow-off".into(), version, by: by.into(), detail: "candidate promoted".into() });
+            }
+            Ok(())
+        })?;
+        let previous = part.active.lock().unwrap().replace(arm);
+        let took = started.elapsed();
+        if promoted {
+            *part.candidate.lock().unwrap() = None;
+        }
+        part.poke(true);
+        self.metrics.swaps.with_label_values(&[partition, kind]).inc();
+        self.metrics.swap_seconds.with_label_values(&[partition]).observe(took.as_secs_f64());
+        tracing::info!(target: "berth::serve", partition, version, by, swap_us = took.as_micros() as u64, "policy {kind}: {}@{}", meta.name, meta.semver);
+        Ok(Swap { active: meta, previous: previous.map(|a| a.meta.clone()), took })
+    }
+
+    /// Activates an earlier version: `version`, or the one active before
+    /// the current one.
+    pub fn rollback(&self, by: &str, partition: &str, version: Option<u32>) -> Result<Swap, ServeError> {
+        let record = self.registry.record(partition)?;
+        let target = match version {
+            Some(v) => v,
+            None => activations(&record.events)
+                .rev()
+                .map(|e| e.version)
+                .find(|&v| Some(v) != record.active)
+                .ok_or_else(|| ServeError::FailedPrecondition(format!("partition {partition} has no earlier version to roll back to")))?,
+        };
+        self.activate(by, partition, target, "rollback")
+    }
+
+    /// Sets (or with `None` clears) the partition's candidate.
+    pub fn set_shadow(&self, by: &str, partition: &str, setting: Option<(u32, Mode)>) -> Result<(), ServeError> {
+        let p = self.partition_index(partition)?;
+        let part = &self.partitions[p];
+        let now = unix_ms();
+        let Some((version, mode)) = setting else {
+            self.registry.update(partition, |r| {
+                r.shadow = None;
+                r.events.push(Event { unix_ms: now, kind: "shadow-off".into(), version: 0, by: by.into(), detail: String::new() });
+                Ok(())
+            })?;
+            *part.candidate.lock().unwrap() = None;
+            return Ok(());
+        };
+        if let Mode::Split(f) = mode
+            && !(f > 0.0 && f <= 1.0)
+        {
+            return Err(ServeError::Invalid(format!("split fraction {f} is not in (0, 1]")));
+        }
+        let record = self.registry.record(partition)?;
+        let meta = record.version(version).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: partition.into(), version })?;
+        if record.active == Some(version) {
+            return Err(ServeError::FailedPrecondition(format!("version {version} is already active in {partition}")));
+        }
+        if meta.blocked_until_unix_ms > now {
+            return Err(ServeError::FailedPrecondition(format!("version {version} is in circuit-breaker backoff")));
+        }
+        let arm = Arc::new(self.load_arm(&meta)?);
+        let (kind, detail) = match mode {
+            Mode::Shadow => ("shadow", String::new()),
+            Mode::Split(f) => ("split", format!("fraction {f}")),
+        };
+        self.registry.update(partition, |r| {
+            r.shadow = Some(ShadowSetting { version, split: match mode { Mode::Split(f) => Some(f), Mode::Shadow => None } });
+            r.events.push(Event { unix_ms: now, kind: kind.into(), version, by: by.into(), detail });
+            Ok(())
+        })?;
+        *part.stats.lock().unwrap() = shadow::Stats::default();
+        *part.candidate.lock().unwrap() = Some(Arc::new(Candidate { arm, mode }));
+        part.poke(false);
+        Ok(())
+    }
+
+    /// Restores a partition at startup: its active version and candidate
+    /// from the registry, or `default` (component bytes) as version 1.
+    pub fn restore(&self, partition: &str, default: &[u8]) -> Result<(), ServeError> {
+        let p = self.partition_index(partition)?;
+        let record = self.registry.record(partition)?;
+        match record.active {
+            Some(v) => {
+                let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: partition.into(), version: v })?;
+                *self.partitions[p].active.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
+            }
+            None => {
+                let (meta, _) = self.upload("system", partition, default, "", "default policy")?;
+                self.activate("system", partition, meta.version, "activate")?;
+            }
+        }
+        if let Some(s) = record.shadow {
+            let mode = s.split.map_or(Mode::Shadow, Mode::Split);
+            if let Err(e) = self.set_shadow("system", partition, Some((s.version, mode))) {
+                tracing::warn!(target: "berth::serve", partition, "candidate not restored: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The breaker tripped on `arm`: block it for the backoff, and roll the
+    /// partition back to the last good version (or drop the candidate).
+    pub(super) fn trip(&self, p: usize, arm: &Arc<Arm>, error: &berth_core::PolicyError, is_active: bool) -> Trip {
+        let part = &self.partitions[p];
+        let version = arm.meta.version;
+        let now = unix_ms();
+        self.metrics.breaker_trips.with_label_values(&[&part.name, &version.to_string()]).inc();
+        let reason = format!("{} consecutive failures, last: {} ({error})", self.breaker.failures, breaker::kind(error));
+        let blocked = self.registry.update(&part.name, |r| {
+            let meta = r.versions.iter_mut().find(|m| m.version == version).expect("running versions are registered");
+            meta.trips += 1;
+            let backoff = self.breaker.backoff_for(meta.trips);
+            meta.blocked_until_unix_ms = now + backoff.as_millis() as u64;
+            Ok(backoff)
+        });
+        let backoff = blocked.map_or_else(|e| format!("(backoff not persisted: {e})"), |b| format!("blocked for {} s", b.as_secs()));
+        tracing::warn!(target: "berth::serve", partition = %part.name, version, "circuit breaker tripped: {reason}; {backoff}");
+
+        if !is_active {
+            *part.candidate.lock().unwrap() = None;
+            let _ = self.registry.update(&part.name, |r| {
+                r.shadow = None;
+                r.events.push(Event { unix_ms: now, kind: "breaker".into(), version, by: "breaker".into(), detail: format!("candidate dropped: {reason}") });
+                Ok(())
+            });
+            return Trip::Replaced;
+        }
+
+        // The last good version: the newest earlier activation that is not
+        // blocked, preferring one that has decided well here.
+        let record = self.registry.record(&part.name).unwrap_or_default();
+        let usable: Vec<u32> = activations(&record.events)
+            .rev()
+            .map(|e| e.version)
+            .filter(|&v| v != version)
+            .filter(|&v| record.version(v).is_some_and(|m| m.blocked_until_unix_ms <= now))
+            .collect();
+        let proven = usable.iter().copied().find(|&v| part.breaker.lock().unwrap().is_proven(v));
+        for target in proven.into_iter().chain(usable.iter().copied()) {
+            let meta = record.version(target).cloned().expect("filtered above");
+            let Ok(good) = self.load_arm(&meta) else { continue };
+            let _ = self.registry.update(&part.name, |r| {
+                r.active = Some(target);
+                r.events.push(Event {
+                    unix_ms: now,
+                    kind: "breaker".into(),
+                    version: target,
+                    by: "breaker".into(),
+                    detail: format!("rolled back from version {version}: {reason}; {backoff}"),
+                });
+                Ok(())
+            });
+            *part.active.lock().unwrap() = Some(Arc::new(good));
+            self.metrics.swaps.with_label_values(&[&part.name, "breaker"]).inc();
+            tracing::warn!(target: "berth::serve", partition = %part.name, "rolled back from version {version} to version {target}");
+            return Trip::Replaced;
+        }
+        *part.active.lock().unwrap() = None;
+        let _ = self.registry.update(&part.name, |r| {
+            r.active = None;
+            r.events.push(Event {
+                unix_ms: now,
+                kind: "breaker".into(),
+                version,
+                by: "breaker".into(),
+                detail: format!("no good version to roll back to; decisions paused: {reason}"),
+            });
+            Ok(())
+        });
+        Trip::Paused
+    }
+}

@@ -1,0 +1,87 @@
+//! Prometheus metrics of the live host, served as text at `/metrics`.
+
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+pub struct Metrics {
+    registry: Registry,
+    /// partition, policy, version, arm, outcome
+    pub decisions: IntCounterVec,
+    /// partition, policy, version, arm
+    pub decision_seconds: HistogramVec,
+    /// partition, policy, version, kind (trap, timeout, ...)
+    pub policy_failures: IntCounterVec,
+    /// partition, reason (activate, rollback, breaker)
+    pub swaps: IntCounterVec,
+    /// partition
+    pub swap_seconds: HistogramVec,
+    /// partition, version
+    pub breaker_trips: IntCounterVec,
+    /// partition, agree (true/false)
+    pub shadow_samples: IntCounterVec,
+    /// partition, state
+    pub jobs: IntGaugeVec,
+    /// code (unauthenticated, permission_denied)
+    pub api_denials: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("registered once");
+            c
+        };
+        let histogram = |name: &str, help: &str, labels: &[&str], buckets: Vec<f64>| {
+            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels).expect("valid metric");
+            registry.register(Box::new(h.clone())).expect("registered once");
+            h
+        };
+        let latency = vec![1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0];
+        let jobs = IntGaugeVec::new(Opts::new("berth_jobs", "Jobs by partition and state"), &["partition", "state"]).expect("valid");
+        registry.register(Box::new(jobs.clone())).expect("registered once");
+        Metrics {
+            decisions: counter(
+                "berth_decisions_total",
+                "Placement decisions by policy version, arm and outcome",
+                &["partition", "policy", "version", "arm", "outcome"],
+            ),
+            decision_seconds: histogram(
+                "berth_decision_seconds",
+                "Latency of one placement decision (all tasks of a job)",
+                &["partition", "policy", "version", "arm"],
+                latency.clone(),
+            ),
+            policy_failures: counter(
+                "berth_policy_failures_total",
+                "Failed policy calls by kind (trap, timeout, out_of_memory, invalid_output, guest_error)",
+                &["partition", "policy", "version", "kind"],
+            ),
+            swaps: counter("berth_policy_swaps_total", "Active policy changes", &["partition", "reason"]),
+            swap_seconds: histogram(
+                "berth_policy_swap_seconds",
+                "From an activation request to the new version deciding (load from the precompiled artifact, instantiate, swap)",
+                &["partition"],
+                latency,
+            ),
+            breaker_trips: counter("berth_breaker_trips_total", "Circuit breaker trips", &["partition", "version"]),
+            shadow_samples: counter("berth_shadow_samples_total", "Shadow comparisons by agreement", &["partition", "agree"]),
+            jobs,
+            api_denials: counter("berth_api_denials_total", "API calls refused by access control", &["code"]),
+            registry,
+        }
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,180 @@
+//! The policy registry: per partition, numbered versions of content-addressed
+//! components, and an append-only history of who did what. On disk under the
+//! state directory, every write atomic (temporary file, then rename):
+//!
+//! ```text
+//! components/<sha256>.wasm     the bytes, shared by every partition
+//! artifacts/                   precompiled artifacts (the engine's cache)
+//! partitions/<name>.json       versions, events, active version, shadow
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+use super::{unix_ms, ServeError};
+
+/// One uploaded version of a partition's policy.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct VersionMeta {
+    /// 1, 2, ... per partition.
+    pub version: u32,
+    pub sha256: String,
+    /// What the component says about itself.
+    pub name: String,
+    pub semver: String,
+    pub contract: String,
+    /// Passed to `configure` on every instance.
+    #[serde(default)]
+    pub config: String,
+    pub uploaded_by: String,
+    pub uploaded_unix_ms: u64,
+    #[serde(default)]
+    pub note: String,
+    /// Breaker backoff: not activatable before this time.
+    #[serde(default)]
+    pub blocked_until_unix_ms: u64,
+    /// Times the breaker tripped on this version (the backoff doubles).
+    #[serde(default)]
+    pub trips: u32,
+}
+
+/// Something that happened to a partition's policies.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Event {
+    pub unix_ms: u64,
+    /// upload, activate, rollback, breaker, shadow, split, shadow-off
+    pub kind: String,
+    pub version: u32,
+    pub by: String,
+    #[serde(default)]
+    pub detail: String,
+}
+
+/// A candidate running beside the active version.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ShadowSetting {
+    pub version: u32,
+    /// None: shadow (recorded only); Some(f): split, a fraction f of jobs.
+    pub split: Option<f64>,
+}
+
+/// Everything the registry keeps for one partition.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct PartitionRecord {
+    pub versions: Vec<VersionMeta>,
+    pub events: Vec<Event>,
+    pub active: Option<u32>,
+    #[serde(default)]
+    pub shadow: Option<ShadowSetting>,
+}
+
+impl PartitionRecord {
+    pub fn version(&self, v: u32) -> Option<&VersionMeta> {
+        self.versions.iter().find(|m| m.version == v)
+    }
+}
+
+pub struct Registry {
+    dir: PathBuf,
+    partitions: Mutex<BTreeMap<String, PartitionRecord>>,
+}
+
+/// Hex SHA-256: a component's identity.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(<sha2::Sha256 as sha2::Digest>::digest(bytes))
+}
+
+/// Writes `bytes` to `path` so that a reader sees the old file or the new
+/// one, never half of one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+impl Registry {
+    /// Opens (or creates) the registry under `dir` for these partitions.
+    pub fn open(dir: &Path, partitions: &[String]) -> Result<Registry, ServeError> {
+        for sub in ["components", "artifacts", "partitions"] {
+            std::fs::create_dir_all(dir.join(sub))?;
+        }
+        let mut records = BTreeMap::new();
+        for name in partitions {
+            let path = dir.join("partitions").join(format!("{name}.json"));
+            let record = match std::fs::read(&path) {
+                Ok(bytes) => serde_json::from_slice(&bytes)
+                    .map_err(|e| ServeError::Store(std::io::Error::other(format!("{}: {e}", path.display()))))?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => PartitionRecord::default(),
+                Err(e) => return Err(e.into()),
+            };
+            records.insert(name.clone(), record);
+        }
+        Ok(Registry { dir: dir.to_path_buf(), partitions: Mutex::new(records) })
+    }
+
+    /// Where the engine keeps precompiled artifacts.
+    pub fn artifact_dir(&self) -> PathBuf {
+        self.dir.join("artifacts")
+    }
+
+    fn component_path(&self, sha256: &str) -> PathBuf {
+        self.dir.join("components").join(format!("{sha256}.wasm"))
+    }
+
+    /// Stores component bytes under their digest (once).
+    pub fn put_component(&self, sha256: &str, bytes: &[u8]) -> Result<(), ServeError> {
+        let path = self.component_path(sha256);
+        if !path.exists() {
+            write_atomic(&path, bytes)?;
+        }
+        Ok(())
+    }
+
+    pub fn component(&self, sha256: &str) -> Result<Vec<u8>, ServeError> {
+        Ok(std::fs::read(self.component_path(sha256))?)
+    }
+
+    /// A copy of one partition's record.
+    pub fn record(&self, partition: &str) -> Result<PartitionRecord, ServeError> {
+        self.partitions.lock().unwrap().get(partition).cloned().ok_or_else(|| ServeError::UnknownPartition(partition.into()))
+    }
+
+    /// Changes one partition's record and persists it before anyone else
+    /// sees the change; on a failed write the change is undone.
+    pub fn update<R>(&self, partition: &str, f: impl FnOnce(&mut PartitionRecord) -> Result<R, ServeError>) -> Result<R, ServeError> {
+        let mut all = self.partitions.lock().unwrap();
+        let record = all.get_mut(partition).ok_or_else(|| ServeError::UnknownPartition(partition.into()))?;
+        let before = record.clone();
+        let out = f(record)?;
+        let json = serde_json::to_vec_pretty(record).expect("records serialize");
+        if let Err(e) = write_atomic(&self.dir.join("partitions").join(format!("{partition}.json")), &json) {
+            *record = before;
+            return Err(e.into());
+        }
+        Ok(out)
+    }
+
+    /// Adds a version (or finds the same bytes and config already there).
+    /// Returns it and whether it is new.
+    pub fn add_version(&self, partition: &str, mut meta: VersionMeta) -> Result<(VersionMeta, bool), ServeError> {
+        self.update(partition, |r| {
+            if let Some(existing) = r.versions.iter().find(|v| v.sha256 == meta.sha256 && v.config == meta.config) {
+                return Ok((existing.clone(), false));
+            }
+            meta.version = r.versions.iter().map(|v| v.version).max().unwrap_or(0) + 1;
+            r.events.push(Event {
+                unix_ms: unix_ms(),
+                kind: "upload".into(),
+                version: meta.version,
+                by: meta.uploaded_by.clone(),
+                detail: format!("{}@{} sha256 {}", meta.name, meta.semver, meta.sha256),
+            });
+            r.versions.push(meta.clone());
+            Ok((meta, true))
+        })
+    }
+}

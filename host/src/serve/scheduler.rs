@@ -1,0 +1,618 @@
+//! The live fleet and its schedulers: one thread per partition walks the
+//! partition's queue (priority, then arrival) whenever something changed,
+//! and decides each job through the core's `place_gang`, the same path as
+//! replay. Jobs end after their duration in real time.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_core::sim::Job;
+use berth_core::{Allocation, Fleet, Placer, PolicyError, TaskShape};
+use sha2::{Digest, Sha256};
+
+use super::auth::Access;
+use super::breaker::{self, Breaker, BreakerConfig};
+use super::decisions::{DecisionLog, DecisionRecord, Placed};
+use super::metrics::Metrics;
+use super::registry::{Registry, VersionMeta};
+use super::shadow::{self, Mode, Recording};
+use super::{unix_ms, ServeError};
+use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
+
+/// One loaded policy version with its instance, ready to decide.
+pub struct Arm {
+    pub meta: VersionMeta,
+    policy: Mutex<WasmPolicy>,
+}
+
+impl Arm {
+    /// Loads a registry version (its precompiled artifact when cached),
+    /// applies its configuration and instantiates it, so its first decision
+    /// pays for nothing.
+    pub fn load(engine: &Arc<PolicyEngine>, bytes: &[u8], meta: VersionMeta, limits: Limits) -> Result<Arm, PolicyError> {
+        let loaded = LoadedPolicy::from_bytes(engine, bytes)?;
+        let mut policy = WasmPolicy::new(engine.clone(), loaded, limits);
+        if !meta.config.is_empty() {
+            policy.configure(&meta.config)?;
+        }
+        policy.warm()?;
+        Ok(Arm { meta, policy: Mutex::new(policy) })
+    }
+}
+
+/// A candidate version beside the active one.
+pub struct Candidate {
+    pub arm: Arc<Arm>,
+    pub mode: Mode,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobState {
+    Pending,
+    Running,
+    Finished,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Running => "running",
+            JobState::Finished => "finished",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A job as submitted, checked.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    pub partition: String,
+    pub name: String,
+    pub models: Vec<String>,
+    pub duration: Duration,
+    /// The core's view: id, priority, tasks, shape.
+    pub job: Job,
+}
+
+#[derive(Clone, Debug)]
+pub struct JobRecord {
+    pub spec: JobSpec,
+    pub owner: String,
+    pub state: JobState,
+    pub submitted_at: Instant,
+    pub submitted_unix_ms: u64,
+    pub started_unix_ms: u64,
+    pub ended_unix_ms: u64,
+    pub ends_at: Option<Instant>,
+    pub allocations: Vec<Allocation>,
+    pub placements: Vec<Placed>,
+    pub decision_id: u64,
+    pub policy_version: u32,
+    /// The latest decision about it, for `explain`.
+    pub last_decision: String,
+}
+
+pub struct PartitionState {
+    pub fleet: Fleet,
+    placer: Placer,
+    pub jobs: BTreeMap<u64, JobRecord>,
+    pub pending: Vec<u64>,
+    running: BTreeSet<(Instant, u64)>,
+    /// Something changed since the last pass: try the queue again.
+    dirty: bool,
+    /// A policy failed: try again then.
+    retry_at: Option<Instant>,
+    /// The breaker found no version to fall back to.
+    pub paused: bool,
+}
+
+pub struct Partition {
+    pub name: String,
+    pub state: Mutex<PartitionState>,
+    wake: Condvar,
+    /// The swap point: read once per decision.
+    pub active: Mutex<Option<Arc<Arm>>>,
+    pub candidate: Mutex<Option<Arc<Candidate>>>,
+    pub stats: Mutex<shadow::Stats>,
+    pub breaker: Mutex<Breaker>,
+}
+
+impl Partition {
+    pub fn new(name: String, fleet: Fleet) -> Partition {
+        Partition {
+            name,
+            state: Mutex::new(PartitionState {
+                fleet,
+                placer: Placer::new(),
+                jobs: BTreeMap::new(),
+                pending: Vec::new(),
+                running: BTreeSet::new(),
+                dirty: false,
+                retry_at: None,
+                paused: false,
+            }),
+            wake: Condvar::new(),
+            active: Mutex::new(None),
+            candidate: Mutex::new(None),
+            stats: Mutex::new(shadow::Stats::default()),
+            breaker: Mutex::new(Breaker::default()),
+        }
+    }
+
+    pub fn active(&self) -> Option<Arc<Arm>> {
+        self.active.lock().unwrap().clone()
+    }
+
+    pub fn candidate(&self) -> Option<Arc<Candidate>> {
+        self.candidate.lock().unwrap().clone()
+    }
+
+    /// Asks the scheduler to walk the queue again.
+    pub fn poke(&self, unpause: bool) {
+        let mut st = self.state.lock().unwrap();
+        st.dirty = true;
+        if unpause {
+            st.paused = false;
+        }
+        self.wake.notify_all();
+    }
+}
+
+/// Everything the live host shares between the API and the schedulers.
+pub struct Live {
+    pub partitions: Vec<Partition>,
+    pub models: Vec<String>,
+    pub registry: Registry,
+    pub decisions: DecisionLog,
+    pub metrics: Metrics,
+    pub engine: Arc<PolicyEngine>,
+    pub access: Access,
+    pub limits: Limits,
+    pub breaker: BreakerConfig,
+    pub max_upload_bytes: usize,
+    next_job: AtomicU64,
+    pub shutdown: AtomicBool,
+}
+
+/// What a breaker trip did to the partition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trip {
+    None,
+    /// The version is out of service; another decides (or the candidate is gone).
+    Replaced,
+    /// No good version to fall back to: decisions wait for an operator.
+    Paused,
+}
+
+/// One arm's run on one job.
+struct ArmRun {
+    result: Result<Option<(Vec<Allocation>, u32)>, PolicyError>,
+    first: Option<(Vec<u32>, Vec<f64>)>,
+    latency: Duration,
+}
+
+fn run_arm(arm: &Arm, fleet: &mut Fleet, placer: &mut Placer, job: &Job) -> ArmRun {
+    let mut policy = arm.policy.lock().unwrap();
+    let mut recording = Recording { inner: &mut *policy, first: None };
+    let started = Instant::now();
+    let mut placements = 0;
+    let result = berth_core::sim::place_gang(fleet, placer, &mut recording, job, &mut placements, &|_, _| true);
+    ArmRun { latency: started.elapsed(), first: recording.first, result }
+}
+
+/// Nodes neither idle nor full: a measure of fragmentation.
+fn partly_used(fleet: &Fleet) -> u64 {
+    fleet.nodes().iter().filter(|n| !n.gpus.is_empty() && n.gpu_free_milli() > 0 && n.gpu_free_milli() < n.gpu_total_milli()).count() as u64
+}
+
+/// SHA-256 (16 hex) of the job and the free capacity the policy sees.
+fn input_digest(fleet: &Fleet, job: &Job) -> String {
+    let mut h = Sha256::new();
+    let s = &job.shape;
+    h.update(format!("{}|{}|{}|{}|{}|{}|{}|{:?}", job.id, job.priority, job.tasks, s.gpu_count, s.gpu_milli, s.cpu_milli, s.memory_mib, s.models));
+    for n in fleet.nodes() {
+        h.update([u8::from(n.schedulable)]);
+        h.update(n.cpu_free_milli.to_le_bytes());
+        h.update(n.memory_free_mib.to_le_bytes());
+        for g in &n.gpus {
+            h.update(g.to_le_bytes());
+        }
+    }
+    hex::encode(&h.finalize()[..8])
+}
+
+fn placed(fleet: &Fleet, allocs: &[Allocation]) -> Vec<Placed> {
+    allocs
+        .iter()
+        .map(|a| Placed {
+            node: fleet.nodes()[a.node as usize].name.clone(),
+            gpus: berth_core::fleet::gpus_of(a.gpus).map(|g| g as u32).collect(),
+        })
+        .collect()
+}
+
+impl Live {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        partitions: Vec<Partition>,
+        models: Vec<String>,
+        registry: Registry,
+        decisions: DecisionLog,
+        engine: Arc<PolicyEngine>,
+        access: Access,
+        limits: Limits,
+        breaker: BreakerConfig,
+        max_upload_bytes: usize,
+    ) -> Live {
+        Live {
+            next_job: AtomicU64::new(decisions.max_job_id() + 1),
+            partitions,
+            models,
+            registry,
+            decisions,
+            metrics: Metrics::new(),
+            engine,
+            access,
+            limits,
+            breaker,
+            max_upload_bytes,
+            shutdown: AtomicBool::new(false),
+        }
+    }
+
+    pub fn partition_index(&self, name: &str) -> Result<usize, ServeError> {
+        self.partitions.iter().position(|p| p.name == name).ok_or_else(|| ServeError::UnknownPartition(name.into()))
+    }
+
+    /// Stops the scheduler threads (they finish the decision in hand).
+    pub fn stop(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        for p in &self.partitions {
+            p.poke(false);
+        }
+    }
+
+    /// Accepts a job into its partition's queue; the id is the caller's
+    /// receipt: from here on the job is never dropped.
+    pub fn submit(&self, mut spec: JobSpec, owner: &str) -> Result<u64, ServeError> {
+        let p = self.partition_index(&spec.partition)?;
+        let id = self.next_job.fetch_add(1, Ordering::SeqCst);
+        spec.job.id = id;
+        let part = &self.partitions[p];
+        let mut st = part.state.lock().unwrap();
+        st.jobs.insert(
+            id,
+            JobRecord {
+                spec,
+                owner: owner.to_string(),
+                state: JobState::Pending,
+                submitted_at: Instant::now(),
+                submitted_unix_ms: unix_ms(),
+                started_unix_ms: 0,
+                ended_unix_ms: 0,
+                ends_at: None,
+                allocations: Vec::new(),
+                placements: Vec::new(),
+                decision_id: 0,
+                policy_version: 0,
+                last_decision: String::new(),
+            },
+        );
+        st.pending.push(id);
+        st.dirty = true;
+        self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+        part.wake.notify_all();
+        Ok(id)
+    }
+
+    /// Finds the partition holding a job.
+    pub fn job_partition(&self, id: u64) -> Result<usize, ServeError> {
+        self.partitions.iter().position(|p| p.state.lock().unwrap().jobs.contains_key(&id)).ok_or(ServeError::UnknownJob(id))
+    }
+
+    /// Cancels a pending or running job (releasing what it holds); returns
+    /// its state before.
+    pub fn cancel(&self, p: usize, id: u64) -> Result<JobState, ServeError> {
+        let part = &self.partitions[p];
+        let mut st = part.state.lock().unwrap();
+        let st = &mut *st;
+        let job = st.jobs.get_mut(&id).ok_or(ServeError::UnknownJob(id))?;
+        let before = job.state;
+        match before {
+            JobState::Pending => st.pending.retain(|&j| j != id),
+            JobState::Running => {
+                for a in job.allocations.drain(..) {
+                    st.fleet.release(&a).expect("a running job's allocations are held");
+                }
+                if let Some(t) = job.ends_at.take() {
+                    st.running.remove(&(t, id));
+                }
+            }
+            JobState::Finished | JobState::Cancelled => {
+                return Err(ServeError::FailedPrecondition(format!("job {id} is already {}", before.as_str())));
+            }
+        }
+        job.state = JobState::Cancelled;
+        job.ended_unix_ms = unix_ms();
+        self.metrics.jobs.with_label_values(&[&part.name, before.as_str()]).dec();
+        self.metrics.jobs.with_label_values(&[&part.name, "cancelled"]).inc();
+        st.dirty = true;
+        part.wake.notify_all();
+        Ok(before)
+    }
+
+    /// The scheduler of partition `p`; returns at shutdown.
+    pub fn run_partition(&self, p: usize) {
+        let part = &self.partitions[p];
+        let mut st = part.state.lock().unwrap();
+        while !self.shutdown.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            self.release_ended(&part.name, &mut st, now);
+            let retry_due = st.retry_at.is_some_and(|t| t <= now);
+            if (st.dirty || retry_due) && !st.pending.is_empty() && !st.paused {
+                st.dirty = false;
+                st.retry_at = None;
+                drop(st);
+                self.pass(p);
+                st = part.state.lock().unwrap();
+                continue;
+            }
+            let next_end = st.running.first().map(|(t, _)| *t);
+            let until = [next_end, st.retry_at].into_iter().flatten().min().unwrap_or(now + Duration::from_secs(1));
+            let wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
+            st = part.wake.wait_timeout(st, wait).unwrap().0;
+        }
+    }
+
+    fn release_ended(&self, partition: &str, st: &mut PartitionState, now: Instant) {
+        while let Some(&(t, id)) = st.running.first() {
+            if t > now {
+                break;
+            }
+            st.running.pop_first();
+            let job = st.jobs.get_mut(&id).expect("running jobs are recorded");
+            for a in job.allocations.drain(..) {
+                st.fleet.release(&a).expect("a running job's allocations are held");
+            }
+            job.state = JobState::Finished;
+            job.ends_at = None;
+            job.ended_unix_ms = unix_ms();
+            self.metrics.jobs.with_label_values(&[partition, "running"]).dec();
+            self.metrics.jobs.with_label_values(&[partition, "finished"]).inc();
+            st.dirty = true;
+        }
+    }
+
+    /// One walk of the queue. A shape that did not fit is not tried again
+    /// in the same pass.
+    fn pass(&self, p: usize) {
+        let order: Vec<u64> = {
+            let st = self.partitions[p].state.lock().unwrap();
+            let mut order = st.pending.clone();
+            order.sort_by_key(|id| (Reverse(st.jobs[id].spec.job.priority), *id));
+            order
+        };
+        let mut unfit: HashSet<(u32, TaskShape)> = HashSet::new();
+        for id in order {
+            if self.shutdown.load(Ordering::SeqCst) {
+                return;
+            }
+            self.decide(p, id, &mut unfit);
+        }
+    }
+
+    /// Decides one pending job: the shadow candidate on a copy of the state
+    /// (recorded only), then the deciding arm for real.
+    fn decide(&self, p: usize, id: u64, unfit: &mut HashSet<(u32, TaskShape)>) {
+        let part = &self.partitions[p];
+        // The versions for this decision: a swap after this point applies
+        // to the next one.
+        let Some(active) = part.active() else { return };
+        let candidate = part.candidate();
+        let mut guard = part.state.lock().unwrap();
+        let st = &mut *guard;
+        if st.paused {
+            return;
+        }
+        let Some(record) = st.jobs.get(&id).filter(|j| j.state == JobState::Pending) else { return };
+        let job = record.spec.job.clone();
+        if unfit.contains(&(job.tasks, job.shape.clone())) {
+            return;
+        }
+        if berth_core::sim::fitting_tasks(&st.fleet, &job.shape, job.tasks) < job.tasks {
+            // No policy could place it: the predicate rules, no decision is
+            // made or logged, and the shape waits for capacity.
+            st.jobs.get_mut(&id).expect("checked above").last_decision = "no room: too few nodes pass the hard constraints now".into();
+            unfit.insert((job.tasks, job.shape));
+            return;
+        }
+        let actor = record.owner.clone();
+        let waited_s = record.submitted_at.elapsed().as_secs_f64();
+        let digest = input_digest(&st.fleet, &job);
+        let base = DecisionRecord {
+            id: 0,
+            unix_ms: unix_ms(),
+            partition: part.name.clone(),
+            job_id: id,
+            actor,
+            arm: String::new(),
+            actuated: true,
+            policy: String::new(),
+            policy_semver: String::new(),
+            policy_version: 0,
+            sha256: String::new(),
+            input_digest: digest,
+            outcome: String::new(),
+            detail: String::new(),
+            placements: Vec::new(),
+            latency_us: 0,
+        };
+
+        // Shadow: same inputs, a scratch copy of the fleet, never actuated.
+        let shadow_run = match candidate.as_deref() {
+            Some(Candidate { arm, mode: Mode::Shadow }) => {
+                let mut scratch = st.fleet.clone();
+                let run = run_arm(arm, &mut scratch, &mut st.placer, &job);
+                let decision = self.log(&base, "shadow", false, arm, &run, &scratch);
+                self.after_call(p, arm, &run.result, false);
+                Some((run, scratch, decision))
+            }
+            _ => None,
+        };
+
+        // The deciding arm: the split candidate for its share, else active.
+        let split = match candidate.as_deref() {
+            Some(Candidate { arm, mode: Mode::Split(f) }) if shadow::in_split(id, *f) => Some(arm.clone()),
+            _ => None,
+        };
+        let mut arm = split.clone().unwrap_or_else(|| active.clone());
+        let mut arm_name = if split.is_some() { "candidate" } else { "active" };
+        let mut run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job);
+        let mut decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
+        let mut trip = self.after_call(p, &arm, &run.result, split.is_none());
+        if split.is_some() {
+            let partial = partly_used(&st.fleet);
+            let outcome = run.result.as_ref().ok().and_then(|r| r.as_ref()).map(|(_, d)| (waited_s, *d, job.tasks > 1));
+            part.stats.lock().unwrap().arms[1].record(run.latency.as_micros() as u64, outcome, run.result.is_err(), partial);
+            if run.result.is_err() {
+                // The candidate failed this job: the active version decides
+                // it now, so a bad candidate never strands work.
+                arm = active.clone();
+                arm_name = "active";
+                run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job);
+                decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
+                trip = self.after_call(p, &arm, &run.result, true);
+            }
+        }
+        if arm_name == "active" && candidate.as_ref().is_some_and(|c| matches!(c.mode, Mode::Split(_))) {
+            let partial = partly_used(&st.fleet);
+            let outcome = run.result.as_ref().ok().and_then(|r| r.as_ref()).map(|(_, d)| (waited_s, *d, job.tasks > 1));
+            part.stats.lock().unwrap().arms[0].record(run.latency.as_micros() as u64, outcome, run.result.is_err(), partial);
+        }
+
+        let record = st.jobs.get_mut(&id).expect("checked above");
+        match &run.result {
+            Ok(Some((allocs, _))) => {
+                let ends_at = Instant::now() + record.spec.duration;
+                record.state = JobState::Running;
+                record.started_unix_ms = unix_ms();
+                record.ends_at = Some(ends_at);
+                record.allocations = allocs.clone();
+                record.placements = placed(&st.fleet, allocs);
+                record.decision_id = decision;
+                record.policy_version = arm.meta.version;
+                record.last_decision = format!("decision {decision}: placed by {}@{} (version {})", arm.meta.name, arm.meta.semver, arm.meta.version);
+                st.pending.retain(|&j| j != id);
+                st.running.insert((ends_at, id));
+                self.metrics.jobs.with_label_values(&[&part.name, "pending"]).dec();
+                self.metrics.jobs.with_label_values(&[&part.name, "running"]).inc();
+            }
+            Ok(None) => {
+                record.last_decision = format!("decision {decision}: no room now (version {})", arm.meta.version);
+                unfit.insert((job.tasks, job.shape.clone()));
+            }
+            Err(e) => {
+                record.last_decision = format!("decision {decision}: version {} failed: {e}", arm.meta.version);
+                // Try again shortly, on whatever version is active by then.
+                let soon = if trip == Trip::None { 50 } else { 1 };
+                st.retry_at = Some(Instant::now() + Duration::from_millis(soon));
+            }
+        }
+
+        if trip == Trip::Paused {
+            st.paused = true;
+        }
+        if let Some((shadow, scratch, shadow_decision)) = shadow_run {
+            self.compare(part, &job, &run, &st.fleet, &shadow, &scratch, shadow_decision);
+        }
+    }
+
+    /// Records a shadow comparison of the two arms' decisions on one job.
+    #[allow(clippy::too_many_arguments)]
+    fn compare(&self, part: &Partition, job: &Job, active: &ArmRun, fleet: &Fleet, cand: &ArmRun, scratch: &Fleet, shadow_decision: u64) {
+        let mut stats = part.stats.lock().unwrap();
+        let (Ok(a), Ok(c)) = (&active.result, &cand.result) else {
+            if cand.result.is_err() {
+                stats.candidate_errors += 1;
+            }
+            return;
+        };
+        let agree = match (a, c) {
+            (Some((x, _)), Some((y, _))) => x == y,
+            (None, None) => true,
+            _ => false,
+        };
+        let picks = a.as_ref().zip(c.as_ref()).map(|((x, _), (y, _))| (x[0].node, y[0].node));
+        let sample = shadow::Sample {
+            agree,
+            candidate_gap: picks.and_then(|(ap, cp)| shadow::score_gap(&cand.first, cp, ap)),
+            active_gap: picks.and_then(|(ap, cp)| shadow::score_gap(&active.first, ap, cp)),
+            domains: a.as_ref().zip(c.as_ref()).filter(|_| job.tasks > 1).map(|((_, da), (_, dc))| (*da, *dc)),
+            partial_after: (partly_used(fleet), partly_used(scratch)),
+        };
+        let diff = (!agree).then(|| shadow::Diff {
+            decision_id: shadow_decision,
+            job_id: job.id,
+            active: a.as_ref().map(|(x, _)| placed(fleet, x)).unwrap_or_default(),
+            candidate: c.as_ref().map(|(y, _)| placed(scratch, y)).unwrap_or_default(),
+            note: match (a, c) {
+                (Some(_), None) => "candidate found no room".into(),
+                (None, Some(_)) => "active found no room".into(),
+                _ => "different nodes or GPUs".into(),
+            },
+        });
+        self.metrics.shadow_samples.with_label_values(&[part.name.as_str(), if agree { "true" } else { "false" }]).inc();
+        stats.add_sample(sample, diff);
+    }
+
+    /// Logs one arm's decision and counts it; returns the decision id.
+    fn log(&self, base: &DecisionRecord, arm_name: &str, actuated: bool, arm: &Arm, run: &ArmRun, fleet: &Fleet) -> u64 {
+        let (outcome, detail, placements) = match &run.result {
+            Ok(Some((allocs, domains))) => ("placed", format!("{} task(s) in {domains} switch domain(s)", allocs.len()), placed(fleet, allocs)),
+            Ok(None) => ("unplaced", "no room for every task now".to_string(), Vec::new()),
+            Err(e) => ("error", e.to_string(), Vec::new()),
+        };
+        let m = &arm.meta;
+        let version = m.version.to_string();
+        self.metrics.decisions.with_label_values(&[&base.partition, &m.name, &version, arm_name, outcome]).inc();
+        self.metrics.decision_seconds.with_label_values(&[&base.partition, &m.name, &version, arm_name]).observe(run.latency.as_secs_f64());
+        self.decisions.append(DecisionRecord {
+            arm: arm_name.into(),
+            actuated,
+            policy: m.name.clone(),
+            policy_semver: m.semver.clone(),
+            policy_version: m.version,
+            sha256: m.sha256.clone(),
+            outcome: outcome.into(),
+            detail,
+            placements,
+            latency_us: run.latency.as_micros() as u64,
+            ..base.clone()
+        })
+    }
+
+    /// Feeds the breaker; on a trip, takes the version out of service.
+    fn after_call(&self, p: usize, arm: &Arc<Arm>, result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>, is_active: bool) -> Trip {
+        let part = &self.partitions[p];
+        let v = arm.meta.version;
+        let e = match result {
+            Ok(_) => {
+                part.breaker.lock().unwrap().success(v);
+                return Trip::None;
+            }
+            Err(e) if breaker::counts(e) => e,
+            Err(_) => return Trip::None,
+        };
+        self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
+        tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
+        if !part.breaker.lock().unwrap().failure(v, &self.breaker) {
+            return Trip::None;
+        }
+        self.trip(p, arm, e, is_active)
+    }
+}

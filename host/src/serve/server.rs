@@ -1,0 +1,197 @@
+//! Starting and stopping the live host: the fleet from config, the registry
+//! and decision log from the state directory, scheduler threads, the gRPC
+//! server (TLS when configured) and the metrics endpoint.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tonic::transport::{Certificate, Identity as TlsIdentity, Server, ServerTlsConfig};
+
+use super::auth::Access;
+use super::breaker::BreakerConfig;
+use super::decisions::DecisionLog;
+use super::pb::berth_server::BerthServer;
+use super::registry::Registry;
+use super::scheduler::{Live, Partition};
+use super::service::Service;
+use crate::asi::fleet::FleetConfig;
+use crate::wasm::{Limits, PolicyEngine};
+
+/// The embedded default fleet: three partitions of 32 eight-GPU nodes, one
+/// GPU model each, 16 nodes per access switch.
+pub const DEFAULT_FLEET: &str = r#"
+seed = 1
+nodes_per_switch = 16
+switches_per_aggregation = 4
+nodes_per_partition = 32
+unhealthy_fraction = 0.0
+
+[[shapes]]
+model = "H800"
+count = 32
+gpus = 8
+cpu_cores = 128
+memory_gib = 2048
+
+[[shapes]]
+model = "A100"
+count = 32
+gpus = 8
+cpu_cores = 96
+memory_gib = 1024
+
+[[shapes]]
+model = "L20"
+count = 32
+gpus = 8
+cpu_cores = 64
+memory_gib = 1024
+"#;
+
+/// TLS material (PEM files). With `client_ca`, client certificates signed
+/// by it are accepted (and may identify callers); tokens still work.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    pub listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    pub state_dir: PathBuf,
+    pub fleet: FleetConfig,
+    pub access: Access,
+    pub tls: Option<TlsFiles>,
+    /// Component bytes every partition starts with when its registry is empty.
+    pub default_policy: Vec<u8>,
+    pub limits: Limits,
+    pub breaker: BreakerConfig,
+    pub max_upload_bytes: usize,
+}
+
+/// A running server.
+pub struct ServeHandle {
+    pub addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    pub live: Arc<Live>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    schedulers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl ServeHandle {
+    /// Resolves when the server stops on its own (it does not, short of an
+    /// error); use with a shutdown signal.
+    pub async fn stopped(&mut self) {
+        for t in self.tasks.iter_mut() {
+            let _ = t.await;
+        }
+    }
+
+    /// Stops serving, then the schedulers (each finishes its decision).
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        for t in self.tasks.drain(..) {
+            let _ = t.await;
+        }
+        self.live.stop();
+        let threads = std::mem::take(&mut self.schedulers);
+        let _ = tokio::task::spawn_blocking(move || threads.into_iter().for_each(|t| drop(t.join()))).await;
+    }
+}
+
+/// Builds the live host and starts serving. Refuses to serve plaintext on
+/// anything but loopback.
+pub async fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
+    anyhow::ensure!(
+        config.tls.is_some() || config.listen.ip().is_loopback(),
+        "refusing to serve without TLS on {} (not loopback): pass --tls-cert and --tls-key",
+        config.listen
+    );
+    std::fs::create_dir_all(&config.state_dir).with_context(|| format!("creating {}", config.state_dir.display()))?;
+    let (fleet, topo) = config.fleet.build()?;
+    let models = fleet.models.clone();
+    let count = topo.partition.iter().copied().max().map_or(0, |m| m + 1);
+    let names: Vec<String> = (0..count).map(|p| format!("p{p}")).collect();
+    let partitions = names
+        .iter()
+        .enumerate()
+        .map(|(p, name)| {
+            let nodes = fleet.nodes().iter().zip(&topo.partition).filter(|&(_, &q)| q as usize == p).map(|(n, _)| n.clone()).collect();
+            Ok(Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let registry = Registry::open(&config.state_dir, &names)?;
+    let engine = Arc::new(PolicyEngine::new(Some(registry.artifact_dir()))?);
+    let decisions = DecisionLog::open(Some(&config.state_dir), 100_000)?;
+    let live = Arc::new(Live::new(
+        partitions,
+        models,
+        registry,
+        decisions,
+        engine,
+        config.access.clone(),
+        config.limits,
+        config.breaker,
+        config.max_upload_bytes,
+    ));
+    for name in &names {
+        live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;
+    }
+    let schedulers = (0..names.len())
+        .map(|p| {
+            let live = live.clone();
+            std::thread::Builder::new().name(format!("berth-sched-{p}")).spawn(move || live.run_partition(p))
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let mut builder = Server::builder();
+    if let Some(tls) = &config.tls {
+        let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        let mut t = ServerTlsConfig::new().identity(TlsIdentity::from_pem(read(&tls.cert)?, read(&tls.key)?));
+        if let Some(ca) = &tls.client_ca {
+            t = t.client_ca_root(Certificate::from_pem(read(ca)?)).client_auth_optional(true);
+        }
+        builder = builder.tls_config(t)?;
+    }
+    // Messages up to twice the upload limit reach the handler, which refuses
+    // an oversized component with RESOURCE_EXHAUSTED and the limit; larger
+    // ones the transport refuses with OUT_OF_RANGE before reading them.
+    let service = BerthServer::new(Service { live: live.clone() }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
+    let router = builder.add_service(service);
+    let mut rx = stopped.clone();
+    tasks.push(tokio::spawn(async move {
+        let incoming = tonic::transport::server::TcpIncoming::from(listener);
+        if let Err(e) = router.serve_with_incoming_shutdown(incoming, async move { drop(rx.wait_for(|s| *s).await) }).await {
+            tracing::error!(target: "berth::serve", "gRPC server failed: {e}");
+        }
+    }));
+
+    let mut metrics_addr = None;
+    if let Some(listen) = config.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+        metrics_addr = Some(listener.local_addr()?);
+        let m = live.clone();
+        let app = axum::Router::new().route("/metrics", axum::routing::get(move || async move { m.metrics.render() }));
+        let mut rx = stopped.clone();
+        tasks.push(tokio::spawn(async move {
+            let shutdown = async move { drop(rx.wait_for(|s| *s).await) };
+            if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                tracing::error!(target: "berth::serve", "metrics server failed: {e}");
+            }
+        }));
+    }
+    tracing::info!(target: "berth::serve", %addr, tls = config.tls.is_some(), partitions = names.len(), "serving");
+    Ok(ServeHandle { addr, metrics_addr, live, stop: Some(stop), tasks, schedulers })
+}

@@ -1,0 +1,492 @@
+//! The gRPC service: checks who is calling and what they may do, checks the
+//! input, and maps between the protobuf messages and the live host.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_core::accounting::{self, PendingShape};
+use berth_core::sim::Job;
+use berth_core::{predicate, TaskShape};
+use tonic::{Request, Response, Status};
+
+use super::auth::{Identity, Role};
+use super::decisions::{DecisionRecord, Filter, Placed};
+use super::pb::{self, berth_server::Berth};
+use super::registry::VersionMeta;
+use super::scheduler::{JobRecord, JobSpec, JobState, Live};
+use super::shadow::{self, Mode};
+use super::ServeError;
+
+pub struct Service {
+    pub live: Arc<Live>,
+}
+
+type Reply<T> = Result<Response<T>, Status>;
+
+fn policy_ref(m: &VersionMeta) -> pb::PolicyRef {
+    pb::PolicyRef { version: m.version, name: m.name.clone(), policy_version: m.semver.clone(), sha256: m.sha256.clone() }
+}
+
+fn task_placements(p: &[Placed]) -> Vec<pb::TaskPlacement> {
+    p.iter().map(|p| pb::TaskPlacement { node: p.node.clone(), gpus: p.gpus.clone() }).collect()
+}
+
+/// Runs blocking work (wasm loads and calls, file writes) off the async
+/// workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ServeError> + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(format!("worker failed: {e}")))?.map_err(Status::from)
+}
+
+impl Service {
+    fn denied(&self, e: ServeError) -> Status {
+        let code = match e {
+            ServeError::Unauthenticated(_) => "unauthenticated",
+            _ => "permission_denied",
+        };
+        self.live.metrics.api_denials.with_label_values(&[code]).inc();
+        e.into()
+    }
+
+    fn who<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
+        self.live.access.identify(req).map_err(|e| self.denied(e))
+    }
+
+    fn require(&self, id: &Identity, partition: &str, role: Role) -> Result<(), Status> {
+        // An unknown partition is NOT_FOUND before it is a denial.
+        self.live.partition_index(partition)?;
+        id.require(partition, role).map_err(|e| self.denied(e))
+    }
+
+    /// Partitions the caller may view: `partition`, or all they can see.
+    fn viewable(&self, id: &Identity, partition: &str) -> Result<Vec<usize>, Status> {
+        if partition.is_empty() {
+            return Ok((0..self.live.partitions.len()).filter(|&p| id.role_in(&self.live.partitions[p].name).is_some()).collect());
+        }
+        self.require(id, partition, Role::Viewer)?;
+        Ok(vec![self.live.partition_index(partition)?])
+    }
+
+    fn job_spec(&self, spec: Option<pb::JobSpec>) -> Result<JobSpec, ServeError> {
+        let s = spec.ok_or_else(|| ServeError::Invalid("job is missing".into()))?;
+        self.live.partition_index(&s.partition)?;
+        let bad = |m: String| ServeError::Invalid(m);
+        let tasks = s.tasks.max(1);
+        if tasks > 4096 {
+            return Err(bad(format!("{tasks} tasks: at most 4096")));
+        }
+        if !(s.duration_s.is_finite() && s.duration_s > 0.0 && s.duration_s <= 30.0 * 86_400.0) {
+            return Err(bad(format!("duration_s {} must be in (0, 30 days]", s.duration_s)));
+        }
+        if s.name.len() > 256 {
+            return Err(bad("name longer than 256 bytes".into()));
+        }
+        let gpu_milli = if s.gpus > 0 && s.gpu_milli == 0 { 1000 } else { s.gpu_milli };
+        let models = s
+            .models
+            .iter()
+            .map(|m| {
+                self.live.models.iter().position(|k| k == m).map(|i| i as u32).ok_or_else(|| bad(format!("unknown GPU model {m:?} (the fleet has {:?})", self.live.models)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let shape = TaskShape { gpu_count: s.gpus, gpu_milli, cpu_milli: s.cpu_milli, memory_mib: s.memory_mib, models };
+        shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
+        Ok(JobSpec {
+            partition: s.partition.clone(),
+            name: s.name.clone(),
+            models: s.models.clone(),
+            duration: Duration::from_secs_f64(s.duration_s),
+            job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, ..Job::default() },
+        })
+    }
+}
+
+fn job_message(id: u64, j: &JobRecord) -> pb::Job {
+    let s = &j.spec;
+    pb::Job {
+        id,
+        spec: Some(pb::JobSpec {
+            partition: s.partition.clone(),
+            name: s.name.clone(),
+            tasks: s.job.tasks,
+            gpus: s.job.shape.gpu_count,
+            gpu_milli: s.job.shape.gpu_milli,
+            cpu_milli: s.job.shape.cpu_milli,
+            memory_mib: s.job.shape.memory_mib,
+            models: s.models.clone(),
+            priority: s.job.priority,
+            duration_s: s.duration.as_secs_f64(),
+        }),
+        owner: j.owner.clone(),
+        state: j.state.as_str().into(),
+        submitted_unix_ms: j.submitted_unix_ms,
+        started_unix_ms: j.started_unix_ms,
+        ended_unix_ms: j.ended_unix_ms,
+        placements: task_placements(&j.placements),
+        decision_id: j.decision_id,
+        policy_version: j.policy_version,
+    }
+}
+
+fn decision_message(d: DecisionRecord) -> pb::Decision {
+    pb::Decision {
+        id: d.id,
+        unix_ms: d.unix_ms,
+        partition: d.partition,
+        job_id: d.job_id,
+        actor: d.actor,
+        arm: d.arm,
+        actuated: d.actuated,
+        policy: d.policy,
+        policy_semver: d.policy_semver,
+        policy_version: d.policy_version,
+        sha256: d.sha256,
+        input_digest: d.input_digest,
+        outcome: d.outcome,
+        detail: d.detail,
+        placements: task_placements(&d.placements),
+        latency_us: d.latency_us,
+    }
+}
+
+fn denominators(d: &accounting::Denominators) -> pb::Denominators {
+    pb::Denominators { installed: d.installed, healthy: d.healthy, schedulable: d.schedulable, busy: d.busy, productive: d.productive }
+}
+
+#[tonic::async_trait]
+impl Berth for Service {
+    async fn submit_job(&self, req: Request<pb::SubmitJobRequest>) -> Reply<pb::SubmitJobResponse> {
+        let id = self.who(&req)?;
+        let partition = req.get_ref().job.as_ref().map(|j| j.partition.clone()).unwrap_or_default();
+        self.require(&id, &partition, Role::Tenant)?;
+        let spec = self.job_spec(req.into_inner().job)?;
+        let job_id = self.live.submit(spec, &id.name)?;
+        tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "job submitted");
+        Ok(Response::new(pb::SubmitJobResponse { job_id }))
+    }
+
+    async fn cancel_job(&self, req: Request<pb::CancelJobRequest>) -> Reply<pb::CancelJobResponse> {
+        let id = self.who(&req)?;
+        let job_id = req.get_ref().job_id;
+        let p = self.live.job_partition(job_id)?;
+        let partition = self.live.partitions[p].name.clone();
+        self.require(&id, &partition, Role::Tenant)?;
+        let owner = self.live.partitions[p].state.lock().unwrap().jobs.get(&job_id).map(|j| j.owner.clone()).unwrap_or_default();
+        if owner != id.name && id.role_in(&partition) < Some(Role::Operator) {
+            tracing::warn!(target: "berth::serve::auth", identity = %id.name, job = job_id, "denied: cancel of another tenant's job");
+            return Err(self.denied(ServeError::PermissionDenied(format!("job {job_id} belongs to {owner}; {} may cancel only its own jobs", id.name))));
+        }
+        let before = self.live.cancel(p, job_id)?;
+        tracing::info!(target: "berth::serve", job = job_id, by = %id.name, "job cancelled");
+        Ok(Response::new(pb::CancelJobResponse { previous_state: before.as_str().into() }))
+    }
+
+    async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::ListJobsResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let limit = if r.limit == 0 { 1000 } else { r.limit as usize };
+        if !r.state.is_empty() && !["pending", "running", "finished", "cancelled"].contains(&r.state.as_str()) {
+            return Err(ServeError::Invalid(format!("unknown state {:?} (pending, running, finished, cancelled)", r.state)).into());
+        }
+        let mut jobs = Vec::new();
+        for p in self.viewable(&id, &r.partition)? {
+            let st = self.live.partitions[p].state.lock().unwrap();
+            jobs.extend(st.jobs.iter().filter(|(_, j)| r.state.is_empty() || j.state.as_str() == r.state).map(|(&i, j)| job_message(i, j)));
+        }
+        jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
+        jobs.truncate(limit);
+        Ok(Response::new(pb::ListJobsResponse { jobs }))
+    }
+
+    async fn explain_job(&self, req: Request<pb::ExplainJobRequest>) -> Reply<pb::ExplainJobResponse> {
+        let id = self.who(&req)?;
+        let job_id = req.get_ref().job_id;
+        let p = self.live.job_partition(job_id)?;
+        let part = &self.live.partitions[p];
+        self.require(&id, &part.name, Role::Viewer)?;
+        let st = part.state.lock().unwrap();
+        let job = &st.jobs[&job_id];
+        let mut out = pb::ExplainJobResponse { state: job.state.as_str().into(), last_decision: job.last_decision.clone(), ..Default::default() };
+        if job.state != JobState::Pending {
+            out.summary = match job.state {
+                JobState::Running => format!(
+                    "running on {}",
+                    job.placements.iter().map(|p| format!("{} GPUs {:?}", p.node, p.gpus)).collect::<Vec<_>>().join(", ")
+                ),
+                s => s.as_str().to_string(),
+            };
+            return Ok(Response::new(out));
+        }
+        let shape = &job.spec.job.shape;
+        let mut reasons: BTreeMap<berth_core::Unfit, u32> = BTreeMap::new();
+        for node in st.fleet.nodes() {
+            match predicate::check(node, shape) {
+                Ok(()) => out.fitting_nodes += 1,
+                Err(why) => *reasons.entry(why).or_insert(0) += 1,
+            }
+        }
+        out.fitting_tasks = berth_core::sim::fitting_tasks(&st.fleet, shape, u32::MAX);
+        let mut ranked: Vec<(berth_core::Unfit, u32)> = reasons.into_iter().collect();
+        ranked.sort_by_key(|&(why, n)| (std::cmp::Reverse(n), why));
+        out.reasons = ranked.iter().map(|(why, n)| pb::UnfitCount { reason: why.to_string(), nodes: *n }).collect();
+        let me = (std::cmp::Reverse(job.spec.job.priority), job_id);
+        out.queue_position = st.pending.iter().filter(|j| (std::cmp::Reverse(st.jobs[j].spec.job.priority), **j) < me).count() as u32;
+        let reasons_text =
+            ranked.iter().enumerate().map(|(i, (why, n))| if i == 0 { format!("{n} nodes: {why}") } else { format!("{n}: {why}") }).collect::<Vec<_>>().join("; ");
+        let tasks = job.spec.job.tasks;
+        out.summary = if st.paused {
+            "decisions paused: the circuit breaker found no good policy version; an operator must activate one".into()
+        } else if out.fitting_tasks >= tasks {
+            format!("fits now ({} of {} nodes); {} job(s) ahead in the queue", out.fitting_nodes, st.fleet.nodes().len(), out.queue_position)
+        } else if tasks > 1 && out.fitting_nodes > 0 {
+            format!("gang of {tasks} tasks, {} fit now; {reasons_text}", out.fitting_tasks)
+        } else {
+            reasons_text
+        };
+        Ok(Response::new(out))
+    }
+
+    async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Reply<pb::ListNodesResponse> {
+        let id = self.who(&req)?;
+        let mut nodes = Vec::new();
+        for p in self.viewable(&id, &req.get_ref().partition)? {
+            let part = &self.live.partitions[p];
+            let st = part.state.lock().unwrap();
+            nodes.extend(st.fleet.nodes().iter().map(|n| pb::NodeInfo {
+                name: n.name.clone(),
+                partition: part.name.clone(),
+                model: n.model.map_or_else(|| "cpu-only".into(), |m| st.fleet.models[m as usize].clone()),
+                switch_domain: n.switch_domain,
+                schedulable: n.schedulable,
+                gpus: n.gpus.len() as u32,
+                gpus_idle: n.gpus.iter().filter(|&&g| g == berth_core::MILLI_PER_GPU).count() as u32,
+                gpu_free_milli: n.gpu_free_milli(),
+                cpu_free_milli: n.cpu_free_milli,
+                cpu_total_milli: n.cpu_total_milli,
+                memory_free_mib: n.memory_free_mib,
+                memory_total_mib: n.memory_total_mib,
+            }));
+        }
+        Ok(Response::new(pb::ListNodesResponse { nodes }))
+    }
+
+    async fn list_partitions(&self, req: Request<pb::ListPartitionsRequest>) -> Reply<pb::ListPartitionsResponse> {
+        let id = self.who(&req)?;
+        let mut partitions = Vec::new();
+        for p in self.viewable(&id, "")? {
+            let part = &self.live.partitions[p];
+            let candidate = part.candidate();
+            let st = part.state.lock().unwrap();
+            let running = st.jobs.values().filter(|j| j.state == JobState::Running).count() as u32;
+            partitions.push(pb::PartitionInfo {
+                name: part.name.clone(),
+                nodes: st.fleet.nodes().len() as u32,
+                gpus: (st.fleet.gpu_total_milli() / 1000) as u32,
+                gpus_busy: st.fleet.gpu_allocated_milli() as f64 / 1000.0,
+                pending_jobs: st.pending.len() as u32,
+                running_jobs: running,
+                active: part.active().map(|a| policy_ref(&a.meta)),
+                shadow_mode: match candidate.as_ref().map(|c| c.mode) {
+                    None => "off".into(),
+                    Some(Mode::Shadow) => "shadow".into(),
+                    Some(Mode::Split(_)) => "split".into(),
+                },
+                candidate: candidate.as_ref().map(|c| policy_ref(&c.arm.meta)),
+                split_fraction: match candidate.as_ref().map(|c| c.mode) {
+                    Some(Mode::Split(f)) => f,
+                    _ => 0.0,
+                },
+                paused: st.paused,
+            });
+        }
+        Ok(Response::new(pb::ListPartitionsResponse { partitions }))
+    }
+
+    async fn accounting(&self, req: Request<pb::AccountingRequest>) -> Reply<pb::AccountingResponse> {
+        let id = self.who(&req)?;
+        let mut total = accounting::Accounting::default();
+        let mut rows = Vec::new();
+        let add = |into: &mut accounting::Denominators, d: &accounting::Denominators| {
+            into.installed += d.installed;
+            into.healthy += d.healthy;
+            into.schedulable += d.schedulable;
+            into.busy += d.busy;
+            into.productive += d.productive;
+        };
+        for p in self.viewable(&id, &req.get_ref().partition)? {
+            let part = &self.live.partitions[p];
+            let st = part.state.lock().unwrap();
+            let pending: Vec<PendingShape> = st
+                .pending
+                .iter()
+                .map(|j| &st.jobs[j].spec.job)
+                .map(|j| PendingShape { shape: j.shape.clone(), tasks: j.tasks, same_domain: false })
+                .collect();
+            let partition_of = vec![0; st.fleet.nodes().len()];
+            // Simulated work always advances: productive = busy.
+            let acc = accounting::account(&st.fleet, &pending, &partition_of, &|_, n| n.gpu_total_milli() - n.gpu_free_milli());
+            rows.push(pb::AccountingRow { group: format!("partition {}", part.name), gpus: Some(denominators(&acc.total)) });
+            add(&mut total.total, &acc.total);
+            for (model, d) in &acc.by_model {
+                add(total.by_model.entry(model.clone()).or_default(), d);
+            }
+            for (cause, g) in &acc.stranded {
+                *total.stranded.entry(*cause).or_insert(0.0) += g;
+            }
+        }
+        rows.insert(0, pb::AccountingRow { group: "total".into(), gpus: Some(denominators(&total.total)) });
+        rows.extend(total.by_model.iter().map(|(m, d)| pb::AccountingRow { group: format!("model {m}"), gpus: Some(denominators(d)) }));
+        let stranded = total.stranded.iter().map(|(c, g)| pb::StrandedRow { cause: format!("{c:?}"), gpus: *g }).collect();
+        Ok(Response::new(pb::AccountingResponse { rows, stranded }))
+    }
+
+    async fn query_decisions(&self, req: Request<pb::QueryDecisionsRequest>) -> Reply<pb::QueryDecisionsResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let allowed: Vec<String> = self.viewable(&id, &r.partition)?.into_iter().map(|p| self.live.partitions[p].name.clone()).collect();
+        let filter = Filter {
+            partition: (!r.partition.is_empty()).then_some(r.partition.clone()),
+            job_id: (r.job_id != 0).then_some(r.job_id),
+            policy_version: (r.policy_version != 0).then_some(r.policy_version),
+            include_shadow: r.include_shadow,
+            limit: usize::MAX,
+        };
+        let limit = if r.limit == 0 { 100 } else { r.limit as usize };
+        let decisions =
+            self.live.decisions.query(&filter).into_iter().filter(|d| allowed.contains(&d.partition)).take(limit).map(decision_message).collect();
+        Ok(Response::new(pb::QueryDecisionsResponse { decisions }))
+    }
+
+    async fn upload_policy(&self, req: Request<pb::UploadPolicyRequest>) -> Reply<pb::UploadPolicyResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        let live = self.live.clone();
+        let (meta, created) = blocking(move || live.upload(&id.name, &r.partition, &r.component, &r.config, &r.note)).await?;
+        Ok(Response::new(pb::UploadPolicyResponse { policy: Some(policy_ref(&meta)), created }))
+    }
+
+    async fn activate_policy(&self, req: Request<pb::ActivatePolicyRequest>) -> Reply<pb::ActivatePolicyResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        let live = self.live.clone();
+        let swap = blocking(move || live.activate(&id.name, &r.partition, r.version, "activate")).await?;
+        Ok(Response::new(pb::ActivatePolicyResponse {
+            active: Some(policy_ref(&swap.active)),
+            previous: swap.previous.as_ref().map(policy_ref),
+            swap_us: swap.took.as_micros() as u64,
+        }))
+    }
+
+    async fn rollback_policy(&self, req: Request<pb::RollbackPolicyRequest>) -> Reply<pb::ActivatePolicyResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        let live = self.live.clone();
+        let swap = blocking(move || live.rollback(&id.name, &r.partition, (r.version != 0).then_some(r.version))).await?;
+        Ok(Response::new(pb::ActivatePolicyResponse {
+            active: Some(policy_ref(&swap.active)),
+            previous: swap.previous.as_ref().map(policy_ref),
+            swap_us: swap.took.as_micros() as u64,
+        }))
+    }
+
+    async fn policy_history(&self, req: Request<pb::PolicyHistoryRequest>) -> Reply<pb::PolicyHistoryResponse> {
+        let id = self.who(&req)?;
+        let partition = req.into_inner().partition;
+        self.require(&id, &partition, Role::Viewer)?;
+        let record = self.live.registry.record(&partition)?;
+        Ok(Response::new(pb::PolicyHistoryResponse {
+            versions: record
+                .versions
+                .iter()
+                .map(|m| pb::PolicyVersion {
+                    policy: Some(policy_ref(m)),
+                    contract: m.contract.clone(),
+                    uploaded_by: m.uploaded_by.clone(),
+                    uploaded_unix_ms: m.uploaded_unix_ms,
+                    note: m.note.clone(),
+                    config: m.config.clone(),
+                    blocked_until_unix_ms: m.blocked_until_unix_ms,
+                })
+                .collect(),
+            events: record
+                .events
+                .iter()
+                .map(|e| pb::PolicyEvent { unix_ms: e.unix_ms, kind: e.kind.clone(), version: e.version, by: e.by.clone(), detail: e.detail.clone() })
+                .collect(),
+            active_version: record.active.unwrap_or(0),
+        }))
+    }
+
+    async fn set_shadow(&self, req: Request<pb::SetShadowRequest>) -> Reply<pb::SetShadowResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        let setting = match pb::ShadowMode::try_from(r.mode) {
+            Ok(pb::ShadowMode::Off) => None,
+            Ok(pb::ShadowMode::Shadow) => Some((r.version, Mode::Shadow)),
+            Ok(pb::ShadowMode::Split) => Some((r.version, Mode::Split(r.fraction))),
+            Err(_) => return Err(ServeError::Invalid(format!("unknown shadow mode {}", r.mode)).into()),
+        };
+        let live = self.live.clone();
+        blocking(move || live.set_shadow(&id.name, &r.partition, setting)).await?;
+        Ok(Response::new(pb::SetShadowResponse {}))
+    }
+
+    async fn shadow_report(&self, req: Request<pb::ShadowReportRequest>) -> Reply<pb::ShadowReportResponse> {
+        let id = self.who(&req)?;
+        let partition = req.into_inner().partition;
+        self.require(&id, &partition, Role::Viewer)?;
+        let part = &self.live.partitions[self.live.partition_index(&partition)?];
+        let active = part.active();
+        let candidate = part.candidate();
+        let s = part.stats.lock().unwrap().clone();
+        let arm = |name: &str, a: &shadow::ArmStats, m: Option<&VersionMeta>| pb::ArmOutcome {
+            arm: name.into(),
+            policy: m.map(policy_ref),
+            decisions: a.decisions,
+            placed: a.placed,
+            errors: a.errors,
+            mean_latency_us: shadow::mean(a.latency_us_sum as f64, a.decisions),
+            mean_wait_s: shadow::mean(a.wait_s_sum, a.placed),
+            mean_domains_per_gang: shadow::mean(a.gang_domains_sum as f64, a.gangs),
+            mean_partial_nodes_after: shadow::mean(a.partial_after_sum as f64, a.decisions),
+        };
+        let active_meta = active.as_ref().map(|a| &a.meta);
+        let candidate_meta = candidate.as_ref().map(|c| &c.arm.meta);
+        let split = candidate.as_ref().is_some_and(|c| matches!(c.mode, Mode::Split(_)));
+        Ok(Response::new(pb::ShadowReportResponse {
+            mode: match candidate.as_ref().map(|c| c.mode) {
+                None => "off".into(),
+                Some(Mode::Shadow) => "shadow".into(),
+                Some(Mode::Split(f)) => format!("split {f}"),
+            },
+            active: active_meta.map(policy_ref),
+            candidate: candidate_meta.map(policy_ref),
+            samples: s.samples,
+            agreement_rate: shadow::mean(s.agree as f64, s.samples),
+            mean_candidate_score_gap: shadow::mean(s.candidate_gap.0, s.candidate_gap.1),
+            mean_active_score_gap: shadow::mean(s.active_gap.0, s.active_gap.1),
+            mean_domains_active: shadow::mean(s.domains_active as f64, s.gang_samples),
+            mean_domains_candidate: shadow::mean(s.domains_candidate as f64, s.gang_samples),
+            mean_partial_nodes_active: shadow::mean(s.partial_active as f64, s.samples),
+            mean_partial_nodes_candidate: shadow::mean(s.partial_candidate as f64, s.samples),
+            candidate_errors: s.candidate_errors,
+            recent_diffs: s
+                .recent_diffs
+                .iter()
+                .rev()
+                .map(|d| pb::ShadowDiff {
+                    decision_id: d.decision_id,
+                    job_id: d.job_id,
+                    active: task_placements(&d.active),
+                    candidate: task_placements(&d.candidate),
+                    note: d.note.clone(),
+                })
+                .collect(),
+            arms: if split { vec![arm("active", &s.arms[0], active_meta), arm("candidate", &s.arms[1], candidate_meta)] } else { Vec::new() },
+        }))
+    }
+}

@@ -1,0 +1,192 @@
+//! Shadow and split A/B runs of a candidate policy version.
+//!
+//! Shadow: the candidate decides every job beside the active version, on a
+//! copy of the same fleet state; its decision is logged, never actuated, and
+//! the two are compared (same placement? how each scores the other's pick?
+//! switch domains used, partly used nodes after). Split: a stable hash of
+//! the job id sends a fraction of jobs to the candidate, whose decisions are
+//! actuated; each arm's outcomes are tallied.
+
+use std::collections::VecDeque;
+
+use berth_core::{PlacementPolicy, PolicyError};
+use berth_sdk::{Domains, Nodes, Scores, Task};
+
+use super::decisions::Placed;
+
+/// How a candidate runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Mode {
+    Shadow,
+    /// The fraction of jobs the candidate decides.
+    Split(f64),
+}
+
+/// Whether `job_id` falls in the candidate's share of a split: a fixed mix
+/// of the id, so the same job always lands in the same arm.
+pub fn in_split(job_id: u64, fraction: f64) -> bool {
+    let mut z = job_id.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    ((z >> 11) as f64 / (1u64 << 53) as f64) < fraction
+}
+
+/// Wraps a policy and keeps the scores of its first `score` call (the
+/// first task of the job), so each arm can be asked what it thinks of the
+/// other's pick.
+pub struct Recording<'a> {
+    pub inner: &'a mut dyn PlacementPolicy,
+    /// Candidate node ids and their scores.
+    pub first: Option<(Vec<u32>, Vec<f64>)>,
+}
+
+impl PlacementPolicy for Recording<'_> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        let r = self.inner.score(task, nodes);
+        if self.first.is_none()
+            && let Ok(s) = &r
+        {
+            self.first = Some((nodes.ids.clone(), s.scores.clone()));
+        }
+        r
+    }
+    fn score_domains(&mut self, task: &Task, domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        self.inner.score_domains(task, domains)
+    }
+}
+
+/// How much better an arm scored its own pick than the other arm's pick
+/// (both nodes among its first task's candidates).
+pub fn score_gap(first: &Option<(Vec<u32>, Vec<f64>)>, own: u32, other: u32) -> Option<f64> {
+    let (ids, scores) = first.as_ref()?;
+    let at = |n: u32| ids.iter().position(|&i| i == n).and_then(|k| scores.get(k).copied());
+    Some(at(own)? - at(other)?)
+}
+
+/// One arm's tally in split mode.
+#[derive(Clone, Debug, Default)]
+pub struct ArmStats {
+    pub decisions: u64,
+    pub placed: u64,
+    pub errors: u64,
+    pub latency_us_sum: u64,
+    pub wait_s_sum: f64,
+    pub gangs: u64,
+    pub gang_domains_sum: u64,
+    pub partial_after_sum: u64,
+}
+
+impl ArmStats {
+    pub fn record(&mut self, latency_us: u64, placed: Option<(f64, u32, bool)>, error: bool, partial_after: u64) {
+        self.decisions += 1;
+        self.latency_us_sum += latency_us;
+        self.partial_after_sum += partial_after;
+        if error {
+            self.errors += 1;
+        }
+        if let Some((wait_s, domains, gang)) = placed {
+            self.placed += 1;
+            self.wait_s_sum += wait_s;
+            if gang {
+                self.gangs += 1;
+                self.gang_domains_sum += u64::from(domains);
+            }
+        }
+    }
+}
+
+/// Where the arms differed on one job.
+#[derive(Clone, Debug)]
+pub struct Diff {
+    pub decision_id: u64,
+    pub job_id: u64,
+    pub active: Vec<Placed>,
+    pub candidate: Vec<Placed>,
+    pub note: String,
+}
+
+/// The running comparison of one candidate against the active version;
+/// starts empty whenever a candidate is set.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub samples: u64,
+    pub agree: u64,
+    pub candidate_gap: (f64, u64),
+    pub active_gap: (f64, u64),
+    pub domains_active: u64,
+    pub domains_candidate: u64,
+    pub gang_samples: u64,
+    pub partial_active: u64,
+    pub partial_candidate: u64,
+    pub candidate_errors: u64,
+    pub recent_diffs: VecDeque<Diff>,
+    /// Split mode: [active, candidate].
+    pub arms: [ArmStats; 2],
+}
+
+/// One shadow comparison's inputs.
+pub struct Sample {
+    pub agree: bool,
+    pub candidate_gap: Option<f64>,
+    pub active_gap: Option<f64>,
+    /// Switch domains used, when both placed a multi-task job.
+    pub domains: Option<(u32, u32)>,
+    pub partial_after: (u64, u64),
+}
+
+impl Stats {
+    pub fn add_sample(&mut self, s: Sample, diff: Option<Diff>) {
+        self.samples += 1;
+        self.agree += u64::from(s.agree);
+        if let Some(g) = s.candidate_gap {
+            self.candidate_gap.0 += g;
+            self.candidate_gap.1 += 1;
+        }
+        if let Some(g) = s.active_gap {
+            self.active_gap.0 += g;
+            self.active_gap.1 += 1;
+        }
+        if let Some((a, c)) = s.domains {
+            self.gang_samples += 1;
+            self.domains_active += u64::from(a);
+            self.domains_candidate += u64::from(c);
+        }
+        self.partial_active += s.partial_after.0;
+        self.partial_candidate += s.partial_after.1;
+        if let Some(d) = diff {
+            self.recent_diffs.push_back(d);
+            if self.recent_diffs.len() > 20 {
+                self.recent_diffs.pop_front();
+            }
+        }
+    }
+}
+
+/// A mean that is 0 over nothing.
+pub fn mean(sum: f64, n: u64) -> f64 {
+    if n == 0 { 0.0 } else { sum / n as f64 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_is_stable_and_near_its_fraction() {
+        let chosen = (0..10_000).filter(|&j| in_split(j, 0.3)).count();
+        assert!((2700..3300).contains(&chosen), "{chosen}");
+        assert_eq!(in_split(42, 0.3), in_split(42, 0.3));
+        assert!(!(0..1000).any(|j| in_split(j, 0.0)));
+    }
+
+    #[test]
+    fn gaps_compare_picks_within_one_arms_scores() {
+        let first = Some((vec![4, 7, 9], vec![1.0, 5.0, 2.0]));
+        assert_eq!(score_gap(&first, 7, 9), Some(3.0));
+        assert_eq!(score_gap(&first, 7, 8), None);
+    }
+}
