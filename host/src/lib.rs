@@ -7,6 +7,7 @@ pub mod catalog;
 pub mod componentize;
 pub mod conformance;
 pub mod demo;
+pub mod langbench;
 pub mod native;
 pub mod replay;
 pub mod scaffold;

@@ -154,6 +154,20 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Compare policy languages: component size, load from the cached
+    /// artifact, one scoring call and one openb replay (default trace, or a
+    /// generated one without $BERTH_OPENB_DIR / ../shared/data/openb), each
+    /// as a ratio to the first policy.
+    Languages {
+        #[arg(long = "policy", default_values_t = ["best-fit".to_string(), "best-fit-py".to_string(), "best-fit-js".to_string(), "best-fit-c".to_string()])]
+        policies: Vec<String>,
+        #[arg(long, default_value_t = 1000)]
+        candidates: usize,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Time one placement-scoring call in wasm and natively.
     Score {
         #[arg(long)]
@@ -247,6 +261,16 @@ fn main() -> anyhow::Result<()> {
                     "{} on {} nodes, {} jobs ({} tasks placed): per job p50 {:.0} us, p99 {:.0} us, max {:.0} us; single-task p99 {:.0} us; {:.0} placements/s on one core",
                     r.policy, r.nodes, r.jobs, r.tasks_placed, r.job_p50_us, r.job_p99_us, r.job_max_us, r.single_p99_us, r.placements_per_s
                 );
+            }
+        }
+        Command::Bench { what: BenchCommand::Languages { policies, candidates, seed, json } } => {
+            anyhow::ensure!(candidates > 0, "--candidates must be at least 1");
+            let r = berth::langbench::run(engine()?, &policies, candidates, seed, berth::langbench::openb_dir().as_deref())?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{} candidates per scoring call; replay of {}, seed {}, one worker", r.candidates, r.trace, r.seed);
+                print!("{}", berth::langbench::table(&r));
             }
         }
         Command::Bench { what: BenchCommand::Score { policy, candidates, json } } => {

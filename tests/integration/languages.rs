@@ -2,13 +2,15 @@
 //! test`), best-fit in Rust, Python, JavaScript and C agreeing pod by pod
 //! on the openb trace, and `berth policy new` projects that build and pass.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use berth::conformance::{self, Options, Report};
 use berth::replay::fgd::{typical_pods, Experiment};
 use berth::replay::openb::{read_nodes, read_pods};
-use berth::wasm::{Limits, WasmPolicy};
+use berth::wasm::{Limits, LoadedPolicy, WasmPolicy};
 
 use crate::common::{engine, guest_path, load, policy_path, repo_root};
 
@@ -19,10 +21,18 @@ fn conformance(path: &Path) -> Report {
     conformance::run_file(engine(), path, &Options::default()).unwrap()
 }
 
+/// A bundled component, compiled once for the whole module (the Python and
+/// JavaScript ones take seconds each to compile).
+fn bundled(name: &str) -> Arc<LoadedPolicy> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<LoadedPolicy>>>> = OnceLock::new();
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap();
+    cache.entry(name.to_string()).or_insert_with(|| load(&policy_path(name))).clone()
+}
+
 #[test]
 fn best_fit_in_every_language_conforms() {
     for name in BEST_FIT {
-        let report = conformance(&policy_path(name));
+        let report = conformance::run_loaded(engine(), &bundled(name), &Options::default());
         assert!(report.passed(), "{name}:\n{report}");
         assert_eq!(report.policy, name);
         // score only: load, configure, and the score rules.
@@ -124,7 +134,7 @@ fn best_fit_languages_agree_pod_by_pod_on_openb() {
     let pods = read_pods(&dir.join("openb_pod_list_default.csv")).unwrap();
     let exp = Experiment::new(&nodes, &pods).unwrap();
     let typical = typical_pods(&exp);
-    let loaded: Vec<_> = BEST_FIT.iter().map(|n| load(&policy_path(n))).collect();
+    let loaded: Vec<_> = BEST_FIT.iter().map(|n| bundled(n)).collect();
     let seeds: Vec<u64> = (42..=51).collect();
     let runs: Vec<(usize, u64)> = (0..BEST_FIT.len()).flat_map(|p| seeds.iter().map(move |&s| (p, s))).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
