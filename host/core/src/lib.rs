@@ -6,6 +6,7 @@
 //! time, so the same code runs in the live host and in deterministic replay.
 
 pub mod accounting;
+pub mod compaction;
 pub mod fleet;
 pub mod placement;
 pub mod policy;
