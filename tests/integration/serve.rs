@@ -3,7 +3,7 @@
 //! breaker on a hostile version, access control, bad input, restart.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use berth::serve::breaker::BreakerConfig;
@@ -41,11 +41,11 @@ fn state_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn config(dir: &PathBuf, access: &str) -> ServeConfig {
+fn config(dir: &Path, access: &str) -> ServeConfig {
     ServeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
-        state_dir: dir.clone(),
+        state_dir: dir.to_path_buf(),
         fleet: berth::asi::fleet::FleetConfig::parse(DEFAULT_FLEET, "default").unwrap(),
         access: Access::parse(access).unwrap(),
         tls: None,
