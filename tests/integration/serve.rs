@@ -288,6 +288,16 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     let e = alice.submit_job(job("nowhere", 1)).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
     assert_eq!(jobs(&mut ops, "p2").await.len(), 4);
+
+    // Why pending: per-node reasons, aggregated (p2 is all L20).
+    let mut a100 = job("p2", 1);
+    a100.job.as_mut().unwrap().models = vec!["A100".into()];
+    let waiting = alice.submit_job(a100).await.unwrap().into_inner().job_id;
+    let why = alice.explain_job(pb::ExplainJobRequest { job_id: waiting }).await.unwrap().into_inner();
+    assert_eq!((why.state.as_str(), why.summary.as_str()), ("pending", "32 nodes: GPU model mismatch"));
+    let acc = ops.accounting(pb::AccountingRequest { partition: "p2".into() }).await.unwrap().into_inner();
+    let p2 = acc.rows.iter().find(|r| r.group == "partition p2").unwrap().gpus.unwrap();
+    assert_eq!((p2.installed, p2.busy), (256.0, 4.0));
     h.shutdown().await;
 }
 
