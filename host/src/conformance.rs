@@ -731,3 +731,67 @@ fn check_plan(rules: &mut Rules, label: &str, snapshot: &Snapshot, plan: &Plan) 
     rules.check("compact/moves", move_error.is_none(), || move_error.clone().unwrap_or_default());
     rules.check("compact/gpu-masks", mask_error.is_none(), || mask_error.clone().unwrap_or_default());
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> Rules {
+        let mut r = Rules::default();
+        for rule in ["compact/lengths", "compact/chains", "compact/moves", "compact/gpu-masks", "score/length", "score/finite", "score/gpu-masks"] {
+            r.declare(rule, "");
+        }
+        r
+    }
+
+    fn failed(r: Rules) -> Vec<String> {
+        r.into_vec().into_iter().filter(|r| !r.passed()).map(|r| r.rule).collect()
+    }
+
+    // No bundled policy claims `compact`, so its checks are tested here.
+    #[test]
+    fn plans_are_checked_rule_by_rule() {
+        let snapshot = &compact_cases()[0].snapshot;
+        let movable = snapshot.allocations.ids[0];
+        let pinned = snapshot.allocations.ids[4]; // movable is 0 for every fifth
+        assert_eq!(snapshot.allocations.movable[4], 0);
+        let check = |plan: Plan| {
+            let mut r = rules();
+            check_plan(&mut r, "case", snapshot, &plan);
+            failed(r)
+        };
+        let ok = Plan { chain: vec![0, 0, 1], allocation: vec![movable; 3], dest_node: vec![2, 3, 4], dest_gpus: vec![0, 0b1, 0] };
+        assert!(check(ok.clone()).is_empty());
+        assert!(check(Plan::default()).is_empty());
+        assert_eq!(check(Plan { dest_gpus: vec![0], ..ok.clone() }), ["compact/lengths"]);
+        assert_eq!(check(Plan { chain: vec![1, 1, 2], ..ok.clone() }), ["compact/chains"]);
+        assert_eq!(check(Plan { chain: vec![0, 2, 2], ..ok.clone() }), ["compact/chains"]);
+        assert_eq!(check(Plan { allocation: vec![movable, pinned, movable], ..ok.clone() }), ["compact/moves"]);
+        assert_eq!(check(Plan { allocation: vec![movable, 9999, movable], ..ok.clone() }), ["compact/moves"]);
+        assert_eq!(check(Plan { dest_node: vec![2, 999, 4], ..ok.clone() }), ["compact/moves"]);
+        // Allocation 0 holds one GPU: two named, or a GPU a 4-GPU node lacks.
+        assert_eq!(check(Plan { dest_gpus: vec![0, 0b11, 0], ..ok.clone() }), ["compact/gpu-masks"]);
+        assert_eq!(check(Plan { dest_node: vec![2, 2, 4], dest_gpus: vec![0, 1 << 5, 0], ..ok }), ["compact/gpu-masks"]);
+    }
+
+    #[test]
+    fn scores_are_checked_rule_by_rule() {
+        let case = &score_cases()[0];
+        let nodes = nodes_of(&case.fleet, |n| predicate::check(n, &case.shape).is_ok());
+        let n = nodes.len();
+        let check = |scores: Scores| {
+            let mut r = rules();
+            check_scores(&mut r, "case", &case.fleet, &case.shape, &nodes, &scores);
+            failed(r)
+        };
+        assert!(check(Scores::from_scores(vec![1.0; n])).is_empty());
+        assert_eq!(check(Scores::from_scores(vec![1.0; n - 1])), ["score/length"]);
+        let mut nan = vec![1.0; n];
+        nan[n - 1] = f64::NAN;
+        assert_eq!(check(Scores::from_scores(nan)), ["score/finite"]);
+        // Half a GPU: a mask must name exactly one GPU with 500 free.
+        assert!(check(Scores { scores: vec![1.0; n], gpus: vec![0; n] }).is_empty());
+        assert_eq!(check(Scores { scores: vec![1.0; n], gpus: vec![0b11; n] }), ["score/gpu-masks"]);
+        assert_eq!(check(Scores { scores: vec![1.0; n], gpus: vec![0; n + 1] }), ["score/length"]);
+    }
+}
