@@ -4,6 +4,7 @@
 pub mod asi;
 pub mod bench;
 pub mod catalog;
+pub mod compact;
 pub mod componentize;
 pub mod conformance;
 pub mod demo;

@@ -50,6 +50,10 @@ enum Command {
     /// The live host: a gRPC API over a simulated fleet advancing in real
     /// time, per-partition versioned policies, shadow A/B, circuit breaker.
     Serve(berth::serve::cli::ServeArgs),
+    /// In-place compaction over a snapshot saved by `berth replay ...
+    /// --save-snapshot`: a policy's plan, validated and run make-before-
+    /// break, with before/after figures and the migration ledger.
+    Compact(berth::compact::cli::CompactArgs),
     #[command(flatten)]
     Api(berth::serve::cli::ApiCommand),
 }
@@ -130,6 +134,15 @@ struct ReplayArgs {
     /// simulator's tuned order with --keep-order).
     #[arg(long)]
     typical_from: Option<PathBuf>,
+    /// Save a compaction snapshot (JSON) of the replay at --at, with the
+    /// first --policy and seed, and stop there (see `berth compact`).
+    #[arg(long, requires = "at")]
+    save_snapshot: Option<PathBuf>,
+    /// When --save-snapshot takes the snapshot: `95%` (of GPU demand
+    /// arrived for a trace; of jobs arrived for --fleet) or, for --fleet, a
+    /// simulated time (`36h`, `90m`, `1.5d`, `7200s`).
+    #[arg(long, requires = "save_snapshot")]
+    at: Option<String>,
     /// Worker threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     workers: usize,
@@ -248,6 +261,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Replay(args) => replay(engine()?, args)?,
+        Command::Compact(args) => berth::compact::cli::run(engine()?, args)?,
         Command::Report(args) => {
             let fleet = args.fleet.clone().ok_or_else(|| anyhow::anyhow!("berth report needs --fleet (asi or a fleet TOML)"))?;
             event_replay(engine()?, &fleet, &args, true)?
@@ -345,6 +359,10 @@ fn main() -> anyhow::Result<()> {
 fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(fleet) = &args.fleet {
         return event_replay(engine, fleet, &args, false);
+    }
+    if let (Some(out), Some(at)) = (&args.save_snapshot, &args.at) {
+        let seeds = replay::parse_seeds(&args.seeds).context("--seeds")?;
+        return berth::compact::cli::save_openb(&engine, args.nodes.as_deref(), args.pods.as_deref(), &args.policies, &seeds, at, out);
     }
     let opts = replay::ReplayOptions {
         trace: args.nodes.clone().zip(args.pods.clone()),
@@ -459,6 +477,9 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     if args.reserve_after_h.is_some() || args.aging > 0.0 {
         let flags = berth::asi::fleet::GuardConfig { reserve_after_h: args.reserve_after_h, aging_per_hour: args.aging };
         guards.fleet = flags.to_guard().context("--reserve-after-h / --aging")?;
+    }
+    if let (Some(out), Some(at)) = (&args.save_snapshot, &args.at) {
+        return berth::compact::cli::save_event(&engine, &fleet, &jobs, &guards, &args.policies, fleet_spec, seeds[0], at, out);
     }
     let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
     let mut reports = Vec::new();

@@ -30,6 +30,18 @@ impl<P: Policy> PlacementPolicy for NativePolicy<P> {
     }
 }
 
+impl<P: Policy> berth_core::compaction::CompactionPolicy for NativePolicy<P> {
+    fn describe(&self) -> String {
+        format!("{}@{} (native)", P::NAME, P::VERSION)
+    }
+    fn compact(&mut self, snapshot: &mut berth_sdk::Snapshot) -> Result<berth_sdk::Plan, PolicyError> {
+        if !P::HOOKS.contains(Hooks::COMPACT) {
+            return Err(PolicyError::Unsupported("compact"));
+        }
+        self.0.compact(snapshot).map_err(PolicyError::Guest)
+    }
+}
+
 /// Names of the policies this binary also carries natively.
 pub const NATIVE_POLICIES: &[&str] =
     &["binpack", "spread", "random", "dotprod", "gpu-clustering", "gpu-packing", "best-fit", "fgd", "topo-entropy"];

@@ -341,6 +341,15 @@ impl berth_core::PlacementPolicy for WasmPolicy {
     }
 }
 
+impl berth_core::compaction::CompactionPolicy for WasmPolicy {
+    fn describe(&self) -> String {
+        format!("{}@{} (wasm)", self.loaded.info.name, self.loaded.info.version)
+    }
+    fn compact(&mut self, snapshot: &mut Snapshot) -> Result<Plan, PolicyError> {
+        WasmPolicy::compact(self, snapshot)
+    }
+}
+
 // The columns move into the binding's records for a call and back after:
 // lowering copies them into guest memory once, and nothing else copies them.
 // One macro, expanded per contract version (their Rust types differ).
