@@ -91,6 +91,12 @@ struct ReplayArgs {
     /// hour.
     #[arg(long, requires = "fleet", default_value_t = 0.0)]
     aging: f64,
+    /// Preemption for --fleet: compare high priority alone, low-priority
+    /// fill without preemption, and fill with each of these ranking policies
+    /// (e.g. spot-gpu, smallest-first, newest-first); the first --policy
+    /// places.
+    #[arg(long = "preempt", requires = "fleet")]
+    preempt: Vec<String>,
     /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model). Omit both --nodes
     /// and --pods to replay a seeded, generated trace.
     #[arg(long, requires = "pods")]
@@ -480,6 +486,24 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     }
     if let (Some(out), Some(at)) = (&args.save_snapshot, &args.at) {
         return berth::compact::cli::save_event(&engine, &fleet, &jobs, &guards, &args.policies, fleet_spec, seeds[0], at, out);
+    }
+    if !args.preempt.is_empty() {
+        let load = |spec: &String| -> anyhow::Result<Arc<LoadedPolicy>> {
+            let path = catalog::resolve(spec)?;
+            LoadedPolicy::from_file(&engine, &path).with_context(|| format!("loading {}", path.display()))
+        };
+        let placement = load(&args.policies[0])?;
+        let rankers = args.preempt.iter().map(load).collect::<anyhow::Result<Vec<_>>>()?;
+        if !args.quiet {
+            eprintln!("simulating {} jobs, {} runs ...", jobs.len(), rankers.len() + 2);
+        }
+        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, horizon, &guards)?;
+        print!("{}", berth::asi::preempt::table(&rows));
+        if let Some(path) = &args.json {
+            std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "preemption": rows }))?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(());
     }
     let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
     let mut reports = Vec::new();

@@ -89,6 +89,54 @@ pub fn default_rank(victims: &Allocations) -> Vec<u32> {
     order
 }
 
+/// One candidate victim job of a preemption: its allocations (a gang's
+/// members together, since evicting one member evicts the gang) and totals.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VictimJob {
+    pub job_id: u64,
+    /// Indexes into the `victims` columns.
+    pub members: Vec<u32>,
+    pub priority: u32,
+    /// GPUs held, counting a shared GPU as its fraction.
+    pub gpus: f64,
+    /// Work lost if evicted now: GPUs x seconds since the last checkpoint.
+    pub lost_gpu_s: f64,
+    /// Seconds the job has been running (its youngest member's).
+    pub running_s: u64,
+}
+
+/// Groups the victims by job, in order of first appearance.
+pub fn victim_jobs(victims: &Allocations) -> Vec<VictimJob> {
+    let mut jobs: Vec<VictimJob> = Vec::new();
+    let mut index: std::collections::HashMap<u64, usize> = Default::default();
+    for i in 0..victims.len() {
+        let gpus = f64::from(victims.gpus[i].count_ones()) * f64::from(victims.gpu_milli[i]) / 1000.0;
+        let k = *index.entry(victims.job_ids[i]).or_insert_with(|| {
+            jobs.push(VictimJob {
+                job_id: victims.job_ids[i],
+                members: Vec::new(),
+                priority: victims.priority[i],
+                gpus: 0.0,
+                lost_gpu_s: 0.0,
+                running_s: u64::MAX,
+            });
+            jobs.len() - 1
+        });
+        let job = &mut jobs[k];
+        job.members.push(i as u32);
+        job.gpus += gpus;
+        job.lost_gpu_s += gpus * victims.since_checkpoint_s[i] as f64;
+        job.running_s = job.running_s.min(victims.running_s[i]);
+    }
+    jobs
+}
+
+/// The answer to `rank` for victim jobs in the order wanted: every member of
+/// each job, job after job.
+pub fn victim_order(jobs: &[VictimJob]) -> Vec<u32> {
+    jobs.iter().flat_map(|j| j.members.iter().copied()).collect()
+}
+
 /// Severity of a [`log`] line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Level {

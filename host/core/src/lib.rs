@@ -10,6 +10,7 @@ pub mod compaction;
 pub mod fleet;
 pub mod placement;
 pub mod policy;
+pub mod preemption;
 pub mod predicate;
 pub mod sim;
 pub mod task;

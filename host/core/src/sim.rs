@@ -4,11 +4,14 @@
 //! the jobs and the policy, and gets back what happened, deterministically.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
+
+use berth_sdk::{Allocations, Task};
 
 use crate::fleet::{Allocation, Fleet, NodeId};
 use crate::placement::{Placer, TaskMeta};
 use crate::policy::{PlacementPolicy, PolicyError};
+use crate::preemption::{choose_victims, evict, EvictionLatency, PreemptionPolicy, PriorityContract};
 use crate::task::TaskShape;
 
 /// One job: `tasks` identical tasks (a gang when more than one), each of
@@ -28,6 +31,9 @@ pub struct Job {
     /// nodes under that partition's starvation guard. `None`: anywhere,
     /// under the fleet-wide guard.
     pub partition: Option<u32>,
+    /// What a low-priority job is promised when preempted; `None`: the
+    /// simulation's default contract.
+    pub contract: Option<PriorityContract>,
 }
 
 impl Job {
@@ -41,8 +47,15 @@ impl Job {
 pub struct JobOutcome {
     /// Start time; `None` if it never started before the horizon.
     pub start_s: Option<u64>,
-    /// Distinct switch domains its tasks landed in.
+    /// Distinct switch domains its tasks landed in (its last run).
     pub domains: u32,
+    /// When it finished; `None` if it had not by the horizon.
+    pub end_s: Option<u64>,
+    /// Times it was preempted, of which forced terminations.
+    pub interruptions: u32,
+    pub forced: u32,
+    /// GPU-seconds of work lost to preemption (recomputed after resuming).
+    pub lost_gpu_s: f64,
 }
 
 /// Allocation sampled over time, integrated exactly between events.
@@ -67,6 +80,11 @@ pub struct SimOutcome {
     pub placements: u64,
     /// Reservations the starvation guard made.
     pub reservations: u64,
+    /// Preemptions: jobs evicted, of which forced terminations, and the
+    /// GPU-seconds of work they lost.
+    pub evictions: u64,
+    pub forced_terminations: u64,
+    pub lost_gpu_s: f64,
     /// Jobs still waiting at the end, and the work still running (planned
     /// end, allocations) — the state accounting and quotes look at.
     pub pending_at_end: Vec<usize>,
@@ -84,6 +102,11 @@ pub struct SimConfig {
     pub high_priority: u32,
     /// Keeps large gangs from waiting forever behind streams of small jobs.
     pub guards: Guards,
+    /// Preemption: the contract of low-priority jobs that name none, how
+    /// long evictions take, and partitions whose work is never taken back.
+    pub contract: PriorityContract,
+    pub eviction: EvictionLatency,
+    pub protected_partitions: BTreeSet<u32>,
 }
 
 /// Starvation-guard settings: fleet-wide, and per partition.
@@ -133,15 +156,45 @@ pub struct StarvationGuard {
 /// Runs `jobs` (any order) on `fleet` with `policy` until the horizon.
 /// Each scheduling pass walks the queue in (priority desc, arrival) order and
 /// starts every job that fits; a shape that did not fit is not retried in the
-/// same pass.
+/// same pass. No preemption: see [`simulate_with`].
 pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolicy, config: SimConfig) -> Result<SimOutcome, PolicyError> {
-    let mut arrivals: Vec<usize> = (0..jobs.len()).collect();
+    simulate_with(fleet, jobs, policy, None, config)
+}
+
+/// [`simulate`] where a high-priority job that cannot be placed may take
+/// capacity back from low-priority work, victims ranked by `preemption`
+/// (see [`crate::preemption`]). An evicted job goes back to the queue once
+/// it has vacated and resumes from what it kept (its last checkpoint).
+///
+/// Timing model: the capacity changes hands at the decision; the demand's
+/// work starts when its slowest victim has vacated (notice, then the
+/// eviction latency, capped by notice + grace).
+pub fn simulate_with(
+    fleet: &mut Fleet,
+    jobs: &[Job],
+    policy: &mut dyn PlacementPolicy,
+    mut preemption: Option<&mut dyn PreemptionPolicy>,
+    config: SimConfig,
+) -> Result<SimOutcome, PolicyError> {
+    let n = jobs.len();
+    let mut arrivals: Vec<usize> = (0..n).collect();
     arrivals.sort_by_key(|&i| (jobs[i].arrival_s, jobs[i].id));
     let mut next_arrival = 0;
     let mut pending: Vec<usize> = Vec::new();
+    // (planned end, job); an entry whose end is not the job's planned end is
+    // stale (the job was evicted) and skipped.
     let mut running: BinaryHeap<Reverse<(u64, usize)>> = BinaryHeap::new();
-    let mut held: Vec<Vec<Allocation>> = vec![Vec::new(); jobs.len()];
-    let mut outcome = SimOutcome { jobs: vec![JobOutcome::default(); jobs.len()], ..SimOutcome::default() };
+    let mut planned_end: Vec<Option<u64>> = vec![None; n];
+    let mut held: Vec<Vec<Allocation>> = vec![Vec::new(); n];
+    // Preemption state: when the current run's work started, work kept
+    // across evictions, when an evicted job may run again, and evictions.
+    let mut run_start = vec![0u64; n];
+    let mut kept_s = vec![0u64; n];
+    let mut ready_at = vec![0u64; n];
+    let mut wakeups: BinaryHeap<Reverse<u64>> = BinaryHeap::new();
+    let mut interrupted_at: HashMap<usize, Vec<u64>> = HashMap::new();
+    let mut running_low: BTreeSet<usize> = BTreeSet::new();
+    let mut outcome = SimOutcome { jobs: vec![JobOutcome::default(); n], ..SimOutcome::default() };
     let mut placer = Placer::new();
     let mut now = 0u64;
     let mut high_milli = 0u64;
@@ -149,12 +202,18 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
     // and which reservation drained each node.
     let mut reservations: BTreeMap<Option<u32>, Reservation> = BTreeMap::new();
     let mut drained_by: HashMap<NodeId, Option<u32>> = HashMap::new();
+    let low = |j: usize| jobs[j].priority < config.high_priority;
 
     loop {
-        // The next event: an arrival or a departure, whichever is first.
+        // The next event: an arrival, a departure or an evicted job ready
+        // again, whichever is first.
+        while running.peek().is_some_and(|&Reverse((end, j))| planned_end[j] != Some(end)) {
+            running.pop();
+        }
         let t_arrival = arrivals.get(next_arrival).map(|&i| jobs[i].arrival_s);
         let t_departure = running.peek().map(|Reverse((t, _))| *t);
-        let Some(t) = [t_arrival, t_departure].into_iter().flatten().min() else { break };
+        let t_wakeup = wakeups.peek().map(|Reverse(t)| *t);
+        let Some(t) = [t_arrival, t_departure, t_wakeup].into_iter().flatten().min() else { break };
         let t = t.min(config.horizon_s);
         let dt = (t - now) as f64;
         outcome.utilisation.all_milli_s += fleet.gpu_allocated_milli() as f64 * dt;
@@ -169,12 +228,21 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
                 break;
             }
             running.pop();
+            if planned_end[j] != Some(end) {
+                continue;
+            }
+            planned_end[j] = None;
+            outcome.jobs[j].end_s = Some(end);
+            running_low.remove(&j);
             for alloc in held[j].drain(..) {
                 fleet.release(&alloc).expect("a running job's allocations are held");
             }
-            if jobs[j].priority >= config.high_priority {
+            if !low(j) {
                 high_milli -= jobs[j].gpus() * u64::from(jobs[j].shape.gpu_milli);
             }
+        }
+        while wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
+            wakeups.pop();
         }
         while let Some(&i) = arrivals.get(next_arrival) {
             if jobs[i].arrival_s > now {
@@ -198,13 +266,19 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
         // retried until the next event.
         let mut failed: HashSet<(Vec<Option<u32>>, Option<u32>, u32, &TaskShape)> = HashSet::new();
         let mut still_pending = Vec::with_capacity(pending.len());
+        let mut evicted = Vec::new();
         for &j in &pending {
             let job = &jobs[j];
+            if ready_at[j] > now {
+                still_pending.push(j); // evicted, still vacating
+                continue;
+            }
+            let remaining = job.duration_s.saturating_sub(kept_s[j]).max(1);
             // Work that would still run at a reservation's time keeps off
             // the nodes drained for it; shorter work may use them.
             let avoided: Vec<Option<u32>> = reservations
                 .iter()
-                .filter(|(_, r)| r.job != j && now.saturating_add(job.duration_s) > r.until)
+                .filter(|(_, r)| r.job != j && now.saturating_add(remaining) > r.until)
                 .map(|(scope, _)| *scope)
                 .collect();
             let key = (avoided, job.partition, job.tasks, &job.shape);
@@ -216,12 +290,76 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
             let keep = |id: NodeId, n: &crate::fleet::Node| {
                 job.partition.is_none_or(|p| n.partition == p) && drained_by.get(&id).is_none_or(|scope| !avoided.contains(scope))
             };
-            match place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)? {
-                Some((allocs, domains)) => {
+            let mut placed = place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)?.map(|(a, d)| (a, d, 0));
+            if placed.is_none()
+                && !low(j)
+                && let Some(ranker) = preemption.as_deref_mut()
+            {
+                let victims = Victims { jobs, held: &held, run_start: &run_start, kept_s: &kept_s, interrupted_at: &interrupted_at, running_low: &running_low };
+                if let Some(chosen) = victims.choose(fleet, ranker, j, now, &keep, &config)? {
+                    for &v in &chosen {
+                        for alloc in &held[v] {
+                            fleet.release(alloc).expect("a running job's allocations are held");
+                        }
+                    }
+                    match place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)? {
+                        Some((allocs, domains)) => {
+                            let mut delay = 0;
+                            for v in chosen {
+                                let contract = jobs[v].contract.unwrap_or(config.contract);
+                                let times = interrupted_at.entry(v).or_default();
+                                let latency = config.eviction.sample_s(jobs[v].id.wrapping_mul(31).wrapping_add(times.len() as u64));
+                                let ev = evict(&contract, now.saturating_sub(run_start[v]), latency);
+                                times.push(now);
+                                held[v].clear();
+                                planned_end[v] = None;
+                                running_low.remove(&v);
+                                kept_s[v] = (kept_s[v] + ev.kept_s).min(jobs[v].duration_s);
+                                let gpus = jobs[v].gpus() as f64 * f64::from(jobs[v].shape.gpu_milli) / 1000.0;
+                                let o = &mut outcome.jobs[v];
+                                o.interruptions += 1;
+                                o.forced += u32::from(ev.forced);
+                                o.lost_gpu_s += gpus * ev.lost_s as f64;
+                                outcome.evictions += 1;
+                                outcome.forced_terminations += u64::from(ev.forced);
+                                outcome.lost_gpu_s += gpus * ev.lost_s as f64;
+                                delay = delay.max(ev.vacate_s);
+                                if kept_s[v] >= jobs[v].duration_s {
+                                    o.end_s = Some(now + ev.vacate_s); // it finished while leaving
+                                } else {
+                                    ready_at[v] = now + ev.vacate_s;
+                                    wakeups.push(Reverse(ready_at[v]));
+                                    evicted.push(v);
+                                }
+                            }
+                            placed = Some((allocs, domains, delay));
+                        }
+                        None => {
+                            // Cannot happen when enough tasks fit, but never
+                            // lose the victims' places if it does.
+                            for &v in &chosen {
+                                for alloc in &held[v] {
+                                    fleet.allocate(alloc).expect("was held a moment ago");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            match placed {
+                Some((allocs, domains, delay)) => {
+                    let start = now + delay;
                     held[j] = allocs;
-                    outcome.jobs[j] = JobOutcome { start_s: Some(now), domains };
-                    running.push(Reverse((now.saturating_add(job.duration_s.max(1)), j)));
-                    if job.priority >= config.high_priority {
+                    let o = &mut outcome.jobs[j];
+                    o.start_s.get_or_insert(start);
+                    o.domains = domains;
+                    run_start[j] = start;
+                    let end = start.saturating_add(remaining);
+                    planned_end[j] = Some(end);
+                    running.push(Reverse((end, j)));
+                    if low(j) {
+                        running_low.insert(j);
+                    } else {
                         high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
                     }
                 }
@@ -233,7 +371,8 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
                         && now - job.arrival_s >= g.reserve_after_s
                     {
                         let in_scope = |n: &crate::fleet::Node| job.partition.is_none_or(|p| n.partition == p);
-                        let (until, nodes) = shadow_time(fleet, &running, &held, job, &in_scope);
+                        let ends: Vec<(u64, usize)> = planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (e, j))).collect();
+                        let (until, nodes) = shadow_time(fleet, ends, &held, job, &in_scope);
                         outcome.reservations += 1;
                         for &id in &nodes {
                             drained_by.entry(id).or_insert(job.partition);
@@ -243,12 +382,97 @@ pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolic
                 }
             }
         }
+        still_pending.extend(evicted);
         pending = still_pending;
     }
     outcome.end_s = now;
     outcome.pending_at_end = pending;
-    outcome.running_at_end = running.into_iter().map(|Reverse((end, j))| (end, j, std::mem::take(&mut held[j]))).collect();
+    outcome.running_at_end = planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (e, j, std::mem::take(&mut held[j])))).collect();
     Ok(outcome)
+}
+
+/// What the preemption driver reads of the event loop's state.
+struct Victims<'a> {
+    jobs: &'a [Job],
+    held: &'a [Vec<Allocation>],
+    run_start: &'a [u64],
+    kept_s: &'a [u64],
+    interrupted_at: &'a HashMap<usize, Vec<u64>>,
+    running_low: &'a BTreeSet<usize>,
+}
+
+impl Victims<'_> {
+    /// The victims to evict so that job `j` fits, or `None`: candidates are
+    /// running low-priority jobs below `j`'s priority, under their daily
+    /// interruption limit, holding something on a node `j` could use; the
+    /// policy ranks their allocations; [`choose_victims`] takes the
+    /// shortest sufficient prefix and gives back what is not needed.
+    fn choose(
+        &self,
+        fleet: &Fleet,
+        ranker: &mut dyn PreemptionPolicy,
+        j: usize,
+        now: u64,
+        keep: &dyn Fn(NodeId, &crate::fleet::Node) -> bool,
+        config: &SimConfig,
+    ) -> Result<Option<Vec<usize>>, PolicyError> {
+        let job = &self.jobs[j];
+        let usable = |id: NodeId| {
+            let node = &fleet.nodes()[id as usize];
+            node.schedulable && !config.protected_partitions.contains(&node.partition) && keep(id, node) && (job.shape.gpu_count == 0 || job.shape.accepts(node.model))
+        };
+        let mut victims = Allocations::default();
+        let mut owner = Vec::new();
+        for &v in self.running_low {
+            let vj = &self.jobs[v];
+            let contract = vj.contract.unwrap_or(config.contract);
+            let recent = self.interrupted_at.get(&v).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
+            if vj.priority >= job.priority || recent >= contract.max_interruptions_per_day as usize || !self.held[v].iter().any(|a| usable(a.node)) {
+                continue;
+            }
+            let ran = now.saturating_sub(self.run_start[v]);
+            for a in &self.held[v] {
+                victims.ids.push(owner.len() as u32);
+                victims.job_ids.push(vj.id);
+                victims.node.push(a.node);
+                victims.gpus.push(a.gpus);
+                victims.gpu_milli.push(a.gpu_milli);
+                victims.cpu_milli.push(a.cpu_milli);
+                victims.memory_mib.push(a.memory_mib);
+                victims.priority.push(vj.priority);
+                victims.movable.push(1);
+                victims.gang_id.push(if vj.tasks > 1 { vj.id } else { 0 });
+                victims.state_bytes.push(0);
+                victims.remaining_s.push(vj.duration_s.saturating_sub(self.kept_s[v] + ran));
+                victims.running_s.push(ran);
+                victims.since_checkpoint_s.push(ran % contract.checkpoint_every_s.max(1));
+                owner.push(v);
+            }
+        }
+        if owner.is_empty() {
+            return Ok(None);
+        }
+        let mut task = Task::default();
+        crate::placement::fill_task(&mut task, &job.shape, TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 });
+        let order = match ranker.rank(&task, &mut victims)? {
+            Some(order) => order,
+            None => berth_sdk::default_rank(&victims),
+        };
+        let mut seen = vec![false; owner.len()];
+        let mut ranked_jobs = Vec::new();
+        let mut taken: HashSet<usize> = HashSet::new();
+        for &i in &order {
+            let i = i as usize;
+            if i >= owner.len() || std::mem::replace(&mut seen[i], true) {
+                return Err(PolicyError::InvalidOutput(format!("rank index {i} is out of range or repeated ({} victims)", owner.len())));
+            }
+            if taken.insert(owner[i]) {
+                ranked_jobs.push(owner[i]);
+            }
+        }
+        let slices: Vec<&[Allocation]> = ranked_jobs.iter().map(|&v| &self.held[v][..]).collect();
+        Ok(choose_victims(fleet, &job.shape, job.tasks, keep, &slices).map(|picked| picked.into_iter().map(|k| ranked_jobs[k]).collect()))
+    }
 }
 
 /// Places every task of `job` or none (see [`Placer::place_tasks`]), a gang
@@ -301,21 +525,20 @@ pub fn place_gang(
 }
 
 /// The earliest time enough running work will have ended for `job` to fit
-/// on the nodes `in_scope` accepts, given the running jobs' planned ends
+/// on the nodes `in_scope` accepts, given the running jobs' planned `ends`
 /// (`u64::MAX` if it never would), and the nodes to drain for it: those that
 /// will hold it then, most capacity first. Keeps a running count of the
 /// tasks that fit, updated only on the nodes each departure touches, so a
 /// reservation on 20,000 nodes costs one pass over them, not one per job.
 fn shadow_time(
     fleet: &Fleet,
-    running: &BinaryHeap<Reverse<(u64, usize)>>,
+    mut ends: Vec<(u64, usize)>,
     held: &[Vec<Allocation>],
     job: &Job,
     in_scope: &dyn Fn(&crate::fleet::Node) -> bool,
 ) -> (u64, HashSet<NodeId>) {
     let need = job.tasks;
     let room = |n: &crate::fleet::Node| if in_scope(n) { u64::from(tasks_on_node(n, &job.shape).min(need)) } else { 0 };
-    let mut ends: Vec<(u64, usize)> = running.iter().map(|Reverse(x)| *x).collect();
     ends.sort_unstable();
     let mut scratch = fleet.clone();
     let mut fitting: u64 = scratch.nodes().iter().map(room).sum();

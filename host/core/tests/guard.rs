@@ -51,7 +51,7 @@ fn jobs() -> Vec<Job> {
 fn run(guards: Guards) -> (Vec<Job>, berth_core::sim::SimOutcome) {
     let jobs = jobs();
     let mut fleet = fleet();
-    let out = simulate(&mut fleet, &jobs, &mut Spread, SimConfig { horizon_s: 24 * 3600, high_priority: 0, guards }).unwrap();
+    let out = simulate(&mut fleet, &jobs, &mut Spread, SimConfig { horizon_s: 24 * 3600, high_priority: 0, guards, ..SimConfig::default() }).unwrap();
     fleet.check_invariants().unwrap();
     (jobs, out)
 }

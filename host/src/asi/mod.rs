@@ -3,5 +3,6 @@
 //! and workload, and the event-driven replay report.
 
 pub mod fleet;
+pub mod preempt;
 pub mod report;
 pub mod workload;

@@ -183,7 +183,7 @@ pub fn run_policy(
     let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
     let mut fleet = fleet.clone();
     let started = std::time::Instant::now();
-    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone() })?;
+    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), ..SimConfig::default() })?;
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
     let mut report = summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64());
     report.accounting = account_at_end(&fleet, topo, jobs, &out);

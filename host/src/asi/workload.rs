@@ -188,6 +188,7 @@ impl WorkloadConfig {
                 models: if pinned { vec![model as u32] } else { vec![] },
             },
             partition: None,
+            contract: None,
         }
     }
 }
@@ -265,6 +266,7 @@ pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate
                     Some(p)
                 }
             },
+            contract: None,
         };
         if job.tasks == 0 {
             return Err(row.err(4, "a job needs at least one task"));

@@ -510,3 +510,17 @@ mod conv_v2 {
         d.fitting_tasks = take(&mut w.fitting_tasks);
     }
 }
+
+impl berth_core::preemption::PreemptionPolicy for WasmPolicy {
+    fn describe(&self) -> String {
+        format!("{}@{} (wasm)", self.loaded.info.name, self.loaded.info.version)
+    }
+    /// A policy without the `rank` hook has no opinion: the host's default
+    /// order applies.
+    fn rank(&mut self, demand: &Task, victims: &mut Allocations) -> Result<Option<Vec<u32>>, PolicyError> {
+        if !self.loaded.info.hooks.contains(Hooks::RANK) {
+            return Ok(None);
+        }
+        WasmPolicy::rank(self, demand, victims).map(Some)
+    }
+}

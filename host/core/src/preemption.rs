@@ -1,0 +1,161 @@
+//! Preemption: a high-priority job that cannot be placed takes capacity back
+//! from low-priority work. A policy ranks the candidate victims (the WIT
+//! `rank` hook); the core takes the shortest prefix of that ranking that
+//! really frees a feasible placement, then gives back any victim the
+//! placement turns out not to need. Victims leave under their priority
+//! contract: notice, checkpoint on notice, grace, interruptions per day.
+
+use berth_sdk::{Allocations, Task};
+
+use crate::fleet::{Allocation, Fleet, Node, NodeId};
+use crate::policy::PolicyError;
+use crate::task::TaskShape;
+
+/// Ranks candidate victims for a demand (the contract's `rank` hook).
+pub trait PreemptionPolicy {
+    /// Name and version, for logs and reports.
+    fn describe(&self) -> String;
+
+    /// Indexes into `victims`, best victim first, each at most once; a
+    /// victim left out is never taken. `Ok(None)`: no opinion, the host's
+    /// default order applies ([`berth_sdk::default_rank`]). Same column
+    /// contract as placement scoring: columns may be moved out while the
+    /// call runs but must be put back.
+    fn rank(&mut self, demand: &Task, victims: &mut Allocations) -> Result<Option<Vec<u32>>, PolicyError>;
+}
+
+/// What a low-priority job is promised when it is preempted.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PriorityContract {
+    /// Warning given before the capacity is taken back.
+    pub notice_s: u64,
+    /// Whether the job writes a checkpoint when given notice (then it loses
+    /// nothing if it vacates in time).
+    pub checkpoint_on_notice: bool,
+    /// Extra time after the notice before a forced termination.
+    pub grace_s: u64,
+    /// The job is not taken more often than this in any 24 hours.
+    pub max_interruptions_per_day: u32,
+    /// Periodic checkpoint interval: a forced or unwarned eviction loses the
+    /// work since the last one.
+    pub checkpoint_every_s: u64,
+}
+
+impl Default for PriorityContract {
+    /// 30 s notice and 30 s grace (ASI's eviction takes 13 s on average,
+    /// 48 s at p95), no checkpoint on notice, at most 3 interruptions a day,
+    /// hourly checkpoints.
+    fn default() -> Self {
+        PriorityContract { notice_s: 30, checkpoint_on_notice: false, grace_s: 30, max_interruptions_per_day: 3, checkpoint_every_s: 3600 }
+    }
+}
+
+/// How long an evicted job takes to vacate its GPUs: lognormal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvictionLatency {
+    /// Mean and standard deviation of the natural log of seconds.
+    pub mu: f64,
+    pub sigma: f64,
+}
+
+impl Default for EvictionLatency {
+    /// Fitted to ASI's figures: mean 13 s, p95 48 s (exp(mu + sigma^2 / 2)
+    /// = 13 and exp(mu + 1.645 sigma) = 48 give mu 1.666, sigma 1.341).
+    fn default() -> Self {
+        EvictionLatency { mu: 1.666, sigma: 1.341 }
+    }
+}
+
+impl EvictionLatency {
+    /// A deterministic draw for `key` (job id and interruption count), so
+    /// replays repeat without threading an RNG through the event loop.
+    pub fn sample_s(&self, key: u64) -> f64 {
+        let u1 = unit(splitmix(key));
+        let u2 = unit(splitmix(key ^ 0x5851_F42D_4C95_7F2D));
+        let normal = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        (self.mu + self.sigma * normal).exp()
+    }
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in (0, 1].
+fn unit(x: u64) -> f64 {
+    ((x >> 11) + 1) as f64 / (1u64 << 53) as f64
+}
+
+/// The victims to take for a demand of `tasks` x `shape` on the nodes
+/// `keep` accepts: walks `ranked` (victim jobs, best first, with their
+/// allocations) releasing one job at a time on a scratch copy until enough
+/// tasks fit, then puts back, last first, every victim the placement does
+/// not need. `None` when even all of them would not make room. Returns
+/// indexes into `ranked`.
+pub fn choose_victims(
+    fleet: &Fleet,
+    shape: &TaskShape,
+    tasks: u32,
+    keep: &dyn Fn(NodeId, &Node) -> bool,
+    ranked: &[&[Allocation]],
+) -> Option<Vec<usize>> {
+    let fits = |f: &Fleet| crate::sim::fitting_tasks_among(f, shape, tasks, keep) >= tasks;
+    let mut scratch = fleet.clone();
+    let mut taken = Vec::new();
+    for (k, allocs) in ranked.iter().enumerate() {
+        for a in allocs.iter() {
+            scratch.release(a).expect("a running job's allocation");
+        }
+        taken.push(k);
+        if fits(&scratch) {
+            // Never more than needed: try giving each back, last first.
+            for i in (0..taken.len()).rev() {
+                let allocs = ranked[taken[i]];
+                for a in allocs.iter() {
+                    scratch.allocate(a).expect("was held before");
+                }
+                if fits(&scratch) {
+                    taken.remove(i);
+                } else {
+                    for a in allocs.iter() {
+                        scratch.release(a).expect("just allocated");
+                    }
+                }
+            }
+            return Some(taken);
+        }
+    }
+    None
+}
+
+/// What taking one job back costs it, under its contract.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Eviction {
+    /// Seconds from the decision until its GPUs are free.
+    pub vacate_s: u64,
+    /// True when it did not vacate within notice + grace and was killed.
+    pub forced: bool,
+    /// Work seconds kept (checkpointed) of the run that is cut short.
+    pub kept_s: u64,
+    /// Work seconds of that run lost.
+    pub lost_s: u64,
+}
+
+/// The eviction of a job that has run `ran_s` seconds since it last started
+/// (from a checkpoint), vacating after `latency_s`.
+pub fn evict(contract: &PriorityContract, ran_s: u64, latency_s: f64) -> Eviction {
+    let limit = contract.notice_s + contract.grace_s;
+    let forced = latency_s > limit as f64;
+    let vacate_s = if forced { limit } else { latency_s.ceil() as u64 };
+    let worked = ran_s + vacate_s;
+    let kept_s = if !forced && contract.checkpoint_on_notice {
+        worked
+    } else {
+        let every = contract.checkpoint_every_s.max(1);
+        worked / every * every
+    };
+    Eviction { vacate_s, forced, kept_s, lost_s: worked - kept_s }
+}

@@ -1,0 +1,183 @@
+//! Preemption in the core: the victims chosen, what eviction costs them
+//! under their contract, and the event loop taking capacity back.
+
+use berth_core::preemption::{choose_victims, evict, EvictionLatency, PreemptionPolicy, PriorityContract};
+use berth_core::sim::{simulate, simulate_with, Job, SimConfig};
+use berth_core::{Allocation, Fleet, Node, PlacementPolicy, PolicyError, TaskShape};
+use berth_sdk::{Allocations, Nodes, Scores, Task};
+
+struct Pack;
+
+impl PlacementPolicy for Pack {
+    fn describe(&self) -> String {
+        "pack".into()
+    }
+    fn score(&mut self, _task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        Ok(Scores::from_scores(nodes.iter().map(|n| -f64::from(n.gpu_free_total())).collect()))
+    }
+}
+
+/// Ranks victims in the order given by a key of their columns, and records
+/// what it was shown.
+struct RankBy {
+    key: fn(&Allocations, usize) -> u64,
+    seen_priorities: Vec<u32>,
+}
+
+impl PreemptionPolicy for RankBy {
+    fn describe(&self) -> String {
+        "rank-by".into()
+    }
+    fn rank(&mut self, _demand: &Task, victims: &mut Allocations) -> Result<Option<Vec<u32>>, PolicyError> {
+        self.seen_priorities.extend(&victims.priority);
+        let mut order: Vec<u32> = (0..victims.len() as u32).collect();
+        order.sort_by_key(|&i| ((self.key)(victims, i as usize), i));
+        Ok(Some(order))
+    }
+}
+
+fn fleet(nodes: u32) -> Fleet {
+    Fleet::new(vec!["A".into()], (0..nodes).map(|i| Node::new(format!("n{i}"), Some(0), 8, 64_000, 512_000)).collect()).unwrap()
+}
+
+fn shape(gpus: u32) -> TaskShape {
+    TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000 * gpus, memory_mib: 1024, models: vec![] }
+}
+
+#[test]
+fn eviction_follows_the_contract() {
+    let c = PriorityContract { notice_s: 30, grace_s: 30, checkpoint_every_s: 600, checkpoint_on_notice: false, max_interruptions_per_day: 3 };
+    // Vacates in 10 s after 1,000 s of work: keeps the checkpoint at 600 s.
+    let e = evict(&c, 1000, 10.0);
+    assert_eq!((e.vacate_s, e.forced, e.kept_s, e.lost_s), (10, false, 600, 410));
+    // Too slow: killed at notice + grace.
+    let e = evict(&c, 1000, 500.0);
+    assert_eq!((e.vacate_s, e.forced, e.kept_s, e.lost_s), (60, true, 600, 460));
+    // Checkpointing on notice keeps everything, unless killed first.
+    let on_notice = PriorityContract { checkpoint_on_notice: true, ..c };
+    assert_eq!(evict(&on_notice, 1000, 10.0).lost_s, 0);
+    assert_eq!(evict(&on_notice, 1000, 500.0).lost_s, 460);
+}
+
+#[test]
+fn eviction_latency_matches_asi() {
+    let l = EvictionLatency::default();
+    let mut draws: Vec<f64> = (0..20_000u64).map(|k| l.sample_s(k)).collect();
+    draws.sort_by(f64::total_cmp);
+    let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+    let p95 = draws[draws.len() * 95 / 100];
+    assert!((mean - 13.0).abs() < 1.5, "mean {mean}");
+    assert!((p95 - 48.0).abs() < 5.0, "p95 {p95}");
+    assert_eq!(l.sample_s(42), l.sample_s(42));
+}
+
+#[test]
+fn victims_are_the_shortest_sufficient_prefix_and_no_more() {
+    // Two nodes; node 0 holds a 4-GPU job (a) and a 2-GPU job (b), node 1 a
+    // 6-GPU job (c). A demand for 6 GPUs on one node.
+    let mut f = fleet(2);
+    let a = [Allocation { node: 0, gpus: 0b1111, gpu_milli: 1000, cpu_milli: 4000, memory_mib: 1024 }];
+    let b = [Allocation { node: 0, gpus: 0b11_0000, gpu_milli: 1000, cpu_milli: 2000, memory_mib: 1024 }];
+    let c = [Allocation { node: 1, gpus: 0b11_1111, gpu_milli: 1000, cpu_milli: 6000, memory_mib: 1024 }];
+    for x in [&a, &b, &c] {
+        f.allocate(&x[0]).unwrap();
+    }
+    let all = |_: u32, _: &Node| true;
+    // Ranked b, c, a: b alone frees 4 on node 0 (not enough), c then frees
+    // node 1: enough, and b is given back as not needed.
+    let picked = choose_victims(&f, &shape(6), 1, &all, &[&b, &c, &a]).unwrap();
+    assert_eq!(picked, vec![1]);
+    // Ranked b, a: b alone is not enough; with a gone, b is not needed.
+    assert_eq!(choose_victims(&f, &shape(6), 1, &all, &[&b, &a]).unwrap(), vec![1]);
+    // A demand for 7 needs both on node 0 (or c and one more).
+    assert_eq!(choose_victims(&f, &shape(7), 1, &all, &[&b, &a, &c]).unwrap(), vec![0, 1]);
+    // Not enough even with everything: none.
+    assert_eq!(choose_victims(&f, &shape(8), 3, &all, &[&a, &b, &c]), None);
+    // The fleet itself is untouched.
+    assert_eq!(f.gpu_allocated_milli(), 12_000);
+}
+
+/// A low-priority stream fills the fleet; high-priority jobs arrive later.
+fn workload() -> Vec<Job> {
+    let mut jobs = Vec::new();
+    for k in 0..8u64 {
+        // Low priority: 4 GPUs each, long; two of them gangs of 2 tasks.
+        let tasks = if k < 2 { 2 } else { 1 };
+        jobs.push(Job { id: k, priority: 0, arrival_s: k, duration_s: 20 * 3600, tasks, shape: shape(4), ..Job::default() });
+    }
+    for k in 0..3u64 {
+        jobs.push(Job { id: 100 + k, priority: 10, arrival_s: 3600 + k * 600, duration_s: 3600, tasks: 1, shape: shape(8), ..Job::default() });
+    }
+    jobs
+}
+
+#[test]
+fn high_priority_takes_capacity_back_and_low_priority_resumes() {
+    let jobs = workload();
+    let config = SimConfig { horizon_s: 3 * 86_400, high_priority: 10, ..SimConfig::default() };
+    let mut f = fleet(5);
+    let without = simulate(&mut f, &jobs, &mut Pack, config.clone()).unwrap();
+    let mut f = fleet(5);
+    let mut ranker = RankBy { key: |v, i| v.running_s[i], seen_priorities: vec![] };
+    let with = simulate_with(&mut f, &jobs, &mut Pack, Some(&mut ranker), config.clone()).unwrap();
+    f.check_invariants().unwrap();
+    assert!(ranker.seen_priorities.iter().all(|&p| p == 0), "only low priority is offered as a victim");
+
+    let high: Vec<usize> = (0..jobs.len()).filter(|&i| jobs[i].priority == 10).collect();
+    for &h in &high {
+        let waited = |o: &berth_core::sim::SimOutcome| o.jobs[h].start_s.map(|s| s - jobs[h].arrival_s);
+        // Without preemption the fleet is full of 20 h jobs.
+        assert!(waited(&without).unwrap() >= 15 * 3600, "{:?}", waited(&without));
+        // With it, the job starts after its victims vacate (notice + grace at most).
+        assert!(waited(&with).unwrap() <= 60, "{:?}", waited(&with));
+    }
+    assert!(with.evictions >= 3 && with.evictions <= 6, "{} evictions", with.evictions);
+    let interrupted: Vec<usize> = (0..jobs.len()).filter(|&i| with.jobs[i].interruptions > 0).collect();
+    // A gang is evicted whole: both its tasks' GPUs come back together, and
+    // no high-priority job is ever interrupted.
+    assert!(interrupted.iter().all(|&i| jobs[i].priority == 0));
+    // Every low-priority job still finishes, later than without preemption,
+    // and lost work is what its contract allows (at most an hour per
+    // interruption, since checkpoints are hourly).
+    for i in 0..8 {
+        let (a, b) = (without.jobs[i].end_s.unwrap(), with.jobs[i].end_s.unwrap());
+        assert!(b >= a || with.jobs[i].interruptions == 0, "job {i}: {a} vs {b}");
+        let gpus = jobs[i].gpus() as f64;
+        assert!(with.jobs[i].lost_gpu_s <= f64::from(with.jobs[i].interruptions) * gpus * 3660.0);
+    }
+    assert!((with.lost_gpu_s - with.jobs.iter().map(|o| o.lost_gpu_s).sum::<f64>()).abs() < 1e-6);
+}
+
+#[test]
+fn interruptions_per_day_are_capped() {
+    let mut jobs = vec![Job { id: 1, priority: 0, duration_s: 10 * 86_400, tasks: 1, shape: shape(8), ..Job::default() }];
+    // A high-priority 8-GPU job every two hours: each needs the one node.
+    for k in 0..12u64 {
+        jobs.push(Job { id: 10 + k, priority: 10, arrival_s: 3600 + k * 7200, duration_s: 600, tasks: 1, shape: shape(8), ..Job::default() });
+    }
+    let contract = PriorityContract { max_interruptions_per_day: 2, ..PriorityContract::default() };
+    jobs[0].contract = Some(contract);
+    let config = SimConfig { horizon_s: 86_400, high_priority: 10, ..SimConfig::default() };
+    let mut f = fleet(1);
+    let mut ranker = RankBy { key: |v, i| v.since_checkpoint_s[i], seen_priorities: vec![] };
+    let out = simulate_with(&mut f, &jobs, &mut Pack, Some(&mut ranker), config).unwrap();
+    assert_eq!(out.jobs[0].interruptions, 2);
+    assert_eq!(out.evictions, 2);
+}
+
+#[test]
+fn a_ranking_that_breaks_the_contract_is_refused() {
+    struct Repeats;
+    impl PreemptionPolicy for Repeats {
+        fn describe(&self) -> String {
+            "repeats".into()
+        }
+        fn rank(&mut self, _: &Task, v: &mut Allocations) -> Result<Option<Vec<u32>>, PolicyError> {
+            Ok(Some(vec![0; v.len() + 1]))
+        }
+    }
+    let jobs = workload();
+    let config = SimConfig { horizon_s: 86_400, high_priority: 10, ..SimConfig::default() };
+    let err = simulate_with(&mut fleet(5), &jobs, &mut Pack, Some(&mut Repeats), config).unwrap_err();
+    assert!(matches!(err, PolicyError::InvalidOutput(ref m) if m.contains("repeated")), "{err}");
+}
