@@ -3,6 +3,7 @@
 
 mod asi;
 mod common;
+mod compaction;
 mod containment;
 mod equivalence;
 mod languages;
