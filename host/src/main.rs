@@ -97,6 +97,11 @@ struct ReplayArgs {
     /// places.
     #[arg(long = "preempt", requires = "fleet")]
     preempt: Vec<String>,
+    /// With --preempt: sleep-state harvesting, "SLEEP_H-WAKE_H[:SHARE]"
+    /// (hours of the simulated day; share of idle online-inference replicas,
+    /// default 0.5), e.g. 15-21 for the synthetic workload's trough.
+    #[arg(long, requires = "preempt")]
+    harvest: Option<String>,
     /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model). Omit both --nodes
     /// and --pods to replay a seeded, generated trace.
     #[arg(long, requires = "pods")]
@@ -497,7 +502,8 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         if !args.quiet {
             eprintln!("simulating {} jobs, {} runs ...", jobs.len(), rankers.len() + 2);
         }
-        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, horizon, &guards)?;
+        let harvest = args.harvest.as_deref().map(berth::asi::preempt::parse_harvest).transpose().context("--harvest")?;
+        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, horizon, &guards, harvest)?;
         print!("{}", berth::asi::preempt::table(&rows));
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "preemption": rows }))?)

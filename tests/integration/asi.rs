@@ -318,7 +318,7 @@ fn spot_gpu_loses_less_work_than_both_baselines() {
     let mut lost = [0.0f64; 3];
     for seed in 1..=3 {
         let jobs = WorkloadConfig { days: 3.0, seed, ..WorkloadConfig::default() }.generate(&fleet);
-        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, 3 * 86_400, &Guards::default()).unwrap();
+        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, 3 * 86_400, &Guards::default(), None).unwrap();
         assert_eq!(rows.len(), 5);
         let (alone, fill) = (&rows[0], &rows[1]);
         assert_eq!(alone.low_jobs, 0);
@@ -332,4 +332,43 @@ fn spot_gpu_loses_less_work_than_both_baselines() {
         }
     }
     assert!(lost[0] < lost[1] && lost[0] < lost[2], "lost GPU-hours: spot-gpu {:.1}, smallest-first {:.1}, newest-first {:.1}", lost[0], lost[1], lost[2]);
+}
+
+/// `berth replay --preempt ... --harvest ...` prints the side-by-side table
+/// and JSON; a bad trough is refused naming the flag.
+#[test]
+fn cli_preemption_table_with_harvesting() {
+    let dir = std::env::temp_dir().join(format!("berth-preempt-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("p.json");
+    let run = |harvest: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["replay", "--fleet", "asi", "--fleet-scale", "0.01", "--days", "2", "--seeds", "2", "--policy", "best-fit", "--quiet"])
+            .args(["--preempt", "spot-gpu", "--preempt", "newest-first", "--harvest", harvest])
+            .arg("--json")
+            .arg(&json)
+            .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
+            .output()
+            .unwrap()
+    };
+    let out = run("15-21:1");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for row in ["high priority only", "fill, no preemption", "fill + spot-gpu", "fill + newest-first"] {
+        assert!(text.contains(row), "{row} missing:\n{text}");
+    }
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = doc["preemption"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(rows[0]["standby_gpu_h"].as_f64().unwrap(), 0.0, "high priority alone lends nothing");
+    for r in &rows[1..] {
+        assert!(r["standby_gpu_h"].as_f64().unwrap() > 0.0, "{r}");
+        let harvested = r["harvested_pct"].as_f64().unwrap();
+        assert!((0.0..=100.0).contains(&harvested), "{r}");
+    }
+    let out = run("25-3");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--harvest") && err.contains("hour of the day"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod compaction;
 pub mod fleet;
+pub mod harvest;
 pub mod placement;
 pub mod policy;
 pub mod preemption;

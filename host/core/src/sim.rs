@@ -11,6 +11,7 @@ use berth_sdk::{Allocations, Task};
 use crate::fleet::{Allocation, Fleet, NodeId};
 use crate::placement::{Placer, TaskMeta};
 use crate::policy::{PlacementPolicy, PolicyError};
+use crate::harvest::Harvest;
 use crate::preemption::{choose_victims, evict, EvictionLatency, PreemptionPolicy, PriorityContract};
 use crate::task::TaskShape;
 
@@ -85,6 +86,16 @@ pub struct SimOutcome {
     pub evictions: u64,
     pub forced_terminations: u64,
     pub lost_gpu_s: f64,
+    /// Seconds each eviction took to vacate (ASI: 13 s mean, 48 s p95).
+    pub vacate_s: Vec<u64>,
+    /// Harvesting: GPU-seconds of sleeping replicas (standby), the part of
+    /// it low-priority work used, replicas put to sleep, borrowers evicted
+    /// to wake them, and replicas that could not wake on their GPUs.
+    pub standby_gpu_s: f64,
+    pub harvested_gpu_s: f64,
+    pub sleeps: u64,
+    pub wake_evictions: u64,
+    pub wake_failures: u64,
     /// Jobs still waiting at the end, and the work still running (planned
     /// end, allocations) — the state accounting and quotes look at.
     pub pending_at_end: Vec<usize>,
@@ -107,6 +118,8 @@ pub struct SimConfig {
     pub contract: PriorityContract,
     pub eviction: EvictionLatency,
     pub protected_partitions: BTreeSet<u32>,
+    /// Sleep-state harvesting of idle replicas in the daily trough.
+    pub harvest: Option<Harvest>,
 }
 
 /// Starvation-guard settings: fleet-wide, and per partition.
@@ -184,16 +197,7 @@ pub fn simulate_with(
     // (planned end, job); an entry whose end is not the job's planned end is
     // stale (the job was evicted) and skipped.
     let mut running: BinaryHeap<Reverse<(u64, usize)>> = BinaryHeap::new();
-    let mut planned_end: Vec<Option<u64>> = vec![None; n];
-    let mut held: Vec<Vec<Allocation>> = vec![Vec::new(); n];
-    // Preemption state: when the current run's work started, work kept
-    // across evictions, when an evicted job may run again, and evictions.
-    let mut run_start = vec![0u64; n];
-    let mut kept_s = vec![0u64; n];
-    let mut ready_at = vec![0u64; n];
-    let mut wakeups: BinaryHeap<Reverse<u64>> = BinaryHeap::new();
-    let mut interrupted_at: HashMap<usize, Vec<u64>> = HashMap::new();
-    let mut running_low: BTreeSet<usize> = BTreeSet::new();
+    let mut runs = Runs::new(n);
     let mut outcome = SimOutcome { jobs: vec![JobOutcome::default(); n], ..SimOutcome::default() };
     let mut placer = Placer::new();
     let mut now = 0u64;
@@ -203,20 +207,32 @@ pub fn simulate_with(
     let mut reservations: BTreeMap<Option<u32>, Reservation> = BTreeMap::new();
     let mut drained_by: HashMap<NodeId, Option<u32>> = HashMap::new();
     let low = |j: usize| jobs[j].priority < config.high_priority;
+    // Harvesting: sleeping replicas with the allocations they keep a claim
+    // on, the GPUs lent on each node, and the next sleep or wake.
+    let mut sleeping: BTreeMap<usize, Vec<Allocation>> = BTreeMap::new();
+    let mut lent: HashMap<NodeId, u64> = HashMap::new();
+    let mut sleeping_milli = 0u64;
+    let mut next_harvest = config.harvest.map(|h| h.next_boundary(None));
 
     loop {
         // The next event: an arrival, a departure or an evicted job ready
         // again, whichever is first.
-        while running.peek().is_some_and(|&Reverse((end, j))| planned_end[j] != Some(end)) {
+        while running.peek().is_some_and(|&Reverse((end, j))| runs.planned_end[j] != Some(end)) {
             running.pop();
         }
         let t_arrival = arrivals.get(next_arrival).map(|&i| jobs[i].arrival_s);
         let t_departure = running.peek().map(|Reverse((t, _))| *t);
-        let t_wakeup = wakeups.peek().map(|Reverse(t)| *t);
-        let Some(t) = [t_arrival, t_departure, t_wakeup].into_iter().flatten().min() else { break };
+        let t_wakeup = runs.wakeups.peek().map(|Reverse(t)| *t);
+        let t_harvest = next_harvest.map(|(t, _)| t);
+        let Some(t) = [t_arrival, t_departure, t_wakeup, t_harvest].into_iter().flatten().min() else { break };
         let t = t.min(config.horizon_s);
         let dt = (t - now) as f64;
-        outcome.utilisation.all_milli_s += fleet.gpu_allocated_milli() as f64 * dt;
+        // A sleeping replica still owns its GPUs; a borrower on them is
+        // harvest, not more allocation.
+        let borrowed = lent_in_use(fleet, &lent);
+        outcome.utilisation.all_milli_s += (fleet.gpu_allocated_milli() + sleeping_milli - borrowed) as f64 * dt;
+        outcome.harvested_gpu_s += borrowed as f64 / 1000.0 * dt;
+        outcome.standby_gpu_s += sleeping_milli as f64 / 1000.0 * dt;
         outcome.utilisation.high_milli_s += high_milli as f64 * dt;
         outcome.utilisation.seconds += dt;
         now = t;
@@ -228,21 +244,51 @@ pub fn simulate_with(
                 break;
             }
             running.pop();
-            if planned_end[j] != Some(end) {
+            if runs.planned_end[j] != Some(end) {
                 continue;
             }
-            planned_end[j] = None;
+            runs.planned_end[j] = None;
             outcome.jobs[j].end_s = Some(end);
-            running_low.remove(&j);
-            for alloc in held[j].drain(..) {
+            runs.running_low.remove(&j);
+            for alloc in runs.held[j].drain(..) {
                 fleet.release(&alloc).expect("a running job's allocations are held");
             }
             if !low(j) {
                 high_milli -= jobs[j].gpus() * u64::from(jobs[j].shape.gpu_milli);
             }
         }
-        while wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
-            wakeups.pop();
+        while runs.wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
+            runs.wakeups.pop();
+        }
+        if let (Some(h), Some((t, wake))) = (config.harvest, next_harvest)
+            && t == now
+        {
+            if wake {
+                let (queue, failed) = wake_replicas(fleet, &mut sleeping, jobs, &mut runs, now, &config, &mut outcome);
+                for &r in &failed {
+                    high_milli -= jobs[r].gpus() * u64::from(jobs[r].shape.gpu_milli);
+                }
+                pending.extend(queue.into_iter().chain(failed));
+                lent.clear();
+                sleeping_milli = 0;
+            } else {
+                let running_now: Vec<(usize, u64)> = runs.planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (j, e))).collect();
+                for (j, end) in running_now {
+                    let job = &jobs[j];
+                    // Whole-GPU replicas that will still run when it wakes.
+                    if job.class != h.class || job.shape.gpu_milli < crate::MILLI_PER_GPU || end <= now + h.trough_s() || !h.sleeps(job.id, now / 86_400) {
+                        continue;
+                    }
+                    for a in &runs.held[j] {
+                        fleet.release(a).expect("a running job's allocations are held");
+                        *lent.entry(a.node).or_default() |= a.gpus;
+                        sleeping_milli += a.gpu_milli_total();
+                    }
+                    sleeping.insert(j, runs.held[j].clone());
+                    outcome.sleeps += 1;
+                }
+            }
+            next_harvest = Some(h.next_boundary(Some(now)));
         }
         while let Some(&i) = arrivals.get(next_arrival) {
             if jobs[i].arrival_s > now {
@@ -269,11 +315,11 @@ pub fn simulate_with(
         let mut evicted = Vec::new();
         for &j in &pending {
             let job = &jobs[j];
-            if ready_at[j] > now {
+            if runs.ready_at[j] > now {
                 still_pending.push(j); // evicted, still vacating
                 continue;
             }
-            let remaining = job.duration_s.saturating_sub(kept_s[j]).max(1);
+            let remaining = job.duration_s.saturating_sub(runs.kept_s[j]).max(1);
             // Work that would still run at a reservation's time keeps off
             // the nodes drained for it; shorter work may use them.
             let avoided: Vec<Option<u32>> = reservations
@@ -287,18 +333,21 @@ pub fn simulate_with(
                 continue;
             }
             let avoided = &key.0;
+            // Lent GPUs are for low-priority work only: their owners wake.
             let keep = |id: NodeId, n: &crate::fleet::Node| {
-                job.partition.is_none_or(|p| n.partition == p) && drained_by.get(&id).is_none_or(|scope| !avoided.contains(scope))
+                job.partition.is_none_or(|p| n.partition == p)
+                    && drained_by.get(&id).is_none_or(|scope| !avoided.contains(scope))
+                    && (low(j) || !lent.contains_key(&id))
             };
             let mut placed = place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)?.map(|(a, d)| (a, d, 0));
             if placed.is_none()
                 && !low(j)
                 && let Some(ranker) = preemption.as_deref_mut()
             {
-                let victims = Victims { jobs, held: &held, run_start: &run_start, kept_s: &kept_s, interrupted_at: &interrupted_at, running_low: &running_low };
+                let victims = Victims { jobs, runs: &runs };
                 if let Some(chosen) = victims.choose(fleet, ranker, j, now, &keep, &config)? {
                     for &v in &chosen {
-                        for alloc in &held[v] {
+                        for alloc in &runs.held[v] {
                             fleet.release(alloc).expect("a running job's allocations are held");
                         }
                     }
@@ -306,29 +355,10 @@ pub fn simulate_with(
                         Some((allocs, domains)) => {
                             let mut delay = 0;
                             for v in chosen {
-                                let contract = jobs[v].contract.unwrap_or(config.contract);
-                                let times = interrupted_at.entry(v).or_default();
-                                let latency = config.eviction.sample_s(jobs[v].id.wrapping_mul(31).wrapping_add(times.len() as u64));
-                                let ev = evict(&contract, now.saturating_sub(run_start[v]), latency);
-                                times.push(now);
-                                held[v].clear();
-                                planned_end[v] = None;
-                                running_low.remove(&v);
-                                kept_s[v] = (kept_s[v] + ev.kept_s).min(jobs[v].duration_s);
-                                let gpus = jobs[v].gpus() as f64 * f64::from(jobs[v].shape.gpu_milli) / 1000.0;
-                                let o = &mut outcome.jobs[v];
-                                o.interruptions += 1;
-                                o.forced += u32::from(ev.forced);
-                                o.lost_gpu_s += gpus * ev.lost_s as f64;
-                                outcome.evictions += 1;
-                                outcome.forced_terminations += u64::from(ev.forced);
-                                outcome.lost_gpu_s += gpus * ev.lost_s as f64;
-                                delay = delay.max(ev.vacate_s);
-                                if kept_s[v] >= jobs[v].duration_s {
-                                    o.end_s = Some(now + ev.vacate_s); // it finished while leaving
-                                } else {
-                                    ready_at[v] = now + ev.vacate_s;
-                                    wakeups.push(Reverse(ready_at[v]));
+                                runs.held[v].clear(); // released above
+                                let vacate = runs.take_back(v, now, jobs, &config, &mut outcome);
+                                delay = delay.max(vacate);
+                                if runs.ready_at[v] > now {
                                     evicted.push(v);
                                 }
                             }
@@ -338,8 +368,8 @@ pub fn simulate_with(
                             // Cannot happen when enough tasks fit, but never
                             // lose the victims' places if it does.
                             for &v in &chosen {
-                                for alloc in &held[v] {
-                                    fleet.allocate(alloc).expect("was held a moment ago");
+                                for alloc in &runs.held[v] {
+                                    fleet.allocate(alloc).expect("was runs.held a moment ago");
                                 }
                             }
                         }
@@ -349,16 +379,16 @@ pub fn simulate_with(
             match placed {
                 Some((allocs, domains, delay)) => {
                     let start = now + delay;
-                    held[j] = allocs;
+                    runs.held[j] = allocs;
                     let o = &mut outcome.jobs[j];
                     o.start_s.get_or_insert(start);
                     o.domains = domains;
-                    run_start[j] = start;
+                    runs.run_start[j] = start;
                     let end = start.saturating_add(remaining);
-                    planned_end[j] = Some(end);
+                    runs.planned_end[j] = Some(end);
                     running.push(Reverse((end, j)));
                     if low(j) {
-                        running_low.insert(j);
+                        runs.running_low.insert(j);
                     } else {
                         high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
                     }
@@ -371,8 +401,8 @@ pub fn simulate_with(
                         && now - job.arrival_s >= g.reserve_after_s
                     {
                         let in_scope = |n: &crate::fleet::Node| job.partition.is_none_or(|p| n.partition == p);
-                        let ends: Vec<(u64, usize)> = planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (e, j))).collect();
-                        let (until, nodes) = shadow_time(fleet, ends, &held, job, &in_scope);
+                        let ends: Vec<(u64, usize)> = runs.planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (e, j))).collect();
+                        let (until, nodes) = shadow_time(fleet, ends, &runs.held, job, &in_scope);
                         outcome.reservations += 1;
                         for &id in &nodes {
                             drained_by.entry(id).or_insert(job.partition);
@@ -387,18 +417,150 @@ pub fn simulate_with(
     }
     outcome.end_s = now;
     outcome.pending_at_end = pending;
-    outcome.running_at_end = planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (e, j, std::mem::take(&mut held[j])))).collect();
+    // Sleeping replicas are not on the fleet now: only what runs is.
+    outcome.running_at_end = runs
+        .planned_end
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| !sleeping.contains_key(j))
+        .filter_map(|(j, e)| e.map(|e| (e, j, std::mem::take(&mut runs.held[j]))))
+        .collect();
     Ok(outcome)
+}
+
+/// Milli-GPUs in use on lent GPUs (borrowed from sleeping replicas).
+fn lent_in_use(fleet: &Fleet, lent: &HashMap<NodeId, u64>) -> u64 {
+    lent.iter()
+        .map(|(&id, &mask)| crate::fleet::gpus_of(mask).map(|g| u64::from(crate::MILLI_PER_GPU - fleet.nodes()[id as usize].gpus[g])).sum::<u64>())
+        .sum()
+}
+
+/// Wakes every sleeping replica on its own GPUs: low-priority borrowers in
+/// the way are evicted under their contracts (on a node, those holding the
+/// replica's GPUs first). A replica that still cannot fit (a borrower's CPU
+/// or memory is not enough to explain it) counts as a wake failure and
+/// queues again. Returns the evicted borrowers to queue, and the failures.
+fn wake_replicas(
+    fleet: &mut Fleet,
+    sleeping: &mut BTreeMap<usize, Vec<Allocation>>,
+    jobs: &[Job],
+    runs: &mut Runs,
+    now: u64,
+    config: &SimConfig,
+    outcome: &mut SimOutcome,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut queue = Vec::new();
+    let mut failed = Vec::new();
+    for (r, allocs) in std::mem::take(sleeping) {
+        let mut done = Vec::new();
+        let mut ok = true;
+        for a in &allocs {
+            while fleet.allocate(a).is_err() {
+                // The borrower to evict: one on this node holding these
+                // GPUs, else any on this node.
+                let on_node = |v: &usize| runs.held[*v].iter().any(|b| b.node == a.node);
+                let overlaps = |v: &usize| runs.held[*v].iter().any(|b| b.node == a.node && b.gpus & a.gpus != 0);
+                let Some(v) = runs.running_low.iter().copied().find(overlaps).or_else(|| runs.running_low.iter().copied().find(on_node)) else {
+                    ok = false;
+                    break;
+                };
+                for b in runs.held[v].drain(..) {
+                    fleet.release(&b).expect("a running job's allocations are held");
+                }
+                runs.take_back(v, now, jobs, config, outcome);
+                outcome.wake_evictions += 1;
+                if runs.ready_at[v] > now {
+                    queue.push(v);
+                }
+            }
+            if !ok {
+                break;
+            }
+            done.push(a.clone());
+        }
+        if !ok {
+            // Give back what it re-took and start it again from the queue.
+            for a in &done {
+                fleet.release(a).expect("just allocated");
+            }
+            runs.held[r].clear();
+            runs.planned_end[r] = None;
+            outcome.wake_failures += 1;
+            failed.push(r);
+        }
+    }
+    (queue, failed)
+}
+
+/// Per-job state of the event loop's runs.
+struct Runs {
+    /// Planned end of the current run; `None` when not running.
+    planned_end: Vec<Option<u64>>,
+    held: Vec<Vec<Allocation>>,
+    /// When the current run's work started (after any victims vacated).
+    run_start: Vec<u64>,
+    /// Work kept across evictions (checkpointed).
+    kept_s: Vec<u64>,
+    /// When an evicted job, vacating, may run again; and those times as
+    /// events.
+    ready_at: Vec<u64>,
+    wakeups: BinaryHeap<Reverse<u64>>,
+    /// Times each job was taken back.
+    interrupted_at: HashMap<usize, Vec<u64>>,
+    /// Running low-priority jobs: the candidate victims.
+    running_low: BTreeSet<usize>,
+}
+
+impl Runs {
+    fn new(n: usize) -> Runs {
+        Runs {
+            planned_end: vec![None; n],
+            held: vec![Vec::new(); n],
+            run_start: vec![0; n],
+            kept_s: vec![0; n],
+            ready_at: vec![0; n],
+            wakeups: BinaryHeap::new(),
+            interrupted_at: HashMap::new(),
+            running_low: BTreeSet::new(),
+        }
+    }
+
+    /// Takes running job `v` back under its contract (its allocations are
+    /// the caller's to release): records the interruption and lost work,
+    /// and queues it to resume once vacated. Returns seconds until vacated.
+    fn take_back(&mut self, v: usize, now: u64, jobs: &[Job], config: &SimConfig, outcome: &mut SimOutcome) -> u64 {
+        let job = &jobs[v];
+        let contract = job.contract.unwrap_or(config.contract);
+        let times = self.interrupted_at.entry(v).or_default();
+        let latency = config.eviction.sample_s(job.id.wrapping_mul(31).wrapping_add(times.len() as u64));
+        let ev = evict(&contract, now.saturating_sub(self.run_start[v]), latency);
+        times.push(now);
+        self.planned_end[v] = None;
+        self.running_low.remove(&v);
+        self.kept_s[v] = (self.kept_s[v] + ev.kept_s).min(job.duration_s);
+        let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0;
+        let o = &mut outcome.jobs[v];
+        o.interruptions += 1;
+        o.forced += u32::from(ev.forced);
+        o.lost_gpu_s += gpus * ev.lost_s as f64;
+        outcome.evictions += 1;
+        outcome.forced_terminations += u64::from(ev.forced);
+        outcome.lost_gpu_s += gpus * ev.lost_s as f64;
+        outcome.vacate_s.push(ev.vacate_s);
+        if self.kept_s[v] >= job.duration_s {
+            o.end_s = Some(now + ev.vacate_s); // it finished while leaving
+        } else {
+            self.ready_at[v] = now + ev.vacate_s;
+            self.wakeups.push(Reverse(self.ready_at[v]));
+        }
+        ev.vacate_s
+    }
 }
 
 /// What the preemption driver reads of the event loop's state.
 struct Victims<'a> {
     jobs: &'a [Job],
-    held: &'a [Vec<Allocation>],
-    run_start: &'a [u64],
-    kept_s: &'a [u64],
-    interrupted_at: &'a HashMap<usize, Vec<u64>>,
-    running_low: &'a BTreeSet<usize>,
+    runs: &'a Runs,
 }
 
 impl Victims<'_> {
@@ -423,15 +585,15 @@ impl Victims<'_> {
         };
         let mut victims = Allocations::default();
         let mut owner = Vec::new();
-        for &v in self.running_low {
+        for &v in &self.runs.running_low {
             let vj = &self.jobs[v];
             let contract = vj.contract.unwrap_or(config.contract);
-            let recent = self.interrupted_at.get(&v).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
-            if vj.priority >= job.priority || recent >= contract.max_interruptions_per_day as usize || !self.held[v].iter().any(|a| usable(a.node)) {
+            let recent = self.runs.interrupted_at.get(&v).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
+            if vj.priority >= job.priority || recent >= contract.max_interruptions_per_day as usize || !self.runs.held[v].iter().any(|a| usable(a.node)) {
                 continue;
             }
-            let ran = now.saturating_sub(self.run_start[v]);
-            for a in &self.held[v] {
+            let ran = now.saturating_sub(self.runs.run_start[v]);
+            for a in &self.runs.held[v] {
                 victims.ids.push(owner.len() as u32);
                 victims.job_ids.push(vj.id);
                 victims.node.push(a.node);
@@ -443,7 +605,7 @@ impl Victims<'_> {
                 victims.movable.push(1);
                 victims.gang_id.push(if vj.tasks > 1 { vj.id } else { 0 });
                 victims.state_bytes.push(0);
-                victims.remaining_s.push(vj.duration_s.saturating_sub(self.kept_s[v] + ran));
+                victims.remaining_s.push(vj.duration_s.saturating_sub(self.runs.kept_s[v] + ran));
                 victims.running_s.push(ran);
                 victims.since_checkpoint_s.push(ran % contract.checkpoint_every_s.max(1));
                 owner.push(v);
@@ -470,7 +632,7 @@ impl Victims<'_> {
                 ranked_jobs.push(owner[i]);
             }
         }
-        let slices: Vec<&[Allocation]> = ranked_jobs.iter().map(|&v| &self.held[v][..]).collect();
+        let slices: Vec<&[Allocation]> = ranked_jobs.iter().map(|&v| &self.runs.held[v][..]).collect();
         Ok(choose_victims(fleet, &job.shape, job.tasks, keep, &slices).map(|picked| picked.into_iter().map(|k| ranked_jobs[k]).collect()))
     }
 }

@@ -181,3 +181,47 @@ fn a_ranking_that_breaks_the_contract_is_refused() {
     let err = simulate_with(&mut fleet(5), &jobs, &mut Pack, Some(&mut Repeats), config).unwrap_err();
     assert!(matches!(err, PolicyError::InvalidOutput(ref m) if m.contains("repeated")), "{err}");
 }
+
+/// Two nodes held by online-inference replicas for days; low-priority work
+/// arrives all the time. With harvesting, the replicas sleep in the trough,
+/// their GPUs run the low-priority work, and at the wake the borrowers are
+/// evicted and the replicas take their own GPUs back.
+#[test]
+fn sleeping_replicas_lend_their_gpus_and_wake_on_them() {
+    use berth_core::harvest::Harvest;
+    let mut jobs = Vec::new();
+    for k in 0..2u64 {
+        jobs.push(Job { id: k, class: 0, priority: 10, arrival_s: 0, duration_s: 5 * 86_400, tasks: 1, shape: shape(8), ..Job::default() });
+    }
+    for k in 0..100u64 {
+        jobs.push(Job { id: 100 + k, class: 1, priority: 0, arrival_s: k * 1800, duration_s: 4 * 3600, tasks: 1, shape: shape(4), ..Job::default() });
+    }
+    let harvest = Harvest { class: 0, sleep_at_s: 2 * 3600, wake_at_s: 8 * 3600, share: 1.0 };
+    let config = SimConfig { horizon_s: 2 * 86_400, high_priority: 10, harvest: Some(harvest), ..SimConfig::default() };
+
+    let mut f = fleet(2);
+    let without = simulate(&mut f, &jobs, &mut Pack, SimConfig { harvest: None, ..config.clone() }).unwrap();
+    assert!(without.jobs[2..].iter().all(|o| o.start_s.is_none()), "no room without harvesting");
+
+    let mut f = fleet(2);
+    let with = simulate(&mut f, &jobs, &mut Pack, config).unwrap();
+    f.check_invariants().unwrap();
+    assert_eq!(with.sleeps, 4, "two replicas, two nights");
+    let trough_gpu_s = 2.0 * 2.0 * 8.0 * 6.0 * 3600.0;
+    assert!((with.standby_gpu_s - trough_gpu_s).abs() < 1.0, "standby {} vs {trough_gpu_s}", with.standby_gpu_s);
+    assert!(with.harvested_gpu_s > 0.5 * trough_gpu_s && with.harvested_gpu_s <= with.standby_gpu_s, "harvested {}", with.harvested_gpu_s);
+    assert!(with.wake_evictions >= 2, "{} borrowers evicted at the wakes", with.wake_evictions);
+    assert_eq!(with.wake_failures, 0);
+    assert!(with.jobs[2..].iter().any(|o| o.end_s.is_some()), "borrowers finish work");
+    // The replicas run to the end on their own GPUs, never interrupted.
+    assert_eq!(with.running_at_end.iter().filter(|(_, j, _)| *j < 2).count(), 2);
+    for (_, j, allocs) in &with.running_at_end {
+        if *j < 2 {
+            assert_eq!(allocs.len(), 1);
+            assert_eq!(allocs[0].gpus, 0xff);
+        }
+    }
+    assert!(with.jobs[..2].iter().all(|o| o.interruptions == 0));
+    // Allocation counts a sleeping replica's GPUs once, borrowed or not.
+    assert!(with.utilisation.all_milli_s <= f.gpu_total_milli() as f64 * with.utilisation.seconds + 1.0);
+}

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use berth_core::harvest::Harvest;
 use berth_core::preemption::PriorityContract;
 use berth_core::sim::{simulate_with, Guards, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
@@ -39,6 +40,15 @@ pub struct PreemptRow {
     /// Jobs interrupted at least once, and the most any one job was.
     pub jobs_interrupted: usize,
     pub max_interruptions: u32,
+    /// Seconds evictions took to vacate: mean and p95 (ASI: 13 s, 48 s).
+    pub vacate_mean_s: f64,
+    pub vacate_p95_s: u64,
+    /// Harvesting: GPU-hours of sleeping replicas, the share low-priority
+    /// work used, borrowers evicted to wake replicas, failed wakes.
+    pub standby_gpu_h: f64,
+    pub harvested_pct: f64,
+    pub wake_evictions: u64,
+    pub wake_failures: u64,
 }
 
 /// Gives each low-priority job a contract: checkpoints every 30, 60 or 120
@@ -63,6 +73,9 @@ pub fn with_contracts(jobs: &[Job]) -> Vec<Job> {
 
 /// Runs the comparison: `placement` places everything; each of `rankers`
 /// ranks victims in its own run.
+/// With `harvest`, the runs with low-priority fill also put idle replicas to
+/// sleep in the trough and lend their GPUs.
+#[allow(clippy::too_many_arguments)]
 pub fn compare(
     engine: &Arc<PolicyEngine>,
     placement: &Arc<LoadedPolicy>,
@@ -71,15 +84,18 @@ pub fn compare(
     jobs: &[Job],
     horizon_s: u64,
     guards: &Guards,
+    harvest: Option<Harvest>,
 ) -> anyhow::Result<Vec<PreemptRow>> {
     let jobs = with_contracts(jobs);
-    let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), ..SimConfig::default() };
+    let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), harvest, ..SimConfig::default() };
     let run = |jobs: &[Job], ranker: Option<&Arc<LoadedPolicy>>| -> anyhow::Result<SimOutcome> {
         let mut policy = WasmPolicy::new(engine.clone(), placement.clone(), Limits::default());
         let mut fleet = fleet.clone();
         let mut ranker = ranker.map(|r| WasmPolicy::new(engine.clone(), r.clone(), Limits::default()));
         let ranker = ranker.as_mut().map(|r| r as &mut dyn berth_core::preemption::PreemptionPolicy);
-        let out = simulate_with(&mut fleet, jobs, &mut policy, ranker, config.clone())?;
+        // High priority alone has nothing to lend to.
+        let config = if jobs.iter().all(|j| j.priority >= HIGH_PRIORITY) { SimConfig { harvest: None, ..config.clone() } } else { config.clone() };
+        let out = simulate_with(&mut fleet, jobs, &mut policy, ranker, config)?;
         fleet.check_invariants().map_err(anyhow::Error::msg)?;
         Ok(out)
     };
@@ -115,18 +131,28 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
         lost_gpu_h: out.lost_gpu_s / 3600.0,
         jobs_interrupted: out.jobs.iter().filter(|o| o.interruptions > 0).count(),
         max_interruptions: out.jobs.iter().map(|o| o.interruptions).max().unwrap_or(0),
+        vacate_mean_s: if out.vacate_s.is_empty() { 0.0 } else { out.vacate_s.iter().sum::<u64>() as f64 / out.vacate_s.len() as f64 },
+        vacate_p95_s: {
+            let mut v = out.vacate_s.clone();
+            v.sort_unstable();
+            if v.is_empty() { 0 } else { v[((0.95 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1] }
+        },
+        standby_gpu_h: out.standby_gpu_s / 3600.0,
+        harvested_pct: if out.standby_gpu_s > 0.0 { 100.0 * out.harvested_gpu_s / out.standby_gpu_s } else { 0.0 },
+        wake_evictions: out.wake_evictions,
+        wake_failures: out.wake_failures,
     }
 }
 
-/// The side-by-side table.
+/// The side-by-side table ("vacate s": mean / p95 seconds to vacate).
 pub fn table(rows: &[PreemptRow]) -> String {
     let mut s = format!(
-        "{:<26} {:>7} {:>7} {:>9} {:>9} {:>13} {:>10} {:>9} {:>7} {:>9}\n",
-        "run", "alloc%", "high%", "hi p50", "hi p99", "low done", "low compl", "evicted", "forced", "lost GPUh"
+        "{:<26} {:>7} {:>7} {:>9} {:>9} {:>13} {:>10} {:>9} {:>7} {:>9} {:>11} {:>9} {:>10}\n",
+        "run", "alloc%", "high%", "hi p50", "hi p99", "low done", "low compl", "evicted", "forced", "lost GPUh", "vacate s", "standby", "harvested"
     );
     for r in rows {
         s += &format!(
-            "{:<26} {:>7.1} {:>7.1} {:>8.1}h {:>8.1}h {:>6}/{:<6} {:>9.1}h {:>9} {:>7} {:>9.1}\n",
+            "{:<26} {:>7.1} {:>7.1} {:>8.1}h {:>8.1}h {:>6}/{:<6} {:>9.1}h {:>9} {:>7} {:>9.1} {:>5.0}/{:<5} {:>8.0}h {:>9.1}%\n",
             r.run,
             r.allocation_pct,
             r.high_priority_allocation_pct,
@@ -137,8 +163,31 @@ pub fn table(rows: &[PreemptRow]) -> String {
             r.low_completion_mean_h,
             r.evictions,
             r.forced_terminations,
-            r.lost_gpu_h
+            r.lost_gpu_h,
+            r.vacate_mean_s,
+            r.vacate_p95_s,
+            r.standby_gpu_h,
+            r.harvested_pct
         );
     }
     s
+}
+
+/// Parses "SLEEP_H-WAKE_H[:SHARE]" for the online-inference class.
+pub fn parse_harvest(text: &str) -> anyhow::Result<Harvest> {
+    let (hours, share) = text.split_once(':').map_or((text, None), |(h, s)| (h, Some(s)));
+    let (sleep, wake) = hours.split_once('-').ok_or_else(|| anyhow::anyhow!("{text:?}: want SLEEP_H-WAKE_H[:SHARE], e.g. 15-21:0.5"))?;
+    let hour = |h: &str| -> anyhow::Result<u64> {
+        let v: f64 = h.trim().parse().map_err(|_| anyhow::anyhow!("{h:?} is not an hour of the day"))?;
+        anyhow::ensure!((0.0..24.0).contains(&v), "{v} is not an hour of the day (0 to 24)");
+        Ok((v * 3600.0) as u64)
+    };
+    let share: f64 = match share {
+        Some(s) => s.trim().parse().map_err(|_| anyhow::anyhow!("share {s:?} is not a number"))?,
+        None => 0.5,
+    };
+    anyhow::ensure!((0.0..=1.0).contains(&share), "share {share} must be in [0, 1]");
+    let (sleep_at_s, wake_at_s) = (hour(sleep)?, hour(wake)?);
+    anyhow::ensure!(sleep_at_s != wake_at_s, "sleep and wake at the same hour");
+    Ok(Harvest { class: 0, sleep_at_s, wake_at_s, share })
 }
