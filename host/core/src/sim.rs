@@ -213,6 +213,8 @@ pub fn simulate_with(
     let mut lent: HashMap<NodeId, u64> = HashMap::new();
     let mut sleeping_milli = 0u64;
     let mut next_harvest = config.harvest.map(|h| h.next_boundary(None));
+    // Jobs that joined the queue since the last pass.
+    let mut fresh = vec![false; n];
 
     loop {
         // The next event: an arrival, a departure or an evicted job ready
@@ -239,6 +241,10 @@ pub fn simulate_with(
         if now >= config.horizon_s {
             break;
         }
+        // Whether capacity was freed (or constraints relaxed) since the last
+        // pass: if not, only jobs new to the queue can start, and the rest
+        // are not tried again (they did not fit, and nothing has changed).
+        let mut freed = outcome.passes == 0;
         while let Some(&Reverse((end, j))) = running.peek() {
             if end > now {
                 break;
@@ -249,6 +255,7 @@ pub fn simulate_with(
             }
             runs.planned_end[j] = None;
             outcome.jobs[j].end_s = Some(end);
+            freed = true;
             runs.running_low.remove(&j);
             for alloc in runs.held[j].drain(..) {
                 fleet.release(&alloc).expect("a running job's allocations are held");
@@ -263,6 +270,7 @@ pub fn simulate_with(
         if let (Some(h), Some((t, wake))) = (config.harvest, next_harvest)
             && t == now
         {
+            freed = true;
             if wake {
                 let (queue, failed) = wake_replicas(fleet, &mut sleeping, jobs, &mut runs, now, &config, &mut outcome);
                 for &r in &failed {
@@ -295,6 +303,7 @@ pub fn simulate_with(
                 break;
             }
             pending.push(i);
+            fresh[i] = true;
             next_arrival += 1;
         }
         let effective = |i: usize| {
@@ -306,8 +315,10 @@ pub fn simulate_with(
         outcome.passes += 1;
         // A reservation whose job started, or whose estimate passed, is
         // dropped and planned again.
+        let before = reservations.len();
         reservations.retain(|_, r| outcome.jobs[r.job].start_s.is_none() && now < r.until);
         drained_by.retain(|_, scope| reservations.contains_key(scope));
+        freed |= reservations.len() != before;
         // Shapes that did not fit this pass under the same constraints: not
         // retried until the next event.
         let mut failed: HashSet<(Vec<Option<u32>>, Option<u32>, u32, &TaskShape)> = HashSet::new();
@@ -315,8 +326,9 @@ pub fn simulate_with(
         let mut evicted = Vec::new();
         for &j in &pending {
             let job = &jobs[j];
-            if runs.ready_at[j] > now {
-                still_pending.push(j); // evicted, still vacating
+            let new_here = std::mem::take(&mut fresh[j]) || (runs.ready_at[j] == now && now > 0);
+            if runs.ready_at[j] > now || !(freed || new_here) {
+                still_pending.push(j); // evicted and still vacating, or tried already
                 continue;
             }
             let remaining = job.duration_s.saturating_sub(runs.kept_s[j]).max(1);
