@@ -97,6 +97,13 @@ struct ReplayArgs {
     /// places.
     #[arg(long = "preempt", requires = "fleet")]
     preempt: Vec<String>,
+    /// Compaction for --fleet: run this compaction policy (e.g. ipc) every
+    /// period over every partition, configured by --compact-config (TOML of
+    /// the compaction settings, e.g. period_s, min_residence_s).
+    #[arg(long, requires = "fleet")]
+    compact: Option<String>,
+    #[arg(long, requires = "compact")]
+    compact_config: Option<PathBuf>,
     /// With --preempt: sleep-state harvesting, "SLEEP_H-WAKE_H[:SHARE]"
     /// (hours of the simulated day; share of idle online-inference replicas,
     /// default 0.5), e.g. 15-21 for the synthetic workload's trough.
@@ -512,6 +519,20 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         return Ok(());
     }
     let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
+    let compaction = match &args.compact {
+        Some(spec) => {
+            let path = catalog::resolve(spec)?;
+            let planner = LoadedPolicy::from_file(&engine, &path).with_context(|| format!("loading {}", path.display()))?;
+            let config: berth_core::compaction::CompactionConfig = match &args.compact_config {
+                Some(p) => toml::from_str(&std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
+                    .with_context(|| format!("compaction config {}", p.display()))?,
+                None => Default::default(),
+            };
+            config.check().map_err(anyhow::Error::msg).context("compaction config")?;
+            Some((planner, config))
+        }
+        None => None,
+    };
     let mut reports = Vec::new();
     for spec in &args.policies {
         let path = catalog::resolve(spec)?;
@@ -519,7 +540,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         if !args.quiet {
             eprintln!("simulating {} jobs with {} ...", jobs.len(), loaded.info.name);
         }
-        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref())?);
+        reports.push(asi_report::run_policy_with(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref())?);
     }
     print!("{}", asi_report::table(&reports));
     if accounting || request.is_some() {

@@ -372,3 +372,28 @@ fn cli_preemption_table_with_harvesting() {
     assert!(err.contains("--harvest") && err.contains("hour of the day"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Compaction as a periodic step of the event loop: the wasm IPC policy
+/// runs every period over every partition, moves stay consistent with the
+/// fleet (checked by the run), and the ledger is reported.
+#[test]
+fn periodic_compaction_in_event_replay() {
+    let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.02).build().unwrap();
+    let jobs = WorkloadConfig { days: 2.0, seed: 4, ..WorkloadConfig::default() }.generate(&fleet);
+    let config = berth_core::compaction::CompactionConfig { period_s: 1800, ..Default::default() };
+    let planner = (load(&policy_path("ipc")), config);
+    let policy = load(&policy_path("best-fit"));
+    let horizon = 2 * 86_400;
+    let with = berth::asi::report::run_policy_with(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, Some(&planner)).unwrap();
+    let ledger = with.compaction.clone().expect("a ledger");
+    let partitions = fleet.nodes().iter().map(|n| n.partition).max().unwrap() as u64 + 1;
+    assert!(ledger.steps >= partitions * (horizon / 1800 - 2), "{} steps", ledger.steps);
+    assert!(ledger.moves_run > 0, "IPC moved nothing in two days: {ledger:?}");
+    assert_eq!(ledger.plans_rejected, 0, "{:?}", ledger.rejections);
+    assert!(ledger.bytes_moved() > 0);
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None).unwrap();
+    assert!(without.compaction.is_none());
+    assert_eq!(with.jobs, without.jobs);
+    let table = berth::asi::report::table(&[without, with]);
+    assert!(table.contains("compaction: steps") && table.contains("moves run"), "{table}");
+}

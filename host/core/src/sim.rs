@@ -11,6 +11,7 @@ use berth_sdk::{Allocations, Task};
 use crate::fleet::{Allocation, Fleet, NodeId};
 use crate::placement::{Placer, TaskMeta};
 use crate::policy::{PlacementPolicy, PolicyError};
+use crate::compaction::{CompactionConfig, CompactionPolicy, CompactionState, Ledger};
 use crate::harvest::Harvest;
 use crate::preemption::{choose_victims, evict, EvictionLatency, PreemptionPolicy, PriorityContract};
 use crate::task::TaskShape;
@@ -96,6 +97,8 @@ pub struct SimOutcome {
     pub sleeps: u64,
     pub wake_evictions: u64,
     pub wake_failures: u64,
+    /// Compaction's migration ledger, summed over its steps.
+    pub compaction: Ledger,
     /// Jobs still waiting at the end, and the work still running (planned
     /// end, allocations) — the state accounting and quotes look at.
     pub pending_at_end: Vec<usize>,
@@ -171,24 +174,31 @@ pub struct StarvationGuard {
 /// starts every job that fits; a shape that did not fit is not retried in the
 /// same pass. No preemption: see [`simulate_with`].
 pub fn simulate(fleet: &mut Fleet, jobs: &[Job], policy: &mut dyn PlacementPolicy, config: SimConfig) -> Result<SimOutcome, PolicyError> {
-    simulate_with(fleet, jobs, policy, None, config)
+    simulate_with(fleet, jobs, Deciders { placement: policy, preemption: None, compaction: None }, config)
+}
+
+/// The policies a simulation asks: placement always; preemption ranking
+/// and compaction planning when those mechanisms are on.
+pub struct Deciders<'a> {
+    pub placement: &'a mut dyn PlacementPolicy,
+    pub preemption: Option<&'a mut dyn PreemptionPolicy>,
+    /// Runs every `config.period_s` over every partition.
+    pub compaction: Option<(&'a mut dyn CompactionPolicy, CompactionConfig)>,
 }
 
 /// [`simulate`] where a high-priority job that cannot be placed may take
-/// capacity back from low-priority work, victims ranked by `preemption`
-/// (see [`crate::preemption`]). An evicted job goes back to the queue once
-/// it has vacated and resumes from what it kept (its last checkpoint).
+/// capacity back from low-priority work, victims ranked by the preemption
+/// policy (see [`crate::preemption`]), and where compaction runs
+/// periodically (see [`crate::compaction`]). An evicted job goes back to
+/// the queue once it has vacated and resumes from what it kept.
 ///
 /// Timing model: the capacity changes hands at the decision; the demand's
 /// work starts when its slowest victim has vacated (notice, then the
 /// eviction latency, capped by notice + grace).
-pub fn simulate_with(
-    fleet: &mut Fleet,
-    jobs: &[Job],
-    policy: &mut dyn PlacementPolicy,
-    mut preemption: Option<&mut dyn PreemptionPolicy>,
-    config: SimConfig,
-) -> Result<SimOutcome, PolicyError> {
+pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: SimConfig) -> Result<SimOutcome, PolicyError> {
+    let Deciders { placement: policy, mut preemption, mut compaction } = deciders;
+    let mut compaction_state = CompactionState::default();
+    let mut next_compaction = compaction.as_ref().map(|(_, c)| c.period_s.max(1));
     let n = jobs.len();
     let mut arrivals: Vec<usize> = (0..n).collect();
     arrivals.sort_by_key(|&i| (jobs[i].arrival_s, jobs[i].id));
@@ -226,7 +236,10 @@ pub fn simulate_with(
         let t_departure = running.peek().map(|Reverse((t, _))| *t);
         let t_wakeup = runs.wakeups.peek().map(|Reverse(t)| *t);
         let t_harvest = next_harvest.map(|(t, _)| t);
-        let Some(t) = [t_arrival, t_departure, t_wakeup, t_harvest].into_iter().flatten().min() else { break };
+        // Compaction ticks only while something runs or waits.
+        let busy = t_arrival.is_some() || t_departure.is_some() || t_wakeup.is_some();
+        let t_compaction = next_compaction.filter(|_| busy);
+        let Some(t) = [t_arrival, t_departure, t_wakeup, t_harvest, t_compaction].into_iter().flatten().min() else { break };
         let t = t.min(config.horizon_s);
         let dt = (t - now) as f64;
         // A sleeping replica still owns its GPUs; a borrower on them is
@@ -315,6 +328,18 @@ pub fn simulate_with(
         outcome.passes += 1;
         // A reservation whose job started, or whose estimate passed, is
         // dropped and planned again.
+        if let (Some((planner, cc)), Some(t)) = (compaction.as_mut(), next_compaction)
+            && t == now
+        {
+            // Sleeping replicas are off the fleet: not movable.
+            let running_now: Vec<(u64, usize)> =
+                runs.planned_end.iter().enumerate().filter(|(j, _)| !sleeping.contains_key(j)).filter_map(|(j, e)| e.map(|e| (e, j))).collect();
+            let step = crate::compaction::step_jobs(fleet, jobs, &mut runs.held, &running_now, &pending, *planner, cc, &mut compaction_state, now)
+                .map_err(|e| PolicyError::InvalidOutput(e.to_string()))?;
+            freed |= !step.applied.is_empty();
+            outcome.compaction.add(&step.ledger);
+            next_compaction = Some(now + cc.period_s.max(1));
+        }
         let before = reservations.len();
         reservations.retain(|_, r| outcome.jobs[r.job].start_s.is_none() && now < r.until);
         drained_by.retain(|_, scope| reservations.contains_key(scope));

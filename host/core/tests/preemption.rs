@@ -2,7 +2,7 @@
 //! under their contract, and the event loop taking capacity back.
 
 use berth_core::preemption::{choose_victims, evict, EvictionLatency, PreemptionPolicy, PriorityContract};
-use berth_core::sim::{simulate, simulate_with, Job, SimConfig};
+use berth_core::sim::{simulate, simulate_with, Deciders, Job, SimConfig};
 use berth_core::{Allocation, Fleet, Node, PlacementPolicy, PolicyError, TaskShape};
 use berth_sdk::{Allocations, Nodes, Scores, Task};
 
@@ -119,7 +119,7 @@ fn high_priority_takes_capacity_back_and_low_priority_resumes() {
     let without = simulate(&mut f, &jobs, &mut Pack, config.clone()).unwrap();
     let mut f = fleet(5);
     let mut ranker = RankBy { key: |v, i| v.running_s[i], seen_priorities: vec![] };
-    let with = simulate_with(&mut f, &jobs, &mut Pack, Some(&mut ranker), config.clone()).unwrap();
+    let with = simulate_with(&mut f, &jobs, Deciders { placement: &mut Pack, preemption: Some(&mut ranker), compaction: None }, config.clone()).unwrap();
     f.check_invariants().unwrap();
     assert!(ranker.seen_priorities.iter().all(|&p| p == 0), "only low priority is offered as a victim");
 
@@ -160,7 +160,7 @@ fn interruptions_per_day_are_capped() {
     let config = SimConfig { horizon_s: 86_400, high_priority: 10, ..SimConfig::default() };
     let mut f = fleet(1);
     let mut ranker = RankBy { key: |v, i| v.since_checkpoint_s[i], seen_priorities: vec![] };
-    let out = simulate_with(&mut f, &jobs, &mut Pack, Some(&mut ranker), config).unwrap();
+    let out = simulate_with(&mut f, &jobs, Deciders { placement: &mut Pack, preemption: Some(&mut ranker), compaction: None }, config).unwrap();
     assert_eq!(out.jobs[0].interruptions, 2);
     assert_eq!(out.evictions, 2);
 }
@@ -178,7 +178,7 @@ fn a_ranking_that_breaks_the_contract_is_refused() {
     }
     let jobs = workload();
     let config = SimConfig { horizon_s: 86_400, high_priority: 10, ..SimConfig::default() };
-    let err = simulate_with(&mut fleet(5), &jobs, &mut Pack, Some(&mut Repeats), config).unwrap_err();
+    let err = simulate_with(&mut fleet(5), &jobs, Deciders { placement: &mut Pack, preemption: Some(&mut Repeats), compaction: None }, config).unwrap_err();
     assert!(matches!(err, PolicyError::InvalidOutput(ref m) if m.contains("repeated")), "{err}");
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use berth_core::harvest::Harvest;
 use berth_core::preemption::PriorityContract;
-use berth_core::sim::{simulate_with, Guards, Job, SimConfig, SimOutcome};
+use berth_core::sim::{simulate_with, Deciders, Guards, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
 use serde::Serialize;
 
@@ -95,7 +95,7 @@ pub fn compare(
         let ranker = ranker.as_mut().map(|r| r as &mut dyn berth_core::preemption::PreemptionPolicy);
         // High priority alone has nothing to lend to.
         let config = if jobs.iter().all(|j| j.priority >= HIGH_PRIORITY) { SimConfig { harvest: None, ..config.clone() } } else { config.clone() };
-        let out = simulate_with(&mut fleet, jobs, &mut policy, ranker, config)?;
+        let out = simulate_with(&mut fleet, jobs, Deciders { placement: &mut policy, preemption: ranker, compaction: None }, config)?;
         fleet.check_invariants().map_err(anyhow::Error::msg)?;
         Ok(out)
     };

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use berth_core::accounting::{account, quote, Accounting, PendingShape, Quote};
-use berth_core::sim::{simulate, Guards, Job, SimConfig, SimOutcome};
+use berth_core::compaction::{CompactionConfig, CompactionPolicy, Ledger};
+use berth_core::sim::{simulate_with, Deciders, Guards, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
 use serde::Serialize;
 
@@ -58,6 +59,8 @@ pub struct EventReport {
     pub accounting: Accounting,
     /// The quote for the requested shape at the end of the run, if any.
     pub quote: Option<Quote>,
+    /// Compaction's ledger, when it ran.
+    pub compaction: Option<Ledger>,
     pub placement_calls: u64,
     /// Wall time of the simulation, s (informational).
     pub wall_s: f64,
@@ -134,6 +137,7 @@ pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out
         reservations: out.reservations,
         accounting: Accounting::default(),
         quote: None,
+        compaction: None,
         placement_calls: out.placements,
         wall_s,
     }
@@ -170,6 +174,7 @@ pub fn account_at_end(fleet: &Fleet, topo: &Topology, jobs: &[Job], out: &SimOut
 }
 
 /// Simulates `jobs` on a fresh copy of `fleet` with one wasm policy.
+#[allow(clippy::too_many_arguments)]
 pub fn run_policy(
     engine: &Arc<PolicyEngine>,
     loaded: &Arc<LoadedPolicy>,
@@ -180,13 +185,37 @@ pub fn run_policy(
     guards: &Guards,
     request: Option<&(PendingShape, Option<u64>)>,
 ) -> anyhow::Result<EventReport> {
+    run_policy_with(engine, loaded, fleet, topo, jobs, horizon_s, guards, request, None)
+}
+
+/// [`run_policy`] with periodic compaction by a wasm compaction policy.
+#[allow(clippy::too_many_arguments)]
+pub fn run_policy_with(
+    engine: &Arc<PolicyEngine>,
+    loaded: &Arc<LoadedPolicy>,
+    fleet: &Fleet,
+    topo: &Topology,
+    jobs: &[Job],
+    horizon_s: u64,
+    guards: &Guards,
+    request: Option<&(PendingShape, Option<u64>)>,
+    compaction: Option<&(Arc<LoadedPolicy>, CompactionConfig)>,
+) -> anyhow::Result<EventReport> {
     let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
+    let mut planner = compaction.map(|(p, _)| WasmPolicy::new(engine.clone(), p.clone(), Limits::default()));
     let mut fleet = fleet.clone();
     let started = std::time::Instant::now();
-    let out = simulate(&mut fleet, jobs, &mut policy, SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), ..SimConfig::default() })?;
+    let deciders = Deciders {
+        placement: &mut policy,
+        preemption: None,
+        compaction: planner.as_mut().zip(compaction).map(|(p, (_, c))| (p as &mut dyn CompactionPolicy, c.clone())),
+    };
+    let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), ..SimConfig::default() };
+    let out = simulate_with(&mut fleet, jobs, deciders, config)?;
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
     let mut report = summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64());
     report.accounting = account_at_end(&fleet, topo, jobs, &out);
+    report.compaction = compaction.map(|_| out.compaction.clone());
     if let Some((request, deadline)) = request {
         let running: Vec<(u64, Vec<berth_core::Allocation>)> = out.running_at_end.iter().map(|(e, _, a)| (*e, a.clone())).collect();
         report.quote = Some(quote(&fleet, request, &running, out.end_s, *deadline));
@@ -228,9 +257,28 @@ pub fn table(reports: &[EventReport]) -> String {
     out.push_str(&row("gangs >=256 GPUs: started/arrived", &|r| format!("{}/{}", r.largest_gangs_started, r.largest_gangs)));
     out.push_str(&row("  wait p99 / max", &|r| format!("{}/{}", hours(r.largest_gang_wait_p99_s), hours(r.largest_gang_wait_max_s))));
     out.push_str(&row("reservations", &|r| r.reservations.to_string()));
+    if reports.iter().any(|r| r.compaction.is_some()) {
+        out.push_str(&row("compaction: steps (active)", &|r| ledger_cell(r, |l| format!("{} ({})", l.steps, l.steps - l.steps_idle))));
+        out.push_str(&row("  moves run / rolled back", &|r| ledger_cell(r, |l| format!("{} / {}", l.moves_run, l.moves_rolled_back))));
+        out.push_str(&row("  chains run / skipped", &|r| ledger_cell(r, |l| format!("{} / {}", l.chains_run, l.chains_skipped))));
+        out.push_str(&row("  whole nodes gained (sum)", &|r| ledger_cell(r, |l| l.whole_nodes_gained.to_string())));
+        out.push_str(&row("  TB moved (switch/agg/cross)", &|r| {
+            ledger_cell(r, |l| {
+                let tb = |b: u64| b as f64 / 1e12;
+                format!("{:.1}/{:.1}/{:.1}", tb(l.bytes_same_switch), tb(l.bytes_same_aggregation), tb(l.bytes_cross_aggregation))
+            })
+        }));
+        out.push_str(&row("  pause s / overlap GPU-h", &|r| ledger_cell(r, |l| format!("{:.0} / {:.1}", l.pause_s, l.overlap_gpu_s / 3600.0))));
+        out.push_str(&row("  plans rejected", &|r| ledger_cell(r, |l| l.plans_rejected.to_string())));
+    }
     out.push_str(&row("placement calls", &|r| r.placement_calls.to_string()));
     out.push_str(&row("wall time", &|r| format!("{:.1} s", r.wall_s)));
     out
+}
+
+/// A ledger figure of a report, or "-" without compaction.
+fn ledger_cell(r: &EventReport, f: impl Fn(&Ledger) -> String) -> String {
+    r.compaction.as_ref().map_or("-".to_string(), f)
 }
 
 /// The accounting tables of one report: denominators per model and in
