@@ -102,7 +102,7 @@ fn the_exact_optimum_is_never_below_the_heuristic() {
         let (fleet, running) = fragmented(10, 100 + seed);
         let nodes: Vec<NodeId> = compaction::partition_nodes(&fleet, None);
         let config = CompactionConfig { speculative_value: 1.0, payback_margin: 0.0, ..always_on() };
-        let exact = milp::solve(&fleet, &nodes, &running, &config, 0, Duration::from_secs(120)).unwrap();
+        let exact = milp::solve(&fleet, &nodes, &running, None, &config, 0, Duration::from_secs(120)).unwrap();
         let (mut f, mut r) = (fleet.clone(), running.clone());
         let mut native = berth::native::NativePolicy::<berth_policy_ipc::Ipc>::default();
         let mut active = false;

@@ -129,8 +129,8 @@ impl Default for CompactionConfig {
         CompactionConfig {
             period_s: 3600,
             min_residence_s: 4 * 3600,
-            start_partial_pct: 10.0,
-            stop_partial_pct: 5.0,
+            start_partial_pct: 5.0,
+            stop_partial_pct: 2.5,
             payback_margin: 1.5,
             speculative_value: 0.25,
             benefit_horizon_s: 24 * 3600,
@@ -352,9 +352,12 @@ pub fn partition_nodes(fleet: &Fleet, partition: Option<u32>) -> Vec<NodeId> {
 /// Allocation ids are the [`Running::id`]s; node ids are fleet node ids.
 pub fn snapshot(fleet: &Fleet, nodes: &[NodeId], running: &[Running], pending: &[Wanted], config: &CompactionConfig, now: u64) -> Snapshot {
     let mut n = Nodes { models: fleet.models.clone(), ..Nodes::default() };
-    let inside: HashSet<NodeId> = nodes.iter().copied().collect();
+    let mut inside: HashSet<NodeId> = HashSet::with_capacity(nodes.len());
     for &id in nodes {
-        let Some(node) = fleet.node(id) else { continue };
+        // Unschedulable nodes take nothing, so the policy does not see them
+        // (nor the work on them, which compaction leaves alone).
+        let Some(node) = fleet.node(id).filter(|n| n.schedulable) else { continue };
+        inside.insert(id);
         n.push(
             id,
             node.model.unwrap_or(u32::MAX),

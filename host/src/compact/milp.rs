@@ -47,7 +47,18 @@ pub struct Gap {
 }
 
 /// Solves the partition `nodes` exactly (at most [`MAX_NODES`] nodes).
-pub fn solve(fleet: &Fleet, nodes: &[NodeId], running: &[Running], config: &CompactionConfig, now: u64, time_limit: Duration) -> anyhow::Result<Gap> {
+/// `warm`: an end state to start from (the heuristic's `running` after its
+/// moves, same ids), so that a time limit returns at least as good an end
+/// state; `None` starts from the current placement.
+pub fn solve(
+    fleet: &Fleet,
+    nodes: &[NodeId],
+    running: &[Running],
+    warm_state: Option<&[Running]>,
+    config: &CompactionConfig,
+    now: u64,
+    time_limit: Duration,
+) -> anyhow::Result<Gap> {
     anyhow::ensure!(nodes.len() <= MAX_NODES, "the exact solver takes at most {MAX_NODES} nodes, the partition has {}", nodes.len());
     let started = Instant::now();
     // Schedulable GPU nodes take part; work elsewhere stays and is ignored.
@@ -55,14 +66,23 @@ pub fn solve(fleet: &Fleet, nodes: &[NodeId], running: &[Running], config: &Comp
     let pos = |id: NodeId| ks.iter().position(|&k| k == id);
     let allocs: Vec<&Running> = running.iter().filter(|r| pos(r.node).is_some()).collect();
     let idle_before = ks.iter().filter(|&&k| fleet.node(k).is_some_and(|n| n.is_idle())).count() as u64;
+    // Where each allocation starts in the warm start (node, GPU mask).
+    let start: Vec<(NodeId, u64)> = allocs
+        .iter()
+        .map(|r| warm_state.and_then(|w| w.iter().find(|x| x.id == r.id)).map_or((r.node, r.gpus), |x| (x.node, x.gpus)))
+        .collect();
+    let start_ok = start.iter().all(|&(n, _)| pos(n).is_some());
+    let start: Vec<(NodeId, u64)> = if start_ok { start } else { allocs.iter().map(|r| (r.node, r.gpus)).collect() };
     let mut vars = variables!();
     let mut warm: Vec<(Variable, f64)> = Vec::new();
     let mut count = 0usize;
     // x[a] = list of (node position, var); s[a] = (node position, gpu, var).
     let mut x: Vec<Vec<(usize, Variable)>> = Vec::with_capacity(allocs.len());
     let mut s: Vec<Vec<(usize, usize, Variable)>> = Vec::with_capacity(allocs.len());
-    for r in &allocs {
+    for (ai, r) in allocs.iter().enumerate() {
         let cur = pos(r.node).expect("filtered");
+        let (wnode, wmask) = start[ai];
+        let wk = pos(wnode).expect("checked");
         let src = fleet.node(r.node).expect("in fleet");
         let gpus = r.gpus.count_ones() as usize;
         let shared = gpus == 1 && r.gpu_milli < 1000;
@@ -70,7 +90,7 @@ pub fn solve(fleet: &Fleet, nodes: &[NodeId], running: &[Running], config: &Comp
         let mut ss = Vec::new();
         for (i, &k) in ks.iter().enumerate() {
             let n = fleet.node(k).expect("in fleet");
-            let allowed = if i == cur {
+            let allowed = if i == cur || i == wk {
                 true
             } else {
                 r.may_move(config, now)
@@ -85,13 +105,13 @@ pub fn solve(fleet: &Fleet, nodes: &[NodeId], running: &[Running], config: &Comp
             }
             let v = vars.add(variable().binary());
             count += 1;
-            warm.push((v, if i == cur { 1.0 } else { 0.0 }));
+            warm.push((v, if i == wk { 1.0 } else { 0.0 }));
             xs.push((i, v));
             if shared {
                 for g in 0..n.gpus.len() {
                     let sv = vars.add(variable().binary());
                     count += 1;
-                    let here = i == cur && r.gpus & (1 << g) != 0;
+                    let here = i == wk && wmask & (1 << g) != 0;
                     warm.push((sv, if here { 1.0 } else { 0.0 }));
                     ss.push((i, g, sv));
                 }
@@ -109,14 +129,15 @@ pub fn solve(fleet: &Fleet, nodes: &[NodeId], running: &[Running], config: &Comp
         for g in 0..n.gpus.len() {
             let v = vars.add(variable().binary());
             count += 1;
-            let whole_here = allocs.iter().any(|r| r.node == k && r.gpu_milli >= 1000 && r.gpus & (1 << g) != 0);
+            let whole_here = allocs.iter().zip(&start).any(|(r, &(n, m))| n == k && r.gpu_milli >= 1000 && m & (1 << g) != 0);
             warm.push((v, if whole_here { 1.0 } else { 0.0 }));
             row.push(v);
         }
         w.push(row);
         let v = vars.add(variable().binary());
         count += 1;
-        warm.push((v, if n.is_idle() { 1.0 } else { 0.0 }));
+        let empty = !start.iter().any(|&(node, _)| node == k);
+        warm.push((v, if empty { 1.0 } else { 0.0 }));
         y.push(v);
     }
     let big = (allocs.len() + 1) as f64;

@@ -441,21 +441,23 @@ pub fn run(engine: &Arc<PolicyEngine>, path: &Path, opts: &CompactOptions) -> an
     for p in partitions {
         let nodes = compaction::partition_nodes(&fleet, Some(p));
         let pending: Vec<Wanted> = file.pending.clone();
-        let exact = if opts.exact && nodes.len() <= milp::MAX_NODES {
-            Some(milp::solve(&fleet, &nodes, &running, &config, file.now_s, opts.exact_time_limit)?)
-        } else {
-            None
-        };
+        let before = (opts.exact && nodes.len() <= milp::MAX_NODES).then(|| (fleet.clone(), running.clone()));
         let mut timed = Timed { inner: policy.as_mut(), elapsed: Duration::ZERO, calls: 0 };
         let mut active = true;
         let out = compaction::step(&mut fleet, &nodes, &mut running, &pending, &mut timed, &config, &mut active, &mut SimulatedActuator, file.now_s)?;
         let l = &out.ledger;
         let (_, _, gpu_nodes) = compaction::occupancy(&fleet, &nodes);
-        let exact = exact.map(|mut e| {
-            e.heuristic_idle = l.idle_nodes_after;
-            e.heuristic_moves = l.moves_run;
-            e
-        });
+        // The exact solve starts from the heuristic's end state (so a time
+        // limit never reports worse than the heuristic).
+        let exact = match before {
+            Some((f0, r0)) => {
+                let mut e = milp::solve(&f0, &nodes, &r0, Some(&running), &config, file.now_s, opts.exact_time_limit)?;
+                e.heuristic_idle = l.idle_nodes_after;
+                e.heuristic_moves = l.moves_run;
+                Some(e)
+            }
+            None => None,
+        };
         results.push(PartitionResult {
             partition: p,
             nodes: nodes.len(),
