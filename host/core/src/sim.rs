@@ -223,8 +223,10 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
     let mut lent: HashMap<NodeId, u64> = HashMap::new();
     let mut sleeping_milli = 0u64;
     let mut next_harvest = config.harvest.map(|h| h.next_boundary(None));
-    // Jobs that joined the queue since the last pass.
+    // Jobs that joined the queue since the last pass, and nodes where
+    // capacity was released since then.
     let mut fresh = vec![false; n];
+    let mut touched: HashSet<NodeId> = HashSet::new();
 
     loop {
         // The next event: an arrival, a departure or an evicted job ready
@@ -254,10 +256,14 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
         if now >= config.horizon_s {
             break;
         }
-        // Whether capacity was freed (or constraints relaxed) since the last
-        // pass: if not, only jobs new to the queue can start, and the rest
-        // are not tried again (they did not fit, and nothing has changed).
+        // What changed since the last pass, so that jobs that did not fit
+        // then are tried again only where they might fit now: `freed` when
+        // constraints relaxed or capacity moved anywhere (every job is
+        // tried), else the nodes where capacity was released (a waiting
+        // single task can only fit on one of those); jobs new to the queue
+        // are always tried.
         let mut freed = outcome.passes == 0;
+        touched.clear();
         while let Some(&Reverse((end, j))) = running.peek() {
             if end > now {
                 break;
@@ -268,10 +274,10 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
             }
             runs.planned_end[j] = None;
             outcome.jobs[j].end_s = Some(end);
-            freed = true;
             runs.running_low.remove(&j);
             for alloc in runs.held[j].drain(..) {
                 fleet.release(&alloc).expect("a running job's allocations are held");
+                touched.insert(alloc.node);
             }
             if !low(j) {
                 high_milli -= jobs[j].gpus() * u64::from(jobs[j].shape.gpu_milli);
@@ -352,8 +358,8 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
         for &j in &pending {
             let job = &jobs[j];
             let new_here = std::mem::take(&mut fresh[j]) || (runs.ready_at[j] == now && now > 0);
-            if runs.ready_at[j] > now || !(freed || new_here) {
-                still_pending.push(j); // evicted and still vacating, or tried already
+            if runs.ready_at[j] > now || !(freed || new_here || !touched.is_empty()) {
+                still_pending.push(j); // evicted and still vacating, or nothing changed
                 continue;
             }
             let remaining = job.duration_s.saturating_sub(runs.kept_s[j]).max(1);
@@ -376,6 +382,19 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
                     && drained_by.get(&id).is_none_or(|scope| !avoided.contains(scope))
                     && (low(j) || !lent.contains_key(&id))
             };
+            let fits_where_freed = || {
+                touched.iter().any(|&id| {
+                    let node = &fleet.nodes()[id as usize];
+                    keep(id, node) && crate::predicate::check(node, &job.shape).is_ok()
+                })
+            };
+            // (A job that may preempt is tried anyway: victims may have
+            // become available anywhere.)
+            let may_preempt = preemption.is_some() && !low(j);
+            if !(freed || new_here || may_preempt) && job.tasks == 1 && !fits_where_freed() {
+                still_pending.push(j);
+                continue;
+            }
             let mut placed = place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)?.map(|(a, d)| (a, d, 0));
             if placed.is_none()
                 && !low(j)
@@ -386,6 +405,7 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
                     for &v in &chosen {
                         for alloc in &runs.held[v] {
                             fleet.release(alloc).expect("a running job's allocations are held");
+                            touched.insert(alloc.node);
                         }
                     }
                     match place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)? {
