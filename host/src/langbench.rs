@@ -101,6 +101,7 @@ pub fn run(engine: Arc<PolicyEngine>, specs: &[String], candidates: usize, seed:
             progress: false,
             decisions_dir: None,
             typical_from: None,
+            limits: crate::wasm::Limits::default(),
         };
         let started = Instant::now();
         replay::run(engine.clone(), &opts)?;

@@ -393,6 +393,7 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
         progress: !args.quiet,
         decisions_dir: args.decisions.clone(),
         typical_from: args.typical_from.clone(),
+        limits: berth::wasm::Limits::default(),
     };
     anyhow::ensure!(opts.synthetic_nodes > 0, "--synthetic-nodes must be at least 1");
     let started = std::time::Instant::now();

@@ -142,6 +142,7 @@ fn replay_six(dir: &Path, trace: &str) -> berth::replay::ReplayOutcome {
         progress: false,
         decisions_dir: None,
         typical_from: None,
+        limits: berth::wasm::Limits { deadline: std::time::Duration::from_secs(10), ..Default::default() },
     };
     replay::run(engine(), &opts).unwrap()
 }

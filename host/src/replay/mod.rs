@@ -39,6 +39,9 @@ pub struct ReplayOptions {
     pub typical_from: Option<PathBuf>,
     /// Write each run's decisions as `<dir>/<policy>-seed<seed>.csv`.
     pub decisions_dir: Option<PathBuf>,
+    /// Per-call limits of the wasm policies (tests on a loaded machine
+    /// give a longer deadline).
+    pub limits: Limits,
 }
 
 /// The outcome of a replay.
@@ -133,7 +136,7 @@ pub fn run(engine: Arc<PolicyEngine>, opts: &ReplayOptions) -> anyhow::Result<Re
                     let outcome = (|| -> anyhow::Result<fgd::RunResult> {
                         let mut policy: Box<dyn PlacementPolicy> = match &sources[p] {
                             Source::Wasm(loaded) => {
-                                let mut w = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
+                                let mut w = WasmPolicy::new(engine.clone(), loaded.clone(), opts.limits);
                                 w.configure(&config)?;
                                 Box::new(w)
                             }
