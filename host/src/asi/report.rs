@@ -53,6 +53,12 @@ pub struct EventReport {
     pub largest_gangs_started: usize,
     pub largest_gang_wait_p99_s: u64,
     pub largest_gang_wait_max_s: u64,
+    /// Jobs whose tasks each take a whole node (all its GPUs): started /
+    /// arrived, and their wait p50 / p90 / p99 (unstarted count to the
+    /// horizon) — what compaction is for.
+    pub whole_node_jobs: usize,
+    pub whole_node_started: usize,
+    pub whole_node_wait_s: [u64; 3],
     /// Reservations made by the starvation guard.
     pub reservations: u64,
     /// The three denominators and stranded GPUs at the end of the run.
@@ -116,6 +122,10 @@ pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out
         .map(|(j, o)| o.start_s.unwrap_or(horizon.max(j.arrival_s)) - j.arrival_s)
         .collect();
     largest_waits.sort_unstable();
+    let whole: Vec<(&Job, &berth_core::sim::JobOutcome)> =
+        jobs.iter().zip(&out.jobs).filter(|(j, _)| j.shape.gpu_count > 0 && u64::from(j.shape.gpu_count) == gpus_per_node).collect();
+    let mut whole_waits: Vec<u64> = whole.iter().map(|(j, o)| o.start_s.unwrap_or(horizon.max(j.arrival_s)) - j.arrival_s).collect();
+    whole_waits.sort_unstable();
     let largest_started = jobs.iter().zip(&out.jobs).filter(|(j, o)| j.gpus() >= LARGEST_GANG_GPUS && o.start_s.is_some()).count();
     let mean = |f: &dyn Fn(&(u32, u64)) -> f64| if large.is_empty() { 0.0 } else { large.iter().map(f).sum::<f64>() / large.len() as f64 };
     EventReport {
@@ -134,6 +144,9 @@ pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out
         largest_gangs_started: largest_started,
         largest_gang_wait_p99_s: percentile(&largest_waits, 99.0),
         largest_gang_wait_max_s: largest_waits.last().copied().unwrap_or(0),
+        whole_node_jobs: whole.len(),
+        whole_node_started: whole.iter().filter(|(_, o)| o.start_s.is_some()).count(),
+        whole_node_wait_s: [percentile(&whole_waits, 50.0), percentile(&whole_waits, 90.0), percentile(&whole_waits, 99.0)],
         reservations: out.reservations,
         accounting: Accounting::default(),
         quote: None,
@@ -256,6 +269,11 @@ pub fn table(reports: &[EventReport]) -> String {
     out.push_str(&row("  lower bound (mean)", &|r| format!("{:.2}", r.large_gang_domains_lower_bound_mean)));
     out.push_str(&row("gangs >=256 GPUs: started/arrived", &|r| format!("{}/{}", r.largest_gangs_started, r.largest_gangs)));
     out.push_str(&row("  wait p99 / max", &|r| format!("{}/{}", hours(r.largest_gang_wait_p99_s), hours(r.largest_gang_wait_max_s))));
+    out.push_str(&row("whole-node jobs: started/arrived", &|r| format!("{}/{}", r.whole_node_started, r.whole_node_jobs)));
+    out.push_str(&row("  wait p50/p90/p99", &|r| {
+        let w = r.whole_node_wait_s;
+        format!("{}/{}/{}", hours(w[0]), hours(w[1]), hours(w[2]))
+    }));
     out.push_str(&row("reservations", &|r| r.reservations.to_string()));
     if reports.iter().any(|r| r.compaction.is_some()) {
         out.push_str(&row("compaction: steps (active)", &|r| ledger_cell(r, |l| format!("{} ({})", l.steps, l.steps - l.steps_idle))));
