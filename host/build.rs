@@ -6,6 +6,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded here.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=proto");
-    tonic_prost_build::configure().compile_protos(&["proto/berth/v1/berth.proto"], &["proto"])?;
+    tonic_prost_build::configure().compile_protos(&["proto/berth/v1/berth.proto", "proto/berth/v1/agent.proto"], &["proto"])?;
     Ok(())
 }

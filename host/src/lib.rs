@@ -1,6 +1,7 @@
 //! Berth's host: the policy host (wasmtime), benchmarks, demo and the parts
 //! the `berth` binary drives. The scheduling core lives in `berth-core`.
 
+pub mod agent;
 pub mod asi;
 pub mod bench;
 pub mod catalog;

@@ -50,6 +50,15 @@ enum Command {
     /// The live host: a gRPC API over a simulated fleet advancing in real
     /// time, per-partition versioned policies, shadow A/B, circuit breaker.
     Serve(berth::serve::cli::ServeArgs),
+    /// The node agent: discovers GPUs (NVML, or --synthetic-gpus 8xH20),
+    /// registers with `berth serve`, sends heartbeats and telemetry, and
+    /// runs allocations as child processes on their GPUs.
+    Agent(berth::agent::run::AgentArgs),
+    /// Node agents and allocations: list, start, stop, sleep, wake, checkpoint.
+    Alloc {
+        #[command(subcommand)]
+        what: berth::agent::run::AllocCommand,
+    },
     /// In-place compaction over a snapshot saved by `berth replay ...
     /// --save-snapshot`: a policy's plan, validated and run make-before-
     /// break, with before/after figures and the migration ledger.
@@ -324,6 +333,8 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Serve(args) => berth::serve::cli::serve(args)?,
+        Command::Agent(args) => berth::agent::run::main(args)?,
+        Command::Alloc { what } => berth::agent::run::alloc(what)?,
         Command::Api(cmd) => berth::serve::cli::run(cmd)?,
         Command::Policy { what } => match what {
             PolicyCommand::Registry(cmd) => berth::serve::cli::run_policy(cmd)?,
@@ -511,7 +522,14 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             eprintln!("simulating {} jobs, {} runs ...", jobs.len(), rankers.len() + 2);
         }
         let harvest = args.harvest.as_deref().map(berth::asi::preempt::parse_harvest).transpose().context("--harvest")?;
-        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, horizon, &guards, harvest)?;
+        let base = berth_core::sim::SimConfig {
+            horizon_s: horizon,
+            guards: guards.clone(),
+            harvest,
+            protected_partitions: config.non_preemptible_partitions.iter().copied().collect(),
+            ..Default::default()
+        };
+        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base)?;
         print!("{}", berth::asi::preempt::table(&rows));
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "preemption": rows }))?)

@@ -62,6 +62,9 @@ pub struct ServeArgs {
     breaker_backoff_s: u64,
     #[arg(long, default_value_t = 16 << 20)]
     max_upload_bytes: usize,
+    /// A node agent silent for this long is marked unreachable.
+    #[arg(long, default_value_t = 10_000)]
+    agent_timeout_ms: u64,
 }
 
 impl ServeArgs {
@@ -97,7 +100,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.config()?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
-        let handle = super::start(config).await?;
+        let agents = crate::agent::hub::HubConfig { heartbeat_timeout: Duration::from_millis(args.agent_timeout_ms.max(1)) };
+        let handle = super::server::start_with_agents(config, agents).await?;
         let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
         eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics")));
         for p in &handle.live.partitions {
@@ -408,7 +412,12 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                     n.gpus,
                     format!("{}/{}", n.cpu_free_milli / 1000, n.cpu_total_milli / 1000),
                     format!("{}/{}", n.memory_free_mib / 1024, n.memory_total_mib / 1024),
-                    if n.schedulable { "" } else { "  unschedulable" }
+                    match (n.source.as_str(), n.schedulable) {
+                        ("agent", _) if n.gpus_unhealthy > 0 => format!("  agent, {}, {} GPUs unhealthy", n.state, n.gpus_unhealthy),
+                        ("agent", _) => format!("  agent, {}", n.state),
+                        (_, true) => String::new(),
+                        (_, false) => "  unschedulable".into(),
+                    }
                 );
             }
         }

@@ -110,6 +110,11 @@ impl ServeHandle {
 /// Builds the live host and starts serving. Refuses to serve plaintext on
 /// anything but loopback.
 pub async fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
+    start_with_agents(config, crate::agent::hub::HubConfig::default()).await
+}
+
+/// [`start`], with the node-agent service configured (`berth agent`).
+pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::HubConfig) -> anyhow::Result<ServeHandle> {
     anyhow::ensure!(
         config.tls.is_some() || config.listen.ip().is_loopback(),
         "refusing to serve without TLS on {} (not loopback): pass --tls-cert and --tls-key",
@@ -168,8 +173,10 @@ pub async fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
     // Messages up to twice the upload limit reach the handler, which refuses
     // an oversized component with RESOURCE_EXHAUSTED and the limit; larger
     // ones the transport refuses with OUT_OF_RANGE before reading them.
-    let service = BerthServer::new(Service { live: live.clone() }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
-    let router = builder.add_service(service);
+    let hub = crate::agent::hub::Hub::new(live.clone(), agents);
+    tasks.push(hub.spawn_sweeper(stopped.clone()));
+    let service = BerthServer::new(Service { live: live.clone(), agents: Some(hub.clone()) }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
+    let router = builder.add_service(service).add_service(super::pb::agent_hub_server::AgentHubServer::new(hub));
     let mut rx = stopped.clone();
     tasks.push(tokio::spawn(async move {
         let incoming = tonic::transport::server::TcpIncoming::from(listener);

@@ -20,6 +20,8 @@ use super::ServeError;
 
 pub struct Service {
     pub live: Arc<Live>,
+    /// Node agents (`berth agent`), listed by `ListNodes` beside the simulated fleet.
+    pub agents: Option<Arc<crate::agent::hub::Hub>>,
 }
 
 type Reply<T> = Result<Response<T>, Status>;
@@ -265,7 +267,14 @@ impl Berth for Service {
                 cpu_total_milli: n.cpu_total_milli,
                 memory_free_mib: n.memory_free_mib,
                 memory_total_mib: n.memory_total_mib,
+                source: "simulated".into(),
+                state: String::new(),
+                gpus_unhealthy: 0,
             }));
+        }
+        if let Some(hub) = &self.agents {
+            let names: Vec<String> = self.viewable(&id, &req.get_ref().partition)?.into_iter().map(|p| self.live.partitions[p].name.clone()).collect();
+            nodes.extend(hub.node_infos(&names));
         }
         Ok(Response::new(pb::ListNodesResponse { nodes }))
     }

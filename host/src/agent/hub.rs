@@ -1,0 +1,410 @@
+//! The host side of node agents, served by `berth serve` beside the Berth
+//! API: registrations, heartbeats and telemetry, GPU health, node
+//! reachability, and the command streams that actuate allocations.
+//!
+//! Agent nodes are kept here, apart from the simulated fleet; `ListNodes`
+//! shows them (source "agent"). Placement of scheduled jobs onto them is
+//! not built yet: allocations are started explicitly by an operator.
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::serve::auth::{Identity, Role};
+use crate::serve::pb::{self, agent_hub_server::AgentHub};
+use crate::serve::scheduler::Live;
+use crate::serve::unix_ms;
+
+/// Host-side agent settings.
+#[derive(Clone, Copy, Debug)]
+pub struct HubConfig {
+    /// A node whose last heartbeat is older than this is unreachable.
+    pub heartbeat_timeout: Duration,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        HubConfig { heartbeat_timeout: Duration::from_secs(10) }
+    }
+}
+
+struct GpuState {
+    info: pb::GpuInfo,
+    healthy: bool,
+    reason: String,
+    last: Option<pb::GpuTelemetry>,
+}
+
+struct AgentRecord {
+    partition: String,
+    source: String,
+    session: u64,
+    gpus: Vec<GpuState>,
+    last_heartbeat: Instant,
+    last_heartbeat_unix_ms: u64,
+    heartbeats: u64,
+    reachable: bool,
+    commands: Option<mpsc::Sender<Result<pb::AgentCommand, Status>>>,
+}
+
+#[derive(Default)]
+struct HubState {
+    agents: BTreeMap<String, AgentRecord>,
+    allocations: BTreeMap<u64, pb::AllocationInfo>,
+    next_allocation: u64,
+    next_session: u64,
+}
+
+/// Allocation states that hold their GPUs.
+fn holds_gpus(state: &str) -> bool {
+    matches!(state, "starting" | "running" | "sleeping")
+}
+
+pub struct Hub {
+    live: Arc<Live>,
+    config: HubConfig,
+    state: Mutex<HubState>,
+}
+
+type Reply<T> = Result<Response<T>, Status>;
+
+impl Hub {
+    pub fn new(live: Arc<Live>, config: HubConfig) -> Arc<Hub> {
+        Arc::new(Hub { live, config, state: Mutex::new(HubState { next_allocation: 1, next_session: 1, ..HubState::default() }) })
+    }
+
+    fn who<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
+        Ok(self.live.access.identify(req)?)
+    }
+
+    fn require(&self, id: &Identity, partition: &str, role: Role) -> Result<(), Status> {
+        self.live.partition_index(partition)?;
+        Ok(id.require(partition, role)?)
+    }
+
+    /// Marks nodes whose heartbeats stopped as unreachable (logged once per
+    /// transition). Runs every quarter of the timeout.
+    pub fn sweep(&self) {
+        let mut st = self.state.lock().unwrap();
+        let now = Instant::now();
+        for (name, a) in st.agents.iter_mut() {
+            let late = now.duration_since(a.last_heartbeat) > self.config.heartbeat_timeout;
+            if late && a.reachable {
+                a.reachable = false;
+                tracing::warn!(target: "berth::agent", node = %name, "node unreachable: no heartbeat for {:?}", self.config.heartbeat_timeout);
+            }
+        }
+    }
+
+    /// Spawns the sweeper on the current runtime; it stops with `stop`.
+    pub fn spawn_sweeper(self: &Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+        let hub = self.clone();
+        let period = (self.config.heartbeat_timeout / 4).max(Duration::from_millis(20));
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(period) => hub.sweep(),
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        })
+    }
+
+    /// Agent nodes of the given partitions, for `ListNodes`.
+    pub fn node_infos(&self, partitions: &[String]) -> Vec<pb::NodeInfo> {
+        self.sweep();
+        let st = self.state.lock().unwrap();
+        let mut held: BTreeMap<(&str, u32), u64> = BTreeMap::new();
+        for a in st.allocations.values().filter(|a| holds_gpus(&a.state)) {
+            for &g in &a.gpus {
+                held.insert((a.node.as_str(), g), a.id);
+            }
+        }
+        st.agents
+            .iter()
+            .filter(|(_, a)| partitions.contains(&a.partition))
+            .map(|(name, a)| {
+                let healthy = a.gpus.iter().filter(|g| g.healthy).count() as u32;
+                let idle = a.gpus.iter().filter(|g| g.healthy && !held.contains_key(&(name.as_str(), g.info.index))).count() as u32;
+                pb::NodeInfo {
+                    name: name.clone(),
+                    partition: a.partition.clone(),
+                    model: a.gpus.first().map_or_else(|| "cpu-only".into(), |g| g.info.model.clone()),
+                    switch_domain: 0,
+                    schedulable: a.reachable && healthy > 0,
+                    gpus: a.gpus.len() as u32,
+                    gpus_idle: idle,
+                    gpu_free_milli: idle as u64 * 1000,
+                    cpu_free_milli: 0,
+                    cpu_total_milli: 0,
+                    memory_free_mib: 0,
+                    memory_total_mib: 0,
+                    source: "agent".into(),
+                    state: if a.reachable { "ready" } else { "unreachable" }.into(),
+                    gpus_unhealthy: a.gpus.len() as u32 - healthy,
+                }
+            })
+            .collect()
+    }
+
+    fn agent_partition(&self, node: &str) -> Result<String, Status> {
+        let st = self.state.lock().unwrap();
+        st.agents.get(node).map(|a| a.partition.clone()).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))
+    }
+
+    fn send(&self, node: &str, cmd: pb::AgentCommand) -> Result<(), Status> {
+        let tx = {
+            let st = self.state.lock().unwrap();
+            let a = st.agents.get(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
+            if !a.reachable {
+                return Err(Status::failed_precondition(format!("node {node} is unreachable")));
+            }
+            a.commands.clone().ok_or_else(|| Status::failed_precondition(format!("node {node} holds no command stream")))?
+        };
+        tx.try_send(Ok(cmd)).map_err(|e| Status::unavailable(format!("node {node}: command not delivered: {e}")))
+    }
+}
+
+type CommandStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCommand, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AgentHub for Arc<Hub> {
+    async fn register(&self, req: Request<pb::RegisterAgentRequest>) -> Reply<pb::RegisterAgentResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        if r.node.is_empty() || r.node.len() > 253 {
+            return Err(Status::invalid_argument("node name must be 1 to 253 characters"));
+        }
+        let mut st = self.state.lock().unwrap();
+        let session = st.next_session;
+        st.next_session += 1;
+        let gpus = r.gpus.into_iter().map(|info| GpuState { info, healthy: true, reason: String::new(), last: None }).collect::<Vec<_>>();
+        // A node re-registering keeps the health marks of GPUs it still has.
+        let previous = st.agents.remove(&r.node);
+        let mut gpus = gpus;
+        if let Some(p) = &previous {
+            for g in gpus.iter_mut() {
+                if let Some(old) = p.gpus.iter().find(|o| o.info.uuid == g.info.uuid && !o.healthy) {
+                    g.healthy = false;
+                    g.reason = old.reason.clone();
+                }
+            }
+        }
+        tracing::info!(target: "berth::agent", node = %r.node, partition = %r.partition, gpus = gpus.len(), source = %r.source, by = %id.name, "agent registered");
+        st.agents.insert(
+            r.node.clone(),
+            AgentRecord {
+                partition: r.partition,
+                source: r.source,
+                session,
+                gpus,
+                last_heartbeat: Instant::now(),
+                last_heartbeat_unix_ms: unix_ms(),
+                heartbeats: 0,
+                reachable: true,
+                commands: None,
+            },
+        );
+        Ok(Response::new(pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64 }))
+    }
+
+    async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let partition = self.agent_partition(&r.node)?;
+        self.require(&id, &partition, Role::Operator)?;
+        let mut st = self.state.lock().unwrap();
+        let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
+        if a.session != r.session {
+            return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
+        }
+        if !a.reachable {
+            tracing::info!(target: "berth::agent", node = %r.node, "node reachable again");
+        }
+        a.last_heartbeat = Instant::now();
+        a.last_heartbeat_unix_ms = unix_ms();
+        a.heartbeats += 1;
+        a.reachable = true;
+        for t in r.gpus {
+            let Some(g) = a.gpus.iter_mut().find(|g| g.info.index == t.index) else { continue };
+            if let Some(e) = t.events.first() {
+                if g.healthy {
+                    g.healthy = false;
+                    g.reason = format!("{} {}: {}", e.kind, e.code, e.detail);
+                    tracing::warn!(target: "berth::agent", node = %r.node, gpu = g.info.index, uuid = %g.info.uuid, "GPU unhealthy: {}", g.reason);
+                }
+            }
+            g.last = Some(t);
+        }
+        Ok(Response::new(pb::HeartbeatResponse {}))
+    }
+
+    type CommandsStream = CommandStream;
+
+    async fn commands(&self, req: Request<pb::CommandsRequest>) -> Reply<Self::CommandsStream> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let partition = self.agent_partition(&r.node)?;
+        self.require(&id, &partition, Role::Operator)?;
+        let (tx, rx) = mpsc::channel(64);
+        let mut st = self.state.lock().unwrap();
+        let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
+        if a.session != r.session {
+            return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
+        }
+        a.commands = Some(tx);
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn report_allocation(&self, req: Request<pb::AllocationReport>) -> Reply<pb::AllocationReportResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let partition = self.agent_partition(&r.node)?;
+        self.require(&id, &partition, Role::Operator)?;
+        let mut st = self.state.lock().unwrap();
+        let a = st.allocations.get_mut(&r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
+        if a.node != r.node {
+            return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
+        }
+        tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
+        a.state = r.state;
+        if r.pid != 0 {
+            a.pid = r.pid;
+        }
+        a.exit_code = r.exit_code;
+        a.signal = r.signal;
+        a.detail = r.detail;
+        Ok(Response::new(pb::AllocationReportResponse {}))
+    }
+
+    async fn list_agents(&self, req: Request<pb::ListAgentsRequest>) -> Reply<pb::ListAgentsResponse> {
+        let id = self.who(&req)?;
+        let want = req.into_inner().partition;
+        if !want.is_empty() {
+            self.require(&id, &want, Role::Viewer)?;
+        }
+        self.sweep();
+        let st = self.state.lock().unwrap();
+        let visible = |p: &str| (want.is_empty() || want == p) && id.role_in(p).is_some();
+        let mut holder: BTreeMap<(&str, u32), u64> = BTreeMap::new();
+        for a in st.allocations.values().filter(|a| holds_gpus(&a.state)) {
+            for &g in &a.gpus {
+                holder.insert((a.node.as_str(), g), a.id);
+            }
+        }
+        let agents = st
+            .agents
+            .iter()
+            .filter(|(_, a)| visible(&a.partition))
+            .map(|(name, a)| pb::AgentInfo {
+                node: name.clone(),
+                partition: a.partition.clone(),
+                source: a.source.clone(),
+                state: if a.reachable { "ready" } else { "unreachable" }.into(),
+                last_heartbeat_unix_ms: a.last_heartbeat_unix_ms,
+                heartbeats: a.heartbeats,
+                commands_connected: a.commands.as_ref().is_some_and(|c| !c.is_closed()),
+                gpus: a
+                    .gpus
+                    .iter()
+                    .map(|g| pb::GpuStatus {
+                        info: Some(g.info.clone()),
+                        healthy: g.healthy,
+                        unhealthy_reason: g.reason.clone(),
+                        last: g.last.clone(),
+                        allocation_id: holder.get(&(name.as_str(), g.info.index)).copied().unwrap_or(0),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let allocations = st
+            .allocations
+            .values()
+            .filter(|al| st.agents.get(&al.node).is_some_and(|a| visible(&a.partition)))
+            .cloned()
+            .collect();
+        Ok(Response::new(pb::ListAgentsResponse { agents, allocations }))
+    }
+
+    async fn start_allocation(&self, req: Request<pb::StartAllocationRequest>) -> Reply<pb::StartAllocationResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let partition = self.agent_partition(&r.node)?;
+        self.require(&id, &partition, Role::Operator)?;
+        if r.argv.is_empty() {
+            return Err(Status::invalid_argument("argv is empty"));
+        }
+        let (alloc, cmd) = {
+            let mut st = self.state.lock().unwrap();
+            let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
+            let mut uuids = Vec::new();
+            let mut seen = Vec::new();
+            for &g in &r.gpus {
+                let gpu = a.gpus.iter().find(|x| x.info.index == g).ok_or_else(|| Status::invalid_argument(format!("node {} has no GPU {g}", r.node)))?;
+                if !gpu.healthy {
+                    return Err(Status::failed_precondition(format!("GPU {g} of node {} is unhealthy ({})", r.node, gpu.reason)));
+                }
+                if seen.contains(&g) {
+                    return Err(Status::invalid_argument(format!("GPU {g} listed twice")));
+                }
+                seen.push(g);
+                uuids.push(gpu.info.uuid.clone());
+            }
+            // No GPU ever has two owners.
+            if let Some(other) = st.allocations.values().find(|o| o.node == r.node && holds_gpus(&o.state) && o.gpus.iter().any(|g| r.gpus.contains(g))) {
+                return Err(Status::failed_precondition(format!("GPUs {:?} of node {} are held by allocation {}", other.gpus, r.node, other.id)));
+            }
+            let id_ = st.next_allocation;
+            st.next_allocation += 1;
+            let alloc = pb::AllocationInfo {
+                id: id_,
+                node: r.node.clone(),
+                gpus: r.gpus.clone(),
+                gpu_uuids: uuids.clone(),
+                argv: r.argv.clone(),
+                state: "starting".into(),
+                started_by: id.name.clone(),
+                ..Default::default()
+            };
+            st.allocations.insert(id_, alloc.clone());
+            let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env };
+            (alloc, cmd)
+        };
+        if let Err(e) = self.send(&r.node, cmd) {
+            let mut st = self.state.lock().unwrap();
+            if let Some(a) = st.allocations.get_mut(&alloc.id) {
+                a.state = "failed".into();
+                a.detail = e.message().to_string();
+            }
+            return Err(e);
+        }
+        tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");
+        Ok(Response::new(pb::StartAllocationResponse { allocation_id: alloc.id, gpu_uuids: alloc.gpu_uuids }))
+    }
+
+    async fn control_allocation(&self, req: Request<pb::ControlAllocationRequest>) -> Reply<pb::ControlAllocationResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        if !matches!(r.action.as_str(), "stop" | "sleep" | "wake" | "checkpoint") {
+            return Err(Status::invalid_argument(format!("action {:?}: one of stop, sleep, wake, checkpoint", r.action)));
+        }
+        let node = {
+            let st = self.state.lock().unwrap();
+            let a = st.allocations.get(&r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
+            if !holds_gpus(&a.state) {
+                return Err(Status::failed_precondition(format!("allocation {} is {}", a.id, a.state)));
+            }
+            a.node.clone()
+        };
+        let partition = self.agent_partition(&node)?;
+        self.require(&id, &partition, Role::Operator)?;
+        self.send(&node, pb::AgentCommand { allocation_id: r.allocation_id, action: r.action, ..Default::default() })?;
+        Ok(Response::new(pb::ControlAllocationResponse {}))
+    }
+}
