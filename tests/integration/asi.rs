@@ -318,7 +318,8 @@ fn spot_gpu_loses_less_work_than_both_baselines() {
     let mut lost = [0.0f64; 3];
     for seed in 1..=3 {
         let jobs = WorkloadConfig { days: 3.0, seed, ..WorkloadConfig::default() }.generate(&fleet);
-        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, 3 * 86_400, &Guards::default(), None).unwrap();
+        let base = SimConfig { horizon_s: 3 * 86_400, ..SimConfig::default() };
+        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, &base).unwrap();
         assert_eq!(rows.len(), 5);
         let (alone, fill) = (&rows[0], &rows[1]);
         assert_eq!(alone.low_jobs, 0);
@@ -396,4 +397,15 @@ fn periodic_compaction_in_event_replay() {
     assert_eq!(with.jobs, without.jobs);
     let table = berth::asi::report::table(&[without, with]);
     assert!(table.contains("compaction: steps") && table.contains("moves run"), "{table}");
+}
+
+/// A fleet config names partitions that are never preempted; one that does
+/// not exist is refused.
+#[test]
+fn non_preemptible_partitions_are_configured() {
+    let base = "nodes_per_switch = 4\nnodes_per_partition = 4\n[[shapes]]\nmodel = \"H20\"\ncount = 8\ngpus = 8\ncpu_cores = 64\nmemory_gib = 512\n";
+    let cfg = FleetConfig::parse(&format!("non_preemptible_partitions = [1]\n{base}"), "np.toml").unwrap();
+    assert_eq!(cfg.non_preemptible_partitions, vec![1]);
+    let err = format!("{:#}", FleetConfig::parse(&format!("non_preemptible_partitions = [5]\n{base}"), "np.toml").unwrap_err());
+    assert!(err.contains("np.toml") && err.contains("partition 5 does not exist"), "{err}");
 }

@@ -225,3 +225,22 @@ fn sleeping_replicas_lend_their_gpus_and_wake_on_them() {
     // Allocation counts a sleeping replica's GPUs once, borrowed or not.
     assert!(with.utilisation.all_milli_s <= f.gpu_total_milli() as f64 * with.utilisation.seconds + 1.0);
 }
+
+/// Work on a non-preemptible partition is never taken back.
+#[test]
+fn protected_partitions_keep_their_work() {
+    let jobs = vec![
+        Job { id: 1, priority: 0, duration_s: 86_400, tasks: 1, shape: shape(8), ..Job::default() },
+        Job { id: 2, priority: 10, arrival_s: 600, duration_s: 3600, tasks: 1, shape: shape(8), ..Job::default() },
+    ];
+    let run = |protected: &[u32]| {
+        let mut f = fleet(1);
+        let config = SimConfig { horizon_s: 7200, high_priority: 10, protected_partitions: protected.iter().copied().collect(), ..SimConfig::default() };
+        let mut ranker = RankBy { key: |v, i| v.running_s[i], seen_priorities: vec![] };
+        simulate_with(&mut f, &jobs, Deciders { placement: &mut Pack, preemption: Some(&mut ranker), compaction: None }, config).unwrap()
+    };
+    let open = run(&[]);
+    assert_eq!((open.evictions, open.jobs[1].start_s.is_some()), (1, true));
+    let protected = run(&[0]);
+    assert_eq!((protected.evictions, protected.jobs[1].start_s), (0, None));
+}

@@ -38,6 +38,10 @@ pub struct FleetConfig {
     /// Starvation guards of particular partitions, overriding `guard`.
     #[serde(default)]
     pub partition_guard: Vec<PartitionGuardConfig>,
+    /// Partitions whose work is never taken back by preemption (sold as
+    /// non-preemptible); low-priority work elsewhere stays preemptible.
+    #[serde(default)]
+    pub non_preemptible_partitions: Vec<u32>,
 }
 
 /// Starvation-guard settings (see [`berth_core::sim::StarvationGuard`]).
@@ -192,6 +196,9 @@ impl FleetConfig {
             anyhow::ensure!(s.cpu_cores > 0 && s.memory_gib > 0, "{at}: CPU and memory must be positive");
         }
         self.guards()?;
+        for &p in &self.non_preemptible_partitions {
+            anyhow::ensure!(p < self.partitions(), "non_preemptible_partitions: partition {p} does not exist (the fleet has {})", self.partitions());
+        }
         Ok(())
     }
 

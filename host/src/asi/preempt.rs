@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use berth_core::harvest::Harvest;
 use berth_core::preemption::PriorityContract;
-use berth_core::sim::{simulate_with, Deciders, Guards, Job, SimConfig, SimOutcome};
+use berth_core::sim::{simulate_with, Deciders, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
 use serde::Serialize;
 
@@ -73,21 +73,21 @@ pub fn with_contracts(jobs: &[Job]) -> Vec<Job> {
 
 /// Runs the comparison: `placement` places everything; each of `rankers`
 /// ranks victims in its own run.
-/// With `harvest`, the runs with low-priority fill also put idle replicas to
-/// sleep in the trough and lend their GPUs.
-#[allow(clippy::too_many_arguments)]
+/// `base` carries the horizon, guards, protected partitions and harvesting
+/// (the runs with low-priority fill also put idle replicas to sleep in the
+/// trough and lend their GPUs); the high-priority threshold is the
+/// workload's.
 pub fn compare(
     engine: &Arc<PolicyEngine>,
     placement: &Arc<LoadedPolicy>,
     rankers: &[Arc<LoadedPolicy>],
     fleet: &Fleet,
     jobs: &[Job],
-    horizon_s: u64,
-    guards: &Guards,
-    harvest: Option<Harvest>,
+    base: &SimConfig,
 ) -> anyhow::Result<Vec<PreemptRow>> {
     let jobs = with_contracts(jobs);
-    let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), harvest, ..SimConfig::default() };
+    let horizon_s = base.horizon_s;
+    let config = SimConfig { high_priority: HIGH_PRIORITY, ..base.clone() };
     let run = |jobs: &[Job], ranker: Option<&Arc<LoadedPolicy>>| -> anyhow::Result<SimOutcome> {
         let mut policy = WasmPolicy::new(engine.clone(), placement.clone(), Limits::default());
         let mut fleet = fleet.clone();
