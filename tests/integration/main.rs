@@ -1,6 +1,7 @@
 //! Berth's integration tests: one binary, one module per area (as wasmtime
 //! does). They use the real components built by scripts/build-policies.sh.
 
+mod agent;
 mod asi;
 mod common;
 mod compaction;

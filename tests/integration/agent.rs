@@ -1,0 +1,267 @@
+//! `berth agent` as real processes: the no-driver line and synthetic
+//! discovery; a real `berth serve` with two synthetic agents on loopback,
+//! children that receive exactly their GPUs, sleep/wake/checkpoint/stop,
+//! an XID event taking a GPU out, and a SIGKILLed agent marked unreachable.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use berth::serve::pb;
+use tonic::Code;
+
+use crate::common::repo_root;
+
+const BERTH: &str = env!("CARGO_BIN_EXE_berth");
+
+const ACCESS: &str = r#"
+[[identities]]
+name = "ops"
+token = "ops-test-token"
+roles = { "*" = "operator" }
+
+[[identities]]
+name = "watcher"
+token = "watcher-test-token"
+roles = { "*" = "viewer" }
+"#;
+
+/// Kills (SIGKILL) and reaps the process when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = repo_root().join("target").join("tmp").join(format!("agent-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn spawn(args: &[&str], log: &Path) -> Proc {
+    let err = std::fs::File::create(log).unwrap();
+    let child = Command::new(BERTH)
+        .args(args)
+        .current_dir(repo_root())
+        .env("BERTH_LOG", "info")
+        .env_remove("BERTH_TOKEN")
+        .env_remove("BERTH_SERVER")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .expect("spawning berth");
+    Proc(child)
+}
+
+/// Polls `f` until it returns Some, for at most `limit` (a liveness bound:
+/// it only fails a test that would otherwise hang).
+async fn until<T, F: std::future::Future<Output = Option<T>>>(what: &str, limit: Duration, mut f: impl FnMut() -> F) -> T {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[test]
+fn once_without_a_driver_says_so_in_one_line_and_synthetic_gpus_work() {
+    let out = Command::new(BERTH).args(["agent", "--once", "--json", "--node", "n0"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        // A machine with a driver: NVML answered.
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["source"], "nvml");
+    } else {
+        assert_eq!(stderr.trim_end().lines().count(), 1, "not one line: {stderr}");
+        assert!(stderr.contains("no NVIDIA driver") && stderr.contains("--synthetic-gpus 8xH20"), "{stderr}");
+        assert!(out.stdout.is_empty());
+    }
+
+    let out = Command::new(BERTH).args(["agent", "--once", "--json", "--node", "n7", "--synthetic-gpus", "8xH20"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["source"], "synthetic");
+    let gpus = v["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 8);
+    for (i, g) in gpus.iter().enumerate() {
+        assert_eq!(g["uuid"], format!("GPU-synthetic-n7-{i}"));
+        assert_eq!(g["model"], "H20");
+        assert_eq!(g["memory_total_mib"], 96 * 1024);
+    }
+    assert_eq!(v["telemetry"].as_array().unwrap().len(), 8);
+
+    let out = Command::new(BERTH).args(["agent", "--once", "--synthetic-gpus", "8xQ9000"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_run_children_on_their_gpus_and_a_killed_agent_becomes_unreachable() {
+    let d = dir("two");
+    let access = d.join("access.toml");
+    std::fs::write(&access, ACCESS).unwrap();
+    let serve_log = d.join("serve.log");
+    let state = d.join("state");
+    let _serve = spawn(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--access",
+            access.to_str().unwrap(),
+            "--agent-timeout-ms",
+            "1500",
+        ],
+        &serve_log,
+    );
+    let url = until("berth serve to listen", Duration::from_secs(120), || {
+        let text = std::fs::read_to_string(&serve_log).unwrap_or_default();
+        async move { text.lines().find_map(|l| l.split("API on ").nth(1).map(|r| r.split(',').next().unwrap().trim().to_string())) }
+    })
+    .await;
+
+    let ckpt = d.join("checkpoint");
+    let hook = format!("echo $BERTH_ALLOCATION $BERTH_PID > {}", ckpt.display());
+    let common = ["--server", &url, "--token", "ops-test-token", "--partition", "p0", "--heartbeat-ms", "200"];
+    let mut a1: Vec<&str> = vec!["agent", "--node", "n1", "--synthetic-gpus", "8xH20", "--checkpoint-hook", &hook, "--stop-grace-s", "2"];
+    a1.extend(common);
+    let mut a2: Vec<&str> = vec!["agent", "--node", "n2", "--synthetic-gpus", "4xA100", "--synthetic-xid", "3:79"];
+    a2.extend(common);
+    let _agent1 = spawn(&a1, &d.join("n1.log"));
+    let mut agent2 = spawn(&a2, &d.join("n2.log"));
+
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    let list = |hub: &berth::agent::HubClient| {
+        let mut hub = hub.clone();
+        async move { hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner() }
+    };
+    until("both agents registered, heartbeating, holding their command streams", Duration::from_secs(60), || {
+        let l = list(&hub);
+        async move {
+            let l = l.await;
+            (l.agents.len() == 2 && l.agents.iter().all(|a| a.state == "ready" && a.heartbeats > 0 && a.commands_connected)).then_some(())
+        }
+    })
+    .await;
+
+    // The Berth API lists them beside the simulated nodes.
+    let mut api = berth::serve::cli::connect(&url, Some("watcher-test-token"), None, None).await.unwrap();
+    let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+    let n1 = nodes.iter().find(|n| n.name == "n1").expect("n1 listed");
+    assert_eq!((n1.source.as_str(), n1.state.as_str(), n1.model.as_str(), n1.gpus, n1.schedulable), ("agent", "ready", "H20", 8, true));
+    assert!(nodes.iter().any(|n| n.name == "n2" && n.source == "agent" && n.gpus == 4));
+    assert!(nodes.iter().any(|n| n.source == "simulated"));
+    // A viewer may not start allocations.
+    let mut viewer = berth::agent::connect_hub(&url, Some("watcher-test-token"), None).await.unwrap();
+    let denied = viewer.start_allocation(pb::StartAllocationRequest { node: "n1".into(), gpus: vec![0], argv: vec!["true".into()], ..Default::default() }).await;
+    assert_eq!(denied.unwrap_err().code(), Code::PermissionDenied);
+
+    // The XID on n2's GPU 3 takes it out of the schedulable set.
+    until("n2 GPU 3 unhealthy", Duration::from_secs(60), || {
+        let l = list(&hub);
+        async move {
+            let l = l.await;
+            let n2 = l.agents.iter().find(|a| a.node == "n2")?;
+            (!n2.gpus[3].healthy && n2.gpus[3].unhealthy_reason.contains("79") && n2.gpus[..3].iter().all(|g| g.healthy)).then_some(())
+        }
+    })
+    .await;
+    let r = hub.start_allocation(pb::StartAllocationRequest { node: "n2".into(), gpus: vec![3], argv: vec!["true".into()], ..Default::default() }).await;
+    assert_eq!(r.unwrap_err().code(), Code::FailedPrecondition);
+    let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+    assert_eq!(nodes.iter().find(|n| n.name == "n2").unwrap().gpus_unhealthy, 1);
+
+    // A child on GPUs 2 and 5 of n1 sees exactly their UUIDs, and its exit code comes back.
+    let out = d.join("visible");
+    let script = format!("echo \"$CUDA_VISIBLE_DEVICES\" > {0}; echo \"$NVIDIA_VISIBLE_DEVICES\" >> {0}; exit 7", out.display());
+    let started = hub
+        .start_allocation(pb::StartAllocationRequest { node: "n1".into(), gpus: vec![2, 5], argv: vec!["sh".into(), "-c".into(), script], ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let want = "GPU-synthetic-n1-2,GPU-synthetic-n1-5";
+    assert_eq!(started.gpu_uuids.join(","), want);
+    let sid = started.allocation_id;
+    let done = until("the child's exit", Duration::from_secs(60), || {
+        let l = list(&hub);
+        async move { l.await.allocations.into_iter().find(|a| a.id == sid && a.state == "exited") }
+    })
+    .await;
+    assert_eq!((done.exit_code, done.signal), (7, 0), "{done:?}");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), format!("{want}\n{want}\n"));
+
+    // A long child: no second owner for its GPU; sleep, wake, checkpoint (hook), stop.
+    let long = hub
+        .start_allocation(pb::StartAllocationRequest { node: "n1".into(), gpus: vec![4], argv: vec!["sleep".into(), "600".into()], ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner()
+        .allocation_id;
+    let watch = hub.clone();
+    let state = |want: &'static str| {
+        let hub = watch.clone();
+        move || {
+            let l = list(&hub);
+            async move { l.await.allocations.into_iter().find(|a| a.id == long && a.state == want) }
+        }
+    };
+    let running = until("the long child running", Duration::from_secs(60), state("running")).await;
+    let clash = hub.start_allocation(pb::StartAllocationRequest { node: "n1".into(), gpus: vec![3, 4], argv: vec!["true".into()], ..Default::default() }).await;
+    assert_eq!(clash.unwrap_err().code(), Code::FailedPrecondition);
+    let control = |action: &str| pb::ControlAllocationRequest { allocation_id: long, action: action.into() };
+    hub.control_allocation(control("sleep")).await.unwrap();
+    until("sleeping", Duration::from_secs(60), state("sleeping")).await;
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", running.pid)).unwrap();
+    assert_eq!(stat.rsplit(')').next().unwrap().split_whitespace().next(), Some("T"), "the child is not stopped: {stat}");
+    hub.control_allocation(control("wake")).await.unwrap();
+    until("awake", Duration::from_secs(60), state("running")).await;
+    hub.control_allocation(control("checkpoint")).await.unwrap();
+    let noted = until("the checkpoint hook", Duration::from_secs(60), || {
+        let t = std::fs::read_to_string(&ckpt).unwrap_or_default();
+        async move { (!t.is_empty()).then_some(t) }
+    })
+    .await;
+    assert_eq!(noted.trim(), format!("{long} {}", running.pid));
+    hub.control_allocation(control("stop")).await.unwrap();
+    let stopped = until("stopped", Duration::from_secs(60), state("exited")).await;
+    assert_eq!(stopped.signal, libc::SIGTERM, "{stopped:?}");
+
+    // kill -9 of n2's agent: after the heartbeat timeout the node is unreachable.
+    agent2.0.kill().unwrap();
+    agent2.0.wait().unwrap();
+    until("n2 unreachable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            let n2 = nodes.iter().find(|n| n.name == "n2")?;
+            (n2.state == "unreachable" && !n2.schedulable).then_some(())
+        }
+    })
+    .await;
+    let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+    assert_eq!(nodes.iter().find(|n| n.name == "n1").unwrap().state, "ready");
+    let r = hub.start_allocation(pb::StartAllocationRequest { node: "n2".into(), gpus: vec![0], argv: vec!["true".into()], ..Default::default() }).await;
+    assert_eq!(r.unwrap_err().code(), Code::FailedPrecondition);
+
+    // `berth nodes` shows it too.
+    let out = Command::new(BERTH).args(["nodes", "--partition", "p0", "--server", &url, "--token", "watcher-test-token"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line = text.lines().find(|l| l.starts_with("n2 ")).unwrap_or_else(|| panic!("no n2 in:\n{text}"));
+    assert!(line.contains("agent, unreachable") && line.contains("1 GPUs unhealthy"), "{line}");
+    assert!(text.lines().any(|l| l.starts_with("n1 ") && l.contains("agent, ready")), "{text}");
+    drop(hub);
+}
