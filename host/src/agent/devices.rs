@@ -244,3 +244,27 @@ impl DeviceSource for Nvml {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_shapes_are_deterministic_and_checked() {
+        let mut s = Synthetic::new("n3", "4xh100", vec![(2, 48)]).unwrap();
+        assert_eq!(s.gpus().len(), 4);
+        assert_eq!(s.gpus()[1].uuid, "GPU-synthetic-n3-1");
+        assert_eq!((s.gpus()[1].model.as_str(), s.gpus()[1].memory_total_mib), ("H100", 80 * 1024));
+        let a = s.sample(&[1]);
+        assert!(a[1].sm_util_pct > 0 && a[0].sm_util_pct == 0 && a[1].memory_used_mib > 0);
+        assert!(a.iter().all(|x| x.events.is_empty()));
+        s.sample(&[]);
+        let third = s.sample(&[]);
+        assert_eq!(third[2].events, vec![Event { kind: "xid".into(), code: 48, detail: "synthetic XID 48".into() }]);
+        assert!(s.sample(&[]).iter().all(|x| x.events.is_empty()), "an injected XID is reported once");
+        for bad in ["8", "0xH20", "8xQ1", "axH20", "65xH20"] {
+            assert!(Synthetic::new("n", bad, Vec::new()).is_err(), "{bad}");
+        }
+        assert!(Synthetic::new("n", "2xH20", vec![(2, 79)]).is_err());
+    }
+}
