@@ -559,7 +559,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         if !args.quiet {
             eprintln!("simulating {} jobs with {} ...", jobs.len(), loaded.info.name);
         }
-        reports.push(asi_report::run_policy_with(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref())?);
+        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref())?);
     }
     print!("{}", asi_report::table(&reports));
     if accounting || request.is_some() {

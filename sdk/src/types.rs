@@ -241,7 +241,44 @@ pub struct Allocations {
     pub since_checkpoint_s: Vec<u64>,
 }
 
+/// One allocation's entries of [`Allocations`] (see the WIT `allocations`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AllocationRow {
+    pub id: u32,
+    pub job_id: u64,
+    pub node: u32,
+    pub gpus: u64,
+    pub gpu_milli: u32,
+    pub cpu_milli: u32,
+    pub memory_mib: u64,
+    pub priority: u32,
+    pub movable: bool,
+    pub gang_id: u64,
+    pub state_bytes: u64,
+    pub remaining_s: u64,
+    pub running_s: u64,
+    pub since_checkpoint_s: u64,
+}
+
 impl Allocations {
+    /// Appends one allocation to every column.
+    pub fn push(&mut self, r: AllocationRow) {
+        self.ids.push(r.id);
+        self.job_ids.push(r.job_id);
+        self.node.push(r.node);
+        self.gpus.push(r.gpus);
+        self.gpu_milli.push(r.gpu_milli);
+        self.cpu_milli.push(r.cpu_milli);
+        self.memory_mib.push(r.memory_mib);
+        self.priority.push(r.priority);
+        self.movable.push(u8::from(r.movable));
+        self.gang_id.push(r.gang_id);
+        self.state_bytes.push(r.state_bytes);
+        self.remaining_s.push(r.remaining_s);
+        self.running_s.push(r.running_s);
+        self.since_checkpoint_s.push(r.since_checkpoint_s);
+    }
+
     pub fn len(&self) -> usize {
         self.ids.len()
     }

@@ -53,7 +53,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use berth_sdk::{Allocations, Nodes, Pending, Plan, Snapshot};
+use berth_sdk::{AllocationRow, Allocations, Nodes, Pending, Plan, Snapshot};
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::{Allocation, Fleet, ModelId, Node, NodeId};
@@ -372,20 +372,22 @@ pub fn snapshot(fleet: &Fleet, nodes: &[NodeId], running: &[Running], pending: &
     }
     let mut a = Allocations::default();
     for r in running.iter().filter(|r| inside.contains(&r.node)) {
-        a.ids.push(r.id);
-        a.job_ids.push(r.job_id);
-        a.node.push(r.node);
-        a.gpus.push(r.gpus);
-        a.gpu_milli.push(r.gpu_milli);
-        a.cpu_milli.push(r.cpu_milli);
-        a.memory_mib.push(r.memory_mib);
-        a.priority.push(r.priority);
-        a.movable.push(u8::from(r.may_move(config, now)));
-        a.gang_id.push(r.gang_id);
-        a.state_bytes.push(r.state_bytes);
-        a.remaining_s.push(r.remaining_s);
-        a.running_s.push(r.running_s);
-        a.since_checkpoint_s.push(r.since_checkpoint_s);
+        a.push(AllocationRow {
+            id: r.id,
+            job_id: r.job_id,
+            node: r.node,
+            gpus: r.gpus,
+            gpu_milli: r.gpu_milli,
+            cpu_milli: r.cpu_milli,
+            memory_mib: r.memory_mib,
+            priority: r.priority,
+            movable: r.may_move(config, now),
+            gang_id: r.gang_id,
+            state_bytes: r.state_bytes,
+            remaining_s: r.remaining_s,
+            running_s: r.running_s,
+            since_checkpoint_s: r.since_checkpoint_s,
+        });
     }
     let mut p = Pending::default();
     let mut wanted: Vec<&Wanted> = pending.iter().collect();

@@ -6,7 +6,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
 
-use berth_sdk::{Allocations, Task};
+use berth_sdk::{AllocationRow, Allocations, Task};
 
 use crate::fleet::{Allocation, Fleet, NodeId};
 use crate::placement::{Placer, TaskMeta};
@@ -651,20 +651,22 @@ impl Victims<'_> {
             }
             let ran = now.saturating_sub(self.runs.run_start[v]);
             for a in &self.runs.held[v] {
-                victims.ids.push(owner.len() as u32);
-                victims.job_ids.push(vj.id);
-                victims.node.push(a.node);
-                victims.gpus.push(a.gpus);
-                victims.gpu_milli.push(a.gpu_milli);
-                victims.cpu_milli.push(a.cpu_milli);
-                victims.memory_mib.push(a.memory_mib);
-                victims.priority.push(vj.priority);
-                victims.movable.push(1);
-                victims.gang_id.push(if vj.tasks > 1 { vj.id } else { 0 });
-                victims.state_bytes.push(0);
-                victims.remaining_s.push(vj.duration_s.saturating_sub(self.runs.kept_s[v] + ran));
-                victims.running_s.push(ran);
-                victims.since_checkpoint_s.push(ran % contract.checkpoint_every_s.max(1));
+                victims.push(AllocationRow {
+                    id: owner.len() as u32,
+                    job_id: vj.id,
+                    node: a.node,
+                    gpus: a.gpus,
+                    gpu_milli: a.gpu_milli,
+                    cpu_milli: a.cpu_milli,
+                    memory_mib: a.memory_mib,
+                    priority: vj.priority,
+                    movable: true,
+                    gang_id: if vj.tasks > 1 { vj.id } else { 0 },
+                    state_bytes: 0,
+                    remaining_s: vj.duration_s.saturating_sub(self.runs.kept_s[v] + ran),
+                    running_s: ran,
+                    since_checkpoint_s: ran % contract.checkpoint_every_s.max(1),
+                });
                 owner.push(v);
             }
         }

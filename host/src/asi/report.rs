@@ -186,24 +186,10 @@ pub fn account_at_end(fleet: &Fleet, topo: &Topology, jobs: &[Job], out: &SimOut
     account(fleet, &pending, &topo.partition, &|i, _| productive[i])
 }
 
-/// Simulates `jobs` on a fresh copy of `fleet` with one wasm policy.
+/// Simulates `jobs` on a fresh copy of `fleet` with one wasm policy placing,
+/// and with periodic compaction by a wasm compaction policy when given.
 #[allow(clippy::too_many_arguments)]
 pub fn run_policy(
-    engine: &Arc<PolicyEngine>,
-    loaded: &Arc<LoadedPolicy>,
-    fleet: &Fleet,
-    topo: &Topology,
-    jobs: &[Job],
-    horizon_s: u64,
-    guards: &Guards,
-    request: Option<&(PendingShape, Option<u64>)>,
-) -> anyhow::Result<EventReport> {
-    run_policy_with(engine, loaded, fleet, topo, jobs, horizon_s, guards, request, None)
-}
-
-/// [`run_policy`] with periodic compaction by a wasm compaction policy.
-#[allow(clippy::too_many_arguments)]
-pub fn run_policy_with(
     engine: &Arc<PolicyEngine>,
     loaded: &Arc<LoadedPolicy>,
     fleet: &Fleet,
