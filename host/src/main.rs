@@ -176,6 +176,10 @@ struct ReplayArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Deadline of one policy call, ms. Replay is offline: a long run on a
+    /// loaded machine may want more than the live host's 500 ms.
+    #[arg(long, default_value_t = 500)]
+    deadline_ms: u64,
 }
 
 #[derive(Subcommand)]
@@ -404,7 +408,7 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
         progress: !args.quiet,
         decisions_dir: args.decisions.clone(),
         typical_from: args.typical_from.clone(),
-        limits: berth::wasm::Limits::default(),
+        limits: replay_limits(&args),
     };
     anyhow::ensure!(opts.synthetic_nodes > 0, "--synthetic-nodes must be at least 1");
     let started = std::time::Instant::now();
@@ -529,7 +533,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             protected_partitions: config.non_preemptible_partitions.iter().copied().collect(),
             ..Default::default()
         };
-        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base)?;
+        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base, replay_limits(args))?;
         print!("{}", berth::asi::preempt::table(&rows));
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "preemption": rows }))?)
@@ -559,7 +563,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         if !args.quiet {
             eprintln!("simulating {} jobs with {} ...", jobs.len(), loaded.info.name);
         }
-        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref())?);
+        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref(), replay_limits(args))?);
     }
     print!("{}", asi_report::table(&reports));
     if accounting || request.is_some() {
@@ -572,4 +576,9 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The policies' limits in replay: the live host's, with `--deadline-ms`.
+fn replay_limits(args: &ReplayArgs) -> berth::wasm::Limits {
+    berth::wasm::Limits { deadline: std::time::Duration::from_millis(args.deadline_ms.max(1)), ..Default::default() }
 }

@@ -5,6 +5,7 @@ use berth::asi::report::{run_policy, LARGE_GANG_GPUS};
 use berth::asi::workload::{WorkloadConfig, CLASSES, HIGH_PRIORITY};
 use berth_core::sim::{domain_table, fitting_tasks, simulate, Guards, SimConfig};
 
+use berth::wasm::Limits;
 use crate::common::{engine, load, policy_path, wasm_policy};
 
 #[test]
@@ -130,11 +131,11 @@ fn event_replay_is_all_or_nothing_and_deterministic() {
     assert_eq!(f1.gpu_allocated_milli(), running, "gangs hold all their GPUs or none");
     assert!(out.utilisation.high_milli_s <= out.utilisation.all_milli_s);
 
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
     assert!(report.allocation_pct > 30.0 && report.allocation_pct <= 100.0, "{}", report.allocation_pct);
     assert!(report.high_priority_allocation_pct <= report.allocation_pct);
     assert_eq!(report.classes.iter().map(|c| c.jobs).sum::<usize>(), jobs.len());
-    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None).unwrap();
+    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
     assert_eq!((again.allocation_pct, again.classes.clone()), (report.allocation_pct, report.classes.clone()));
     if report.large_gangs_started > 0 {
         assert!(report.large_gang_domains_mean >= report.large_gang_domains_lower_bound_mean);
@@ -217,8 +218,8 @@ fn entropy_policy_uses_fewer_domains_per_large_gang() {
     let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.03).build().unwrap();
     let jobs = WorkloadConfig { days: 4.0, seed: 5, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
-    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None).unwrap();
-    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None).unwrap();
+    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
+    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
     assert!(blind.large_gangs_started > 20, "{}", blind.large_gangs_started);
     assert!(aware.large_gangs_started as f64 >= 0.95 * blind.large_gangs_started as f64);
     assert!(aware.large_gang_domains_mean >= aware.large_gang_domains_lower_bound_mean);
@@ -250,9 +251,9 @@ fn starvation_guard_protects_the_largest_gangs() {
     let jobs = WorkloadConfig { days: 4.0, load: 1.2, seed: 1, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
     let policy = load(&policy_path("topo-entropy"));
-    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None).unwrap();
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
     let guard = berth_core::sim::StarvationGuard { reserve_after_s: 2 * 3600, aging_per_hour: 0.0 };
-    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::everywhere(Some(guard)), None, None).unwrap();
+    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::everywhere(Some(guard)), None, None, Limits::default()).unwrap();
     assert_eq!(without.reservations, 0);
     assert!(with.reservations > 0);
     assert!(without.largest_gangs > 10, "{}", without.largest_gangs);
@@ -278,7 +279,7 @@ fn workload_csv_reads_jobs_and_names_bad_rows() {
     assert_eq!(jobs.len(), 3);
     assert_eq!((jobs[0].tasks, jobs[0].gpus(), jobs[0].priority), (2, 16, HIGH_PRIORITY));
     assert!(jobs[1].priority < HIGH_PRIORITY && jobs[1].shape.models.is_empty());
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, 7200, &Guards::default(), None, None).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, 7200, &Guards::default(), None, None, Limits::default()).unwrap();
     assert_eq!(report.classes.iter().map(|c| c.started).sum::<usize>(), 3);
     assert!(jobs.iter().all(|j| j.partition.is_none()));
 
@@ -319,7 +320,7 @@ fn spot_gpu_loses_less_work_than_both_baselines() {
     for seed in 1..=3 {
         let jobs = WorkloadConfig { days: 3.0, seed, ..WorkloadConfig::default() }.generate(&fleet);
         let base = SimConfig { horizon_s: 3 * 86_400, ..SimConfig::default() };
-        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, &base).unwrap();
+        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, &base, Limits::default()).unwrap();
         assert_eq!(rows.len(), 5);
         let (alone, fill) = (&rows[0], &rows[1]);
         assert_eq!(alone.low_jobs, 0);
@@ -385,14 +386,14 @@ fn periodic_compaction_in_event_replay() {
     let planner = (load(&policy_path("ipc")), config);
     let policy = load(&policy_path("best-fit"));
     let horizon = 2 * 86_400;
-    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, Some(&planner)).unwrap();
+    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, Some(&planner), Limits::default()).unwrap();
     let ledger = with.compaction.clone().expect("a ledger");
     let partitions = fleet.nodes().iter().map(|n| n.partition).max().unwrap() as u64 + 1;
     assert!(ledger.steps >= partitions * (horizon / 1800 - 2), "{} steps", ledger.steps);
     assert!(ledger.moves_run > 0, "IPC moved nothing in two days: {ledger:?}");
     assert_eq!(ledger.plans_rejected, 0, "{:?}", ledger.rejections);
     assert!(ledger.bytes_moved() > 0);
-    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None).unwrap();
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
     assert!(without.compaction.is_none());
     assert_eq!(with.jobs, without.jobs);
     let table = berth::asi::report::table(&[without, with]);

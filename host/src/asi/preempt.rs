@@ -84,14 +84,15 @@ pub fn compare(
     fleet: &Fleet,
     jobs: &[Job],
     base: &SimConfig,
+    limits: Limits,
 ) -> anyhow::Result<Vec<PreemptRow>> {
     let jobs = with_contracts(jobs);
     let horizon_s = base.horizon_s;
     let config = SimConfig { high_priority: HIGH_PRIORITY, ..base.clone() };
     let run = |jobs: &[Job], ranker: Option<&Arc<LoadedPolicy>>| -> anyhow::Result<SimOutcome> {
-        let mut policy = WasmPolicy::new(engine.clone(), placement.clone(), Limits::default());
+        let mut policy = WasmPolicy::new(engine.clone(), placement.clone(), limits);
         let mut fleet = fleet.clone();
-        let mut ranker = ranker.map(|r| WasmPolicy::new(engine.clone(), r.clone(), Limits::default()));
+        let mut ranker = ranker.map(|r| WasmPolicy::new(engine.clone(), r.clone(), limits));
         let ranker = ranker.as_mut().map(|r| r as &mut dyn berth_core::preemption::PreemptionPolicy);
         // High priority alone has nothing to lend to.
         let config = if jobs.iter().all(|j| j.priority >= HIGH_PRIORITY) { SimConfig { harvest: None, ..config.clone() } } else { config.clone() };

@@ -199,9 +199,10 @@ pub fn run_policy(
     guards: &Guards,
     request: Option<&(PendingShape, Option<u64>)>,
     compaction: Option<&(Arc<LoadedPolicy>, CompactionConfig)>,
+    limits: Limits,
 ) -> anyhow::Result<EventReport> {
-    let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), Limits::default());
-    let mut planner = compaction.map(|(p, _)| WasmPolicy::new(engine.clone(), p.clone(), Limits::default()));
+    let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), limits);
+    let mut planner = compaction.map(|(p, _)| WasmPolicy::new(engine.clone(), p.clone(), limits));
     let mut fleet = fleet.clone();
     let started = std::time::Instant::now();
     let deciders = Deciders {
