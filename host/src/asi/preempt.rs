@@ -12,6 +12,7 @@ use berth_core::sim::{simulate_with, Deciders, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
 use serde::Serialize;
 
+use super::report::percentile;
 use super::workload::HIGH_PRIORITY;
 use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
 
@@ -115,15 +116,14 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
     let mut high_waits: Vec<u64> =
         jobs.iter().zip(&out.jobs).filter(|(j, _)| j.priority >= HIGH_PRIORITY).filter_map(|(j, o)| o.start_s.map(|s| s - j.arrival_s)).collect();
     high_waits.sort_unstable();
-    let pct = |p: f64| if high_waits.is_empty() { 0 } else { high_waits[((p * high_waits.len() as f64).ceil() as usize).clamp(1, high_waits.len()) - 1] };
     let low: Vec<(&Job, &berth_core::sim::JobOutcome)> = jobs.iter().zip(&out.jobs).filter(|(j, _)| j.priority < HIGH_PRIORITY).collect();
     let completion: f64 = low.iter().map(|(j, o)| (o.end_s.unwrap_or(horizon_s.max(j.arrival_s)) - j.arrival_s) as f64 / 3600.0).sum();
     PreemptRow {
         run: run.to_string(),
         allocation_pct: 100.0 * out.utilisation.all_milli_s / (total * secs),
         high_priority_allocation_pct: 100.0 * out.utilisation.high_milli_s / (total * secs),
-        high_wait_p50_s: pct(0.5),
-        high_wait_p99_s: pct(0.99),
+        high_wait_p50_s: percentile(&high_waits, 50.0),
+        high_wait_p99_s: percentile(&high_waits, 99.0),
         low_jobs: low.len(),
         low_finished: low.iter().filter(|(_, o)| o.end_s.is_some()).count(),
         low_completion_mean_h: if low.is_empty() { 0.0 } else { completion / low.len() as f64 },
@@ -136,7 +136,7 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
         vacate_p95_s: {
             let mut v = out.vacate_s.clone();
             v.sort_unstable();
-            if v.is_empty() { 0 } else { v[((0.95 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1] }
+            percentile(&v, 95.0)
         },
         standby_gpu_h: out.standby_gpu_s / 3600.0,
         harvested_pct: if out.standby_gpu_s > 0.0 { 100.0 * out.harvested_gpu_s / out.standby_gpu_s } else { 0.0 },

@@ -72,7 +72,8 @@ pub struct EventReport {
     pub wall_s: f64,
 }
 
-fn percentile(sorted: &[u64], p: f64) -> u64 {
+/// The `p`th percentile (0..=100, nearest rank) of sorted values; 0 if none.
+pub(crate) fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }
