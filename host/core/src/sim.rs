@@ -227,6 +227,7 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
     // capacity was released since then.
     let mut fresh = vec![false; n];
     let mut touched: HashSet<NodeId> = HashSet::new();
+    let mut gang_bounds = GangBounds::default();
 
     loop {
         // The next event: an arrival, a departure or an evicted job ready
@@ -350,6 +351,11 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
         reservations.retain(|_, r| outcome.jobs[r.job].start_s.is_none() && now < r.until);
         drained_by.retain(|_, scope| reservations.contains_key(scope));
         freed |= reservations.len() != before;
+        if freed {
+            gang_bounds.clear();
+        } else {
+            gang_bounds.raise(fleet, &touched);
+        }
         // Shapes that did not fit this pass under the same constraints: not
         // retried until the next event.
         let mut failed: HashSet<(Vec<Option<u32>>, Option<u32>, u32, &TaskShape)> = HashSet::new();
@@ -395,13 +401,29 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
                 still_pending.push(j);
                 continue;
             }
-            let mut placed = place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)?.map(|(a, d)| (a, d, 0));
+            // A gang whose tasks cannot all fit, even ignoring placement, is
+            // not offered to the policy (place_gang would decline it too);
+            // its bound spares the scan of the fleet until enough capacity
+            // came back.
+            let bound_key = (job.tasks > 1).then(|| (key.clone(), low(j)));
+            let mut hopeless = bound_key.as_ref().is_some_and(|k| gang_bounds.rules_out(k));
+            if let Some(k) = bound_key
+                && !hopeless
+            {
+                let fit = fitting_tasks_among(fleet, &job.shape, job.tasks, &keep);
+                if fit < job.tasks {
+                    gang_bounds.record(k, fit);
+                    hopeless = true;
+                }
+            }
+            let mut placed = if hopeless { None } else { place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)?.map(|(a, d)| (a, d, 0)) };
             if placed.is_none()
                 && !low(j)
                 && let Some(ranker) = preemption.as_deref_mut()
             {
                 let victims = Victims { jobs, runs: &runs };
                 if let Some(chosen) = victims.choose(fleet, ranker, j, now, &keep, &config)? {
+                    gang_bounds.clear(); // capacity comes back outside the departures
                     for &v in &chosen {
                         for alloc in &runs.held[v] {
                             fleet.release(alloc).expect("a running job's allocations are held");
@@ -483,6 +505,55 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
         .filter_map(|(j, e)| e.map(|e| (e, j, std::mem::take(&mut runs.held[j]))))
         .collect();
     Ok(outcome)
+}
+
+/// A waiting gang as the event loop tells them apart: (reservation scopes it
+/// must avoid, partition, tasks, shape), and whether it is low priority.
+type GangKey<'a> = ((Vec<Option<u32>>, Option<u32>, u32, &'a TaskShape), bool);
+
+/// For gangs that did not fit: an upper bound on how many of their tasks
+/// could fit now. Set to the exact count when a scan fails, then raised by
+/// what each node that released capacity could hold, so that on a large
+/// fleet a waiting gang is not re-scanned after every departure, only when
+/// enough capacity may have come back. Valid only while capacity returns
+/// through departures alone: anything else (constraints relaxed, moves,
+/// evictions) clears it.
+#[derive(Default)]
+struct GangBounds<'a> {
+    bounds: HashMap<GangKey<'a>, u32>,
+}
+
+impl<'a> GangBounds<'a> {
+    fn clear(&mut self) {
+        self.bounds.clear();
+    }
+
+    fn record(&mut self, key: GangKey<'a>, fitting: u32) {
+        self.bounds.insert(key, fitting);
+    }
+
+    /// True when the gang surely cannot fit: its bound is below its size.
+    fn rules_out(&self, key: &GangKey<'a>) -> bool {
+        self.bounds.get(key).is_some_and(|&b| b < key.0.2)
+    }
+
+    /// Capacity came back on `released`: a gang's bound grows by what those
+    /// nodes could hold of it now (counted whether or not drained or lent,
+    /// which only makes the bound looser, never wrong).
+    fn raise(&mut self, fleet: &Fleet, released: &HashSet<NodeId>) {
+        if released.is_empty() {
+            return;
+        }
+        for (((_, partition, tasks, shape), _), bound) in self.bounds.iter_mut() {
+            for &id in released {
+                let node = &fleet.nodes()[id as usize];
+                if partition.is_none_or(|p| node.partition == p) {
+                    *bound = bound.saturating_add(tasks_on_node(node, shape).min(*tasks));
+                }
+            }
+        }
+        self.bounds.retain(|((_, _, tasks, _), _), bound| *bound < *tasks);
+    }
 }
 
 /// Milli-GPUs in use on lent GPUs (borrowed from sleeping replicas).
