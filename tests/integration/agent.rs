@@ -265,3 +265,204 @@ async fn two_agents_run_children_on_their_gpus_and_a_killed_agent_becomes_unreac
     assert!(text.lines().any(|l| l.starts_with("n1 ") && l.contains("agent, ready")), "{text}");
     drop(hub);
 }
+
+/// Starts `berth serve` on a free loopback port; returns it and its URL.
+async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) -> (Proc, String) {
+    let access = d.join("access.toml");
+    std::fs::write(&access, ACCESS).unwrap();
+    let log = d.join(format!("{name}.log"));
+    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--state-dir", state.to_str().unwrap(), "--access", access.to_str().unwrap()];
+    args.extend(extra);
+    let proc = spawn(&args, &log);
+    let url = until("berth serve to listen", Duration::from_secs(120), || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        async move { text.lines().find_map(|l| l.split("API on ").nth(1).map(|r| r.split(',').next().unwrap().trim().to_string())) }
+    })
+    .await;
+    (proc, url)
+}
+
+fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token", "ops-test-token", "--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2"];
+    args.extend(extra);
+    spawn(&args, &d.join(format!("{node}.log")))
+}
+
+/// A task that writes the GPUs it sees to `vis-<job>-<allocation>`, then
+/// waits for `release-<job>` and exits with the code written there.
+fn task_argv(d: &Path) -> Vec<String> {
+    let d = d.display();
+    let script = format!(
+        "echo \"$CUDA_VISIBLE_DEVICES|$NVIDIA_VISIBLE_DEVICES\" > {d}/vis-$BERTH_JOB-$BERTH_ALLOCATION; \
+         while [ ! -f {d}/release-$BERTH_JOB ]; do sleep 0.05; done; exit $(cat {d}/release-$BERTH_JOB)"
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+fn agent_job(d: &Path, gpus: u32, tasks: u32) -> pb::JobSpec {
+    pb::JobSpec { partition: "p0".into(), tasks, gpus, cpu_milli: 1000, memory_mib: 1024, argv: task_argv(d), ..Default::default() }
+}
+
+async fn jobs(api: &berth::serve::cli::Client) -> Vec<pb::Job> {
+    api.clone().list_jobs(pb::ListJobsRequest { partition: "p0".into(), ..Default::default() }).await.unwrap().into_inner().jobs
+}
+
+/// Every GPU held by at most one running task, none on `forbidden` GPUs.
+fn assert_one_owner(jobs: &[pb::Job], forbidden: &[(&str, u32)]) {
+    let mut owners: std::collections::BTreeMap<(String, u32), u64> = Default::default();
+    for j in jobs {
+        for r in j.runs.iter().filter(|r| matches!(r.state.as_str(), "starting" | "running" | "sleeping")) {
+            for &g in &r.gpus {
+                assert!(!forbidden.contains(&(r.node.as_str(), g)), "job {} runs on unhealthy GPU {g} of {}", j.id, r.node);
+                if let Some(other) = owners.insert((r.node.clone(), g), j.id) {
+                    panic!("GPU {g} of {} has two owners: jobs {other} and {}", r.node, j.id);
+                }
+            }
+        }
+    }
+}
+
+fn accounting_total(a: &pb::AccountingResponse) -> pb::Denominators {
+    a.rows.iter().find(|r| r.group == "model H20").and_then(|r| r.gpus).expect("an H20 row")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
+    let d = dir("sched");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "1500"]).await;
+    // 4 + 2 H20s; GPU 1 of n2 reports XID 79 on its third sample.
+    let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
+    let _n2 = agent(&d, &url, "n2", "2xH20", &["--synthetic-xid", "1:79"]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    until("both agent nodes schedulable and n2 GPU 1 unhealthy", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            let ok = |n: &str, unhealthy| nodes.iter().any(|x| x.name == n && x.schedulable && x.gpus_unhealthy == unhealthy);
+            (ok("n1", 0) && ok("n2", 1)).then_some(())
+        }
+    })
+    .await;
+
+    // Bad input names what is wrong.
+    let mut bad = agent_job(&d, 1, 1);
+    bad.models = vec!["Q9000".into()];
+    let e = api.submit_job(pb::SubmitJobRequest { job: Some(bad) }).await.unwrap_err();
+    assert!(e.code() == Code::InvalidArgument && e.message().contains("Q9000") && e.message().contains("H20"), "{e:?}");
+    let mut bad = agent_job(&d, 1, 1);
+    bad.env.insert("A=B".into(), "x".into());
+    let e = api.submit_job(pb::SubmitJobRequest { job: Some(bad) }).await.unwrap_err();
+    assert!(e.code() == Code::InvalidArgument && e.message().contains("A=B"), "{e:?}");
+
+    // Five healthy GPUs; 2 + 1 + 1 + 2 asked: the last waits.
+    let mut a = agent_job(&d, 2, 1);
+    a.models = vec!["H20".into()];
+    let mut ids = Vec::new();
+    for spec in [a, agent_job(&d, 1, 1), agent_job(&d, 1, 1), agent_job(&d, 2, 1)] {
+        ids.push(api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap().into_inner().job_id);
+    }
+    // A simulated job never lands on an agent node, nor an argv job on a simulated one.
+    let sim = api
+        .submit_job(pb::SubmitJobRequest { job: Some(pb::JobSpec { partition: "p0".into(), gpus: 1, duration_s: 600.0, ..Default::default() }) })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let running = until("three argv jobs running with their processes started", Duration::from_secs(60), || {
+        let api = api.clone();
+        let ids = ids.clone();
+        async move {
+            let js = jobs(&api).await;
+            let run: Vec<pb::Job> = js.into_iter().filter(|j| ids.contains(&j.id) && j.state == "running" && j.runs.iter().all(|r| r.state == "running")).collect();
+            (run.len() == 3).then_some(run)
+        }
+    })
+    .await;
+    let all = jobs(&api).await;
+    assert_one_owner(&all, &[("n2", 1)]);
+    let waiting = all.iter().find(|j| j.id == ids[3]).unwrap();
+    assert_eq!(waiting.state, "pending", "{waiting:?}");
+    let simjob = all.iter().find(|j| j.id == sim).unwrap();
+    assert!(simjob.placements.iter().all(|p| p.node != "n1" && p.node != "n2"), "{simjob:?}");
+    for j in &running {
+        assert!(j.placements.iter().all(|p| p.node == "n1" || p.node == "n2"), "{j:?}");
+        // Each process saw exactly its GPUs, by UUID.
+        let r = &j.runs[0];
+        let want: Vec<String> = r.gpus.iter().map(|g| format!("GPU-synthetic-{}-{g}", r.node)).collect();
+        let want = want.join(",");
+        let seen = std::fs::read_to_string(d.join(format!("vis-{}-{}", j.id, r.allocation_id))).unwrap();
+        assert_eq!(seen.trim(), format!("{want}|{want}"), "job {}", j.id);
+        assert_eq!(r.gpus.len() as u32, j.spec.as_ref().unwrap().gpus);
+    }
+
+    // Measured activity: every allocated H20 is busy and SM-active; a
+    // sleeping (SIGSTOPped) process's GPU stays allocated but is not productive.
+    let acc = until("productive = busy = 4 on H20", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move {
+            let a = api.accounting(pb::AccountingRequest { partition: "p0".into() }).await.unwrap().into_inner();
+            let t = accounting_total(&a);
+            (t.busy == 4.0 && t.productive == 4.0).then_some(t)
+        }
+    })
+    .await;
+    assert_eq!((acc.installed, acc.healthy), (6.0, 5.0), "{acc:?}");
+    let one = running.iter().find(|j| j.spec.as_ref().unwrap().gpus == 1).unwrap();
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    hub.control_allocation(pb::ControlAllocationRequest { allocation_id: one.runs[0].allocation_id, action: "sleep".into() }).await.unwrap();
+    until("productive 3 of busy 4 while one sleeps", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move {
+            let a = api.accounting(pb::AccountingRequest { partition: "p0".into() }).await.unwrap().into_inner();
+            let t = accounting_total(&a);
+            (t.busy == 4.0 && t.productive == 3.0).then_some(())
+        }
+    })
+    .await;
+    hub.control_allocation(pb::ControlAllocationRequest { allocation_id: one.runs[0].allocation_id, action: "wake".into() }).await.unwrap();
+
+    // An operator cannot take a GPU a job holds.
+    let held = &running[0].runs[0];
+    let clash = hub.start_allocation(pb::StartAllocationRequest { node: held.node.clone(), gpus: held.gpus.clone(), argv: vec!["true".into()], ..Default::default() }).await.unwrap_err();
+    assert!(clash.code() == Code::FailedPrecondition && clash.message().contains(&format!("job {}", running[0].id)), "{clash:?}");
+
+    // The 2-GPU job exits 0: finished, its GPUs go to the waiting job.
+    let two = running.iter().find(|j| j.spec.as_ref().unwrap().gpus == 2).unwrap().id;
+    std::fs::write(d.join(format!("release-{two}")), "0").unwrap();
+    until("the 2-GPU job finished and the waiting one running", Duration::from_secs(60), || {
+        let api = api.clone();
+        let ids = ids.clone();
+        async move {
+            let js = jobs(&api).await;
+            let st = |id: u64| js.iter().find(|j| j.id == id).unwrap().state.clone();
+            (st(two) == "finished" && st(ids[3]) == "running").then_some(())
+        }
+    })
+    .await;
+    assert_one_owner(&jobs(&api).await, &[("n2", 1)]);
+
+    // A non-zero exit fails the job, with the code in its detail.
+    let failing = running.iter().find(|j| j.id != two).unwrap().id;
+    std::fs::write(d.join(format!("release-{failing}")), "3").unwrap();
+    let failed = until("the job failed", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == failing && j.state == "failed") }
+    })
+    .await;
+    assert_eq!(failed.runs[0].exit_code, 3);
+    assert!(failed.detail.contains("exit 3"), "{}", failed.detail);
+
+    // Cancel: the process is stopped, and its GPUs come back only on its exit.
+    let last = ids[3];
+    api.cancel_job(pb::CancelJobRequest { job_id: last }).await.unwrap();
+    let gone = until("the cancelled job's process gone", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == last && j.runs.iter().all(|r| r.state == "exited")) }
+    })
+    .await;
+    assert_eq!((gone.state.as_str(), gone.runs[0].signal), ("cancelled", libc::SIGTERM));
+    let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+    let idle: u32 = nodes.iter().filter(|n| n.source == "agent").map(|n| n.gpus_idle).sum();
+    // n1 + n2 have 5 healthy GPUs; one 1-GPU job still runs.
+    assert_eq!(idle, 4, "{nodes:?}");
+}

@@ -2,9 +2,10 @@
 //! API: registrations, heartbeats and telemetry, GPU health, node
 //! reachability, and the command streams that actuate allocations.
 //!
-//! Agent nodes are kept here, apart from the simulated fleet; `ListNodes`
-//! shows them (source "agent"). Placement of scheduled jobs onto them is
-//! not built yet: allocations are started explicitly by an operator.
+//! Agent nodes also join their partition's fleet (`serve::actuation`), so
+//! jobs with argv are placed onto them by the partition's policy; the hub
+//! is the scheduler's [`Actuator`]: it sends the start and stop commands
+//! and feeds exits, health and measured activity back to the fleet.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -17,7 +18,7 @@ use tonic::{Request, Response, Status};
 
 use crate::serve::auth::{Identity, Role};
 use crate::serve::pb::{self, agent_hub_server::AgentHub};
-use crate::serve::scheduler::Live;
+use crate::serve::scheduler::{Actuator, Live, Start};
 use crate::serve::unix_ms;
 
 /// Host-side agent settings.
@@ -25,11 +26,14 @@ use crate::serve::unix_ms;
 pub struct HubConfig {
     /// A node whose last heartbeat is older than this is unreachable.
     pub heartbeat_timeout: Duration,
+    /// An allocated GPU counts as productive when its SM utilisation is at
+    /// least this (percent).
+    pub productive_sm_pct: u32,
 }
 
 impl Default for HubConfig {
     fn default() -> Self {
-        HubConfig { heartbeat_timeout: Duration::from_secs(10) }
+        HubConfig { heartbeat_timeout: Duration::from_secs(10), productive_sm_pct: 10 }
     }
 }
 
@@ -56,7 +60,6 @@ struct AgentRecord {
 struct HubState {
     agents: BTreeMap<String, AgentRecord>,
     allocations: BTreeMap<u64, pb::AllocationInfo>,
-    next_allocation: u64,
     next_session: u64,
 }
 
@@ -75,7 +78,7 @@ type Reply<T> = Result<Response<T>, Status>;
 
 impl Hub {
     pub fn new(live: Arc<Live>, config: HubConfig) -> Arc<Hub> {
-        Arc::new(Hub { live, config, state: Mutex::new(HubState { next_allocation: 1, next_session: 1, ..HubState::default() }) })
+        Arc::new(Hub { live, config, state: Mutex::new(HubState { next_session: 1, ..HubState::default() }) })
     }
 
     fn who<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
@@ -90,14 +93,23 @@ impl Hub {
     /// Marks nodes whose heartbeats stopped as unreachable (logged once per
     /// transition). Runs every quarter of the timeout.
     pub fn sweep(&self) {
-        let mut st = self.state.lock().unwrap();
-        let now = Instant::now();
-        for (name, a) in st.agents.iter_mut() {
-            let late = now.duration_since(a.last_heartbeat) > self.config.heartbeat_timeout;
-            if late && a.reachable {
-                a.reachable = false;
-                tracing::warn!(target: "berth::agent", node = %name, "node unreachable: no heartbeat for {:?}", self.config.heartbeat_timeout);
+        let mut lost = Vec::new();
+        {
+            let mut st = self.state.lock().unwrap();
+            let now = Instant::now();
+            for (name, a) in st.agents.iter_mut() {
+                let late = now.duration_since(a.last_heartbeat) > self.config.heartbeat_timeout;
+                if late && a.reachable {
+                    a.reachable = false;
+                    tracing::warn!(target: "berth::agent", node = %name, "node unreachable: no heartbeat for {:?}", self.config.heartbeat_timeout);
+                    lost.push((a.partition.clone(), name.clone()));
+                }
             }
+        }
+        // The fleet is told after the hub's lock is dropped (the scheduler
+        // holds a partition's lock while it calls the hub).
+        for (partition, node) in lost {
+            self.live.agent_node_schedulable(&partition, &node, false);
         }
     }
 
@@ -115,46 +127,91 @@ impl Hub {
         })
     }
 
-    /// Agent nodes of the given partitions, for `ListNodes`.
-    pub fn node_infos(&self, partitions: &[String]) -> Vec<pb::NodeInfo> {
+    /// Reachability ("ready", "unreachable") and unhealthy GPU count of
+    /// every agent node, for `ListNodes`.
+    pub fn node_states(&self) -> BTreeMap<String, (String, u32)> {
         self.sweep();
         let st = self.state.lock().unwrap();
-        let mut held: BTreeMap<(&str, u32), u64> = BTreeMap::new();
-        for a in st.allocations.values().filter(|a| holds_gpus(&a.state)) {
-            for &g in &a.gpus {
-                held.insert((a.node.as_str(), g), a.id);
-            }
-        }
         st.agents
             .iter()
-            .filter(|(_, a)| partitions.contains(&a.partition))
-            .map(|(name, a)| {
-                let healthy = a.gpus.iter().filter(|g| g.healthy).count() as u32;
-                let idle = a.gpus.iter().filter(|g| g.healthy && !held.contains_key(&(name.as_str(), g.info.index))).count() as u32;
-                pb::NodeInfo {
-                    name: name.clone(),
-                    partition: a.partition.clone(),
-                    model: a.gpus.first().map_or_else(|| "cpu-only".into(), |g| g.info.model.clone()),
-                    switch_domain: 0,
-                    schedulable: a.reachable && healthy > 0,
-                    gpus: a.gpus.len() as u32,
-                    gpus_idle: idle,
-                    gpu_free_milli: idle as u64 * 1000,
-                    cpu_free_milli: 0,
-                    cpu_total_milli: 0,
-                    memory_free_mib: 0,
-                    memory_total_mib: 0,
-                    source: "agent".into(),
-                    state: if a.reachable { "ready" } else { "unreachable" }.into(),
-                    gpus_unhealthy: a.gpus.len() as u32 - healthy,
-                }
-            })
+            .map(|(name, a)| (name.clone(), (if a.reachable { "ready" } else { "unreachable" }.to_string(), a.gpus.iter().filter(|g| !g.healthy).count() as u32)))
             .collect()
     }
 
     fn agent_partition(&self, node: &str) -> Result<String, Status> {
         let st = self.state.lock().unwrap();
         st.agents.get(node).map(|a| a.partition.clone()).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))
+    }
+
+    /// Records a registration; returns the reply and the GPUs that keep an
+    /// unhealthy mark from before.
+    fn register_locked(&self, r: pb::RegisterAgentRequest, id: &Identity) -> (pb::RegisterAgentResponse, Vec<u32>) {
+        let mut st = self.state.lock().unwrap();
+        let session = st.next_session;
+        st.next_session += 1;
+        let mut gpus = r.gpus.into_iter().map(|info| GpuState { info, healthy: true, reason: String::new(), last: None }).collect::<Vec<_>>();
+        // A node re-registering keeps the health marks of GPUs it still has.
+        if let Some(p) = st.agents.remove(&r.node) {
+            for g in gpus.iter_mut() {
+                if let Some(old) = p.gpus.iter().find(|o| o.info.uuid == g.info.uuid && !o.healthy) {
+                    g.healthy = false;
+                    g.reason = old.reason.clone();
+                }
+            }
+        }
+        let unhealthy = gpus.iter().filter(|g| !g.healthy).map(|g| g.info.index).collect();
+        tracing::info!(target: "berth::agent", node = %r.node, partition = %r.partition, gpus = gpus.len(), source = %r.source, by = %id.name, "agent registered");
+        st.agents.insert(
+            r.node.clone(),
+            AgentRecord {
+                partition: r.partition,
+                source: r.source,
+                session,
+                gpus,
+                last_heartbeat: Instant::now(),
+                last_heartbeat_unix_ms: unix_ms(),
+                heartbeats: 0,
+                reachable: true,
+                commands: None,
+            },
+        );
+        (pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64 }, unhealthy)
+    }
+
+    /// Records a heartbeat; returns GPUs newly unhealthy, GPUs measured
+    /// active, and whether the node's schedulability changed.
+    fn heartbeat_locked(&self, r: &pb::HeartbeatRequest) -> Result<(Vec<u32>, Vec<u32>, Option<bool>), Status> {
+        let mut st = self.state.lock().unwrap();
+        let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
+        if a.session != r.session {
+            return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
+        }
+        let mut schedulable = None;
+        if !a.reachable {
+            tracing::info!(target: "berth::agent", node = %r.node, "node reachable again");
+            schedulable = Some(a.commands.as_ref().is_some_and(|c| !c.is_closed()));
+        }
+        a.last_heartbeat = Instant::now();
+        a.last_heartbeat_unix_ms = unix_ms();
+        a.heartbeats += 1;
+        a.reachable = true;
+        let (mut unhealthy, mut active) = (Vec::new(), Vec::new());
+        for t in &r.gpus {
+            let Some(g) = a.gpus.iter_mut().find(|g| g.info.index == t.index) else { continue };
+            if let Some(e) = t.events.first() {
+                if g.healthy {
+                    g.healthy = false;
+                    g.reason = format!("{} {}: {}", e.kind, e.code, e.detail);
+                    tracing::warn!(target: "berth::agent", node = %r.node, gpu = g.info.index, uuid = %g.info.uuid, "GPU unhealthy: {}", g.reason);
+                    unhealthy.push(t.index);
+                }
+            }
+            if t.sm_util_pct >= self.config.productive_sm_pct {
+                active.push(t.index);
+            }
+            g.last = Some(t.clone());
+        }
+        Ok((unhealthy, active, schedulable))
     }
 
     fn send(&self, node: &str, cmd: pb::AgentCommand) -> Result<(), Status> {
@@ -181,37 +238,22 @@ impl AgentHub for Arc<Hub> {
         if r.node.is_empty() || r.node.len() > 253 {
             return Err(Status::invalid_argument("node name must be 1 to 253 characters"));
         }
-        let mut st = self.state.lock().unwrap();
-        let session = st.next_session;
-        st.next_session += 1;
-        let gpus = r.gpus.into_iter().map(|info| GpuState { info, healthy: true, reason: String::new(), last: None }).collect::<Vec<_>>();
-        // A node re-registering keeps the health marks of GPUs it still has.
-        let previous = st.agents.remove(&r.node);
-        let mut gpus = gpus;
-        if let Some(p) = &previous {
-            for g in gpus.iter_mut() {
-                if let Some(old) = p.gpus.iter().find(|o| o.info.uuid == g.info.uuid && !o.healthy) {
-                    g.healthy = false;
-                    g.reason = old.reason.clone();
-                }
-            }
+        let model = r.gpus.first().map_or("cpu-only", |g| g.model.as_str());
+        if r.gpus.iter().any(|g| g.model != model) {
+            return Err(Status::invalid_argument(format!("node {}: GPUs of more than one model", r.node)));
         }
-        tracing::info!(target: "berth::agent", node = %r.node, partition = %r.partition, gpus = gpus.len(), source = %r.source, by = %id.name, "agent registered");
-        st.agents.insert(
-            r.node.clone(),
-            AgentRecord {
-                partition: r.partition,
-                source: r.source,
-                session,
-                gpus,
-                last_heartbeat: Instant::now(),
-                last_heartbeat_unix_ms: unix_ms(),
-                heartbeats: 0,
-                reachable: true,
-                commands: None,
-            },
-        );
-        Ok(Response::new(pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64 }))
+        if r.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
+            return Err(Status::invalid_argument(format!("node {}: GPU indexes must be 0..{}", r.node, r.gpus.len())));
+        }
+        self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib)?;
+        let (partition, node) = (r.partition.clone(), r.node.clone());
+        let response = self.register_locked(r, &id);
+        // Until its command stream is held, the node takes no work.
+        self.live.agent_node_schedulable(&partition, &node, false);
+        for g in response.1 {
+            self.live.agent_gpu_unhealthy(&partition, &node, g);
+        }
+        Ok(Response::new(response.0))
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
@@ -219,29 +261,14 @@ impl AgentHub for Arc<Hub> {
         let r = req.into_inner();
         let partition = self.agent_partition(&r.node)?;
         self.require(&id, &partition, Role::Operator)?;
-        let mut st = self.state.lock().unwrap();
-        let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
-        if a.session != r.session {
-            return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
+        let (unhealthy, active, schedulable) = self.heartbeat_locked(&r)?;
+        if let Some(on) = schedulable {
+            self.live.agent_node_schedulable(&partition, &r.node, on);
         }
-        if !a.reachable {
-            tracing::info!(target: "berth::agent", node = %r.node, "node reachable again");
+        for g in unhealthy {
+            self.live.agent_gpu_unhealthy(&partition, &r.node, g);
         }
-        a.last_heartbeat = Instant::now();
-        a.last_heartbeat_unix_ms = unix_ms();
-        a.heartbeats += 1;
-        a.reachable = true;
-        for t in r.gpus {
-            let Some(g) = a.gpus.iter_mut().find(|g| g.info.index == t.index) else { continue };
-            if let Some(e) = t.events.first() {
-                if g.healthy {
-                    g.healthy = false;
-                    g.reason = format!("{} {}: {}", e.kind, e.code, e.detail);
-                    tracing::warn!(target: "berth::agent", node = %r.node, gpu = g.info.index, uuid = %g.info.uuid, "GPU unhealthy: {}", g.reason);
-                }
-            }
-            g.last = Some(t);
-        }
+        self.live.agent_activity(&partition, &r.node, &active);
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
@@ -253,12 +280,17 @@ impl AgentHub for Arc<Hub> {
         let partition = self.agent_partition(&r.node)?;
         self.require(&id, &partition, Role::Operator)?;
         let (tx, rx) = mpsc::channel(64);
-        let mut st = self.state.lock().unwrap();
-        let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
-        if a.session != r.session {
-            return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
-        }
-        a.commands = Some(tx);
+        let reachable = {
+            let mut st = self.state.lock().unwrap();
+            let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
+            if a.session != r.session {
+                return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
+            }
+            a.commands = Some(tx);
+            a.reachable
+        };
+        // Commands can reach it now: it may take work.
+        self.live.agent_node_schedulable(&partition, &r.node, reachable);
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -267,19 +299,23 @@ impl AgentHub for Arc<Hub> {
         let r = req.into_inner();
         let partition = self.agent_partition(&r.node)?;
         self.require(&id, &partition, Role::Operator)?;
-        let mut st = self.state.lock().unwrap();
-        let a = st.allocations.get_mut(&r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
-        if a.node != r.node {
-            return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
+        {
+            let mut st = self.state.lock().unwrap();
+            let a = st.allocations.get_mut(&r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
+            if a.node != r.node {
+                return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
+            }
+            tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
+            a.state = r.state.clone();
+            if r.pid != 0 {
+                a.pid = r.pid;
+            }
+            a.exit_code = r.exit_code;
+            a.signal = r.signal;
+            a.detail = r.detail.clone();
         }
-        tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
-        a.state = r.state;
-        if r.pid != 0 {
-            a.pid = r.pid;
-        }
-        a.exit_code = r.exit_code;
-        a.signal = r.signal;
-        a.detail = r.detail;
+        // An exit frees the GPUs in the fleet (and may end the job).
+        self.live.task_report(r.allocation_id, &r.state, r.exit_code, r.signal, &r.detail);
         Ok(Response::new(pb::AllocationReportResponse {}))
     }
 
@@ -340,28 +376,23 @@ impl AgentHub for Arc<Hub> {
         if r.argv.is_empty() {
             return Err(Status::invalid_argument("argv is empty"));
         }
-        let (alloc, cmd) = {
-            let mut st = self.state.lock().unwrap();
+        let uuids = {
+            let st = self.state.lock().unwrap();
             let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
             let mut uuids = Vec::new();
-            let mut seen = Vec::new();
             for &g in &r.gpus {
                 let gpu = a.gpus.iter().find(|x| x.info.index == g).ok_or_else(|| Status::invalid_argument(format!("node {} has no GPU {g}", r.node)))?;
                 if !gpu.healthy {
                     return Err(Status::failed_precondition(format!("GPU {g} of node {} is unhealthy ({})", r.node, gpu.reason)));
                 }
-                if seen.contains(&g) {
-                    return Err(Status::invalid_argument(format!("GPU {g} listed twice")));
-                }
-                seen.push(g);
                 uuids.push(gpu.info.uuid.clone());
             }
-            // No GPU ever has two owners.
-            if let Some(other) = st.allocations.values().find(|o| o.node == r.node && holds_gpus(&o.state) && o.gpus.iter().any(|g| r.gpus.contains(g))) {
-                return Err(Status::failed_precondition(format!("GPUs {:?} of node {} are held by allocation {}", other.gpus, r.node, other.id)));
-            }
-            let id_ = st.next_allocation;
-            st.next_allocation += 1;
+            uuids
+        };
+        // No GPU ever has two owners: the fleet holds them (or says who does).
+        let id_ = self.live.hold_manual(&partition, &r.node, &r.gpus)?;
+        let (alloc, cmd) = {
+            let mut st = self.state.lock().unwrap();
             let alloc = pb::AllocationInfo {
                 id: id_,
                 node: r.node.clone(),
@@ -377,11 +408,14 @@ impl AgentHub for Arc<Hub> {
             (alloc, cmd)
         };
         if let Err(e) = self.send(&r.node, cmd) {
-            let mut st = self.state.lock().unwrap();
-            if let Some(a) = st.allocations.get_mut(&alloc.id) {
-                a.state = "failed".into();
-                a.detail = e.message().to_string();
+            {
+                let mut st = self.state.lock().unwrap();
+                if let Some(a) = st.allocations.get_mut(&alloc.id) {
+                    a.state = "failed".into();
+                    a.detail = e.message().to_string();
+                }
             }
+            self.live.task_report(alloc.id, "failed", -1, 0, e.message());
             return Err(e);
         }
         tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");
@@ -406,5 +440,48 @@ impl AgentHub for Arc<Hub> {
         self.require(&id, &partition, Role::Operator)?;
         self.send(&node, pb::AgentCommand { allocation_id: r.allocation_id, action: r.action, ..Default::default() })?;
         Ok(Response::new(pb::ControlAllocationResponse {}))
+    }
+}
+
+/// The scheduler starts and stops job tasks through the hub.
+impl Actuator for Hub {
+    fn start(&self, s: Start<'_>) -> Result<(), String> {
+        let cmd = {
+            let mut st = self.state.lock().unwrap();
+            let a = st.agents.get(s.node).ok_or_else(|| format!("no agent node {:?}", s.node))?;
+            let uuids = s
+                .gpus
+                .iter()
+                .map(|&g| a.gpus.iter().find(|x| x.info.index == g).map(|x| x.info.uuid.clone()).ok_or_else(|| format!("node {} has no GPU {g}", s.node)))
+                .collect::<Result<Vec<_>, _>>()?;
+            st.allocations.insert(
+                s.alloc_id,
+                pb::AllocationInfo {
+                    id: s.alloc_id,
+                    node: s.node.to_string(),
+                    gpus: s.gpus.to_vec(),
+                    gpu_uuids: uuids.clone(),
+                    argv: s.argv.to_vec(),
+                    state: "starting".into(),
+                    started_by: format!("job {}", s.job_id),
+                    ..Default::default()
+                },
+            );
+            let env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).chain([("BERTH_JOB".to_string(), s.job_id.to_string())]).collect();
+            pb::AgentCommand { allocation_id: s.alloc_id, action: "start".into(), argv: s.argv.to_vec(), gpu_uuids: uuids, env }
+        };
+        tracing::info!(target: "berth::agent", allocation = s.alloc_id, job = s.job_id, node = %s.node, gpus = ?s.gpus, "task sent");
+        self.send(s.node, cmd).map_err(|e| e.message().to_string()).inspect_err(|e| {
+            if let Some(a) = self.state.lock().unwrap().allocations.get_mut(&s.alloc_id) {
+                a.state = "failed".into();
+                a.detail = e.clone();
+            }
+        })
+    }
+
+    fn stop(&self, alloc_id: u64, node: &str) {
+        if let Err(e) = self.send(node, pb::AgentCommand { allocation_id: alloc_id, action: "stop".into(), ..Default::default() }) {
+            tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "stop not delivered: {}", e.message());
+        }
     }
 }

@@ -53,6 +53,20 @@ pub struct AgentArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping an allocation.
     #[arg(long, default_value_t = 10)]
     stop_grace_s: u64,
+    /// CPU cores and memory offered for placement (default: the machine's;
+    /// with --synthetic-gpus, 16 cores and 128 GiB per GPU).
+    #[arg(long)]
+    cpu_cores: Option<u32>,
+    #[arg(long)]
+    memory_gib: Option<u64>,
+}
+
+/// The machine's memory (MiB), from /proc/meminfo.
+fn memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find_map(|l| l.strip_prefix("MemTotal:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())))
+        .map_or(0, |kib| kib / 1024)
 }
 
 fn hostname() -> String {
@@ -149,6 +163,8 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
 struct Child {
     pid: u32,
     gpus: Vec<u32>,
+    /// Stopped by a sleep command: its GPUs do no work.
+    sleeping: bool,
 }
 
 struct Agent {
@@ -190,7 +206,13 @@ impl Agent {
     async fn register(&self, c: &mut HubClient) -> anyhow::Result<u64> {
         let gpus = self.src.lock().unwrap().gpus().iter().map(gpu_info).collect();
         let source = self.src.lock().unwrap().kind().to_string();
+        let synthetic = self.args.synthetic_gpus.is_some();
+        let n = self.src.lock().unwrap().gpus().len() as u32;
+        let cores = self.args.cpu_cores.unwrap_or(if synthetic { 16 * n.max(1) } else { std::thread::available_parallelism().map_or(1, |c| c.get() as u32) });
+        let memory = self.args.memory_gib.map_or(if synthetic { 128 * 1024 * u64::from(n.max(1)) } else { memory_mib() }, |g| g * 1024);
         let req = pb::RegisterAgentRequest {
+            cpu_milli: cores.saturating_mul(1000),
+            memory_mib: memory,
             node: self.node.clone(),
             partition: self.args.partition.clone(),
             gpus,
@@ -217,7 +239,7 @@ impl Agent {
                 _ = tokio::signal::ctrl_c() => break,
                 _ = term.recv() => break,
             }
-            let busy: Vec<u32> = self.children.lock().unwrap().values().flat_map(|c| c.gpus.clone()).collect();
+            let busy: Vec<u32> = self.children.lock().unwrap().values().filter(|c| !c.sleeping).flat_map(|c| c.gpus.clone()).collect();
             let running: Vec<u64> = self.children.lock().unwrap().keys().copied().collect();
             let gpus = self.src.lock().unwrap().sample(&busy).into_iter().map(telemetry).collect();
             let req = pb::HeartbeatRequest { node: self.node.clone(), session: session.load(std::sync::atomic::Ordering::SeqCst), gpus, running };
@@ -299,7 +321,7 @@ impl Agent {
                     }
                 };
                 let pid = child.id().unwrap_or(0);
-                self.children.lock().unwrap().insert(id, Child { pid, gpus });
+                self.children.lock().unwrap().insert(id, Child { pid, gpus, sleeping: false });
                 tracing::info!(target: "berth::agent", allocation = id, pid, gpus = %visible, "started");
                 self.report(&mut client, pb::AllocationReport { state: "running".into(), pid, ..base.clone() }).await;
                 let agent = self.clone();
@@ -363,6 +385,11 @@ impl Agent {
                         }
                     }
                 };
+                if result.is_ok() && matches!(action, "sleep" | "wake") {
+                    if let Some(c) = self.children.lock().unwrap().get_mut(&id) {
+                        c.sleeping = action == "sleep";
+                    }
+                }
                 match (action, result) {
                     ("sleep", Ok(())) => self.report(&mut client, pb::AllocationReport { state: "sleeping".into(), pid, ..base }).await,
                     ("wake", Ok(())) => self.report(&mut client, pb::AllocationReport { state: "running".into(), pid, ..base }).await,

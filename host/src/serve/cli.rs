@@ -65,6 +65,10 @@ pub struct ServeArgs {
     /// A node agent silent for this long is marked unreachable.
     #[arg(long, default_value_t = 10_000)]
     agent_timeout_ms: u64,
+    /// An allocated agent GPU is productive when its measured SM
+    /// utilisation is at least this percent.
+    #[arg(long, default_value_t = 10)]
+    productive_sm_pct: u32,
 }
 
 impl ServeArgs {
@@ -100,7 +104,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.config()?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
-        let agents = crate::agent::hub::HubConfig { heartbeat_timeout: Duration::from_millis(args.agent_timeout_ms.max(1)) };
+        anyhow::ensure!(args.productive_sm_pct <= 100, "--productive-sm-pct must be at most 100");
+        let agents = crate::agent::hub::HubConfig { heartbeat_timeout: Duration::from_millis(args.agent_timeout_ms.max(1)), productive_sm_pct: args.productive_sm_pct };
         let handle = super::server::start_with_agents(config, agents).await?;
         let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
         eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics")));
@@ -200,13 +205,21 @@ pub enum ApiCommand {
         models: Vec<String>,
         #[arg(long, default_value_t = 0)]
         priority: u32,
-        /// Seconds the job runs once started.
-        #[arg(long, default_value_t = 600.0)]
-        duration_s: f64,
+        /// Seconds the job runs once started (default 600); with a command,
+        /// a time limit (default none: it runs until the processes exit).
+        #[arg(long)]
+        duration_s: Option<f64>,
         #[arg(long, default_value = "")]
         name: String,
+        /// Environment for the command, NAME=VALUE (repeatable).
+        #[arg(long = "env")]
+        env: Vec<String>,
         #[command(flatten)]
         conn: Conn,
+        /// After `--`: a command to run per task on agent nodes, with exactly
+        /// the task's GPUs visible.
+        #[arg(last = true)]
+        argv: Vec<String>,
     },
     /// Cancel a job.
     Cancel {
@@ -368,8 +381,15 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, conn } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, conn, argv } => {
+            let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
+            let env = env
+                .iter()
+                .map(|e| e.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| anyhow::anyhow!("--env {e:?}: expected NAME=VALUE")))
+                .collect::<anyhow::Result<_>>()?;
             let job = pb::JobSpec {
+                argv,
+                env,
                 partition,
                 name,
                 tasks,

@@ -9,6 +9,7 @@
 //! the partition's active policy once per decision (so a swap applies to
 //! the next one and a call in flight finishes on the old version).
 
+pub mod actuation;
 pub mod auth;
 pub mod breaker;
 pub mod cli;

@@ -4,13 +4,15 @@
 //! replay. Jobs end after their duration in real time.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_core::sim::Job;
-use berth_core::{Allocation, Fleet, Placer, PolicyError, TaskShape};
+use berth_core::fleet::{gpus_of, Node, NodeId};
+use berth_core::{Allocation, Fleet, Placer, PolicyError, TaskShape, MILLI_PER_GPU};
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::auth::Access;
@@ -54,6 +56,8 @@ pub enum JobState {
     Pending,
     Running,
     Finished,
+    /// A task of a job with argv exited non-zero, failed to start or was lost.
+    Failed,
     Cancelled,
 }
 
@@ -63,9 +67,49 @@ impl JobState {
             JobState::Pending => "pending",
             JobState::Running => "running",
             JobState::Finished => "finished",
+            JobState::Failed => "failed",
             JobState::Cancelled => "cancelled",
         }
     }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        [JobState::Pending, JobState::Running, JobState::Finished, JobState::Failed, JobState::Cancelled].into_iter().find(|j| j.as_str() == s)
+    }
+}
+
+/// One task of a job with argv: a process on an agent node.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TaskRun {
+    /// The agent allocation id (unique across the host's life, restarts included).
+    pub alloc_id: u64,
+    pub node: String,
+    pub gpus: Vec<u32>,
+    /// starting, running, sleeping, exited, failed, lost
+    pub state: String,
+    pub exit_code: i32,
+    pub signal: i32,
+    /// Still holds its fleet allocation: its GPUs are given to nobody else
+    /// until the agent reports the process gone (or the node is given up).
+    pub holds: bool,
+}
+
+/// What starts and stops processes on agent nodes (the agent hub), so the
+/// scheduler does not know about gRPC.
+pub trait Actuator: Send + Sync {
+    /// Starts one task; an error means it was not delivered.
+    fn start(&self, start: Start<'_>) -> Result<(), String>;
+    /// Asks the node to stop an allocation (best effort: the exit report
+    /// is what frees the GPUs).
+    fn stop(&self, alloc_id: u64, node: &str);
+}
+
+pub struct Start<'a> {
+    pub alloc_id: u64,
+    pub job_id: u64,
+    pub node: &'a str,
+    pub gpus: &'a [u32],
+    pub argv: &'a [String],
+    pub env: &'a BTreeMap<String, String>,
 }
 
 /// A job as submitted, checked.
@@ -75,6 +119,9 @@ pub struct JobSpec {
     pub name: String,
     pub models: Vec<String>,
     pub duration: Duration,
+    /// Run on agent nodes, once per task (empty: a simulated job).
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
     /// The core's view: id, priority, tasks, shape.
     pub job: Job,
 }
@@ -95,6 +142,10 @@ pub struct JobRecord {
     pub policy_version: u32,
     /// The latest decision about it, for `explain`.
     pub last_decision: String,
+    /// Jobs with argv: one per task, parallel to `allocations`.
+    pub runs: Vec<TaskRun>,
+    /// Why it failed or was requeued.
+    pub detail: String,
 }
 
 pub struct PartitionState {
@@ -102,19 +153,102 @@ pub struct PartitionState {
     placer: Placer,
     pub jobs: BTreeMap<u64, JobRecord>,
     pub pending: Vec<u64>,
-    running: BTreeSet<(Instant, u64)>,
+    pub(crate) running: BTreeSet<(Instant, u64)>,
     /// Something changed since the last pass: try the queue again.
-    dirty: bool,
+    pub(crate) dirty: bool,
     /// A policy failed: try again then.
     retry_at: Option<Instant>,
     /// The breaker found no version to fall back to.
     pub paused: bool,
+    /// Nodes registered by agents (`berth agent`), by name.
+    pub agent_ids: BTreeMap<String, NodeId>,
+    /// Unhealthy agent GPUs; true once held out of placement by an
+    /// allocation of their own (made when the GPU is free).
+    pub health: BTreeMap<(NodeId, u32), bool>,
+    /// GPUs started by an operator (`StartAllocation`), by allocation id.
+    pub manual: BTreeMap<u64, Allocation>,
+    /// Allocation id to the job holding it (0: manual).
+    pub by_alloc: HashMap<u64, u64>,
+    /// Agent nodes: GPUs whose last measured SM utilisation reached the
+    /// productive threshold.
+    pub activity: HashMap<NodeId, u64>,
+}
+
+/// The allocation that keeps an unhealthy GPU out of placement.
+pub(crate) fn health_hold(node: NodeId, gpu: u32) -> Allocation {
+    Allocation { node, gpus: 1 << gpu, gpu_milli: MILLI_PER_GPU, cpu_milli: 0, memory_mib: 0 }
+}
+
+impl PartitionState {
+    /// Holds every unhealthy GPU of `node` that is free now.
+    pub(crate) fn apply_holds(&mut self, node: NodeId) {
+        for (&(n, g), applied) in self.health.range_mut((node, 0)..=(node, u32::MAX)) {
+            if !*applied && self.fleet.nodes()[n as usize].gpus[g as usize] == MILLI_PER_GPU {
+                self.fleet.allocate(&health_hold(n, g)).expect("a free GPU takes a hold");
+                *applied = true;
+            }
+        }
+    }
+
+    /// Unhealthy GPUs held out, per model name: subtracted from the
+    /// healthy and busy denominators (a hold is not work).
+    pub fn held_unhealthy(&self) -> BTreeMap<String, (f64, f64)> {
+        let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+        for (&(n, _), &applied) in &self.health {
+            let node = &self.fleet.nodes()[n as usize];
+            let model = node.model.map_or_else(|| "cpu-only".to_string(), |m| self.fleet.models[m as usize].clone());
+            let e = out.entry(model).or_default();
+            if node.schedulable {
+                e.0 += 1.0;
+            }
+            if applied {
+                e.1 += 1.0;
+            }
+        }
+        out
+    }
+
+    /// Milli-GPU doing measured work on node `i`: simulated nodes always
+    /// work; on agent nodes only GPUs whose SM utilisation reached the
+    /// threshold (held unhealthy GPUs never).
+    pub fn productive_milli(&self, i: usize, n: &Node) -> u64 {
+        let id = i as NodeId;
+        if !self.agent_ids.values().any(|&a| a == id) {
+            return n.gpu_total_milli() - n.gpu_free_milli();
+        }
+        let mask = self.activity.get(&id).copied().unwrap_or(0);
+        gpus_of(mask)
+            .filter(|&g| g < n.gpus.len() && !self.health.get(&(id, g as u32)).copied().unwrap_or(false))
+            .map(|g| u64::from(MILLI_PER_GPU - n.gpus[g]))
+            .sum()
+    }
+
+    /// Who holds GPU `gpu` of `node`, for error messages.
+    pub(crate) fn holder(&self, node: NodeId, gpu: u32) -> String {
+        if self.health.get(&(node, gpu)) == Some(&true) {
+            return "an unhealthy-GPU hold".into();
+        }
+        if let Some((id, _)) = self.manual.iter().find(|(_, a)| a.node == node && a.gpus & (1 << gpu) != 0) {
+            return format!("allocation {id}");
+        }
+        for (jid, j) in &self.jobs {
+            for (a, r) in j.allocations.iter().zip(&j.runs) {
+                if r.holds && a.node == node && a.gpus & (1 << gpu) != 0 {
+                    return format!("allocation {} of job {jid}", r.alloc_id);
+                }
+            }
+            if j.runs.is_empty() && j.state == JobState::Running && j.allocations.iter().any(|a| a.node == node && a.gpus & (1 << gpu) != 0) {
+                return format!("job {jid}");
+            }
+        }
+        "nobody".into()
+    }
 }
 
 pub struct Partition {
     pub name: String,
     pub state: Mutex<PartitionState>,
-    wake: Condvar,
+    pub(crate) wake: Condvar,
     /// The swap point: read once per decision.
     pub active: Mutex<Option<Arc<Arm>>>,
     pub candidate: Mutex<Option<Arc<Candidate>>>,
@@ -135,6 +269,11 @@ impl Partition {
                 dirty: false,
                 retry_at: None,
                 paused: false,
+                agent_ids: BTreeMap::new(),
+                health: BTreeMap::new(),
+                manual: BTreeMap::new(),
+                by_alloc: HashMap::new(),
+                activity: HashMap::new(),
             }),
             wake: Condvar::new(),
             active: Mutex::new(None),
@@ -175,7 +314,11 @@ pub struct Live {
     pub limits: Limits,
     pub breaker: BreakerConfig,
     pub max_upload_bytes: usize,
-    next_job: AtomicU64,
+    pub(crate) next_job: AtomicU64,
+    /// Agent allocation ids (tasks and operator allocations share them).
+    pub(crate) next_alloc: AtomicU64,
+    /// Starts and stops processes on agent nodes (set once the hub exists).
+    pub actuator: std::sync::OnceLock<Arc<dyn Actuator>>,
     pub shutdown: AtomicBool,
 }
 
@@ -196,12 +339,14 @@ struct ArmRun {
     latency: Duration,
 }
 
-fn run_arm(arm: &Arm, fleet: &mut Fleet, placer: &mut Placer, job: &Job) -> ArmRun {
+type Keep<'a> = &'a dyn Fn(NodeId, &Node) -> bool;
+
+fn run_arm(arm: &Arm, fleet: &mut Fleet, placer: &mut Placer, job: &Job, keep: Keep<'_>) -> ArmRun {
     let mut policy = arm.policy.lock().unwrap();
     let mut recording = Recording { inner: &mut *policy, first: None };
     let started = Instant::now();
     let mut placements = 0;
-    let result = berth_core::sim::place_gang(fleet, placer, &mut recording, job, &mut placements, &|_, _| true);
+    let result = berth_core::sim::place_gang(fleet, placer, &mut recording, job, &mut placements, keep);
     ArmRun { latency: started.elapsed(), first: recording.first, result }
 }
 
@@ -251,6 +396,8 @@ impl Live {
     ) -> Live {
         Live {
             next_job: AtomicU64::new(decisions.max_job_id() + 1),
+            next_alloc: AtomicU64::new(1),
+            actuator: std::sync::OnceLock::new(),
             partitions,
             models,
             registry,
@@ -301,6 +448,8 @@ impl Live {
                 decision_id: 0,
                 policy_version: 0,
                 last_decision: String::new(),
+                runs: Vec::new(),
+                detail: String::new(),
             },
         );
         st.pending.push(id);
@@ -325,6 +474,17 @@ impl Live {
         let before = job.state;
         match before {
             JobState::Pending => st.pending.retain(|&j| j != id),
+            JobState::Running if !job.runs.is_empty() => {
+                // Processes hold their GPUs until their exit is reported.
+                if let Some(t) = job.ends_at.take() {
+                    st.running.remove(&(t, id));
+                }
+                if let Some(act) = self.actuator.get() {
+                    for r in job.runs.iter().filter(|r| r.holds) {
+                        act.stop(r.alloc_id, &r.node);
+                    }
+                }
+            }
             JobState::Running => {
                 for a in job.allocations.drain(..) {
                     st.fleet.release(&a).expect("a running job's allocations are held");
@@ -333,7 +493,7 @@ impl Live {
                     st.running.remove(&(t, id));
                 }
             }
-            JobState::Finished | JobState::Cancelled => {
+            JobState::Finished | JobState::Failed | JobState::Cancelled => {
                 return Err(ServeError::FailedPrecondition(format!("job {id} is already {}", before.as_str())));
             }
         }
@@ -376,6 +536,17 @@ impl Live {
             }
             st.running.pop_first();
             let job = st.jobs.get_mut(&id).expect("running jobs are recorded");
+            if !job.runs.is_empty() {
+                // A time limit: stop the processes; their exits free the GPUs.
+                job.ends_at = None;
+                job.detail = "time limit reached: stopped".into();
+                if let Some(act) = self.actuator.get() {
+                    for r in job.runs.iter().filter(|r| r.holds) {
+                        act.stop(r.alloc_id, &r.node);
+                    }
+                }
+                continue;
+            }
             for a in job.allocations.drain(..) {
                 st.fleet.release(&a).expect("a running job's allocations are held");
             }
@@ -421,10 +592,14 @@ impl Live {
         }
         let Some(record) = st.jobs.get(&id).filter(|j| j.state == JobState::Pending) else { return };
         let job = record.spec.job.clone();
+        // Jobs with argv run on agent nodes only; simulated jobs never do.
+        let agent_job = !record.spec.argv.is_empty();
+        let agent_nodes: BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
+        let keep = move |id: NodeId, _: &Node| agent_nodes.contains(&id) == agent_job;
         if unfit.contains(&(job.tasks, job.shape.clone())) {
             return;
         }
-        if berth_core::sim::fitting_tasks(&st.fleet, &job.shape, job.tasks) < job.tasks {
+        if berth_core::sim::fitting_tasks_among(&st.fleet, &job.shape, job.tasks, &keep) < job.tasks {
             // No policy could place it: the predicate rules, no decision is
             // made or logged, and the shape waits for capacity.
             st.jobs.get_mut(&id).expect("checked above").last_decision = "no room: too few nodes pass the hard constraints now".into();
@@ -457,7 +632,7 @@ impl Live {
         let shadow_run = match candidate.as_deref() {
             Some(Candidate { arm, mode: Mode::Shadow }) => {
                 let mut scratch = st.fleet.clone();
-                let run = run_arm(arm, &mut scratch, &mut st.placer, &job);
+                let run = run_arm(arm, &mut scratch, &mut st.placer, &job, &keep);
                 let decision = self.log(&base, "shadow", false, arm, &run, &scratch);
                 self.after_call(p, arm, &run.result, false);
                 Some((run, scratch, decision))
@@ -472,7 +647,7 @@ impl Live {
         };
         let mut arm = split.clone().unwrap_or_else(|| active.clone());
         let mut arm_name = if split.is_some() { "candidate" } else { "active" };
-        let mut run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job);
+        let mut run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job, &keep);
         let mut decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
         let mut trip = self.after_call(p, &arm, &run.result, split.is_none());
         if split.is_some() {
@@ -484,7 +659,7 @@ impl Live {
                 // it now, so a bad candidate never strands work.
                 arm = active.clone();
                 arm_name = "active";
-                run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job);
+                run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job, &keep);
                 decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
                 trip = self.after_call(p, &arm, &run.result, true);
             }
@@ -498,19 +673,25 @@ impl Live {
         let record = st.jobs.get_mut(&id).expect("checked above");
         match &run.result {
             Ok(Some((allocs, _))) => {
-                let ends_at = Instant::now() + record.spec.duration;
+                // Jobs with argv run until their processes exit, or their limit.
+                let ends_at = (!agent_job || !record.spec.duration.is_zero()).then(|| Instant::now() + record.spec.duration);
                 record.state = JobState::Running;
                 record.started_unix_ms = unix_ms();
-                record.ends_at = Some(ends_at);
+                record.ends_at = ends_at;
                 record.allocations = allocs.clone();
                 record.placements = placed(&st.fleet, allocs);
                 record.decision_id = decision;
                 record.policy_version = arm.meta.version;
                 record.last_decision = format!("decision {decision}: placed by {}@{} (version {})", arm.meta.name, arm.meta.semver, arm.meta.version);
                 st.pending.retain(|&j| j != id);
-                st.running.insert((ends_at, id));
+                if let Some(t) = ends_at {
+                    st.running.insert((t, id));
+                }
                 self.metrics.jobs.with_label_values(&[&part.name, "pending"]).dec();
                 self.metrics.jobs.with_label_values(&[&part.name, "running"]).inc();
+                if agent_job {
+                    self.actuate(part, st, id);
+                }
             }
             Ok(None) => {
                 record.last_decision = format!("decision {decision}: no room now (version {})", arm.meta.version);

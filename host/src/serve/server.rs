@@ -174,6 +174,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     // an oversized component with RESOURCE_EXHAUSTED and the limit; larger
     // ones the transport refuses with OUT_OF_RANGE before reading them.
     let hub = crate::agent::hub::Hub::new(live.clone(), agents);
+    let _ = live.actuator.set(hub.clone() as Arc<dyn super::scheduler::Actuator>);
     tasks.push(hub.spawn_sweeper(stopped.clone()));
     let service = BerthServer::new(Service { live: live.clone(), agents: Some(hub.clone()) }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
     let router = builder.add_service(service).add_service(super::pb::agent_hub_server::AgentHubServer::new(hub));

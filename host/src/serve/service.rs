@@ -71,25 +71,38 @@ impl Service {
 
     fn job_spec(&self, spec: Option<pb::JobSpec>) -> Result<JobSpec, ServeError> {
         let s = spec.ok_or_else(|| ServeError::Invalid("job is missing".into()))?;
-        self.live.partition_index(&s.partition)?;
+        let p = self.live.partition_index(&s.partition)?;
         let bad = |m: String| ServeError::Invalid(m);
         let tasks = s.tasks.max(1);
         if tasks > 4096 {
             return Err(bad(format!("{tasks} tasks: at most 4096")));
         }
-        if !(s.duration_s.is_finite() && s.duration_s > 0.0 && s.duration_s <= 30.0 * 86_400.0) {
-            return Err(bad(format!("duration_s {} must be in (0, 30 days]", s.duration_s)));
+        // A job with argv runs until its processes exit; duration_s is then
+        // an optional limit.
+        let least = if s.argv.is_empty() { f64::MIN_POSITIVE } else { 0.0 };
+        if !(s.duration_s.is_finite() && s.duration_s >= least && s.duration_s <= 30.0 * 86_400.0) {
+            let range = if s.argv.is_empty() { "(0, 30 days]" } else { "[0, 30 days] (0: no limit)" };
+            return Err(bad(format!("duration_s {} must be in {range}", s.duration_s)));
+        }
+        if s.argv.len() > 4096 || s.argv.iter().chain(s.env.values()).any(|a| a.len() > 65_536) {
+            return Err(bad("argv or env too large (at most 4096 arguments of 64 KiB)".into()));
+        }
+        if s.argv.first().is_some_and(|a| a.is_empty()) {
+            return Err(bad("argv[0] is empty".into()));
+        }
+        if let Some(k) = s.env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
+            return Err(bad(format!("env name {k:?} is empty or contains '=' or NUL")));
         }
         if s.name.len() > 256 {
             return Err(bad("name longer than 256 bytes".into()));
         }
         let gpu_milli = if s.gpus > 0 && s.gpu_milli == 0 { 1000 } else { s.gpu_milli };
+        // Models of the partition's fleet, agent nodes included.
+        let known = self.live.partitions[p].state.lock().unwrap().fleet.models.clone();
         let models = s
             .models
             .iter()
-            .map(|m| {
-                self.live.models.iter().position(|k| k == m).map(|i| i as u32).ok_or_else(|| bad(format!("unknown GPU model {m:?} (the fleet has {:?})", self.live.models)))
-            })
+            .map(|m| known.iter().position(|k| k == m).map(|i| i as u32).ok_or_else(|| bad(format!("unknown GPU model {m:?} (partition {} has {known:?})", s.partition))))
             .collect::<Result<Vec<_>, _>>()?;
         let shape = TaskShape { gpu_count: s.gpus, gpu_milli, cpu_milli: s.cpu_milli, memory_mib: s.memory_mib, models };
         shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
@@ -98,6 +111,8 @@ impl Service {
             name: s.name.clone(),
             models: s.models.clone(),
             duration: Duration::from_secs_f64(s.duration_s),
+            argv: s.argv.clone(),
+            env: s.env.clone().into_iter().collect(),
             job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, ..Job::default() },
         })
     }
@@ -118,6 +133,8 @@ fn job_message(id: u64, j: &JobRecord) -> pb::Job {
             models: s.models.clone(),
             priority: s.job.priority,
             duration_s: s.duration.as_secs_f64(),
+            argv: s.argv.clone(),
+            env: s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         }),
         owner: j.owner.clone(),
         state: j.state.as_str().into(),
@@ -127,6 +144,12 @@ fn job_message(id: u64, j: &JobRecord) -> pb::Job {
         placements: task_placements(&j.placements),
         decision_id: j.decision_id,
         policy_version: j.policy_version,
+        runs: j
+            .runs
+            .iter()
+            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.clone(), exit_code: r.exit_code, signal: r.signal })
+            .collect(),
+        detail: j.detail.clone(),
     }
 }
 
@@ -187,8 +210,8 @@ impl Berth for Service {
         let id = self.who(&req)?;
         let r = req.into_inner();
         let limit = if r.limit == 0 { 1000 } else { r.limit as usize };
-        if !r.state.is_empty() && !["pending", "running", "finished", "cancelled"].contains(&r.state.as_str()) {
-            return Err(ServeError::Invalid(format!("unknown state {:?} (pending, running, finished, cancelled)", r.state)).into());
+        if !r.state.is_empty() && JobState::parse(&r.state).is_none() {
+            return Err(ServeError::Invalid(format!("unknown state {:?} (pending, running, finished, failed, cancelled)", r.state)).into());
         }
         let mut jobs = Vec::new();
         for p in self.viewable(&id, &r.partition)? {
@@ -251,10 +274,14 @@ impl Berth for Service {
     async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Reply<pb::ListNodesResponse> {
         let id = self.who(&req)?;
         let mut nodes = Vec::new();
+        // Agent nodes are in the fleet; the hub knows their reachability and health.
+        let agents = self.agents.as_ref().map(|h| h.node_states()).unwrap_or_default();
         for p in self.viewable(&id, &req.get_ref().partition)? {
             let part = &self.live.partitions[p];
             let st = part.state.lock().unwrap();
-            nodes.extend(st.fleet.nodes().iter().map(|n| pb::NodeInfo {
+            nodes.extend(st.fleet.nodes().iter().map(|n| {
+                let agent = st.agent_ids.contains_key(&n.name).then(|| agents.get(&n.name).cloned().unwrap_or_default());
+                pb::NodeInfo {
                 name: n.name.clone(),
                 partition: part.name.clone(),
                 model: n.model.map_or_else(|| "cpu-only".into(), |m| st.fleet.models[m as usize].clone()),
@@ -267,14 +294,10 @@ impl Berth for Service {
                 cpu_total_milli: n.cpu_total_milli,
                 memory_free_mib: n.memory_free_mib,
                 memory_total_mib: n.memory_total_mib,
-                source: "simulated".into(),
-                state: String::new(),
-                gpus_unhealthy: 0,
-            }));
-        }
-        if let Some(hub) = &self.agents {
-            let names: Vec<String> = self.viewable(&id, &req.get_ref().partition)?.into_iter().map(|p| self.live.partitions[p].name.clone()).collect();
-            nodes.extend(hub.node_infos(&names));
+                source: if agent.is_some() { "agent" } else { "simulated" }.into(),
+                gpus_unhealthy: agent.as_ref().map_or(0, |a| a.1),
+                state: agent.map(|a| a.0).unwrap_or_default(),
+            }}));
         }
         Ok(Response::new(pb::ListNodesResponse { nodes }))
     }
@@ -332,8 +355,16 @@ impl Berth for Service {
                 .map(|j| PendingShape { shape: j.shape.clone(), tasks: j.tasks, same_domain: false })
                 .collect();
             let partition_of = vec![0; st.fleet.nodes().len()];
-            // Simulated work always advances: productive = busy.
-            let acc = accounting::account(&st.fleet, &pending, &partition_of, &|_, n| n.gpu_total_milli() - n.gpu_free_milli());
+            // Simulated work always advances (productive = busy); on agent
+            // nodes productive is what telemetry measured busy.
+            let mut acc = accounting::account(&st.fleet, &pending, &partition_of, &|i, n| st.productive_milli(i, n));
+            // Unhealthy agent GPUs are held out by allocations: not healthy, not busy.
+            for (model, (healthy, busy)) in st.held_unhealthy() {
+                for d in [Some(&mut acc.total), acc.by_model.get_mut(&model)].into_iter().flatten() {
+                    d.healthy -= healthy;
+                    d.busy -= busy;
+                }
+            }
             rows.push(pb::AccountingRow { group: format!("partition {}", part.name), gpus: Some(denominators(&acc.total)) });
             add(&mut total.total, &acc.total);
             for (model, d) in &acc.by_model {

@@ -1,0 +1,260 @@
+//! Agent nodes in the live fleet: nodes registered by `berth agent` join
+//! their partition's fleet (so the same policies place onto them), jobs with
+//! argv placed there are started through the [`Actuator`] (the agent hub),
+//! and a task's exit report is what frees its GPUs. Unhealthy GPUs are held
+//! out of placement; measured SM activity is the productive denominator.
+//!
+//! Ownership of every GPU is the partition fleet's checked allocate /
+//! release: a GPU held by a job task, an operator allocation or an
+//! unhealthy-GPU hold cannot be allocated again, so no GPU has two owners.
+
+use std::sync::atomic::Ordering;
+
+use berth_core::fleet::{gpus_of, intern_model, Node, NodeId};
+use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
+
+use super::scheduler::{JobState, Live, Partition, PartitionState, Start, TaskRun};
+use super::{unix_ms, ServeError};
+
+/// Agent nodes get switch domains of their own, apart from simulated ones.
+const AGENT_DOMAIN_BASE: u32 = 1 << 20;
+
+/// Whether a task's end counts as a failure.
+fn failed(state: &str, exit_code: i32, signal: i32) -> bool {
+    state != "exited" || exit_code != 0 || signal != 0
+}
+
+impl Live {
+    /// The partition and node id of an agent node.
+    fn agent_node(&self, partition: &str, node: &str) -> Result<(usize, NodeId), ServeError> {
+        let p = self.partition_index(partition)?;
+        let id = self.partitions[p].state.lock().unwrap().agent_ids.get(node).copied();
+        id.map(|id| (p, id)).ok_or_else(|| ServeError::FailedPrecondition(format!("no agent node {node:?} in partition {partition}")))
+    }
+
+    /// Adds a registering agent's node to its partition's fleet (not
+    /// schedulable until its command stream is held), or finds it there.
+    /// A node that comes back with other GPUs is replaced if nothing runs
+    /// on it, refused otherwise.
+    pub fn agent_node_up(&self, partition: &str, node: &str, model: &str, gpus: usize, cpu_milli: u32, memory_mib: u64) -> Result<(), ServeError> {
+        let p = self.partition_index(partition)?;
+        if gpus > MAX_GPUS_PER_NODE {
+            return Err(ServeError::Invalid(format!("node {node}: {gpus} GPUs, at most {MAX_GPUS_PER_NODE}")));
+        }
+        for (q, other) in self.partitions.iter().enumerate() {
+            if q != p && other.state.lock().unwrap().agent_ids.contains_key(node) {
+                return Err(ServeError::FailedPrecondition(format!("node {node} is registered in partition {}", other.name)));
+            }
+        }
+        let part = &self.partitions[p];
+        let mut guard = part.state.lock().unwrap();
+        let st = &mut *guard;
+        let mut models = st.fleet.models.clone();
+        let model_id = (gpus > 0).then(|| intern_model(&mut models, model));
+        let mut nodes = st.fleet.nodes().to_vec();
+        let mut fresh = Node::new(node, model_id, gpus, cpu_milli, memory_mib);
+        fresh.schedulable = false;
+        fresh.partition = nodes.first().map_or(0, |n| n.partition);
+        match st.agent_ids.get(node).copied() {
+            Some(id) => {
+                let old = &nodes[id as usize];
+                if old.gpus.len() == gpus && old.model == model_id {
+                    return Ok(());
+                }
+                let holds = st.health.iter().filter(|&(&(n, _), &applied)| n == id && applied).count() as u64;
+                let idle = old.gpu_free_milli() + holds * u64::from(MILLI_PER_GPU) == old.gpu_total_milli()
+                    && old.cpu_free_milli == old.cpu_total_milli
+                    && old.memory_free_mib == old.memory_total_mib;
+                if !idle {
+                    return Err(ServeError::FailedPrecondition(format!(
+                        "node {node} registers {gpus} GPUs of {model} but work still holds its previous {} GPUs: stop it first",
+                        old.gpus.len()
+                    )));
+                }
+                fresh.switch_domain = old.switch_domain;
+                st.health.retain(|&(n, _), _| n != id);
+                st.activity.remove(&id);
+                nodes[id as usize] = fresh;
+            }
+            None => {
+                if nodes.iter().any(|n| n.name == node) {
+                    return Err(ServeError::Invalid(format!("node name {node:?} is a simulated node of partition {partition}")));
+                }
+                fresh.switch_domain = AGENT_DOMAIN_BASE + nodes.len() as u32;
+                st.agent_ids.insert(node.to_string(), nodes.len() as NodeId);
+                nodes.push(fresh);
+            }
+        }
+        st.fleet = Fleet::new(models, nodes).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        Ok(())
+    }
+
+    /// An agent node can (reachable, command stream held) or cannot take work.
+    pub fn agent_node_schedulable(&self, partition: &str, node: &str, on: bool) {
+        let Ok((p, id)) = self.agent_node(partition, node) else { return };
+        let part = &self.partitions[p];
+        let mut st = part.state.lock().unwrap();
+        if st.fleet.nodes()[id as usize].schedulable != on {
+            st.fleet.set_schedulable(id, on).expect("agent node ids are in the fleet");
+            st.dirty = true;
+            part.wake.notify_all();
+        }
+    }
+
+    /// Takes an unhealthy GPU out of placement (now if free, else when its
+    /// holder lets go).
+    pub fn agent_gpu_unhealthy(&self, partition: &str, node: &str, gpu: u32) {
+        let Ok((p, id)) = self.agent_node(partition, node) else { return };
+        let mut st = self.partitions[p].state.lock().unwrap();
+        if (gpu as usize) < st.fleet.nodes()[id as usize].gpus.len() {
+            st.health.entry((id, gpu)).or_insert(false);
+            st.apply_holds(id);
+        }
+    }
+
+    /// The GPUs of an agent node measured busy (SM utilisation at or above
+    /// the productive threshold) in its latest heartbeat.
+    pub fn agent_activity(&self, partition: &str, node: &str, active: &[u32]) {
+        let Ok((p, id)) = self.agent_node(partition, node) else { return };
+        let mask = active.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
+        self.partitions[p].state.lock().unwrap().activity.insert(id, mask);
+    }
+
+    /// An operator's allocation of whole GPUs on an agent node: checked
+    /// against everything else that holds GPUs there. Returns its id.
+    pub fn hold_manual(&self, partition: &str, node: &str, gpus: &[u32]) -> Result<u64, ServeError> {
+        let (p, id) = self.agent_node(partition, node)?;
+        let mut guard = self.partitions[p].state.lock().unwrap();
+        let st = &mut *guard;
+        let n = &st.fleet.nodes()[id as usize];
+        let mut mask = 0u64;
+        for &g in gpus {
+            if g as usize >= n.gpus.len() {
+                return Err(ServeError::Invalid(format!("node {node} has no GPU {g}")));
+            }
+            if mask & (1 << g) != 0 {
+                return Err(ServeError::Invalid(format!("GPU {g} listed twice")));
+            }
+            mask |= 1 << g;
+            if n.gpus[g as usize] != MILLI_PER_GPU {
+                return Err(ServeError::FailedPrecondition(format!("GPU {g} of node {node} is held by {}", st.holder(id, g))));
+            }
+        }
+        let alloc = Allocation { node: id, gpus: mask, gpu_milli: MILLI_PER_GPU, cpu_milli: 0, memory_mib: 0 };
+        st.fleet.allocate(&alloc).map_err(|e| ServeError::FailedPrecondition(e.to_string()))?;
+        let alloc_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
+        st.manual.insert(alloc_id, alloc);
+        st.by_alloc.insert(alloc_id, 0);
+        st.dirty = true;
+        Ok(alloc_id)
+    }
+
+    /// Starts the tasks of a job just placed on agent nodes.
+    pub(crate) fn actuate(&self, part: &Partition, st: &mut PartitionState, id: u64) {
+        let job = st.jobs.get_mut(&id).expect("the job was just placed");
+        let runs: Vec<TaskRun> = job
+            .allocations
+            .iter()
+            .map(|a| TaskRun {
+                alloc_id: self.next_alloc.fetch_add(1, Ordering::SeqCst),
+                node: st.fleet.nodes()[a.node as usize].name.clone(),
+                gpus: gpus_of(a.gpus).map(|g| g as u32).collect(),
+                state: "starting".into(),
+                exit_code: 0,
+                signal: 0,
+                holds: true,
+            })
+            .collect();
+        job.runs = runs.clone();
+        let (argv, env) = (job.spec.argv.clone(), job.spec.env.clone());
+        for r in &runs {
+            st.by_alloc.insert(r.alloc_id, id);
+        }
+        let mut undelivered = Vec::new();
+        for r in &runs {
+            let start = Start { alloc_id: r.alloc_id, job_id: id, node: &r.node, gpus: &r.gpus, argv: &argv, env: &env };
+            let sent = match self.actuator.get() {
+                Some(a) => a.start(start),
+                None => Err("no agent hub".into()),
+            };
+            if let Err(e) = sent {
+                undelivered.push((r.alloc_id, e));
+            }
+        }
+        for (alloc_id, e) in undelivered {
+            self.end_task(part, st, alloc_id, "failed", -1, 0, &format!("start not delivered: {e}"));
+        }
+    }
+
+    /// What an agent reported about an allocation: its state, and when it
+    /// is gone (exited, failed), its GPUs go back to the fleet.
+    pub fn task_report(&self, alloc_id: u64, state: &str, exit_code: i32, signal: i32, detail: &str) {
+        for part in &self.partitions {
+            let mut guard = part.state.lock().unwrap();
+            let st = &mut *guard;
+            let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
+            match state {
+                "exited" | "failed" | "lost" => self.end_task(part, st, alloc_id, state, exit_code, signal, detail),
+                _ => {
+                    if let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) {
+                        r.state = state.to_string();
+                    }
+                }
+            }
+            return;
+        }
+    }
+
+    /// One task (or operator allocation) is gone: release what it held; a
+    /// failed task stops the rest of its gang; the job ends with its last.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn end_task(&self, part: &Partition, st: &mut PartitionState, alloc_id: u64, state: &str, exit_code: i32, signal: i32, detail: &str) {
+        let Some(&job_id) = st.by_alloc.get(&alloc_id) else { return };
+        if job_id == 0 {
+            if let Some(a) = st.manual.remove(&alloc_id) {
+                st.fleet.release(&a).expect("an operator allocation is held");
+                st.apply_holds(a.node);
+            }
+            st.by_alloc.remove(&alloc_id);
+        } else {
+            let Some(job) = st.jobs.get_mut(&job_id) else { return };
+            let Some(i) = job.runs.iter().position(|r| r.alloc_id == alloc_id) else { return };
+            let r = &mut job.runs[i];
+            if !r.holds {
+                return; // a repeated report
+            }
+            r.holds = false;
+            r.state = state.to_string();
+            r.exit_code = exit_code;
+            r.signal = signal;
+            let node = job.allocations[i].node;
+            st.fleet.release(&job.allocations[i]).expect("a holding task's allocation is held");
+            if failed(state, exit_code, signal) && job.state == JobState::Running {
+                if job.detail.is_empty() {
+                    job.detail = format!("task {i} on {}: {state} (exit {exit_code}, signal {signal}) {detail}", job.runs[i].node).trim_end().to_string();
+                }
+                if let Some(act) = self.actuator.get() {
+                    for other in job.runs.iter().filter(|o| o.holds) {
+                        act.stop(other.alloc_id, &other.node);
+                    }
+                }
+            }
+            if job.runs.iter().all(|r| !r.holds) {
+                if job.state == JobState::Running {
+                    let ok = job.runs.iter().all(|r| !failed(&r.state, r.exit_code, r.signal));
+                    job.state = if ok { JobState::Finished } else { JobState::Failed };
+                    job.ended_unix_ms = unix_ms();
+                    self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
+                    self.metrics.jobs.with_label_values(&[&part.name, job.state.as_str()]).inc();
+                    tracing::info!(target: "berth::serve", job = job_id, state = job.state.as_str(), "job ended");
+                }
+                if let Some(t) = job.ends_at.take() {
+                    st.running.remove(&(t, job_id));
+                }
+            }
+            st.apply_holds(node);
+        }
+        st.dirty = true;
+        part.wake.notify_all();
+    }
+}
