@@ -1,11 +1,11 @@
 //! The wasm side of the boundary: generated bindings and the moves between
 //! them and the SDK's types. Only compiled for wasm32.
 
-use crate::{Allocations, Domains, Level, Nodes, Plan, Policy, Scores, Snapshot, Task};
+use crate::{Allocations, Domains, Level, Nodes, Plan, Policy, PoolExecutor, PoolPhase, PoolState, Scores, Snapshot, Task};
 
 pub mod wit {
     wit_bindgen::generate!({
-        path: "../wit/v0.2.0",
+        path: "../wit/v0.3.0",
         world: "placement-policy",
         pub_export_macro: true,
         default_bindings_module: "berth_sdk::glue::wit",
@@ -118,4 +118,57 @@ pub fn score_domains<P: Policy>(p: &mut P, t: w::Task, d: w::Domains) -> Result<
         fitting_tasks: d.fitting_tasks,
     };
     p.score_domains(&task(t), &domains)
+}
+
+pub fn pool_place<P: Policy>(p: &mut P, s: w::PoolState) -> Result<w::PoolPlacement, String> {
+    let state = PoolState {
+        now_ms: s.now_ms,
+        model_tp: s.model_tp,
+        model_weight_bytes: s.model_weight_bytes,
+        model_kv_bytes_per_token: s.model_kv_bytes_per_token,
+        model_arrived: s.model_arrived,
+        model_rate: s.model_rate,
+        model_peak_rate: s.model_peak_rate,
+        model_queued: s.model_queued,
+        model_service_s: s.model_service_s,
+        executor_tp: s.executor_tp,
+        executor_memory_bytes: s.executor_memory_bytes,
+        executor_load: s.executor_load,
+        assigned_executor: s.assigned_executor,
+        assigned_model: s.assigned_model,
+        assigned_pinned: s.assigned_pinned,
+        assigned_load: s.assigned_load,
+        assigned_idle_ms: s.assigned_idle_ms,
+    };
+    let out = p.pool_place(&state)?;
+    Ok(w::PoolPlacement { executor: out.executor, model: out.model, weight: out.weight, pinned: out.pinned })
+}
+
+pub fn pool_step<P: Policy>(p: &mut P, x: w::PoolExecutor) -> Result<w::PoolStep, String> {
+    let executor = PoolExecutor {
+        now_ms: x.now_ms,
+        executor: x.executor,
+        memory_bytes: x.memory_bytes,
+        used_bytes: x.used_bytes,
+        tbt_target_ms: x.tbt_target_ms,
+        model: x.model,
+        resident: x.resident,
+        pinned: x.pinned,
+        weight_bytes: x.weight_bytes,
+        load_s: x.load_s,
+        waiting: x.waiting,
+        waiting_tokens: x.waiting_tokens,
+        oldest_wait_ms: x.oldest_wait_ms,
+        decoding: x.decoding,
+        decode_slack_ms: x.decode_slack_ms,
+        decode_iteration_s: x.decode_iteration_s,
+        idle_ms: x.idle_ms,
+    };
+    let step = p.pool_step(&executor)?;
+    let phase = match step.phase {
+        PoolPhase::Idle => w::PoolPhase::Idle,
+        PoolPhase::Prefill => w::PoolPhase::Prefill,
+        PoolPhase::Decode => w::PoolPhase::Decode,
+    };
+    Ok(w::PoolStep { phase, row: step.row, iterations: step.iterations, evict: step.evict })
 }

@@ -1,6 +1,6 @@
 //! Berth guest SDK: write a scheduling policy in plain Rust.
 //!
-//! The contract (`wit/v0.2.0/policy.wit`; hosts still load 0.1.0 components) passes data as columns, which is what
+//! The contract (`wit/v0.3.0/policy.wit`; hosts still load 0.1.0 and 0.2.0 components) passes data as columns, which is what
 //! makes a call across the wasm boundary cheap. This crate gives policy authors
 //! typed views over those columns ([`Nodes::iter`] yields one [`NodeView`] per
 //! node) and a trait, [`Policy`], whose hooks all have documented defaults, so
@@ -75,6 +75,70 @@ pub trait Policy: Default + 'static {
     fn rank(&mut self, _demand: &Task, victims: &Allocations) -> Result<Vec<u32>, String> {
         Ok(default_rank(victims))
     }
+
+    /// Model pools: the complete assignment of models to executors.
+    /// Default: [`default_pool_place`].
+    fn pool_place(&mut self, state: &PoolState) -> Result<PoolPlacement, String> {
+        Ok(default_pool_place(state))
+    }
+
+    /// Model pools: the next step of one executor. Default:
+    /// [`default_pool_step`].
+    fn pool_step(&mut self, executor: &PoolExecutor) -> Result<PoolStep, String> {
+        Ok(default_pool_step(executor, DEFAULT_MAX_ITERATIONS))
+    }
+}
+
+/// The documented default assignment: every model on every executor of its
+/// tensor-parallel degree, unpinned, weight 1 (the host loads on demand).
+pub fn default_pool_place(state: &PoolState) -> PoolPlacement {
+    let mut out = PoolPlacement::default();
+    for e in 0..state.executors() {
+        for m in 0..state.models() {
+            if state.model_tp[m] == state.executor_tp[e] {
+                out.push(e as u32, m as u32, 1, false);
+            }
+        }
+    }
+    out
+}
+
+/// Decode iterations the default step runs at most in one step.
+pub const DEFAULT_MAX_ITERATIONS: u32 = 64;
+
+/// The documented default step, first come first served between models:
+/// a row whose decoding batch is about to be late (slack under two TBT
+/// targets) decodes first; otherwise the row whose oldest waiting request
+/// waited longest is prefilled; otherwise the row with the least slack
+/// decodes, for as many iterations (1..=`max_iterations`) as fit before the
+/// next-least-slack row's tokens fall due.
+pub fn default_pool_step(x: &PoolExecutor, max_iterations: u32) -> PoolStep {
+    let tbt = x.tbt_target_ms as i64;
+    let decoding: Vec<usize> = (0..x.len()).filter(|&r| x.decoding[r] > 0).collect();
+    let urgent = decoding.iter().copied().min_by_key(|&r| (x.decode_slack_ms[r], x.model[r]));
+    if let Some(r) = urgent
+        && x.decode_slack_ms[r] < 2 * tbt
+    {
+        return PoolStep::decode(r, decode_quantum(x, r, max_iterations));
+    }
+    let oldest = (0..x.len()).filter(|&r| x.waiting[r] > 0).max_by_key(|&r| (x.oldest_wait_ms[r], std::cmp::Reverse(x.model[r])));
+    if let Some(r) = oldest {
+        return PoolStep::prefill(r);
+    }
+    match urgent {
+        Some(r) => PoolStep::decode(r, decode_quantum(x, r, max_iterations)),
+        None => PoolStep::idle(),
+    }
+}
+
+/// Decode iterations for row `r` that leave every other decoding row its
+/// slack (minus one TBT target of margin), at least 1, at most `max`.
+pub fn decode_quantum(x: &PoolExecutor, r: usize, max: u32) -> u32 {
+    let others = (0..x.len()).filter(|&o| o != r && x.decoding[o] > 0).map(|o| x.decode_slack_ms[o]).min();
+    let Some(slack) = others else { return max };
+    let iteration_ms = (x.decode_iteration_s[r] * 1000.0).max(0.001);
+    let budget = (slack - x.tbt_target_ms as i64).max(0) as f64;
+    ((budget / iteration_ms) as u32).clamp(1, max)
 }
 
 /// The documented default preemption order: lowest priority first, then the
@@ -198,6 +262,16 @@ macro_rules! export {
                     victims: wit::berth::policy::types::Allocations,
                 ) -> ::std::result::Result<::std::vec::Vec<u32>, ::std::string::String> {
                     STATE.with(|s| $crate::glue::rank(&mut *s.borrow_mut(), demand, victims))
+                }
+                fn pool_place(
+                    state: wit::berth::policy::types::PoolState,
+                ) -> ::std::result::Result<wit::berth::policy::types::PoolPlacement, ::std::string::String> {
+                    STATE.with(|s| $crate::glue::pool_place(&mut *s.borrow_mut(), state))
+                }
+                fn pool_step(
+                    executor: wit::berth::policy::types::PoolExecutor,
+                ) -> ::std::result::Result<wit::berth::policy::types::PoolStep, ::std::string::String> {
+                    STATE.with(|s| $crate::glue::pool_step(&mut *s.borrow_mut(), executor))
                 }
             }
             $crate::glue::wit::export!(BerthGuest with_types_in $crate::glue::wit);

@@ -13,6 +13,10 @@ impl Hooks {
     pub const RANK: Hooks = Hooks(4);
     /// Switch-domain scoring for gangs (contract 0.2.0).
     pub const DOMAINS: Hooks = Hooks(8);
+    /// Model pools: assignment of models to executors (contract 0.3.0).
+    pub const POOL_PLACE: Hooks = Hooks(16);
+    /// Model pools: the next step of one executor (contract 0.3.0).
+    pub const POOL_STEP: Hooks = Hooks(32);
 
     pub const fn union(self, other: Hooks) -> Hooks {
         Hooks(self.0 | other.0)
@@ -24,7 +28,7 @@ impl Hooks {
         self.0
     }
     pub const fn from_bits_truncate(bits: u8) -> Hooks {
-        Hooks(bits & 15)
+        Hooks(bits & 63)
     }
 }
 
@@ -37,7 +41,7 @@ impl std::ops::BitOr for Hooks {
 
 impl std::fmt::Display for Hooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names: Vec<&str> = [(Hooks::SCORE, "score"), (Hooks::COMPACT, "compact"), (Hooks::RANK, "rank"), (Hooks::DOMAINS, "domains")]
+        let names: Vec<&str> = [(Hooks::SCORE, "score"), (Hooks::COMPACT, "compact"), (Hooks::RANK, "rank"), (Hooks::DOMAINS, "domains"), (Hooks::POOL_PLACE, "pool-place"), (Hooks::POOL_STEP, "pool-step")]
             .into_iter()
             .filter(|(h, _)| self.contains(*h))
             .map(|(_, n)| n)
@@ -332,4 +336,124 @@ pub struct Plan {
     pub allocation: Vec<u32>,
     pub dest_node: Vec<u32>,
     pub dest_gpus: Vec<u64>,
+}
+
+/// A model pool as `pool-place` sees it (see the WIT `pool-state`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolState {
+    pub now_ms: u64,
+    pub model_tp: Vec<u32>,
+    pub model_weight_bytes: Vec<u64>,
+    pub model_kv_bytes_per_token: Vec<u64>,
+    pub model_arrived: Vec<u64>,
+    pub model_rate: Vec<f64>,
+    pub model_peak_rate: Vec<f64>,
+    pub model_queued: Vec<u32>,
+    pub model_service_s: Vec<f64>,
+    pub executor_tp: Vec<u32>,
+    pub executor_memory_bytes: Vec<u64>,
+    pub executor_load: Vec<u32>,
+    pub assigned_executor: Vec<u32>,
+    pub assigned_model: Vec<u32>,
+    pub assigned_pinned: Vec<u8>,
+    pub assigned_load: Vec<u32>,
+    pub assigned_idle_ms: Vec<u64>,
+}
+
+impl PoolState {
+    pub fn models(&self) -> usize {
+        self.model_tp.len()
+    }
+    pub fn executors(&self) -> usize {
+        self.executor_tp.len()
+    }
+}
+
+/// What `pool-place` returns: the complete assignment, as pairs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolPlacement {
+    pub executor: Vec<u32>,
+    pub model: Vec<u32>,
+    pub weight: Vec<u32>,
+    pub pinned: Vec<u8>,
+}
+
+impl PoolPlacement {
+    pub fn push(&mut self, executor: u32, model: u32, weight: u32, pinned: bool) {
+        self.executor.push(executor);
+        self.model.push(model);
+        self.weight.push(weight);
+        self.pinned.push(u8::from(pinned));
+    }
+    pub fn len(&self) -> usize {
+        self.executor.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.executor.is_empty()
+    }
+}
+
+/// One scheduling step of one executor (see the WIT `pool-executor`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolExecutor {
+    pub now_ms: u64,
+    pub executor: u32,
+    pub memory_bytes: u64,
+    pub used_bytes: u64,
+    pub tbt_target_ms: u64,
+    pub model: Vec<u32>,
+    pub resident: Vec<u8>,
+    pub pinned: Vec<u8>,
+    pub weight_bytes: Vec<u64>,
+    pub load_s: Vec<f64>,
+    pub waiting: Vec<u32>,
+    pub waiting_tokens: Vec<u64>,
+    pub oldest_wait_ms: Vec<u64>,
+    pub decoding: Vec<u32>,
+    pub decode_slack_ms: Vec<i64>,
+    pub decode_iteration_s: Vec<f64>,
+    pub idle_ms: Vec<u64>,
+}
+
+impl PoolExecutor {
+    pub fn len(&self) -> usize {
+        self.model.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.model.is_empty()
+    }
+    pub fn clear(&mut self) {
+        let now_ms = self.now_ms;
+        *self = PoolExecutor { now_ms, ..Default::default() };
+    }
+}
+
+/// The phase of a pool step (see the WIT `pool-phase`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PoolPhase {
+    #[default]
+    Idle,
+    Prefill,
+    Decode,
+}
+
+/// What `pool-step` returns.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolStep {
+    pub phase: PoolPhase,
+    pub row: u32,
+    pub iterations: u32,
+    pub evict: Vec<u32>,
+}
+
+impl PoolStep {
+    pub fn idle() -> PoolStep {
+        PoolStep::default()
+    }
+    pub fn prefill(row: usize) -> PoolStep {
+        PoolStep { phase: PoolPhase::Prefill, row: row as u32, iterations: 0, evict: Vec::new() }
+    }
+    pub fn decode(row: usize, iterations: u32) -> PoolStep {
+        PoolStep { phase: PoolPhase::Decode, row: row as u32, iterations, evict: Vec::new() }
+    }
 }

@@ -11,6 +11,7 @@ pub mod fleet;
 pub mod harvest;
 pub mod placement;
 pub mod policy;
+pub mod pool;
 pub mod preemption;
 pub mod predicate;
 pub mod sim;
