@@ -358,7 +358,7 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
         }
         // Shapes that did not fit this pass under the same constraints: not
         // retried until the next event.
-        let mut failed: HashSet<(Vec<Option<u32>>, Option<u32>, u32, &TaskShape)> = HashSet::new();
+        let mut failed: HashSet<ShapeKey> = HashSet::new();
         let mut still_pending = Vec::with_capacity(pending.len());
         let mut evicted = Vec::new();
         for &j in &pending {
@@ -507,9 +507,13 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
     Ok(outcome)
 }
 
-/// A waiting gang as the event loop tells them apart: (reservation scopes it
-/// must avoid, partition, tasks, shape), and whether it is low priority.
-type GangKey<'a> = ((Vec<Option<u32>>, Option<u32>, u32, &'a TaskShape), bool);
+/// Waiting jobs as the event loop tells them apart: reservation scopes the
+/// job must avoid, partition, tasks, shape.
+type ShapeKey<'a> = (Vec<Option<u32>>, Option<u32>, u32, &'a TaskShape);
+
+/// A waiting gang's [`ShapeKey`], and whether it is low priority (lent GPUs
+/// are open to low priority only).
+type GangKey<'a> = (ShapeKey<'a>, bool);
 
 /// For gangs that did not fit: an upper bound on how many of their tasks
 /// could fit now. Set to the exact count when a scan fails, then raised by
@@ -864,7 +868,7 @@ pub fn tasks_on_node(node: &crate::fleet::Node, shape: &TaskShape) -> u32 {
     if crate::predicate::check(node, shape).is_err() {
         return 0;
     }
-    let by = |free: u64, want: u64| if want == 0 { u64::MAX } else { free / want };
+    let by = |free: u64, want: u64| free.checked_div(want).unwrap_or(u64::MAX);
     let gpu = if shape.gpu_count == 0 {
         u64::MAX
     } else {
