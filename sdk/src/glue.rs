@@ -144,7 +144,7 @@ pub fn pool_place<P: Policy>(p: &mut P, s: w::PoolState) -> Result<w::PoolPlacem
     Ok(w::PoolPlacement { executor: out.executor, model: out.model, weight: out.weight, pinned: out.pinned })
 }
 
-pub fn pool_step<P: Policy>(p: &mut P, x: w::PoolExecutor) -> Result<w::PoolStep, String> {
+pub fn pool_step<P: Policy>(p: &mut P, x: w::PoolExecutor) -> Result<w::PoolChoice, String> {
     let executor = PoolExecutor {
         now_ms: x.now_ms,
         executor: x.executor,
@@ -170,5 +170,5 @@ pub fn pool_step<P: Policy>(p: &mut P, x: w::PoolExecutor) -> Result<w::PoolStep
         PoolPhase::Prefill => w::PoolPhase::Prefill,
         PoolPhase::Decode => w::PoolPhase::Decode,
     };
-    Ok(w::PoolStep { phase, row: step.row, iterations: step.iterations, evict: step.evict })
+    Ok(w::PoolChoice { phase, row: step.row, iterations: step.iterations, evict: step.evict })
 }

@@ -270,7 +270,7 @@ macro_rules! export {
                 }
                 fn pool_step(
                     executor: wit::berth::policy::types::PoolExecutor,
-                ) -> ::std::result::Result<wit::berth::policy::types::PoolStep, ::std::string::String> {
+                ) -> ::std::result::Result<wit::berth::policy::types::PoolChoice, ::std::string::String> {
                     STATE.with(|s| $crate::glue::pool_step(&mut *s.borrow_mut(), executor))
                 }
             }

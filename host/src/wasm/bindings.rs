@@ -14,3 +14,10 @@ pub mod v0_2_0 {
         world: "placement-policy",
     });
 }
+
+pub mod v0_3_0 {
+    wasmtime::component::bindgen!({
+        path: "../wit/v0.3.0",
+        world: "placement-policy",
+    });
+}

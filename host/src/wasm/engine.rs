@@ -8,7 +8,7 @@ use std::time::Duration;
 use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Config, Engine, ResourceLimiter};
 
-use super::bindings::{v0_1_0 as v1, v0_2_0 as v2};
+use super::bindings::{v0_1_0 as v1, v0_2_0 as v2, v0_3_0 as v3};
 
 /// Epoch ticks are this long; deadlines are whole numbers of ticks.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
@@ -89,6 +89,7 @@ macro_rules! host_imports {
 
 host_imports!(v1);
 host_imports!(v2);
+host_imports!(v3);
 
 impl GuestState {
     fn log_line(&mut self, level: LogLevel, message: String) {
@@ -143,6 +144,7 @@ impl PolicyEngine {
         let mut linker = Linker::new(&engine);
         v1::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
         v2::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
+        v3::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
 
         let stop = Arc::new(AtomicBool::new(false));
         let (weak_engine, stop_flag) = (engine.weak(), stop.clone());

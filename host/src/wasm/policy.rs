@@ -5,10 +5,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use berth_core::PolicyError;
-use berth_sdk::{Allocations, Domains, Hooks, Nodes, Plan, PolicyInfo, Scores, Snapshot, Task};
+use berth_sdk::{Allocations, Domains, Hooks, Nodes, Plan, PolicyInfo, PoolExecutor, PoolPlacement, PoolState, PoolStep, Scores, Snapshot, Task};
 use wasmtime::Store;
 
-use super::bindings::{v0_1_0 as v1, v0_2_0 as v2};
+use super::bindings::{v0_1_0 as v1, v0_2_0 as v2, v0_3_0 as v3};
 use super::cache;
 use super::engine::{GuestState, Limits, PolicyEngine, TICK};
 
@@ -16,12 +16,14 @@ use super::engine::{GuestState, Limits, PolicyEngine, TICK};
 enum Pre {
     V1(v1::PlacementPolicyPre<GuestState>),
     V2(v2::PlacementPolicyPre<GuestState>),
+    V3(v3::PlacementPolicyPre<GuestState>),
 }
 
 /// A live component's exports, of one contract version.
 pub(crate) enum Bindings {
     V1(v1::PlacementPolicy),
     V2(v2::PlacementPolicy),
+    V3(v3::PlacementPolicy),
 }
 
 /// Runs `$body` with `$b` bound to the version's bindings and `$c` to that
@@ -37,6 +39,11 @@ macro_rules! each_version {
             Bindings::V2($b) => {
                 #[allow(unused_imports)]
                 use conv_v2 as $c;
+                $body
+            }
+            Bindings::V3($b) => {
+                #[allow(unused_imports)]
+                use conv_v3 as $c;
                 $body
             }
         }
@@ -67,15 +74,18 @@ impl LoadedPolicy {
             .instantiate_pre(&component)
             .map_err(|e| PolicyError::Load(format!("not a berth:policy@0.1.0 component: {e:#}")))?;
         // Newest contract first; a component exports exactly one.
-        let (pre, contract) = match v2::PlacementPolicyPre::new(instance_pre.clone()) {
-            Ok(p) => (Pre::V2(p), "0.2.0"),
-            Err(e2) => match v1::PlacementPolicyPre::new(instance_pre) {
-                Ok(p) => (Pre::V1(p), "0.1.0"),
-                Err(e1) => {
-                    return Err(PolicyError::Load(format!(
-                        "exports neither berth:policy@0.2.0 ({e2:#}) nor berth:policy@0.1.0 ({e1:#})"
-                    )));
-                }
+        let (pre, contract) = match v3::PlacementPolicyPre::new(instance_pre.clone()) {
+            Ok(p) => (Pre::V3(p), "0.3.0"),
+            Err(e3) => match v2::PlacementPolicyPre::new(instance_pre.clone()) {
+                Ok(p) => (Pre::V2(p), "0.2.0"),
+                Err(e2) => match v1::PlacementPolicyPre::new(instance_pre) {
+                    Ok(p) => (Pre::V1(p), "0.1.0"),
+                    Err(e1) => {
+                        return Err(PolicyError::Load(format!(
+                            "exports none of berth:policy@0.3.0 ({e3:#}), @0.2.0 ({e2:#}), @0.1.0 ({e1:#})"
+                        )));
+                    }
+                },
             },
         };
         let mut loaded =
@@ -128,6 +138,7 @@ impl Instance {
         let bindings = match &loaded.pre {
             Pre::V1(pre) => pre.instantiate(&mut store).map(Bindings::V1),
             Pre::V2(pre) => pre.instantiate(&mut store).map(Bindings::V2),
+            Pre::V3(pre) => pre.instantiate(&mut store).map(Bindings::V3),
         }
         .map_err(|e| classify(e, &store, &limits))?;
         Ok(Instance { store, bindings, limits })
@@ -315,6 +326,13 @@ impl WasmPolicy {
                 let mut d = conv_v2::take_domains(domains);
                 let r = b.berth_policy_policy().call_score_domains(s, &t, &d);
                 conv_v2::restore_domains(domains, &mut d);
+                r
+            }
+            Bindings::V3(b) => {
+                let t = conv_v3::task(task);
+                let mut d = conv_v3::take_domains(domains);
+                let r = b.berth_policy_policy().call_score_domains(s, &t, &d);
+                conv_v3::restore_domains(domains, &mut d);
                 r
             }
         });
@@ -511,6 +529,95 @@ mod conv_v2 {
     }
 }
 
+mod conv_v3 {
+    columns!(super::v3::berth::policy::types);
+
+    fn extra_hooks(h: &w::Hooks) -> Hooks {
+        [(w::Hooks::DOMAINS, Hooks::DOMAINS), (w::Hooks::POOL_PLACE, Hooks::POOL_PLACE), (w::Hooks::POOL_STEP, Hooks::POOL_STEP)]
+            .into_iter()
+            .filter(|(wit, _)| h.contains(*wit))
+            .fold(Hooks::NONE, |acc, (_, ours)| acc | ours)
+    }
+
+    pub fn take_domains(d: &mut berth_sdk::Domains) -> w::Domains {
+        w::Domains {
+            ids: take(&mut d.ids),
+            aggregation: take(&mut d.aggregation),
+            nodes: take(&mut d.nodes),
+            idle_nodes: take(&mut d.idle_nodes),
+            gpus_total: take(&mut d.gpus_total),
+            gpus_idle: take(&mut d.gpus_idle),
+            fitting_tasks: take(&mut d.fitting_tasks),
+        }
+    }
+
+    pub fn restore_domains(d: &mut berth_sdk::Domains, w: &mut w::Domains) {
+        d.ids = take(&mut w.ids);
+        d.aggregation = take(&mut w.aggregation);
+        d.nodes = take(&mut w.nodes);
+        d.idle_nodes = take(&mut w.idle_nodes);
+        d.gpus_total = take(&mut w.gpus_total);
+        d.gpus_idle = take(&mut w.gpus_idle);
+        d.fitting_tasks = take(&mut w.fitting_tasks);
+    }
+
+    pub fn pool_state(s: &berth_sdk::PoolState) -> w::PoolState {
+        let s = s.clone();
+        w::PoolState {
+            now_ms: s.now_ms,
+            model_tp: s.model_tp,
+            model_weight_bytes: s.model_weight_bytes,
+            model_kv_bytes_per_token: s.model_kv_bytes_per_token,
+            model_arrived: s.model_arrived,
+            model_rate: s.model_rate,
+            model_peak_rate: s.model_peak_rate,
+            model_queued: s.model_queued,
+            model_service_s: s.model_service_s,
+            executor_tp: s.executor_tp,
+            executor_memory_bytes: s.executor_memory_bytes,
+            executor_load: s.executor_load,
+            assigned_executor: s.assigned_executor,
+            assigned_model: s.assigned_model,
+            assigned_pinned: s.assigned_pinned,
+            assigned_load: s.assigned_load,
+            assigned_idle_ms: s.assigned_idle_ms,
+        }
+    }
+
+    pub fn pool_executor(x: &berth_sdk::PoolExecutor) -> w::PoolExecutor {
+        let x = x.clone();
+        w::PoolExecutor {
+            now_ms: x.now_ms,
+            executor: x.executor,
+            memory_bytes: x.memory_bytes,
+            used_bytes: x.used_bytes,
+            tbt_target_ms: x.tbt_target_ms,
+            model: x.model,
+            resident: x.resident,
+            pinned: x.pinned,
+            weight_bytes: x.weight_bytes,
+            load_s: x.load_s,
+            waiting: x.waiting,
+            waiting_tokens: x.waiting_tokens,
+            oldest_wait_ms: x.oldest_wait_ms,
+            decoding: x.decoding,
+            decode_slack_ms: x.decode_slack_ms,
+            decode_iteration_s: x.decode_iteration_s,
+            idle_ms: x.idle_ms,
+        }
+    }
+
+    pub fn pool_step(st: w::PoolChoice) -> berth_sdk::PoolStep {
+        let phase = match st.phase {
+            w::PoolPhase::Idle => berth_sdk::PoolPhase::Idle,
+            w::PoolPhase::Prefill => berth_sdk::PoolPhase::Prefill,
+            w::PoolPhase::Decode => berth_sdk::PoolPhase::Decode,
+        };
+        berth_sdk::PoolStep { phase, row: st.row, iterations: st.iterations, evict: st.evict }
+    }
+}
+
+
 impl berth_core::preemption::PreemptionPolicy for WasmPolicy {
     fn describe(&self) -> String {
         format!("{}@{} (wasm)", self.loaded.info.name, self.loaded.info.version)
@@ -522,5 +629,58 @@ impl berth_core::preemption::PreemptionPolicy for WasmPolicy {
             return Ok(None);
         }
         WasmPolicy::rank(self, demand, victims).map(Some)
+    }
+}
+
+/// Model pools (contract 0.3.0). Components of 0.1.0 and 0.2.0 have no pool
+/// hooks and are refused with a clear error; a 0.3.0 component that does
+/// not claim a hook gets the host's default for it. The core validates
+/// every answer.
+impl berth_core::pool::PoolPolicy for WasmPolicy {
+    fn describe(&self) -> String {
+        format!("{}@{} (wasm)", self.loaded.info.name, self.loaded.info.version)
+    }
+
+    fn pool_place(&mut self, state: &PoolState) -> Result<Option<PoolPlacement>, PolicyError> {
+        self.require_pool_contract()?;
+        if !self.loaded.info.hooks.contains(Hooks::POOL_PLACE) {
+            return Ok(None);
+        }
+        let result = self.call(|b, s| match b {
+            Bindings::V3(b) => b
+                .berth_policy_policy()
+                .call_pool_place(s, &conv_v3::pool_state(state))
+                .map(|r| r.map(|p| PoolPlacement { executor: p.executor, model: p.model, weight: p.weight, pinned: p.pinned })),
+            _ => Ok(Err("no pool hooks".to_string())),
+        });
+        result?.map(Some).map_err(PolicyError::Guest)
+    }
+
+    fn pool_step(&mut self, executor: &PoolExecutor) -> Result<Option<PoolStep>, PolicyError> {
+        self.require_pool_contract()?;
+        if !self.loaded.info.hooks.contains(Hooks::POOL_STEP) {
+            return Ok(None);
+        }
+        let result = self.call(|b, s| match b {
+            Bindings::V3(b) => b.berth_policy_policy().call_pool_step(s, &conv_v3::pool_executor(executor)).map(|r| r.map(conv_v3::pool_step)),
+            _ => Ok(Err("no pool hooks".to_string())),
+        });
+        result?.map(Some).map_err(PolicyError::Guest)
+    }
+}
+
+impl WasmPolicy {
+    /// Contract 0.3.0 or later: the only ones with pool hooks.
+    fn require_pool_contract(&self) -> Result<(), PolicyError> {
+        match self.loaded.contract {
+            "0.1.0" => Err(PolicyError::Unsupported("pool (contract 0.3.0; this component is 0.1.0)")),
+            "0.2.0" => Err(PolicyError::Unsupported("pool (contract 0.3.0; this component is 0.2.0)")),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the component claims either pool hook.
+    pub fn has_pool_hooks(&self) -> bool {
+        self.loaded.info.hooks.contains(Hooks::POOL_PLACE) || self.loaded.info.hooks.contains(Hooks::POOL_STEP)
     }
 }
