@@ -157,7 +157,7 @@ pub fn place(engine: Arc<PolicyEngine>, spec: &str, fleet_spec: &str, scale: f64
     let total = started.elapsed().as_secs_f64();
     per_job.sort_unstable();
     single.sort_unstable();
-    let pct = |v: &[u64], p: f64| if v.is_empty() { 0.0 } else { v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1] as f64 / 1e3 };
+    let pct = |v: &[u64], p: f64| crate::asi::report::percentile(v, p * 100.0) as f64 / 1e3;
     Ok(PlaceBench {
         policy: loaded.info.name.clone(),
         nodes: fleet.nodes().len(),
