@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod asi;
+pub mod pool;
 pub mod bench;
 pub mod catalog;
 pub mod compact;

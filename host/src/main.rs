@@ -69,6 +69,19 @@ enum Command {
 
 #[derive(clap::Args)]
 struct ReplayArgs {
+    /// Model pools: replay a pool file (TOML, or `default` for the embedded
+    /// 47-model market on H20) under pool policies (default: the four
+    /// bundled ones) and report GPUs needed for the SLO target, attainment
+    /// and goodput on a fixed pool, sustained arrival rate, models per
+    /// executor, switches and bytes moved, for each of --seeds (the table
+    /// is the first seed's; medians over all of them beside Aegaeon's).
+    #[arg(long, conflicts_with_all = ["fleet", "nodes", "pods", "keep_order", "native", "decisions", "typical_from", "save_snapshot"])]
+    pool: Option<String>,
+    /// With --pool: take arrivals and token counts from an Azure LLM
+    /// inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) instead
+    /// of the synthetic generator, spread over the catalog by popularity.
+    #[arg(long, requires = "pool")]
+    azure: Option<PathBuf>,
     /// Event-driven replay on a fleet config (TOML, or `asi` for the
     /// embedded synthetic ASI fleet of 20,000 nodes): jobs arrive and leave
     /// in simulated time, gangs start all or nothing.
@@ -126,7 +139,7 @@ struct ReplayArgs {
     #[arg(long, requires = "nodes")]
     pods: Option<PathBuf>,
     /// Policies (names of bundled components or .wasm paths); repeatable.
-    #[arg(long = "policy", required = true)]
+    #[arg(long = "policy", required_unless_present = "pool")]
     policies: Vec<String>,
     /// Seeds: a range `42-51`, a list `1,2,3`, or one seed.
     #[arg(long, default_value = "42-51")]
@@ -390,6 +403,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
+    if let Some(spec) = &args.pool {
+        return pool_replay(engine, spec, &args);
+    }
     if let Some(fleet) = &args.fleet {
         return event_replay(engine, fleet, &args, false);
     }
@@ -438,6 +454,31 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.svg {
         report::write_svg(path, &format!("Unallocated GPUs: {source}"), &outcome.rows, &outcome.policies)?;
+    }
+    Ok(())
+}
+
+/// `berth replay --pool`: the pool policies compared on one workload.
+fn pool_replay(engine: Arc<PolicyEngine>, spec: &str, args: &ReplayArgs) -> anyhow::Result<()> {
+    use berth::pool;
+    let file = pool::PoolFile::load(spec)?;
+    let source = match &args.azure {
+        Some(path) => pool::Source::Azure(Arc::new(pool::read_azure(path)?), path.clone()),
+        None => pool::Source::Synthetic,
+    };
+    let seeds = replay::parse_seeds(&args.seeds).context("--seeds")?;
+    let policies: Vec<String> = if args.policies.is_empty() { pool::DEFAULT_POLICIES.iter().map(|s| s.to_string()).collect() } else { args.policies.clone() };
+    let mut all = Vec::new();
+    for seed in seeds {
+        let opts = pool::Options { policies: policies.clone(), seed, limits: replay_limits(args), progress: !args.quiet };
+        all.push(pool::compare(engine.clone(), &file, &source, &opts)?);
+    }
+    print!("{}", pool::report::report(&all));
+    if let Some(path) = &args.json {
+        pool::report::write_json(path, &all)?;
+    }
+    if let (Some(path), Some(first)) = (&args.svg, all.first()) {
+        pool::report::write_svg(path, first)?;
     }
     Ok(())
 }

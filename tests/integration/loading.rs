@@ -61,7 +61,10 @@ fn contract_0_1_0_components_keep_loading() {
     let old = crate::common::load(&crate::common::guest_path("v010"));
     assert_eq!(old.contract, "0.1.0");
     assert_eq!(old.info.name, "v010-most-free-cpu");
-    assert_eq!(crate::common::load(&policy_path("binpack")).contract, "0.2.0");
+    // Rust policies build against the newest contract (0.3.0, pool hooks);
+    // best-fit-py stays a 0.2.0 component and loads side by side.
+    assert_eq!(crate::common::load(&policy_path("binpack")).contract, "0.3.0");
+    assert_eq!(crate::common::load(&policy_path("best-fit-py")).contract, "0.2.0");
     // It decides through the same core as new components.
     let mut policy = berth::wasm::WasmPolicy::new(engine(), old, Default::default());
     let mut fleet = berth::synth::fleet(8, 1, false);

@@ -9,5 +9,6 @@ mod containment;
 mod equivalence;
 mod languages;
 mod loading;
+mod pool;
 mod replay;
 mod serve;

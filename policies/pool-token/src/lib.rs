@@ -115,8 +115,14 @@ impl Policy for Token {
         let tbt = x.tbt_target_ms as i64;
         let rows = 0..x.len();
         let urgent = rows.clone().filter(|&r| x.decoding[r] > 0).min_by_key(|&r| (x.decode_slack_ms[r], x.model[r]));
-        let oldest = rows.clone().filter(|&r| x.waiting[r] > 0).max_by_key(|&r| (x.oldest_wait_ms[r], std::cmp::Reverse(x.model[r])));
-        if let Some(p) = oldest {
+        // Grouped first-come-first-served: models by their oldest waiting
+        // request; the first whose weights fit (resident, or room after
+        // evicting idle models) is prefilled. A model that does not fit
+        // waits for decoding batches to finish and free their memory.
+        let mut waiting: Vec<usize> = rows.clone().filter(|&r| x.waiting[r] > 0).collect();
+        waiting.sort_by_key(|&r| (std::cmp::Reverse(x.oldest_wait_ms[r]), x.model[r]));
+        let oldest = waiting.first().copied();
+        if let Some(p) = waiting.into_iter().find(|&p| fits(x, p)) {
             // Prefill first, if every decoding batch keeps a token deadline
             // through the load and the prefill (estimated as one target).
             let cost_ms = (x.load_s[p] * 1000.0) as i64 + tbt;
@@ -131,13 +137,27 @@ impl Policy for Token {
         }
         let Some(u) = urgent else { return Ok(PoolStep::idle()) };
         let mut n = decode_quantum(x, u, self.max_iterations);
-        if oldest.is_some() {
-            // Someone waits for a first token: give them the executor soon.
+        if oldest.is_some_and(|p| fits(x, p)) {
+            // Someone who fits waits for a first token: give them the
+            // executor soon. Otherwise decode on, to free memory.
             let iteration_ms = (x.decode_iteration_s[u] * 1000.0).max(0.001);
             n = n.min(((2 * tbt) as f64 / iteration_ms).max(1.0) as u32);
         }
         Ok(PoolStep::decode(u, n))
     }
+}
+
+/// Whether row `p`'s weights fit now, with a tenth of memory to spare for
+/// KV cache, counting what evicting idle models would free.
+fn fits(x: &PoolExecutor, p: usize) -> bool {
+    if x.resident[p] == 1 {
+        return true;
+    }
+    let evictable: u64 = (0..x.len())
+        .filter(|&r| r != p && x.resident[r] == 1 && x.pinned[r] == 0 && x.decoding[r] == 0)
+        .map(|r| x.weight_bytes[r])
+        .sum();
+    x.used_bytes.saturating_sub(evictable) + x.weight_bytes[p] + x.memory_bytes / 10 <= x.memory_bytes
 }
 
 /// Resident rows to drop before loading row `p`: idle ones (nothing
