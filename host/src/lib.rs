@@ -15,6 +15,7 @@ pub mod native;
 pub mod replay;
 pub mod scaffold;
 pub mod serve;
+pub mod store;
 pub mod synth;
 pub mod wasm;
 

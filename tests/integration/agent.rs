@@ -140,6 +140,9 @@ async fn two_agents_run_children_on_their_gpus_and_a_killed_agent_becomes_unreac
     a1.extend(common);
     let mut a2: Vec<&str> = vec!["agent", "--node", "n2", "--synthetic-gpus", "4xA100", "--synthetic-xid", "3:79"];
     a2.extend(common);
+    let (s1, s2) = (d.join("n1-state").display().to_string(), d.join("n2-state").display().to_string());
+    a1.extend(["--state-dir", &s1]);
+    a2.extend(["--state-dir", &s2]);
     let _agent1 = spawn(&a1, &d.join("n1.log"));
     let mut agent2 = spawn(&a2, &d.join("n2.log"));
 
@@ -271,11 +274,17 @@ async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) -> (Proc, Str
     let access = d.join("access.toml");
     std::fs::write(&access, ACCESS).unwrap();
     let log = d.join(format!("{name}.log"));
-    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--state-dir", state.to_str().unwrap(), "--access", access.to_str().unwrap()];
+    let mut args = vec!["serve", "--metrics-listen", "off", "--state-dir", state.to_str().unwrap(), "--access", access.to_str().unwrap()];
+    if !extra.contains(&"--listen") {
+        args.extend(["--listen", "127.0.0.1:0"]);
+    }
     args.extend(extra);
-    let proc = spawn(&args, &log);
+    let mut proc = spawn(&args, &log);
     let url = until("berth serve to listen", Duration::from_secs(120), || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(status) = proc.0.try_wait().unwrap() {
+            panic!("berth serve exited ({status}):\n{text}");
+        }
         async move { text.lines().find_map(|l| l.split("API on ").nth(1).map(|r| r.split(',').next().unwrap().trim().to_string())) }
     })
     .await;
@@ -283,9 +292,23 @@ async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) -> (Proc, Str
 }
 
 fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]) -> Proc {
-    let mut args = vec!["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token", "ops-test-token", "--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2"];
+    let state = d.join(format!("{node}-state")).display().to_string();
+    let mut args = vec!["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token", "ops-test-token", "--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state];
     args.extend(extra);
-    spawn(&args, &d.join(format!("{node}.log")))
+    // Appended, so a restarted agent's log keeps the first one's.
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join(format!("{node}.log"))).unwrap();
+    let child = Command::new(BERTH)
+        .args(&args)
+        .current_dir(repo_root())
+        .env("BERTH_LOG", "info")
+        .env_remove("BERTH_TOKEN")
+        .env_remove("BERTH_SERVER")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawning berth agent");
+    Proc(child)
 }
 
 /// A task that writes the GPUs it sees to `vis-<job>-<allocation>`, then
@@ -465,4 +488,119 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
     let idle: u32 = nodes.iter().filter(|n| n.source == "agent").map(|n| n.gpus_idle).sum();
     // n1 + n2 have 5 healthy GPUs; one 1-GPU job still runs.
     assert_eq!(idle, 4, "{nodes:?}");
+}
+
+/// Log text without its colour escapes.
+fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A loopback port free now (the OS may hand it out again later; good
+/// enough for a server restarted on the same address).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn kill9(p: &mut Proc) {
+    p.0.kill().unwrap();
+    p.0.wait().unwrap();
+}
+
+/// Running jobs' placements, as (job, node, GPU) triples.
+fn held_gpus(jobs: &[pb::Job]) -> std::collections::BTreeSet<(u64, String, u32)> {
+    jobs.iter().filter(|j| j.state == "running").flat_map(|j| j.placements.iter().flat_map(move |p| p.gpus.iter().map(move |&g| (j.id, p.node.clone(), g)))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store() {
+    let d = dir("restart");
+    let state = d.join("state");
+    let port = free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let extra = ["--listen", listen.as_str(), "--agent-timeout-ms", "1500"];
+    let (mut host, url) = serve(&d, "serve1", &state, &extra).await;
+    let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    until("n1 schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move { api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes.into_iter().find(|n| n.name == "n1" && n.schedulable) }
+    })
+    .await;
+    let held = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let sim = |gpus, tasks| pb::JobSpec { partition: "p0".into(), gpus, tasks, duration_s: 3600.0, ..Default::default() };
+    let mut sims = Vec::new();
+    for spec in [sim(1, 1), sim(8, 2), sim(8, 1000)] {
+        sims.push(api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap().into_inner().job_id);
+    }
+    let before = until("the agent job's process and two simulated jobs running", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move {
+            let js = jobs(&api).await;
+            let up = js.iter().any(|j| j.id == held && j.runs.iter().all(|r| r.state == "running"));
+            (up && js.iter().filter(|j| j.state == "running").count() == 3).then_some(js)
+        }
+    })
+    .await;
+    assert_eq!(before.iter().find(|j| j.id == sims[2]).unwrap().state, "pending");
+    assert!(std::fs::read_dir(&d).unwrap().filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with(&format!("vis-{held}-"))), "the task wrote its GPUs");
+
+    // kill -9, then a new process on the same state directory and address.
+    kill9(&mut host);
+    let restarted = Instant::now();
+    let (_host, url2) = serve(&d, "serve2", &state, &extra).await;
+    let up_in = restarted.elapsed();
+    assert_eq!(url2, url);
+    let api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let after = jobs(&api).await;
+    let key = |js: &[pb::Job]| js.iter().map(|j| (j.id, j.state.clone(), j.placements.clone(), j.runs.iter().map(|r| r.allocation_id).collect::<Vec<_>>())).collect::<Vec<_>>();
+    assert_eq!(key(&after), key(&before), "jobs differ after the restart");
+    assert_eq!(held_gpus(&after), held_gpus(&before));
+    let log = plain(&std::fs::read_to_string(d.join("serve2.log")).unwrap());
+    let recovered = log.lines().find(|l| l.contains("state recovered")).unwrap_or_else(|| panic!("no recovery line in:\n{log}"));
+    assert!(recovered.contains("jobs=4") && recovered.contains("running=3"), "{recovered}");
+    eprintln!("restart: serving again {up_in:?} after the kill; {recovered}");
+
+    // The agent comes back to the new process; its task still runs and
+    // holds its GPUs: only 2 of n1's 4 are free, so a 3-GPU job waits.
+    until("n1 back and schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move { api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes.into_iter().find(|n| n.name == "n1" && n.schedulable && n.gpus_idle == 2) }
+    })
+    .await;
+    let mut api = api;
+    let three = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 3, 1)) }).await.unwrap().into_inner().job_id;
+    assert!(three > *sims.iter().max().unwrap(), "job ids continue after the restart");
+    let two = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    until("the 2-GPU job running beside the recovered one", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == two && j.state == "running") }
+    })
+    .await;
+    let now = jobs(&api).await;
+    assert_one_owner(&now, &[]);
+    assert_eq!(now.iter().find(|j| j.id == three).unwrap().state, "pending");
+    // The recovered task's exit reaches the new host and frees its GPUs
+    // (with the 2-GPU job's: 4 free, room for 3).
+    std::fs::write(d.join(format!("release-{held}")), "0").unwrap();
+    std::fs::write(d.join(format!("release-{two}")), "0").unwrap();
+    until("the recovered job finished and the 3-GPU one running", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move {
+            let js = jobs(&api).await;
+            let st = |id: u64| js.iter().find(|j| j.id == id).unwrap().state.clone();
+            (st(held) == "finished" && st(three) == "running").then_some(())
+        }
+    })
+    .await;
+    assert_one_owner(&jobs(&api).await, &[]);
+    std::fs::write(d.join(format!("release-{three}")), "0").unwrap();
 }

@@ -55,6 +55,7 @@ fn config(dir: &Path, access: &str) -> ServeConfig {
         limits: Limits { deadline: Duration::from_secs(2), memory_bytes: 64 << 20, ..Limits::default() },
         breaker: BreakerConfig { failures: 3, backoff: Duration::from_secs(600) },
         max_upload_bytes: 1 << 20,
+        store: Default::default(),
     }
 }
 

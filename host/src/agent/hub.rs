@@ -29,11 +29,14 @@ pub struct HubConfig {
     /// An allocated GPU counts as productive when its SM utilisation is at
     /// least this (percent).
     pub productive_sm_pct: u32,
+    /// How long an unreachable node's jobs wait for it before they are
+    /// requeued elsewhere (None: they wait for it forever).
+    pub reschedule_after: Option<Duration>,
 }
 
 impl Default for HubConfig {
     fn default() -> Self {
-        HubConfig { heartbeat_timeout: Duration::from_secs(10), productive_sm_pct: 10 }
+        HubConfig { heartbeat_timeout: Duration::from_secs(10), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(60)) }
     }
 }
 
@@ -54,6 +57,13 @@ struct AgentRecord {
     heartbeats: u64,
     reachable: bool,
     commands: Option<mpsc::Sender<Result<pb::AgentCommand, Status>>>,
+    /// Allocations the fleet held here when the node registered; checked
+    /// against the first heartbeat's running list.
+    expected: Option<Vec<u64>>,
+    /// Orphans already told to stop.
+    stopped: std::collections::HashSet<u64>,
+    /// Its jobs were requeued after the grace.
+    given_up: bool,
 }
 
 #[derive(Default)]
@@ -93,16 +103,22 @@ impl Hub {
     /// Marks nodes whose heartbeats stopped as unreachable (logged once per
     /// transition). Runs every quarter of the timeout.
     pub fn sweep(&self) {
-        let mut lost = Vec::new();
+        let (mut lost, mut give_up) = (Vec::new(), Vec::new());
         {
             let mut st = self.state.lock().unwrap();
             let now = Instant::now();
             for (name, a) in st.agents.iter_mut() {
-                let late = now.duration_since(a.last_heartbeat) > self.config.heartbeat_timeout;
-                if late && a.reachable {
+                let silent = now.duration_since(a.last_heartbeat);
+                if silent > self.config.heartbeat_timeout && a.reachable {
                     a.reachable = false;
                     tracing::warn!(target: "berth::agent", node = %name, "node unreachable: no heartbeat for {:?}", self.config.heartbeat_timeout);
                     lost.push((a.partition.clone(), name.clone()));
+                }
+                if let Some(grace) = self.config.reschedule_after {
+                    if !a.reachable && !a.given_up && silent > self.config.heartbeat_timeout + grace {
+                        a.given_up = true;
+                        give_up.push((a.partition.clone(), name.clone(), silent));
+                    }
                 }
             }
         }
@@ -110,6 +126,12 @@ impl Hub {
         // holds a partition's lock while it calls the hub).
         for (partition, node) in lost {
             self.live.agent_node_schedulable(&partition, &node, false);
+        }
+        for (partition, node, silent) in give_up {
+            let jobs = self.live.give_up_node(&partition, &node, &format!("node {node} unreachable for {:.1} s", silent.as_secs_f64()));
+            if !jobs.is_empty() {
+                tracing::warn!(target: "berth::agent", node = %node, ?jobs, "node given up: jobs requeued, its GPUs fenced until it returns");
+            }
         }
     }
 
@@ -145,7 +167,7 @@ impl Hub {
 
     /// Records a registration; returns the reply and the GPUs that keep an
     /// unhealthy mark from before.
-    fn register_locked(&self, r: pb::RegisterAgentRequest, id: &Identity) -> (pb::RegisterAgentResponse, Vec<u32>) {
+    fn register_locked(&self, r: pb::RegisterAgentRequest, id: &Identity, expected: Vec<u64>) -> (pb::RegisterAgentResponse, Vec<u32>) {
         let mut st = self.state.lock().unwrap();
         let session = st.next_session;
         st.next_session += 1;
@@ -173,6 +195,9 @@ impl Hub {
                 heartbeats: 0,
                 reachable: true,
                 commands: None,
+                expected: Some(expected),
+                stopped: Default::default(),
+                given_up: false,
             },
         );
         (pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64 }, unhealthy)
@@ -180,7 +205,8 @@ impl Hub {
 
     /// Records a heartbeat; returns GPUs newly unhealthy, GPUs measured
     /// active, and whether the node's schedulability changed.
-    fn heartbeat_locked(&self, r: &pb::HeartbeatRequest) -> Result<(Vec<u32>, Vec<u32>, Option<bool>), Status> {
+    #[allow(clippy::type_complexity)]
+    fn heartbeat_locked(&self, r: &pb::HeartbeatRequest) -> Result<(Vec<u32>, Vec<u32>, Option<bool>, Option<Vec<u64>>), Status> {
         let mut st = self.state.lock().unwrap();
         let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
         if a.session != r.session {
@@ -195,6 +221,8 @@ impl Hub {
         a.last_heartbeat_unix_ms = unix_ms();
         a.heartbeats += 1;
         a.reachable = true;
+        a.given_up = false;
+        let expected = a.expected.take();
         let (mut unhealthy, mut active) = (Vec::new(), Vec::new());
         for t in &r.gpus {
             let Some(g) = a.gpus.iter_mut().find(|g| g.info.index == t.index) else { continue };
@@ -211,7 +239,7 @@ impl Hub {
             }
             g.last = Some(t.clone());
         }
-        Ok((unhealthy, active, schedulable))
+        Ok((unhealthy, active, schedulable, expected))
     }
 
     fn send(&self, node: &str, cmd: pb::AgentCommand) -> Result<(), Status> {
@@ -247,7 +275,8 @@ impl AgentHub for Arc<Hub> {
         }
         self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib)?;
         let (partition, node) = (r.partition.clone(), r.node.clone());
-        let response = self.register_locked(r, &id);
+        let expected = self.live.expected_on(&partition, &node);
+        let response = self.register_locked(r, &id, expected);
         // Until its command stream is held, the node takes no work.
         self.live.agent_node_schedulable(&partition, &node, false);
         for g in response.1 {
@@ -261,7 +290,35 @@ impl AgentHub for Arc<Hub> {
         let r = req.into_inner();
         let partition = self.agent_partition(&r.node)?;
         self.require(&id, &partition, Role::Operator)?;
-        let (unhealthy, active, schedulable) = self.heartbeat_locked(&r)?;
+        let (unhealthy, active, schedulable, expected) = self.heartbeat_locked(&r)?;
+        // What the node runs against what the fleet holds there: adopt the
+        // known, stop the orphans, end what is gone.
+        let orphans = self.live.reconcile(&partition, &r.node, &r.running, expected.as_deref());
+        let mut stop = Vec::new();
+        {
+            let mut st = self.state.lock().unwrap();
+            for &a in &r.running {
+                if orphans.contains(&a) {
+                    if st.agents.get_mut(&r.node).is_some_and(|x| x.stopped.insert(a)) {
+                        stop.push(a);
+                    }
+                } else if !st.allocations.contains_key(&a) {
+                    if let Some((node, gpus)) = self.live.allocation_node(a) {
+                        tracing::info!(target: "berth::agent", allocation = a, node = %node, "allocation adopted");
+                        st.allocations.insert(a, pb::AllocationInfo { id: a, node, gpus, state: "running".into(), ..Default::default() });
+                    }
+                }
+            }
+        }
+        for a in stop {
+            tracing::warn!(target: "berth::agent", allocation = a, node = %r.node, "orphan: telling the node to stop it");
+            if let Err(e) = self.send(&r.node, pb::AgentCommand { allocation_id: a, action: "stop".into(), ..Default::default() }) {
+                tracing::warn!(target: "berth::agent", allocation = a, "stop not delivered: {}", e.message());
+                if let Some(x) = self.state.lock().unwrap().agents.get_mut(&r.node) {
+                    x.stopped.remove(&a);
+                }
+            }
+        }
         if let Some(on) = schedulable {
             self.live.agent_node_schedulable(&partition, &r.node, on);
         }
@@ -301,7 +358,12 @@ impl AgentHub for Arc<Hub> {
         self.require(&id, &partition, Role::Operator)?;
         {
             let mut st = self.state.lock().unwrap();
-            let a = st.allocations.get_mut(&r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
+            if !st.allocations.contains_key(&r.allocation_id) {
+                // Started before this host (re)started: the fleet knows it, the hub learns it now.
+                let (node, gpus) = self.live.allocation_node(r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
+                st.allocations.insert(r.allocation_id, pb::AllocationInfo { id: r.allocation_id, node, gpus, state: "running".into(), ..Default::default() });
+            }
+            let a = st.allocations.get_mut(&r.allocation_id).expect("inserted above");
             if a.node != r.node {
                 return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
             }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use anyhow::Context;
 use serde::Serialize;
 use tokio::process::Command;
 
@@ -15,9 +16,20 @@ use crate::serve::pb;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct AgentArgs {
-    /// Host URL (https:// with --ca).
+    /// Host URL (https:// with --ca); several, comma-separated, for hosts
+    /// in high availability (the agent moves to the next when one fails).
     #[arg(long, env = "BERTH_SERVER", default_value = "http://127.0.0.1:7450")]
     server: String,
+    /// Where the agent records the processes it runs, so that an agent
+    /// restarted after a crash adopts those still running and reports those
+    /// that ended (default: <tmp>/berth-agent-<node>).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Internal: run a task under a supervisor that records how it ended.
+    #[arg(long, hide = true)]
+    supervise: Option<PathBuf>,
+    #[arg(last = true, hide = true)]
+    command: Vec<String>,
     /// Bearer token of an identity with the operator role on --partition.
     #[arg(long, env = "BERTH_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -123,6 +135,9 @@ fn telemetry(s: Sample) -> pb::GpuTelemetry {
 /// `berth agent`. Exits non-zero (with one line) when there is no driver
 /// and no `--synthetic-gpus`.
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
+    if let Some(status) = &args.supervise {
+        supervise(status, &args.command);
+    }
     let node = args.node.clone().unwrap_or_else(hostname);
     let mut src = match source(&args, &node) {
         Ok(s) => s,
@@ -159,6 +174,57 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     runtime.block_on(Agent::new(args, node, src).run())
 }
 
+/// How a task ended, written by its supervisor.
+#[derive(Serialize, serde::Deserialize)]
+struct Ended {
+    exit_code: i32,
+    signal: i32,
+}
+
+/// What the agent records per task it starts.
+#[derive(Serialize, serde::Deserialize)]
+struct Record {
+    alloc_id: u64,
+    pid: u32,
+    gpus: Vec<u32>,
+}
+
+extern "C" fn ignore(_: libc::c_int) {}
+
+/// The supervisor: runs the task in its own process group (the group the
+/// agent signals), outlives the agent if it dies, and writes how the task
+/// ended to `status` for whichever agent adopts it.
+fn supervise(status: &std::path::Path, argv: &[String]) -> ! {
+    // A handler, not SIG_IGN (which the task would inherit): signals sent to
+    // the group reach the task, and the supervisor stays to record the end.
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGUSR1] {
+        // SAFETY: installing an async-signal-safe no-op handler.
+        unsafe { libc::signal(sig, ignore as *const () as libc::sighandler_t) };
+    }
+    let Some((prog, rest)) = argv.split_first() else {
+        eprintln!("berth agent --supervise: no command");
+        std::process::exit(2);
+    };
+    use std::os::unix::process::ExitStatusExt;
+    let ended = match std::process::Command::new(prog).args(rest).status() {
+        Ok(s) => Ended { exit_code: s.code().unwrap_or(-1), signal: s.signal().unwrap_or(0) },
+        Err(e) => {
+            eprintln!("berth agent --supervise: spawn {prog:?}: {e}");
+            Ended { exit_code: 127, signal: 0 }
+        }
+    };
+    let _ = crate::serve::registry::write_atomic(status, &serde_json::to_vec(&ended).expect("serializes"));
+    std::process::exit(if ended.signal != 0 { 128 + ended.signal } else { ended.exit_code });
+}
+
+/// Whether `pid` is a live supervisor (not a zombie, not a reused pid).
+fn supervisor_alive(pid: u32) -> bool {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("");
+    cmdline.split(|&b| b == 0).any(|a| a == b"--supervise") && !matches!(state, "Z" | "X" | "")
+}
+
 /// A child the agent runs.
 struct Child {
     pid: u32,
@@ -172,6 +238,13 @@ struct Agent {
     node: String,
     src: Mutex<Box<dyn DeviceSource>>,
     children: Mutex<HashMap<u64, Child>>,
+    servers: Vec<String>,
+    next_server: std::sync::atomic::AtomicUsize,
+    client: Mutex<Option<HubClient>>,
+    state_dir: PathBuf,
+    /// Exit reports the host has not acknowledged yet (it was away); their
+    /// records stay on disk until it does.
+    unsent: Mutex<Vec<pb::AllocationReport>>,
 }
 
 fn signal_group(pid: u32, sig: i32) -> std::io::Result<()> {
@@ -186,24 +259,145 @@ fn signal_group(pid: u32, sig: i32) -> std::io::Result<()> {
 
 impl Agent {
     fn new(args: AgentArgs, node: String, src: Box<dyn DeviceSource>) -> Arc<Agent> {
-        Arc::new(Agent { args, node, src: Mutex::new(src), children: Mutex::new(HashMap::new()) })
+        let servers = args.server.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        let state_dir = args.state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("berth-agent-{node}")));
+        Arc::new(Agent {
+            args,
+            node,
+            src: Mutex::new(src),
+            children: Mutex::new(HashMap::new()),
+            servers,
+            next_server: Default::default(),
+            client: Mutex::new(None),
+            state_dir,
+            unsent: Mutex::new(Vec::new()),
+        })
     }
 
-    async fn connect(&self) -> HubClient {
+    fn client(&self) -> HubClient {
+        self.client.lock().unwrap().clone().expect("connected before use")
+    }
+
+    /// Connects to the next host that answers (round robin over --server).
+    async fn connect(&self) {
         let mut delay = Duration::from_millis(100);
         loop {
-            match connect_hub(&self.args.server, self.args.token.as_deref(), self.args.ca.as_deref()).await {
-                Ok(c) => return c,
-                Err(e) => {
-                    tracing::warn!(target: "berth::agent", "{e:#}; retrying in {delay:?}");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
+            for _ in 0..self.servers.len() {
+                let i = self.next_server.fetch_add(1, std::sync::atomic::Ordering::SeqCst) % self.servers.len();
+                let server = &self.servers[i];
+                match connect_hub(server, self.args.token.as_deref(), self.args.ca.as_deref()).await {
+                    Ok(c) => {
+                        *self.client.lock().unwrap() = Some(c);
+                        return;
+                    }
+                    Err(e) => tracing::warn!(target: "berth::agent", "{e:#}"),
+                }
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    fn record_path(&self, id: u64) -> (PathBuf, PathBuf) {
+        (self.state_dir.join(format!("alloc-{id}.json")), self.state_dir.join(format!("alloc-{id}.status")))
+    }
+
+    /// Before registering: the tasks a previous agent started. Those still
+    /// running are adopted (and listed in heartbeats, so the host keeps
+    /// them or stops them); those that ended are reported.
+    fn recover_children(&self) -> anyhow::Result<Vec<(u64, u32)>> {
+        std::fs::create_dir_all(&self.state_dir).with_context(|| format!("creating {}", self.state_dir.display()))?;
+        let mut adopted = Vec::new();
+        for entry in std::fs::read_dir(&self.state_dir)? {
+            let path = entry?.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let Ok(rec) = serde_json::from_slice::<Record>(&std::fs::read(&path)?) else {
+                tracing::warn!(target: "berth::agent", "{}: unreadable record, skipped", path.display());
+                continue;
+            };
+            let base = pb::AllocationReport { node: self.node.clone(), allocation_id: rec.alloc_id, pid: rec.pid, ..Default::default() };
+            if supervisor_alive(rec.pid) {
+                let stat = std::fs::read_to_string(format!("/proc/{}/stat", rec.pid)).unwrap_or_default();
+                let sleeping = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T");
+                self.children.lock().unwrap().insert(rec.alloc_id, Child { pid: rec.pid, gpus: rec.gpus, sleeping });
+                adopted.push((rec.alloc_id, rec.pid));
+                tracing::info!(target: "berth::agent", allocation = rec.alloc_id, pid = rec.pid, "adopted a running task");
+            } else {
+                let r = self.ended_report(base, None);
+                self.unsent.lock().unwrap().push(r);
+            }
+        }
+        Ok(adopted)
+    }
+
+    /// The exit report of a task: from its supervisor's record, else from
+    /// the supervisor's own wait status, else unknown.
+    fn ended_report(&self, base: pb::AllocationReport, waited: Option<std::io::Result<std::process::ExitStatus>>) -> pb::AllocationReport {
+        use std::os::unix::process::ExitStatusExt;
+        let status = std::fs::read(self.record_path(base.allocation_id).1).ok().and_then(|b| serde_json::from_slice::<Ended>(&b).ok());
+        match (status, waited) {
+            (Some(e), _) => {
+                let detail = if e.signal != 0 { format!("signal {}", e.signal) } else { format!("exit status: {}", e.exit_code) };
+                pb::AllocationReport { state: "exited".into(), exit_code: e.exit_code, signal: e.signal, detail, ..base }
+            }
+            (None, Some(Ok(s))) => pb::AllocationReport { state: "exited".into(), exit_code: s.code().unwrap_or(-1), signal: s.signal().unwrap_or(0), detail: s.to_string(), ..base },
+            (None, Some(Err(e))) => pb::AllocationReport { state: "failed".into(), detail: format!("wait: {e}"), ..base },
+            (None, None) => pb::AllocationReport { state: "failed".into(), detail: "ended while no agent watched it; no status recorded".into(), ..base },
+        }
+    }
+
+    /// Delivers an exit report, or keeps it (and its record) for later.
+    async fn report_end(&self, r: pb::AllocationReport) {
+        self.unsent.lock().unwrap().push(r);
+        self.flush().await;
+    }
+
+    /// Sends the exit reports the host has not had; forgets the records of
+    /// those it acknowledged.
+    async fn flush(&self) {
+        let pending: Vec<pb::AllocationReport> = std::mem::take(&mut *self.unsent.lock().unwrap());
+        let mut client = self.client();
+        for r in pending {
+            let id = r.allocation_id;
+            match client.report_allocation(r.clone()).await {
+                Ok(_) => {
+                    let (rec, status) = self.record_path(id);
+                    let _ = std::fs::remove_file(rec);
+                    let _ = std::fs::remove_file(status);
+                }
+                Err(s) if s.code() == tonic::Code::NotFound => {
+                    tracing::warn!(target: "berth::agent", allocation = id, "the host does not know this allocation: {}", s.message());
+                    let (rec, status) = self.record_path(id);
+                    let _ = std::fs::remove_file(rec);
+                    let _ = std::fs::remove_file(status);
+                }
+                Err(s) => {
+                    tracing::warn!(target: "berth::agent", allocation = id, "report kept for later: {:?}: {}", s.code(), s.message());
+                    self.unsent.lock().unwrap().push(r);
                 }
             }
         }
     }
 
-    async fn register(&self, c: &mut HubClient) -> anyhow::Result<u64> {
+    /// Watches an adopted task (not our child: polled) until it ends.
+    fn watch_adopted(self: &Arc<Self>, id: u64, pid: u32) {
+        let agent = self.clone();
+        tokio::spawn(async move {
+            while supervisor_alive(pid) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            agent.children.lock().unwrap().remove(&id);
+            let base = pb::AllocationReport { node: agent.node.clone(), allocation_id: id, pid, ..Default::default() };
+            let r = agent.ended_report(base, None);
+            tracing::info!(target: "berth::agent", allocation = id, "adopted task ended: {}", r.detail);
+            agent.report_end(r).await;
+        });
+    }
+
+    async fn register(&self) -> anyhow::Result<u64> {
+        let mut c = self.client();
         let gpus = self.src.lock().unwrap().gpus().iter().map(gpu_info).collect();
         let source = self.src.lock().unwrap().kind().to_string();
         let synthetic = self.args.synthetic_gpus.is_some();
@@ -224,13 +418,21 @@ impl Agent {
     }
 
     async fn run(self: Arc<Self>) -> anyhow::Result<()> {
-        let mut client = self.connect().await;
+        anyhow::ensure!(!self.servers.is_empty(), "--server is empty");
+        let adopted = self.recover_children()?;
+        self.connect().await;
         // Registration failures other than the connection (a bad token, an
         // unknown partition) are fatal: retrying cannot fix them.
-        let session = self.register(&mut client).await?;
+        let session = self.register().await?;
         eprintln!("berth agent: node {} registered with {} ({} GPUs, session {session})", self.node, self.args.server, self.src.lock().unwrap().gpus().len());
+        // Ends the host has not heard of go before the first heartbeat, which
+        // lists what still runs.
+        self.flush().await;
+        for (id, pid) in adopted {
+            self.watch_adopted(id, pid);
+        }
         let session = Arc::new(std::sync::atomic::AtomicU64::new(session));
-        let commands = tokio::spawn(self.clone().command_loop(client.clone(), session.clone()));
+        let commands = tokio::spawn(self.clone().command_loop(session.clone()));
         let period = Duration::from_millis(self.args.heartbeat_ms.max(10));
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         loop {
@@ -243,12 +445,25 @@ impl Agent {
             let running: Vec<u64> = self.children.lock().unwrap().keys().copied().collect();
             let gpus = self.src.lock().unwrap().sample(&busy).into_iter().map(telemetry).collect();
             let req = pb::HeartbeatRequest { node: self.node.clone(), session: session.load(std::sync::atomic::Ordering::SeqCst), gpus, running };
-            if let Err(s) = client.heartbeat(req).await {
-                tracing::warn!(target: "berth::agent", "heartbeat: {:?}: {}", s.code(), s.message());
-                if s.code() == tonic::Code::NotFound {
-                    // The host forgot us (restarted): register again.
-                    if let Ok(new) = self.register(&mut client).await {
-                        session.store(new, std::sync::atomic::Ordering::SeqCst);
+            match self.client().heartbeat(req).await {
+                Ok(_) => {
+                    if !self.unsent.lock().unwrap().is_empty() {
+                        self.flush().await;
+                    }
+                }
+                Err(s) => {
+                    tracing::warn!(target: "berth::agent", "heartbeat: {:?}: {}", s.code(), s.message());
+                    if s.code() != tonic::Code::NotFound {
+                        // The host is gone or not leading: the next one.
+                        self.connect().await;
+                    }
+                    // A new or restarted host does not know this session.
+                    match self.register().await {
+                        Ok(new) => {
+                            session.store(new, std::sync::atomic::Ordering::SeqCst);
+                            self.flush().await;
+                        }
+                        Err(e) => tracing::warn!(target: "berth::agent", "{e:#}"),
                     }
                 }
             }
@@ -261,15 +476,16 @@ impl Agent {
         Ok(())
     }
 
-    async fn command_loop(self: Arc<Self>, mut client: HubClient, session: Arc<std::sync::atomic::AtomicU64>) {
+    async fn command_loop(self: Arc<Self>, session: Arc<std::sync::atomic::AtomicU64>) {
         loop {
             let req = pb::CommandsRequest { node: self.node.clone(), session: session.load(std::sync::atomic::Ordering::SeqCst) };
+            let mut client = self.client();
             match client.commands(req).await {
                 Ok(stream) => {
                     let mut stream = stream.into_inner();
                     loop {
                         match stream.message().await {
-                            Ok(Some(cmd)) => self.clone().handle(client.clone(), cmd).await,
+                            Ok(Some(cmd)) => self.clone().handle(cmd).await,
                             Ok(None) => break,
                             Err(s) => {
                                 tracing::warn!(target: "berth::agent", "command stream: {:?}: {}", s.code(), s.message());
@@ -284,13 +500,13 @@ impl Agent {
         }
     }
 
-    async fn report(&self, client: &mut HubClient, r: pb::AllocationReport) {
-        if let Err(s) = client.report_allocation(r).await {
+    async fn report(&self, r: pb::AllocationReport) {
+        if let Err(s) = self.client().report_allocation(r).await {
             tracing::warn!(target: "berth::agent", "report: {:?}: {}", s.code(), s.message());
         }
     }
 
-    async fn handle(self: Arc<Self>, mut client: HubClient, cmd: pb::AgentCommand) {
+    async fn handle(self: Arc<Self>, cmd: pb::AgentCommand) {
         let id = cmd.allocation_id;
         let base = pb::AllocationReport { node: self.node.clone(), allocation_id: id, ..Default::default() };
         match cmd.action.as_str() {
@@ -299,12 +515,31 @@ impl Agent {
                 let gpus: Vec<u32> = cmd.gpu_uuids.iter().filter_map(|u| known.iter().position(|k| k == u).map(|i| i as u32)).collect();
                 if gpus.len() != cmd.gpu_uuids.len() || cmd.argv.is_empty() {
                     let detail = format!("refused: argv {:?}, GPUs {:?} (this node has {known:?})", cmd.argv, cmd.gpu_uuids);
-                    self.report(&mut client, pb::AllocationReport { state: "failed".into(), detail, ..base }).await;
+                    self.report(pb::AllocationReport { state: "failed".into(), detail, ..base }).await;
                     return;
                 }
                 let visible = cmd.gpu_uuids.join(",");
-                let mut c = Command::new(&cmd.argv[0]);
-                c.args(&cmd.argv[1..])
+                if self.children.lock().unwrap().contains_key(&id) {
+                    tracing::warn!(target: "berth::agent", allocation = id, "start of a task already running here: ignored");
+                    return;
+                }
+                // Under a supervisor (this binary) that records how it ends,
+                // so an agent restarted after a crash can still tell.
+                let (record, status) = self.record_path(id);
+                let _ = std::fs::remove_file(&status);
+                let exe = match std::env::current_exe() {
+                    Ok(e) => e,
+                    Err(e) => {
+                        self.report(pb::AllocationReport { state: "failed".into(), detail: format!("locating the berth binary: {e}"), ..base }).await;
+                        return;
+                    }
+                };
+                let mut c = Command::new(exe);
+                c.arg("agent")
+                    .arg("--supervise")
+                    .arg(&status)
+                    .arg("--")
+                    .args(&cmd.argv)
                     .envs(&cmd.env)
                     .env("CUDA_VISIBLE_DEVICES", &visible)
                     .env("NVIDIA_VISIBLE_DEVICES", &visible)
@@ -316,32 +551,25 @@ impl Agent {
                 let mut child = match c.spawn() {
                     Ok(ch) => ch,
                     Err(e) => {
-                        self.report(&mut client, pb::AllocationReport { state: "failed".into(), detail: format!("spawn {:?}: {e}", cmd.argv[0]), ..base }).await;
+                        self.report(pb::AllocationReport { state: "failed".into(), detail: format!("spawn {:?}: {e}", cmd.argv[0]), ..base }).await;
                         return;
                     }
                 };
                 let pid = child.id().unwrap_or(0);
+                let rec = Record { alloc_id: id, pid, gpus: gpus.clone() };
+                if let Err(e) = crate::serve::registry::write_atomic(&record, &serde_json::to_vec(&rec).expect("serializes")) {
+                    tracing::warn!(target: "berth::agent", allocation = id, "{}: {e}; a restarted agent will not adopt this task", record.display());
+                }
                 self.children.lock().unwrap().insert(id, Child { pid, gpus, sleeping: false });
                 tracing::info!(target: "berth::agent", allocation = id, pid, gpus = %visible, "started");
-                self.report(&mut client, pb::AllocationReport { state: "running".into(), pid, ..base.clone() }).await;
+                self.report(pb::AllocationReport { state: "running".into(), pid, ..base.clone() }).await;
                 let agent = self.clone();
                 tokio::spawn(async move {
                     let status = child.wait().await;
                     agent.children.lock().unwrap().remove(&id);
-                    use std::os::unix::process::ExitStatusExt;
-                    let r = match status {
-                        Ok(s) => pb::AllocationReport {
-                            state: "exited".into(),
-                            pid,
-                            exit_code: s.code().unwrap_or(-1),
-                            signal: s.signal().unwrap_or(0),
-                            detail: s.to_string(),
-                            ..base
-                        },
-                        Err(e) => pb::AllocationReport { state: "failed".into(), pid, detail: format!("wait: {e}"), ..base },
-                    };
+                    let r = agent.ended_report(pb::AllocationReport { pid, ..base }, Some(status));
                     tracing::info!(target: "berth::agent", allocation = id, "{}", r.detail);
-                    agent.report(&mut client, r).await;
+                    agent.report_end(r).await;
                 });
             }
             action @ ("stop" | "sleep" | "wake" | "checkpoint") => {
@@ -391,8 +619,8 @@ impl Agent {
                     }
                 }
                 match (action, result) {
-                    ("sleep", Ok(())) => self.report(&mut client, pb::AllocationReport { state: "sleeping".into(), pid, ..base }).await,
-                    ("wake", Ok(())) => self.report(&mut client, pb::AllocationReport { state: "running".into(), pid, ..base }).await,
+                    ("sleep", Ok(())) => self.report(pb::AllocationReport { state: "sleeping".into(), pid, ..base }).await,
+                    ("wake", Ok(())) => self.report(pb::AllocationReport { state: "running".into(), pid, ..base }).await,
                     (_, Ok(())) => tracing::info!(target: "berth::agent", allocation = id, "{action} sent"),
                     (_, Err(e)) => tracing::warn!(target: "berth::agent", allocation = id, "{action}: {e}"),
                 }

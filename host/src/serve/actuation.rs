@@ -86,6 +86,8 @@ impl Live {
             }
         }
         st.fleet = Fleet::new(models, nodes).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        let op = st.node_op(partition, node).expect("just added");
+        self.persist_logged(vec![op]);
         Ok(())
     }
 
@@ -106,9 +108,11 @@ impl Live {
     pub fn agent_gpu_unhealthy(&self, partition: &str, node: &str, gpu: u32) {
         let Ok((p, id)) = self.agent_node(partition, node) else { return };
         let mut st = self.partitions[p].state.lock().unwrap();
-        if (gpu as usize) < st.fleet.nodes()[id as usize].gpus.len() {
-            st.health.entry((id, gpu)).or_insert(false);
+        if (gpu as usize) < st.fleet.nodes()[id as usize].gpus.len() && !st.health.contains_key(&(id, gpu)) {
+            st.health.insert((id, gpu), false);
             st.apply_holds(id);
+            let op = st.node_op(partition, node).expect("an agent node");
+            self.persist_logged(vec![op]);
         }
     }
 
@@ -143,7 +147,13 @@ impl Live {
         let alloc = Allocation { node: id, gpus: mask, gpu_milli: MILLI_PER_GPU, cpu_milli: 0, memory_mib: 0 };
         st.fleet.allocate(&alloc).map_err(|e| ServeError::FailedPrecondition(e.to_string()))?;
         let alloc_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
-        st.manual.insert(alloc_id, alloc);
+        st.manual.insert(alloc_id, alloc.clone());
+        // Stored before the start command goes out, or not made at all.
+        if let Err(e) = self.persist(vec![st.held_op(partition, alloc_id)]) {
+            st.manual.remove(&alloc_id);
+            st.fleet.release(&alloc).expect("just allocated");
+            return Err(e);
+        }
         st.by_alloc.insert(alloc_id, 0);
         st.dirty = true;
         Ok(alloc_id)
@@ -170,10 +180,13 @@ impl Live {
         for r in &runs {
             st.by_alloc.insert(r.alloc_id, id);
         }
+        // Recorded before any start is sent: a host that dies in between
+        // finds the tasks and reconciles them with the agents.
+        self.persist_logged(vec![st.job_op(&part.name, id)]);
         let mut undelivered = Vec::new();
         for r in &runs {
             let start = Start { alloc_id: r.alloc_id, job_id: id, node: &r.node, gpus: &r.gpus, argv: &argv, env: &env };
-            let sent = match self.actuator.get() {
+            let sent = match self.actuator() {
                 Some(a) => a.start(start),
                 None => Err("no agent hub".into()),
             };
@@ -184,6 +197,113 @@ impl Live {
         for (alloc_id, e) in undelivered {
             self.end_task(part, st, alloc_id, "failed", -1, 0, &format!("start not delivered: {e}"));
         }
+    }
+
+    /// Allocations the fleet expects on an agent node: tasks and operator
+    /// or fenced allocations still holding GPUs there.
+    pub fn expected_on(&self, partition: &str, node: &str) -> Vec<u64> {
+        let Ok((p, id)) = self.agent_node(partition, node) else { return Vec::new() };
+        let st = self.partitions[p].state.lock().unwrap();
+        let mut out: Vec<u64> = st.manual.iter().filter(|(_, a)| a.node == id).map(|(&k, _)| k).collect();
+        for j in st.jobs.values() {
+            out.extend(j.runs.iter().filter(|r| r.holds && r.node == node).map(|r| r.alloc_id));
+        }
+        out
+    }
+
+    /// Reconciles what a node says it runs with what the fleet holds there.
+    /// Returns the orphans to stop: processes of no allocation, or of
+    /// allocations fenced when the node was given up (their jobs run
+    /// elsewhere now). With `expected` (the first heartbeat after a
+    /// registration), allocations the node no longer runs are ended as lost.
+    pub fn reconcile(&self, partition: &str, node: &str, running: &[u64], expected: Option<&[u64]>) -> Vec<u64> {
+        let Ok((p, nid)) = self.agent_node(partition, node) else { return running.to_vec() };
+        let part = &self.partitions[p];
+        let mut guard = part.state.lock().unwrap();
+        let st = &mut *guard;
+        let mut orphans = Vec::new();
+        for &a in running {
+            let adopt = match st.by_alloc.get(&a) {
+                Some(0) => st.manual.get(&a).is_some_and(|m| m.node == nid) && !st.lost.contains(&a),
+                Some(j) => st.jobs.get(j).is_some_and(|j| j.runs.iter().any(|r| r.alloc_id == a && r.holds && r.node == node)),
+                None => false,
+            };
+            if !adopt {
+                orphans.push(a);
+            }
+        }
+        for &a in expected.unwrap_or(&[]) {
+            if !running.contains(&a) {
+                tracing::warn!(target: "berth::serve", allocation = a, node, "the node came back without this allocation: lost");
+                self.end_task(part, st, a, "lost", -1, 0, &format!("node {node} came back without it"));
+            }
+        }
+        orphans
+    }
+
+    /// A node unreachable past the grace: its jobs are requeued to run
+    /// elsewhere. What their tasks held stays fenced (allocated, owned by
+    /// no job) until the node returns and stops them, so a process that is
+    /// still running there never shares its GPUs. Returns the jobs requeued.
+    pub fn give_up_node(&self, partition: &str, node: &str, why: &str) -> Vec<u64> {
+        let Ok((p, _)) = self.agent_node(partition, node) else { return Vec::new() };
+        let part = &self.partitions[p];
+        let mut guard = part.state.lock().unwrap();
+        let st = &mut *guard;
+        let hit: Vec<u64> = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.runs.iter().any(|r| r.holds && r.node == node)).map(|(&id, _)| id).collect();
+        let mut ops = Vec::new();
+        for &id in &hit {
+            let job = st.jobs.get_mut(&id).expect("listed above");
+            for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
+                // Same GPUs, now held by a fenced allocation instead of the job.
+                st.manual.insert(r.alloc_id, a.clone());
+                st.lost.insert(r.alloc_id);
+                st.by_alloc.insert(r.alloc_id, 0);
+                r.holds = false;
+                r.state = "lost".into();
+                if r.node != node {
+                    if let Some(act) = self.actuator() {
+                        act.stop(r.alloc_id, &r.node);
+                    }
+                }
+            }
+            let fenced: Vec<u64> = job.runs.iter().map(|r| r.alloc_id).collect();
+            job.state = JobState::Pending;
+            job.allocations.clear();
+            job.placements.clear();
+            job.runs.clear();
+            job.detail = format!("requeued: {why}");
+            if let Some(t) = job.ends_at.take() {
+                st.running.remove(&(t, id));
+            }
+            st.pending.push(id);
+            self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
+            self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+            tracing::warn!(target: "berth::serve", job = id, node, "job requeued: {why}");
+            ops.extend(fenced.into_iter().map(|a| st.held_op(&part.name, a)));
+            ops.push(st.job_op(&part.name, id));
+        }
+        if !hit.is_empty() {
+            self.persist_logged(ops);
+            st.dirty = true;
+            part.wake.notify_all();
+        }
+        hit
+    }
+
+    /// The node and GPUs of an allocation the fleet knows.
+    pub fn allocation_node(&self, alloc_id: u64) -> Option<(String, Vec<u32>)> {
+        for part in &self.partitions {
+            let st = part.state.lock().unwrap();
+            let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
+            if job_id == 0 {
+                let a = st.manual.get(&alloc_id)?;
+                return Some((st.fleet.nodes()[a.node as usize].name.clone(), gpus_of(a.gpus).map(|g| g as u32).collect()));
+            }
+            let r = st.jobs.get(&job_id)?.runs.iter().find(|r| r.alloc_id == alloc_id)?;
+            return Some((r.node.clone(), r.gpus.clone()));
+        }
+        None
     }
 
     /// What an agent reported about an allocation: its state, and when it
@@ -214,8 +334,12 @@ impl Live {
             if let Some(a) = st.manual.remove(&alloc_id) {
                 st.fleet.release(&a).expect("an operator allocation is held");
                 st.apply_holds(a.node);
+                if st.lost.remove(&alloc_id) {
+                    tracing::info!(target: "berth::serve", allocation = alloc_id, "fenced GPUs of a lost node released: {state}");
+                }
             }
             st.by_alloc.remove(&alloc_id);
+            self.persist_logged(vec![st.held_op(&part.name, alloc_id)]);
         } else {
             let Some(job) = st.jobs.get_mut(&job_id) else { return };
             let Some(i) = job.runs.iter().position(|r| r.alloc_id == alloc_id) else { return };
@@ -233,7 +357,7 @@ impl Live {
                 if job.detail.is_empty() {
                     job.detail = format!("task {i} on {}: {state} (exit {exit_code}, signal {signal}) {detail}", job.runs[i].node).trim_end().to_string();
                 }
-                if let Some(act) = self.actuator.get() {
+                if let Some(act) = self.actuator() {
                     for other in job.runs.iter().filter(|o| o.holds) {
                         act.stop(other.alloc_id, &other.node);
                     }
@@ -253,6 +377,7 @@ impl Live {
                 }
             }
             st.apply_holds(node);
+            self.persist_logged(vec![st.job_op(&part.name, job_id)]);
         }
         st.dirty = true;
         part.wake.notify_all();

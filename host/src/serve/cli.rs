@@ -69,6 +69,10 @@ pub struct ServeArgs {
     /// utilisation is at least this percent.
     #[arg(long, default_value_t = 10)]
     productive_sm_pct: u32,
+    /// How long an unreachable node's jobs wait for it (after
+    /// --agent-timeout-ms) before they are requeued elsewhere; `off`: forever.
+    #[arg(long, default_value = "60000")]
+    reschedule_after_ms: String,
 }
 
 impl ServeArgs {
@@ -95,6 +99,7 @@ impl ServeArgs {
             limits: Limits { deadline: Duration::from_millis(self.deadline_ms), memory_bytes: self.memory_mib << 20, ..Limits::default() },
             breaker: BreakerConfig { failures: self.breaker_failures, backoff: Duration::from_secs(self.breaker_backoff_s) },
             max_upload_bytes: self.max_upload_bytes,
+            store: Default::default(),
         })
     }
 }
@@ -105,7 +110,15 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         anyhow::ensure!(args.productive_sm_pct <= 100, "--productive-sm-pct must be at most 100");
-        let agents = crate::agent::hub::HubConfig { heartbeat_timeout: Duration::from_millis(args.agent_timeout_ms.max(1)), productive_sm_pct: args.productive_sm_pct };
+        let reschedule_after = match args.reschedule_after_ms.as_str() {
+            "off" => None,
+            ms => Some(Duration::from_millis(ms.parse().with_context(|| format!("--reschedule-after-ms {ms:?}: milliseconds or off"))?)),
+        };
+        let agents = crate::agent::hub::HubConfig {
+            heartbeat_timeout: Duration::from_millis(args.agent_timeout_ms.max(1)),
+            productive_sm_pct: args.productive_sm_pct,
+            reschedule_after,
+        };
         let handle = super::server::start_with_agents(config, agents).await?;
         let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
         eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics")));

@@ -16,6 +16,7 @@ pub mod cli;
 pub mod control;
 pub mod decisions;
 pub mod metrics;
+pub mod persist;
 pub mod registry;
 pub mod scheduler;
 pub mod server;

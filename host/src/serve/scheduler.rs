@@ -165,8 +165,12 @@ pub struct PartitionState {
     /// Unhealthy agent GPUs; true once held out of placement by an
     /// allocation of their own (made when the GPU is free).
     pub health: BTreeMap<(NodeId, u32), bool>,
-    /// GPUs started by an operator (`StartAllocation`), by allocation id.
+    /// GPUs started by an operator (`StartAllocation`), and GPUs fenced
+    /// off a lost node (tasks of requeued jobs), by allocation id.
     pub manual: BTreeMap<u64, Allocation>,
+    /// Which of `manual` are fenced: their processes are orphans to stop
+    /// when the node returns.
+    pub lost: BTreeSet<u64>,
     /// Allocation id to the job holding it (0: manual).
     pub by_alloc: HashMap<u64, u64>,
     /// Agent nodes: GPUs whose last measured SM utilisation reached the
@@ -272,6 +276,7 @@ impl Partition {
                 agent_ids: BTreeMap::new(),
                 health: BTreeMap::new(),
                 manual: BTreeMap::new(),
+                lost: BTreeSet::new(),
                 by_alloc: HashMap::new(),
                 activity: HashMap::new(),
             }),
@@ -317,8 +322,13 @@ pub struct Live {
     pub(crate) next_job: AtomicU64,
     /// Agent allocation ids (tasks and operator allocations share them).
     pub(crate) next_alloc: AtomicU64,
-    /// Starts and stops processes on agent nodes (set once the hub exists).
-    pub actuator: std::sync::OnceLock<Arc<dyn Actuator>>,
+    /// Starts and stops processes on agent nodes (set once the hub exists;
+    /// weak, as the hub holds the host).
+    pub actuator: std::sync::OnceLock<std::sync::Weak<dyn Actuator>>,
+    /// Where state is written (none: in memory only, for tests of the core paths).
+    pub store: std::sync::OnceLock<Arc<dyn crate::store::Store>>,
+    /// The store refused a write: another host leads; this one stopped.
+    pub fenced: AtomicBool,
     pub shutdown: AtomicBool,
 }
 
@@ -398,6 +408,8 @@ impl Live {
             next_job: AtomicU64::new(decisions.max_job_id() + 1),
             next_alloc: AtomicU64::new(1),
             actuator: std::sync::OnceLock::new(),
+            store: std::sync::OnceLock::new(),
+            fenced: AtomicBool::new(false),
             partitions,
             models,
             registry,
@@ -410,6 +422,10 @@ impl Live {
             max_upload_bytes,
             shutdown: AtomicBool::new(false),
         }
+    }
+
+    pub fn actuator(&self) -> Option<Arc<dyn Actuator>> {
+        self.actuator.get().and_then(|w| w.upgrade())
     }
 
     pub fn partition_index(&self, name: &str) -> Result<usize, ServeError> {
@@ -452,6 +468,11 @@ impl Live {
                 detail: String::new(),
             },
         );
+        // The id is a receipt only once the job is stored.
+        if let Err(e) = self.persist(vec![st.job_op(&part.name, id)]) {
+            st.jobs.remove(&id);
+            return Err(e);
+        }
         st.pending.push(id);
         st.dirty = true;
         self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
@@ -479,7 +500,7 @@ impl Live {
                 if let Some(t) = job.ends_at.take() {
                     st.running.remove(&(t, id));
                 }
-                if let Some(act) = self.actuator.get() {
+                if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
                         act.stop(r.alloc_id, &r.node);
                     }
@@ -499,6 +520,7 @@ impl Live {
         }
         job.state = JobState::Cancelled;
         job.ended_unix_ms = unix_ms();
+        self.persist_logged(vec![st.job_op(&part.name, id)]);
         self.metrics.jobs.with_label_values(&[&part.name, before.as_str()]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, "cancelled"]).inc();
         st.dirty = true;
@@ -540,11 +562,12 @@ impl Live {
                 // A time limit: stop the processes; their exits free the GPUs.
                 job.ends_at = None;
                 job.detail = "time limit reached: stopped".into();
-                if let Some(act) = self.actuator.get() {
+                if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
                         act.stop(r.alloc_id, &r.node);
                     }
                 }
+                self.persist_logged(vec![st.job_op(partition, id)]);
                 continue;
             }
             for a in job.allocations.drain(..) {
@@ -553,6 +576,7 @@ impl Live {
             job.state = JobState::Finished;
             job.ends_at = None;
             job.ended_unix_ms = unix_ms();
+            self.persist_logged(vec![st.job_op(partition, id)]);
             self.metrics.jobs.with_label_values(&[partition, "running"]).dec();
             self.metrics.jobs.with_label_values(&[partition, "finished"]).inc();
             st.dirty = true;
@@ -691,6 +715,8 @@ impl Live {
                 self.metrics.jobs.with_label_values(&[&part.name, "running"]).inc();
                 if agent_job {
                     self.actuate(part, st, id);
+                } else {
+                    self.persist_logged(vec![st.job_op(&part.name, id)]);
                 }
             }
             Ok(None) => {

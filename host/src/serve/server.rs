@@ -72,6 +72,18 @@ pub struct ServeConfig {
     pub limits: Limits,
     pub breaker: BreakerConfig,
     pub max_upload_bytes: usize,
+    /// Where jobs, allocations and agent nodes persist.
+    pub store: StoreChoice,
+}
+
+/// The durable store of a host.
+#[derive(Clone, Debug, Default)]
+pub enum StoreChoice {
+    /// `state.redb` in the state directory.
+    #[default]
+    Embedded,
+    /// No persistence (jobs live in memory only).
+    Memory,
 }
 
 /// A running server.
@@ -150,6 +162,16 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;
     }
+    let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
+        StoreChoice::Embedded => Some(Arc::new(crate::store::redb::RedbStore::open(&config.state_dir.join("state.redb"))?)),
+        StoreChoice::Memory => None,
+    };
+    if let Some(store) = store {
+        let started = std::time::Instant::now();
+        let (jobs, running, held) = live.recover(&*store).with_context(|| format!("recovering state from {}", store.describe()))?;
+        tracing::info!(target: "berth::serve", store = %store.describe(), jobs, running, held, took_ms = started.elapsed().as_millis() as u64, "state recovered");
+        let _ = live.store.set(store);
+    }
     let schedulers = (0..names.len())
         .map(|p| {
             let live = live.clone();
@@ -174,7 +196,8 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     // an oversized component with RESOURCE_EXHAUSTED and the limit; larger
     // ones the transport refuses with OUT_OF_RANGE before reading them.
     let hub = crate::agent::hub::Hub::new(live.clone(), agents);
-    let _ = live.actuator.set(hub.clone() as Arc<dyn super::scheduler::Actuator>);
+    let actuator: Arc<dyn super::scheduler::Actuator> = hub.clone();
+    let _ = live.actuator.set(Arc::downgrade(&actuator));
     tasks.push(hub.spawn_sweeper(stopped.clone()));
     let service = BerthServer::new(Service { live: live.clone(), agents: Some(hub.clone()) }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
     let router = builder.add_service(service).add_service(super::pb::agent_hub_server::AgentHubServer::new(hub));

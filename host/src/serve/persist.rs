@@ -1,0 +1,301 @@
+//! The live host's state in the [`Store`]: every change to a job, an agent
+//! node or an operator allocation is written before it is acted on (a task
+//! is recorded before its start command is sent), and a starting host
+//! rebuilds its partitions from what is stored: agent nodes, jobs with the
+//! GPUs they hold, operator and lost allocations. GPU ownership is rebuilt
+//! through the fleet's checked allocate, so a restored state in which a GPU
+//! had two owners is refused, never served.
+//!
+//! ```text
+//! jobs/<partition>/<id, 20 digits>   a job (spec, state, placements, tasks)
+//! nodes/<partition>/<name>           an agent node (model, GPUs, CPU, memory, unhealthy GPUs)
+//! held/<partition>/<allocation id>   an operator allocation, or GPUs fenced off a lost node
+//! ```
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use berth_core::sim::Job;
+use berth_core::{Allocation, TaskShape};
+use serde::{Deserialize, Serialize};
+
+use super::decisions::Placed;
+use super::scheduler::{JobRecord, JobSpec, JobState, Live, PartitionState, TaskRun};
+use super::{unix_ms, ServeError};
+use crate::store::{Op, Store, StoreError};
+
+#[derive(Serialize, Deserialize)]
+struct StoredAlloc {
+    /// Fenced off a lost node (held/ only).
+    #[serde(default)]
+    lost: bool,
+    node: String,
+    gpus: u64,
+    gpu_milli: u32,
+    cpu_milli: u32,
+    memory_mib: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredJob {
+    id: u64,
+    partition: String,
+    name: String,
+    owner: String,
+    state: String,
+    priority: u32,
+    tasks: u32,
+    gpus: u32,
+    gpu_milli: u32,
+    cpu_milli: u32,
+    memory_mib: u64,
+    models: Vec<String>,
+    duration_ms: u64,
+    argv: Vec<String>,
+    env: BTreeMap<String, String>,
+    submitted_unix_ms: u64,
+    started_unix_ms: u64,
+    ended_unix_ms: u64,
+    /// When a running job's time is up (0: no timer).
+    ends_unix_ms: u64,
+    allocations: Vec<StoredAlloc>,
+    placements: Vec<Placed>,
+    runs: Vec<TaskRun>,
+    decision_id: u64,
+    policy_version: u32,
+    last_decision: String,
+    detail: String,
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct StoredNode {
+    pub model: String,
+    pub gpus: usize,
+    pub cpu_milli: u32,
+    pub memory_mib: u64,
+    pub unhealthy: Vec<u32>,
+}
+
+pub(crate) fn job_key(partition: &str, id: u64) -> String {
+    format!("jobs/{partition}/{id:020}")
+}
+
+pub(crate) fn held_key(partition: &str, id: u64) -> String {
+    format!("held/{partition}/{id:020}")
+}
+
+fn instant_of(unix: u64) -> Instant {
+    let now = unix_ms();
+    if unix >= now { Instant::now() + Duration::from_millis(unix - now) } else { Instant::now().checked_sub(Duration::from_millis(now - unix)).unwrap_or_else(Instant::now) }
+}
+
+fn store_err(e: StoreError) -> ServeError {
+    ServeError::Store(std::io::Error::other(e.to_string()))
+}
+
+impl PartitionState {
+    fn alloc_out(&self, a: &Allocation) -> StoredAlloc {
+        StoredAlloc { lost: false, node: self.fleet.nodes()[a.node as usize].name.clone(), gpus: a.gpus, gpu_milli: a.gpu_milli, cpu_milli: a.cpu_milli, memory_mib: a.memory_mib }
+    }
+
+    fn alloc_in(&self, a: &StoredAlloc) -> Result<Allocation, String> {
+        let node = self.fleet.nodes().iter().position(|n| n.name == a.node).ok_or_else(|| format!("unknown node {:?}", a.node))?;
+        Ok(Allocation { node: node as u32, gpus: a.gpus, gpu_milli: a.gpu_milli, cpu_milli: a.cpu_milli, memory_mib: a.memory_mib })
+    }
+
+    /// The op that records job `id` as it is now.
+    pub(crate) fn job_op(&self, partition: &str, id: u64) -> Op {
+        let j = &self.jobs[&id];
+        let s = &j.spec;
+        let stored = StoredJob {
+            id,
+            partition: partition.to_string(),
+            name: s.name.clone(),
+            owner: j.owner.clone(),
+            state: j.state.as_str().into(),
+            priority: s.job.priority,
+            tasks: s.job.tasks,
+            gpus: s.job.shape.gpu_count,
+            gpu_milli: s.job.shape.gpu_milli,
+            cpu_milli: s.job.shape.cpu_milli,
+            memory_mib: s.job.shape.memory_mib,
+            models: s.models.clone(),
+            duration_ms: s.duration.as_millis() as u64,
+            argv: s.argv.clone(),
+            env: s.env.clone(),
+            submitted_unix_ms: j.submitted_unix_ms,
+            started_unix_ms: j.started_unix_ms,
+            ended_unix_ms: j.ended_unix_ms,
+            ends_unix_ms: j.ends_at.map_or(0, |t| unix_ms() + t.saturating_duration_since(Instant::now()).as_millis() as u64),
+            allocations: j.allocations.iter().map(|a| self.alloc_out(a)).collect(),
+            placements: j.placements.clone(),
+            runs: j.runs.clone(),
+            decision_id: j.decision_id,
+            policy_version: j.policy_version,
+            last_decision: j.last_decision.clone(),
+            detail: j.detail.clone(),
+        };
+        Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
+    }
+
+    pub(crate) fn held_op(&self, partition: &str, id: u64) -> Op {
+        match self.manual.get(&id) {
+            Some(a) => {
+                let stored = StoredAlloc { lost: self.lost.contains(&id), ..self.alloc_out(a) };
+                Op::Put(held_key(partition, id), serde_json::to_vec(&stored).expect("allocations serialize"))
+            }
+            None => Op::Delete(held_key(partition, id)),
+        }
+    }
+
+    pub(crate) fn node_op(&self, partition: &str, name: &str) -> Option<Op> {
+        let &id = self.agent_ids.get(name)?;
+        let n = &self.fleet.nodes()[id as usize];
+        let stored = StoredNode {
+            model: n.model.map_or_else(|| "cpu-only".into(), |m| self.fleet.models[m as usize].clone()),
+            gpus: n.gpus.len(),
+            cpu_milli: n.cpu_total_milli,
+            memory_mib: n.memory_total_mib,
+            unhealthy: self.health.keys().filter(|(n, _)| *n == id).map(|&(_, g)| g).collect(),
+        };
+        Some(Op::Put(format!("nodes/{partition}/{name}"), serde_json::to_vec(&stored).expect("nodes serialize")))
+    }
+}
+
+impl Live {
+    /// Writes ops to the store. A refusal because this host lost the
+    /// leadership stops it deciding: the new leader owns the state now.
+    pub(crate) fn persist(&self, ops: Vec<Op>) -> Result<(), ServeError> {
+        let Some(store) = self.store.get() else { return Ok(()) };
+        match store.apply(ops) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if matches!(e, StoreError::Fenced(_)) && !self.fenced.swap(true, Ordering::SeqCst) {
+                    tracing::error!(target: "berth::serve", "{e}: this host stops deciding");
+                    self.stop();
+                } else {
+                    tracing::error!(target: "berth::serve", "state not written: {e}");
+                }
+                Err(store_err(e))
+            }
+        }
+    }
+
+    /// [`Live::persist`] where the change is already made and acted on:
+    /// a failure is logged (and fences the host when leadership is lost).
+    pub(crate) fn persist_logged(&self, ops: Vec<Op>) {
+        let _ = self.persist(ops);
+    }
+
+    /// Rebuilds the partitions from the store: agent nodes (unschedulable
+    /// until their agents return), jobs with what they hold, operator and
+    /// lost allocations. Returns (jobs, running jobs, held allocations).
+    pub fn recover(&self, store: &dyn Store) -> anyhow::Result<(usize, usize, usize)> {
+        let (mut jobs, mut running, mut held) = (0, 0, 0);
+        let mut max_alloc = 0;
+        let mut max_job = 0;
+        for part in &self.partitions {
+            let name = &part.name;
+            for (key, value) in store.list(&format!("nodes/{name}/"))? {
+                let node = key.rsplit('/').next().unwrap_or_default().to_string();
+                let n: StoredNode = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                self.agent_node_up(name, &node, &n.model, n.gpus, n.cpu_milli, n.memory_mib).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                // Holds go on after the jobs took back their GPUs.
+                let mut st = part.state.lock().unwrap();
+                let id = st.agent_ids[&node];
+                for g in n.unhealthy.into_iter().filter(|&g| (g as usize) < n.gpus) {
+                    st.health.insert((id, g), false);
+                }
+            }
+            let mut guard = part.state.lock().unwrap();
+            let st = &mut *guard;
+            for (key, value) in store.list(&format!("held/{name}/"))? {
+                let id: u64 = key.rsplit('/').next().and_then(|i| i.parse().ok()).ok_or_else(|| anyhow::anyhow!("{key}: not an allocation id"))?;
+                let a: StoredAlloc = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                if a.lost {
+                    st.lost.insert(id);
+                }
+                let a = st.alloc_in(&a).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                st.fleet.allocate(&a).map_err(|e| anyhow::anyhow!("{key}: GPUs held twice in the stored state: {e}"))?;
+                st.manual.insert(id, a);
+                st.by_alloc.insert(id, 0);
+                max_alloc = max_alloc.max(id);
+                held += 1;
+            }
+            for (key, value) in store.list(&format!("jobs/{name}/"))? {
+                let j: StoredJob = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                let state = JobState::parse(&j.state).ok_or_else(|| anyhow::anyhow!("{key}: unknown state {:?}", j.state))?;
+                let models = j
+                    .models
+                    .iter()
+                    .map(|m| st.fleet.model_id(m).ok_or_else(|| anyhow::anyhow!("{key}: model {m:?} is in no node of partition {name}")))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let allocations = j.allocations.iter().map(|a| st.alloc_in(a)).collect::<Result<Vec<_>, _>>().map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                // What still holds GPUs: a running simulated job's
+                // allocations; a job's tasks that were not seen to end.
+                let holding: Vec<&Allocation> = if j.runs.is_empty() {
+                    if state == JobState::Running { allocations.iter().collect() } else { Vec::new() }
+                } else {
+                    allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a).collect()
+                };
+                for a in holding {
+                    st.fleet.allocate(a).map_err(|e| anyhow::anyhow!("{key}: GPUs held twice in the stored state: {e}"))?;
+                }
+                for r in &j.runs {
+                    st.by_alloc.insert(r.alloc_id, j.id);
+                    max_alloc = max_alloc.max(r.alloc_id);
+                }
+                let ends_at = (state == JobState::Running && j.ends_unix_ms > 0).then(|| instant_of(j.ends_unix_ms));
+                if let Some(t) = ends_at {
+                    st.running.insert((t, j.id));
+                }
+                if state == JobState::Pending {
+                    st.pending.push(j.id);
+                }
+                running += usize::from(state == JobState::Running);
+                jobs += 1;
+                max_job = max_job.max(j.id);
+                self.metrics.jobs.with_label_values(&[name, state.as_str()]).inc();
+                let shape = TaskShape { gpu_count: j.gpus, gpu_milli: j.gpu_milli, cpu_milli: j.cpu_milli, memory_mib: j.memory_mib, models };
+                st.jobs.insert(
+                    j.id,
+                    JobRecord {
+                        spec: JobSpec {
+                            partition: name.clone(),
+                            name: j.name,
+                            models: j.models,
+                            duration: Duration::from_millis(j.duration_ms),
+                            argv: j.argv,
+                            env: j.env,
+                            job: Job { id: j.id, priority: j.priority, duration_s: j.duration_ms.div_ceil(1000), tasks: j.tasks, shape, ..Job::default() },
+                        },
+                        owner: j.owner,
+                        state,
+                        submitted_at: instant_of(j.submitted_unix_ms),
+                        submitted_unix_ms: j.submitted_unix_ms,
+                        started_unix_ms: j.started_unix_ms,
+                        ended_unix_ms: j.ended_unix_ms,
+                        ends_at,
+                        allocations,
+                        placements: j.placements,
+                        decision_id: j.decision_id,
+                        policy_version: j.policy_version,
+                        last_decision: j.last_decision,
+                        runs: j.runs,
+                        detail: j.detail,
+                    },
+                );
+            }
+            let ids: Vec<u32> = st.agent_ids.values().copied().collect();
+            for id in ids {
+                st.apply_holds(id);
+            }
+            st.fleet.check_invariants().map_err(|e| anyhow::anyhow!("partition {name}: restored state is inconsistent: {e}"))?;
+            st.dirty = true;
+        }
+        self.next_job.fetch_max(max_job + 1, Ordering::SeqCst);
+        self.next_alloc.fetch_max(max_alloc + 1, Ordering::SeqCst);
+        Ok((jobs, running, held))
+    }
+}

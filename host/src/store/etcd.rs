@@ -1,0 +1,1 @@
+//! etcd store: placeholder until the etcd client lands.
