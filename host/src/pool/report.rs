@@ -142,7 +142,7 @@ pub fn report(all: &[Comparison]) -> String {
             h.token_gpus.map_or("-".into(), |g| g.to_string()),
             pct(h.reduction),
             times(h.rate_vs_request_level),
-            times(h.rate_vs_muxserve.map(|x| if x.is_nan() { f64::INFINITY } else { x })),
+            times(h.rate_vs_muxserve),
         );
     }
     let reductions: Vec<f64> = heads.iter().filter_map(|h| h.reduction).collect();
@@ -151,7 +151,7 @@ pub fn report(all: &[Comparison]) -> String {
     let goal_rate = rates.iter().filter(|&&r| r >= 2.0).count();
     let _ = writeln!(
         s,
-        "goal (>= 80% fewer GPUs than dedicated; >= 2x request-level's rate): GPUs met in {goal_gpus}/{n} seeds, rate met in {goal_rate}/{n} seeds",
+        "goal (>= 80% fewer GPUs than dedicated; >= 2x request-level's rate): GPUs met in {goal_gpus}/{n} seeds, rate met in {goal_rate}/{n} seeds (rate vs mux \"-\": muxserve cannot hold the catalog on that pool)",
         n = heads.len()
     );
     let dedicated = median(heads.iter().filter_map(|h| h.dedicated_gpus.map(f64::from)).collect());
@@ -178,8 +178,14 @@ pub fn report(all: &[Comparison]) -> String {
         );
     }
     let _ = writeln!(s, "{:<36} {:>28} {:>30}", "arrival rate vs request-level", "2-2.5x", times(median(rates)));
-    let mux: Vec<f64> = heads.iter().filter_map(|h| h.rate_vs_muxserve).map(|x| if x.is_nan() { f64::INFINITY } else { x }).collect();
-    let _ = writeln!(s, "{:<36} {:>28} {:>30}", "arrival rate vs static multiplexing", "2-2.5x", times(median(mux)));
+    let mux: Vec<f64> = heads.iter().filter_map(|h| h.rate_vs_muxserve).collect();
+    let mux_none = all.iter().filter(|c| find(c, "pool-muxserve").is_some_and(|m| m.max_rate_multiplier == 0.0)).count();
+    let mux_line = if mux_none > 0 {
+        format!("{} ({mux_none}/{} seeds: mux holds none)", times(median(mux)), all.len())
+    } else {
+        times(median(mux))
+    };
+    let _ = writeln!(s, "{:<36} {:>28} {:>30}", "arrival rate vs static multiplexing", "2-2.5x", mux_line);
     let per_switch = find(first, "pool-token")
         .filter(|t| t.at_needed.switches > 0)
         .map_or("-".into(), |t| format!("{:.2} s per switch (an input)", t.at_needed.switch_s / t.at_needed.switches as f64));

@@ -76,6 +76,7 @@ impl Policy for Token {
             }
         }
         let mut load = vec![0f64; s.executors()];
+        let mut weights = vec![0u64; s.executors()];
         let mut out = PoolPlacement::default();
         let class_total = |tp: u32| -> (f64, usize) {
             let d: f64 = (0..s.models()).filter(|&m| s.model_tp[m] == tp).map(|m| demand[m]).sum();
@@ -89,6 +90,11 @@ impl Policy for Token {
             }
             let average = total / n as f64;
             let replicas = ((demand[m] / self.target_load).ceil() as usize).clamp(1, n);
+            let w = s.model_weight_bytes[m];
+            // Room to keep the model resident beside the executor's other
+            // models (a quarter of memory left for KV cache): then it
+            // never has to switch there.
+            let room = |e: usize, weights: &[u64]| (weights[e] + w) as f64 <= s.executor_memory_bytes[e] as f64 * 0.75;
             let mut chosen: Vec<usize> = Vec::new();
             for &e in &previous[m] {
                 if chosen.len() < replicas && s.executor_tp[e] == tp && load[e] + demand[m] / replicas as f64 <= average.max(1e-9) * 1.25 {
@@ -98,12 +104,18 @@ impl Policy for Token {
             while chosen.len() < replicas {
                 let e = (0..s.executors())
                     .filter(|&e| s.executor_tp[e] == tp && !chosen.contains(&e))
-                    .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
+                    .min_by(|&a, &b| {
+                        // Least loaded, preferring executors with room while
+                        // that costs at most a quarter of the average load.
+                        let cost = |e: usize| load[e] + if room(e, &weights) { 0.0 } else { 0.25 * average };
+                        cost(a).total_cmp(&cost(b)).then(a.cmp(&b))
+                    })
                     .expect("replicas <= executors of the class");
                 chosen.push(e);
             }
             for e in chosen {
                 load[e] += demand[m] / replicas as f64;
+                weights[e] += w;
                 out.push(e as u32, m as u32, 1, false);
             }
         }
