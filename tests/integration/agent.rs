@@ -604,3 +604,118 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
     assert_one_owner(&jobs(&api).await, &[]);
     std::fs::write(d.join(format!("release-{three}")), "0").unwrap();
 }
+
+/// The pid of the supervisor of job `job`'s task, from the agent's records.
+fn task_pid(state: &Path, alloc: u64) -> u32 {
+    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(state.join(format!("alloc-{alloc}.json"))).unwrap()).unwrap();
+    rec["pid"].as_u64().unwrap() as u32
+}
+
+fn alive(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    !stat.is_empty() && !matches!(stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()), Some("Z" | "X"))
+}
+
+async fn node_info(api: &berth::serve::cli::Client, name: &str) -> Option<pb::NodeInfo> {
+    let nodes = api.clone().list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+    nodes.into_iter().find(|n| n.name == name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu_twice() {
+    let d = dir("agentkill");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "1000", "--reschedule-after-ms", "2000"]).await;
+    let mut n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let sched = |name: &'static str| {
+        let api = api.clone();
+        move || {
+            let api = api.clone();
+            async move { node_info(&api, name).await.filter(|n| n.schedulable) }
+        }
+    };
+    until("n1 schedulable", Duration::from_secs(60), sched("n1")).await;
+    let running = |id: u64, node: &'static str| {
+        let api = api.clone();
+        move || {
+            let api = api.clone();
+            async move { jobs(&api).await.into_iter().find(|j| j.id == id && j.state == "running" && j.runs.iter().all(|r| r.state == "running" && r.node == node)) }
+        }
+    };
+
+    // 1. Killed and back within the grace: the task ran on, ended while no
+    // agent watched, and the new agent reports how it ended.
+    let j1 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let r1 = until("job 1 running on n1", Duration::from_secs(60), running(j1, "n1")).await.runs[0].clone();
+    let pid1 = task_pid(&d.join("n1-state"), r1.allocation_id);
+    kill9(&mut n1);
+    assert!(alive(pid1), "the task outlives its agent");
+    std::fs::write(d.join(format!("release-{j1}")), "5").unwrap();
+    until("the task's end while no agent ran", Duration::from_secs(30), || async move { (!alive(pid1)).then_some(()) }).await;
+    n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let done = until("job 1 failed with the task's own exit code", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == j1 && j.state == "failed") }
+    })
+    .await;
+    assert_eq!((done.runs.len(), done.runs[0].allocation_id, done.runs[0].exit_code), (1, r1.allocation_id, 5), "{done:?}");
+
+    // 2. Killed and back while the task still runs: adopted, same allocation.
+    let j2 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let r2 = until("job 2 running on n1", Duration::from_secs(60), running(j2, "n1")).await.runs[0].clone();
+    kill9(&mut n1);
+    n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    until("n1 back", Duration::from_secs(60), sched("n1")).await;
+    let log = d.join("n1.log");
+    until("the new agent adopted the task", Duration::from_secs(30), || {
+        let t = plain(&std::fs::read_to_string(&log).unwrap_or_default());
+        async move { t.contains(&format!("adopted a running task allocation={}", r2.allocation_id)).then_some(()) }
+    })
+    .await;
+    std::fs::write(d.join(format!("release-{j2}")), "0").unwrap();
+    let done = until("job 2 finished", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == j2 && j.state == "finished") }
+    })
+    .await;
+    assert_eq!(done.runs[0].allocation_id, r2.allocation_id);
+
+    // 3. Killed past the grace: the job is requeued on n2 while n1's GPUs
+    // stay fenced (the old process may still run there); when n1 returns,
+    // the old process is an orphan and is stopped, then the GPUs come back.
+    let j3 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let r3 = until("job 3 running on n1", Duration::from_secs(60), running(j3, "n1")).await.runs[0].clone();
+    let pid3 = task_pid(&d.join("n1-state"), r3.allocation_id);
+    let _n2 = agent(&d, &url, "n2", "2xH20", &[]);
+    until("n2 schedulable", Duration::from_secs(60), sched("n2")).await;
+    let killed = Instant::now();
+    kill9(&mut n1);
+    let moved = until("job 3 requeued and running on n2", Duration::from_secs(60), running(j3, "n2")).await;
+    eprintln!("agent kill: job requeued and running on n2 {:?} after the kill (heartbeat timeout 1 s + grace 2 s)", killed.elapsed());
+    assert!(moved.detail.contains("requeued: node n1 unreachable"), "{}", moved.detail);
+    assert_ne!(moved.runs[0].allocation_id, r3.allocation_id);
+    assert!(alive(pid3), "the old process still runs on n1");
+    let n1_info = node_info(&api, "n1").await.unwrap();
+    assert_eq!((n1_info.state.as_str(), n1_info.gpus_idle), ("unreachable", 0), "n1's GPUs stay fenced while the old process may run");
+    assert_one_owner(&jobs(&api).await, &[]);
+    n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    until("the orphan stopped and n1's GPUs free again", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move {
+            let n = node_info(&api, "n1").await?;
+            (!alive(pid3) && n.schedulable && n.gpus_idle == 2).then_some(())
+        }
+    })
+    .await;
+    let now = jobs(&api).await;
+    assert_one_owner(&now, &[]);
+    let j3_now = now.iter().find(|j| j.id == j3).unwrap();
+    assert_eq!((j3_now.state.as_str(), j3_now.runs[0].node.as_str()), ("running", "n2"), "the requeued job kept running on n2");
+    std::fs::write(d.join(format!("release-{j3}")), "0").unwrap();
+    until("job 3 finished", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == j3 && j.state == "finished") }
+    })
+    .await;
+    drop(n1);
+}
