@@ -89,7 +89,11 @@ impl Policy for Token {
                 continue;
             }
             let average = total / n as f64;
-            let replicas = ((demand[m] / self.target_load).ceil() as usize).clamp(1, n);
+            // Enough executors for the mean demand at the target load, and
+            // for the peak demand (the busiest window so far) at full load,
+            // so a burst spreads over replicas instead of queueing.
+            let peak = s.model_peak_rate[m] * s.model_service_s[m];
+            let replicas = ((demand[m] / self.target_load).ceil().max(peak.ceil()) as usize).clamp(1, n);
             let w = s.model_weight_bytes[m];
             // Room to keep the model resident beside the executor's other
             // models (a quarter of memory left for KV cache): then it
