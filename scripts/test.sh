@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build-policies.sh
+# etcd for the high-availability tests (they start their own instance).
+bash scripts/install-etcd.sh
 BERTH_REQUIRE_TRACES="${BERTH_REQUIRE_TRACES:-${CI:+1}}" cargo test --release --workspace "$@"

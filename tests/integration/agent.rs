@@ -12,9 +12,9 @@ use tonic::Code;
 
 use crate::common::repo_root;
 
-const BERTH: &str = env!("CARGO_BIN_EXE_berth");
+pub(crate) const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
-const ACCESS: &str = r#"
+pub(crate) const ACCESS: &str = r#"
 [[identities]]
 name = "ops"
 token = "ops-test-token"
@@ -27,7 +27,7 @@ roles = { "*" = "viewer" }
 "#;
 
 /// Kills (SIGKILL) and reaps the process when dropped.
-struct Proc(Child);
+pub(crate) struct Proc(pub(crate) Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -36,14 +36,14 @@ impl Drop for Proc {
     }
 }
 
-fn dir(name: &str) -> PathBuf {
+pub(crate) fn dir(name: &str) -> PathBuf {
     let d = repo_root().join("target").join("tmp").join(format!("agent-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
 }
 
-fn spawn(args: &[&str], log: &Path) -> Proc {
+pub(crate) fn spawn(args: &[&str], log: &Path) -> Proc {
     let err = std::fs::File::create(log).unwrap();
     let child = Command::new(BERTH)
         .args(args)
@@ -61,7 +61,7 @@ fn spawn(args: &[&str], log: &Path) -> Proc {
 
 /// Polls `f` until it returns Some, for at most `limit` (a liveness bound:
 /// it only fails a test that would otherwise hang).
-async fn until<T, F: std::future::Future<Output = Option<T>>>(what: &str, limit: Duration, mut f: impl FnMut() -> F) -> T {
+pub(crate) async fn until<T, F: std::future::Future<Output = Option<T>>>(what: &str, limit: Duration, mut f: impl FnMut() -> F) -> T {
     let end = Instant::now() + limit;
     loop {
         if let Some(v) = f().await {
@@ -270,7 +270,7 @@ async fn two_agents_run_children_on_their_gpus_and_a_killed_agent_becomes_unreac
 }
 
 /// Starts `berth serve` on a free loopback port; returns it and its URL.
-async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) -> (Proc, String) {
+pub(crate) async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) -> (Proc, String) {
     let access = d.join("access.toml");
     std::fs::write(&access, ACCESS).unwrap();
     let log = d.join(format!("{name}.log"));
@@ -291,7 +291,7 @@ async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) -> (Proc, Str
     (proc, url)
 }
 
-fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]) -> Proc {
+pub(crate) fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]) -> Proc {
     let state = d.join(format!("{node}-state")).display().to_string();
     let mut args = vec!["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token", "ops-test-token", "--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state];
     args.extend(extra);
@@ -313,7 +313,7 @@ fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]) -> Proc {
 
 /// A task that writes the GPUs it sees to `vis-<job>-<allocation>`, then
 /// waits for `release-<job>` and exits with the code written there.
-fn task_argv(d: &Path) -> Vec<String> {
+pub(crate) fn task_argv(d: &Path) -> Vec<String> {
     let d = d.display();
     let script = format!(
         "echo \"$CUDA_VISIBLE_DEVICES|$NVIDIA_VISIBLE_DEVICES\" > {d}/vis-$BERTH_JOB-$BERTH_ALLOCATION; \
@@ -322,16 +322,16 @@ fn task_argv(d: &Path) -> Vec<String> {
     vec!["sh".into(), "-c".into(), script]
 }
 
-fn agent_job(d: &Path, gpus: u32, tasks: u32) -> pb::JobSpec {
+pub(crate) fn agent_job(d: &Path, gpus: u32, tasks: u32) -> pb::JobSpec {
     pb::JobSpec { partition: "p0".into(), tasks, gpus, cpu_milli: 1000, memory_mib: 1024, argv: task_argv(d), ..Default::default() }
 }
 
-async fn jobs(api: &berth::serve::cli::Client) -> Vec<pb::Job> {
+pub(crate) async fn jobs(api: &berth::serve::cli::Client) -> Vec<pb::Job> {
     api.clone().list_jobs(pb::ListJobsRequest { partition: "p0".into(), ..Default::default() }).await.unwrap().into_inner().jobs
 }
 
 /// Every GPU held by at most one running task, none on `forbidden` GPUs.
-fn assert_one_owner(jobs: &[pb::Job], forbidden: &[(&str, u32)]) {
+pub(crate) fn assert_one_owner(jobs: &[pb::Job], forbidden: &[(&str, u32)]) {
     let mut owners: std::collections::BTreeMap<(String, u32), u64> = Default::default();
     for j in jobs {
         for r in j.runs.iter().filter(|r| matches!(r.state.as_str(), "starting" | "running" | "sleeping")) {
@@ -491,7 +491,7 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
 }
 
 /// Log text without its colour escapes.
-fn plain(text: &str) -> String {
+pub(crate) fn plain(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars();
     while let Some(c) = chars.next() {
@@ -506,17 +506,17 @@ fn plain(text: &str) -> String {
 
 /// A loopback port free now (the OS may hand it out again later; good
 /// enough for a server restarted on the same address).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn kill9(p: &mut Proc) {
+pub(crate) fn kill9(p: &mut Proc) {
     p.0.kill().unwrap();
     p.0.wait().unwrap();
 }
 
 /// Running jobs' placements, as (job, node, GPU) triples.
-fn held_gpus(jobs: &[pb::Job]) -> std::collections::BTreeSet<(u64, String, u32)> {
+pub(crate) fn held_gpus(jobs: &[pb::Job]) -> std::collections::BTreeSet<(u64, String, u32)> {
     jobs.iter().filter(|j| j.state == "running").flat_map(|j| j.placements.iter().flat_map(move |p| p.gpus.iter().map(move |&g| (j.id, p.node.clone(), g)))).collect()
 }
 
@@ -606,17 +606,17 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
 }
 
 /// The pid of the supervisor of job `job`'s task, from the agent's records.
-fn task_pid(state: &Path, alloc: u64) -> u32 {
+pub(crate) fn task_pid(state: &Path, alloc: u64) -> u32 {
     let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(state.join(format!("alloc-{alloc}.json"))).unwrap()).unwrap();
     rec["pid"].as_u64().unwrap() as u32
 }
 
-fn alive(pid: u32) -> bool {
+pub(crate) fn alive(pid: u32) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     !stat.is_empty() && !matches!(stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()), Some("Z" | "X"))
 }
 
-async fn node_info(api: &berth::serve::cli::Client, name: &str) -> Option<pb::NodeInfo> {
+pub(crate) async fn node_info(api: &berth::serve::cli::Client, name: &str) -> Option<pb::NodeInfo> {
     let nodes = api.clone().list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
     nodes.into_iter().find(|n| n.name == name)
 }

@@ -7,6 +7,7 @@ mod common;
 mod compaction;
 mod containment;
 mod equivalence;
+mod ha;
 mod languages;
 mod loading;
 mod pool;

@@ -14,7 +14,8 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 use super::auth::Access;
 use super::breaker::BreakerConfig;
 use super::pb::{self, berth_client::BerthClient};
-use super::server::{ServeConfig, TlsFiles, DEFAULT_FLEET};
+use super::server::{ServeConfig, StoreChoice, TlsFiles, DEFAULT_FLEET};
+use crate::store::etcd::EtcdConfig;
 use crate::asi::fleet::FleetConfig;
 use crate::wasm::Limits;
 
@@ -73,6 +74,16 @@ pub struct ServeArgs {
     /// --agent-timeout-ms) before they are requeued elsewhere; `off`: forever.
     #[arg(long, default_value = "60000")]
     reschedule_after_ms: String,
+    /// Keep state in etcd (client URLs, comma-separated) instead of the
+    /// embedded store, with leader election: a second host on the same etcd
+    /// waits as a standby and takes over when the leader's lease ends.
+    #[arg(long)]
+    etcd: Option<String>,
+    #[arg(long, default_value = "/berth/", requires = "etcd")]
+    etcd_prefix: String,
+    /// The leader lease's TTL: a dead leader is replaced after about this long.
+    #[arg(long, default_value_t = 5, requires = "etcd")]
+    lease_ttl_s: u64,
 }
 
 impl ServeArgs {
@@ -99,7 +110,19 @@ impl ServeArgs {
             limits: Limits { deadline: Duration::from_millis(self.deadline_ms), memory_bytes: self.memory_mib << 20, ..Limits::default() },
             breaker: BreakerConfig { failures: self.breaker_failures, backoff: Duration::from_secs(self.breaker_backoff_s) },
             max_upload_bytes: self.max_upload_bytes,
-            store: Default::default(),
+            store: match &self.etcd {
+                None => StoreChoice::Embedded,
+                Some(urls) => {
+                    anyhow::ensure!(self.lease_ttl_s >= 1, "--lease-ttl-s must be at least 1");
+                    anyhow::ensure!(self.etcd_prefix.ends_with('/'), "--etcd-prefix {:?} must end with '/'", self.etcd_prefix);
+                    StoreChoice::Etcd(EtcdConfig {
+                        endpoints: urls.split(',').map(|u| u.trim().to_string()).filter(|u| !u.is_empty()).collect(),
+                        prefix: self.etcd_prefix.clone(),
+                        lease_ttl: Duration::from_secs(self.lease_ttl_s),
+                        id: format!("{}:{}@{}", std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim(), std::process::id(), self.listen),
+                    })
+                }
+            },
         })
     }
 }

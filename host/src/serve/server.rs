@@ -84,6 +84,9 @@ pub enum StoreChoice {
     Embedded,
     /// No persistence (jobs live in memory only).
     Memory,
+    /// etcd, with leader election: the host waits as a standby (serving
+    /// nothing) until it leads, then loads the state from etcd.
+    Etcd(crate::store::etcd::EtcdConfig),
 }
 
 /// A running server.
@@ -165,6 +168,10 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
         StoreChoice::Embedded => Some(Arc::new(crate::store::redb::RedbStore::open(&config.state_dir.join("state.redb"))?)),
         StoreChoice::Memory => None,
+        StoreChoice::Etcd(etcd) => {
+            let etcd = etcd.clone();
+            Some(Arc::new(tokio::task::spawn_blocking(move || crate::store::etcd::EtcdStore::lead(etcd)).await??))
+        }
     };
     if let Some(store) = store {
         let started = std::time::Instant::now();
