@@ -80,6 +80,17 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
         async move { node_info(&api, "n1").await.filter(|n| n.schedulable) }
     })
     .await;
+    // A policy version uploaded to the leader and activated on p1: the
+    // registry lives in etcd too.
+    let component = std::fs::read(crate::common::policy_path("spread")).unwrap();
+    let up = api
+        .upload_policy(pb::UploadPolicyRequest { partition: "p1".into(), component, note: "before the failover".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner()
+        .policy
+        .unwrap();
+    api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: up.version }).await.unwrap();
     let held = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
     let sim = |gpus, tasks| pb::JobSpec { partition: "p0".into(), gpus, tasks, duration_s: 3600.0, ..Default::default() };
     for spec in [sim(1, 1), sim(8, 3), sim(8, 1000)] {
@@ -113,6 +124,9 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
     let key = |js: &[pb::Job]| js.iter().map(|j| (j.id, j.state.clone(), j.placements.clone(), j.runs.iter().map(|r| r.allocation_id).collect::<Vec<_>>())).collect::<Vec<_>>();
     assert_eq!(key(&after), key(&before), "no job lost or changed in the failover");
     assert_eq!(held_gpus(&after), held_gpus(&before));
+    let parts = api.list_partitions(pb::ListPartitionsRequest {}).await.unwrap().into_inner().partitions;
+    let p1 = parts.iter().find(|p| p.name == "p1").unwrap().active.clone().unwrap();
+    assert_eq!((p1.version, p1.name.as_str(), p1.sha256.as_str()), (up.version, "spread", up.sha256.as_str()), "the new leader runs the policy version activated before");
 
     // The agent moves to the new leader; its task is adopted and keeps its
     // GPUs: 2 free on n1.

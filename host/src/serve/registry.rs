@@ -1,12 +1,20 @@
 //! The policy registry: per partition, numbered versions of content-addressed
-//! components, and an append-only history of who did what. On disk under the
-//! state directory, every write atomic (temporary file, then rename):
+//! components, and an append-only history of who did what. With a [`Store`]
+//! (the host's redb or etcd), records and component bytes live there, so a
+//! standby taking over from etcd has every version; the state directory
+//! keeps a cache of the bytes and the engine's artifacts. Without one, on
+//! disk under the state directory, every write atomic (temporary file, then
+//! rename):
 //!
 //! ```text
 //! components/<sha256>.wasm     the bytes, shared by every partition
 //! artifacts/                   precompiled artifacts (the engine's cache)
 //! partitions/<name>.json       versions, events, active version, shadow
 //! ```
+//!
+//! In the store: `registry/<partition>` (the record, JSON) and
+//! `components/<sha256>` (the bytes). A record found only on disk (a state
+//! directory from before the store) is moved into the store on open.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -15,6 +23,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::{unix_ms, ServeError};
+use crate::store::Store;
 
 /// One uploaded version of a partition's policy.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -80,6 +89,11 @@ impl PartitionRecord {
 pub struct Registry {
     dir: PathBuf,
     partitions: Mutex<BTreeMap<String, PartitionRecord>>,
+    store: Option<std::sync::Arc<dyn Store>>,
+}
+
+fn store_err(e: crate::store::StoreError) -> ServeError {
+    ServeError::Store(std::io::Error::other(e.to_string()))
 }
 
 /// Hex SHA-256: a component's identity.
@@ -99,21 +113,48 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 impl Registry {
     /// Opens (or creates) the registry under `dir` for these partitions.
     pub fn open(dir: &Path, partitions: &[String]) -> Result<Registry, ServeError> {
+        Registry::open_in(dir, partitions, None)
+    }
+
+    /// Opens the registry with its records and components in `store`.
+    pub fn open_in(dir: &Path, partitions: &[String], store: Option<std::sync::Arc<dyn Store>>) -> Result<Registry, ServeError> {
         for sub in ["components", "artifacts", "partitions"] {
             std::fs::create_dir_all(dir.join(sub))?;
         }
         let mut records = BTreeMap::new();
         for name in partitions {
             let path = dir.join("partitions").join(format!("{name}.json"));
-            let record = match std::fs::read(&path) {
-                Ok(bytes) => serde_json::from_slice(&bytes)
-                    .map_err(|e| ServeError::Store(std::io::Error::other(format!("{}: {e}", path.display()))))?,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => PartitionRecord::default(),
-                Err(e) => return Err(e.into()),
+            let key = format!("registry/{name}");
+            let stored = match &store {
+                Some(s) => s.get(&key).map_err(store_err)?,
+                None => None,
             };
+            let (bytes, from) = match stored {
+                Some(b) => (Some(b), key.clone()),
+                None => match std::fs::read(&path) {
+                    Ok(b) => (Some(b), path.display().to_string()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, String::new()),
+                    Err(e) => return Err(e.into()),
+                },
+            };
+            let record: PartitionRecord = match bytes {
+                Some(b) => serde_json::from_slice(&b).map_err(|e| ServeError::Store(std::io::Error::other(format!("{from}: {e}"))))?,
+                None => PartitionRecord::default(),
+            };
+            if let Some(s) = &store {
+                if from != key && record != PartitionRecord::default() {
+                    // A record from before the store: moved in, components too.
+                    for v in &record.versions {
+                        if let Ok(bytes) = std::fs::read(dir.join("components").join(format!("{}.wasm", v.sha256))) {
+                            s.put(format!("components/{}", v.sha256), bytes).map_err(store_err)?;
+                        }
+                    }
+                    s.put(key, serde_json::to_vec_pretty(&record).expect("records serialize")).map_err(store_err)?;
+                }
+            }
             records.insert(name.clone(), record);
         }
-        Ok(Registry { dir: dir.to_path_buf(), partitions: Mutex::new(records) })
+        Ok(Registry { dir: dir.to_path_buf(), partitions: Mutex::new(records), store })
     }
 
     /// Where the engine keeps precompiled artifacts.
@@ -127,6 +168,12 @@ impl Registry {
 
     /// Stores component bytes under their digest (once).
     pub fn put_component(&self, sha256: &str, bytes: &[u8]) -> Result<(), ServeError> {
+        if let Some(s) = &self.store {
+            let key = format!("components/{sha256}");
+            if s.get(&key).map_err(store_err)?.is_none() {
+                s.put(key, bytes.to_vec()).map_err(store_err)?;
+            }
+        }
         let path = self.component_path(sha256);
         if !path.exists() {
             write_atomic(&path, bytes)?;
@@ -134,8 +181,18 @@ impl Registry {
         Ok(())
     }
 
+    /// A component's bytes: the local copy, else the store's (cached).
     pub fn component(&self, sha256: &str) -> Result<Vec<u8>, ServeError> {
-        Ok(std::fs::read(self.component_path(sha256))?)
+        let path = self.component_path(sha256);
+        match std::fs::read(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.store.is_some() => {
+                let s = self.store.as_ref().expect("checked");
+                let bytes = s.get(&format!("components/{sha256}")).map_err(store_err)?.ok_or(e)?;
+                write_atomic(&path, &bytes)?;
+                Ok(bytes)
+            }
+            r => Ok(r?),
+        }
     }
 
     /// A copy of one partition's record.
@@ -151,9 +208,13 @@ impl Registry {
         let before = record.clone();
         let out = f(record)?;
         let json = serde_json::to_vec_pretty(record).expect("records serialize");
-        if let Err(e) = write_atomic(&self.dir.join("partitions").join(format!("{partition}.json")), &json) {
+        let written = match &self.store {
+            Some(s) => s.put(format!("registry/{partition}"), json).map_err(store_err),
+            None => write_atomic(&self.dir.join("partitions").join(format!("{partition}.json")), &json).map_err(ServeError::from),
+        };
+        if let Err(e) = written {
             *record = before;
-            return Err(e.into());
+            return Err(e);
         }
         Ok(out)
     }

@@ -148,7 +148,15 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
             Ok(Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let registry = Registry::open(&config.state_dir, &names)?;
+    let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
+        StoreChoice::Embedded => Some(Arc::new(crate::store::redb::RedbStore::open(&config.state_dir.join("state.redb"))?)),
+        StoreChoice::Memory => None,
+        StoreChoice::Etcd(etcd) => {
+            let etcd = etcd.clone();
+            Some(Arc::new(tokio::task::spawn_blocking(move || crate::store::etcd::EtcdStore::lead(etcd)).await??))
+        }
+    };
+    let registry = Registry::open_in(&config.state_dir, &names, store.clone())?;
     let engine = Arc::new(PolicyEngine::new(Some(registry.artifact_dir()))?);
     let decisions = DecisionLog::open(Some(&config.state_dir), 100_000)?;
     let live = Arc::new(Live::new(
@@ -165,14 +173,6 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;
     }
-    let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
-        StoreChoice::Embedded => Some(Arc::new(crate::store::redb::RedbStore::open(&config.state_dir.join("state.redb"))?)),
-        StoreChoice::Memory => None,
-        StoreChoice::Etcd(etcd) => {
-            let etcd = etcd.clone();
-            Some(Arc::new(tokio::task::spawn_blocking(move || crate::store::etcd::EtcdStore::lead(etcd)).await??))
-        }
-    };
     if let Some(store) = store {
         let started = std::time::Instant::now();
         let (jobs, running, held) = live.recover(&*store).with_context(|| format!("recovering state from {}", store.describe()))?;
