@@ -161,12 +161,11 @@ impl Nvml {
             let mut peers = Vec::new();
             for link in 0..18 {
                 let l = d.link_wrapper_for(link);
-                if l.is_active().unwrap_or(false) {
-                    if let Ok(p) = l.remote_pci_info() {
-                        if !peers.contains(&p.bus_id) {
-                            peers.push(p.bus_id);
-                        }
-                    }
+                if l.is_active().unwrap_or(false)
+                    && let Ok(p) = l.remote_pci_info()
+                    && !peers.contains(&p.bus_id)
+                {
+                    peers.push(p.bus_id);
                 }
             }
             gpus.push(Gpu {

@@ -114,11 +114,13 @@ impl Hub {
                     tracing::warn!(target: "berth::agent", node = %name, "node unreachable: no heartbeat for {:?}", self.config.heartbeat_timeout);
                     lost.push((a.partition.clone(), name.clone()));
                 }
-                if let Some(grace) = self.config.reschedule_after {
-                    if !a.reachable && !a.given_up && silent > self.config.heartbeat_timeout + grace {
-                        a.given_up = true;
-                        give_up.push((a.partition.clone(), name.clone(), silent));
-                    }
+                if let Some(grace) = self.config.reschedule_after
+                    && !a.reachable
+                    && !a.given_up
+                    && silent > self.config.heartbeat_timeout + grace
+                {
+                    a.given_up = true;
+                    give_up.push((a.partition.clone(), name.clone(), silent));
                 }
             }
         }
@@ -226,13 +228,13 @@ impl Hub {
         let (mut unhealthy, mut active) = (Vec::new(), Vec::new());
         for t in &r.gpus {
             let Some(g) = a.gpus.iter_mut().find(|g| g.info.index == t.index) else { continue };
-            if let Some(e) = t.events.first() {
-                if g.healthy {
-                    g.healthy = false;
-                    g.reason = format!("{} {}: {}", e.kind, e.code, e.detail);
-                    tracing::warn!(target: "berth::agent", node = %r.node, gpu = g.info.index, uuid = %g.info.uuid, "GPU unhealthy: {}", g.reason);
-                    unhealthy.push(t.index);
-                }
+            if let Some(e) = t.events.first()
+                && g.healthy
+            {
+                g.healthy = false;
+                g.reason = format!("{} {}: {}", e.kind, e.code, e.detail);
+                tracing::warn!(target: "berth::agent", node = %r.node, gpu = g.info.index, uuid = %g.info.uuid, "GPU unhealthy: {}", g.reason);
+                unhealthy.push(t.index);
             }
             if t.sm_util_pct >= self.config.productive_sm_pct {
                 active.push(t.index);
@@ -302,11 +304,11 @@ impl AgentHub for Arc<Hub> {
                     if st.agents.get_mut(&r.node).is_some_and(|x| x.stopped.insert(a)) {
                         stop.push(a);
                     }
-                } else if !st.allocations.contains_key(&a) {
-                    if let Some((node, gpus)) = self.live.allocation_node(a) {
-                        tracing::info!(target: "berth::agent", allocation = a, node = %node, "allocation adopted");
-                        st.allocations.insert(a, pb::AllocationInfo { id: a, node, gpus, state: "running".into(), ..Default::default() });
-                    }
+                } else if let std::collections::btree_map::Entry::Vacant(slot) = st.allocations.entry(a)
+                    && let Some((node, gpus)) = self.live.allocation_node(a)
+                {
+                    tracing::info!(target: "berth::agent", allocation = a, node = %node, "allocation adopted");
+                    slot.insert(pb::AllocationInfo { id: a, node, gpus, state: "running".into(), ..Default::default() });
                 }
             }
         }
@@ -358,12 +360,14 @@ impl AgentHub for Arc<Hub> {
         self.require(&id, &partition, Role::Operator)?;
         {
             let mut st = self.state.lock().unwrap();
-            if !st.allocations.contains_key(&r.allocation_id) {
-                // Started before this host (re)started: the fleet knows it, the hub learns it now.
-                let (node, gpus) = self.live.allocation_node(r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
-                st.allocations.insert(r.allocation_id, pb::AllocationInfo { id: r.allocation_id, node, gpus, state: "running".into(), ..Default::default() });
-            }
-            let a = st.allocations.get_mut(&r.allocation_id).expect("inserted above");
+            let a = match st.allocations.entry(r.allocation_id) {
+                std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::btree_map::Entry::Vacant(slot) => {
+                    // Started before this host (re)started: the fleet knows it, the hub learns it now.
+                    let (node, gpus) = self.live.allocation_node(r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
+                    slot.insert(pb::AllocationInfo { id: r.allocation_id, node, gpus, state: "running".into(), ..Default::default() })
+                }
+            };
             if a.node != r.node {
                 return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
             }

@@ -4,9 +4,17 @@
 //! that see exactly their GPUs (`CUDA_VISIBLE_DEVICES` and
 //! `NVIDIA_VISIBLE_DEVICES` set to the assigned UUIDs).
 //!
+//! Each task runs under a supervisor (this binary, `berth agent
+//! --supervise`) in its own process group, recorded in the agent's state
+//! directory: an agent killed and restarted adopts the tasks still running
+//! and reports how the others ended. Exit reports the host has not
+//! acknowledged are kept and resent (to the next host, in HA).
+//!
 //! The host side ([`hub`]) records agents, marks a GPU unhealthy on an XID
-//! or ECC event, marks a node unreachable after missed heartbeats, and sends
-//! start/stop/sleep/wake/checkpoint commands down a server stream.
+//! or ECC event, marks a node unreachable after missed heartbeats (and
+//! requeues its jobs after a grace, fencing its GPUs until it returns),
+//! reconciles what a returning node runs (adopts, or stops orphans), and
+//! sends start/stop/sleep/wake/checkpoint commands down a server stream.
 
 pub mod devices;
 pub mod hub;

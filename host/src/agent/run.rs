@@ -613,10 +613,11 @@ impl Agent {
                         }
                     }
                 };
-                if result.is_ok() && matches!(action, "sleep" | "wake") {
-                    if let Some(c) = self.children.lock().unwrap().get_mut(&id) {
-                        c.sleeping = action == "sleep";
-                    }
+                if result.is_ok()
+                    && matches!(action, "sleep" | "wake")
+                    && let Some(c) = self.children.lock().unwrap().get_mut(&id)
+                {
+                    c.sleeping = action == "sleep";
                 }
                 match (action, result) {
                     ("sleep", Ok(())) => self.report(pb::AllocationReport { state: "sleeping".into(), pid, ..base }).await,

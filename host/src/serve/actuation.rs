@@ -261,10 +261,10 @@ impl Live {
                 st.by_alloc.insert(r.alloc_id, 0);
                 r.holds = false;
                 r.state = "lost".into();
-                if r.node != node {
-                    if let Some(act) = self.actuator() {
-                        act.stop(r.alloc_id, &r.node);
-                    }
+                if r.node != node
+                    && let Some(act) = self.actuator()
+                {
+                    act.stop(r.alloc_id, &r.node);
                 }
             }
             let fenced: Vec<u64> = job.runs.iter().map(|r| r.alloc_id).collect();

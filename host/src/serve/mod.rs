@@ -4,6 +4,11 @@
 //! a content-addressed registry, hot swap, shadow and split A/B runs, a
 //! circuit breaker, a decision log, Prometheus metrics and access control.
 //!
+//! Jobs with argv run on nodes registered by `berth agent` ([`actuation`]);
+//! jobs, tasks, agent nodes and the registry persist in a
+//! [`crate::store::Store`] ([`persist`]): redb by default, etcd with leader
+//! election for high availability.
+//!
 //! Threads: tokio serves the API; each partition has one scheduler thread
 //! that makes its decisions one at a time (so none is made twice), reading
 //! the partition's active policy once per decision (so a swap applies to

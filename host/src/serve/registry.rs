@@ -141,16 +141,17 @@ impl Registry {
                 Some(b) => serde_json::from_slice(&b).map_err(|e| ServeError::Store(std::io::Error::other(format!("{from}: {e}"))))?,
                 None => PartitionRecord::default(),
             };
-            if let Some(s) = &store {
-                if from != key && record != PartitionRecord::default() {
-                    // A record from before the store: moved in, components too.
-                    for v in &record.versions {
-                        if let Ok(bytes) = std::fs::read(dir.join("components").join(format!("{}.wasm", v.sha256))) {
-                            s.put(format!("components/{}", v.sha256), bytes).map_err(store_err)?;
-                        }
+            if let Some(s) = &store
+                && from != key
+                && record != PartitionRecord::default()
+            {
+                // A record from before the store: moved in, components too.
+                for v in &record.versions {
+                    if let Ok(bytes) = std::fs::read(dir.join("components").join(format!("{}.wasm", v.sha256))) {
+                        s.put(format!("components/{}", v.sha256), bytes).map_err(store_err)?;
                     }
-                    s.put(key, serde_json::to_vec_pretty(&record).expect("records serialize")).map_err(store_err)?;
                 }
+                s.put(key, serde_json::to_vec_pretty(&record).expect("records serialize")).map_err(store_err)?;
             }
             records.insert(name.clone(), record);
         }
