@@ -3,7 +3,6 @@
 
 pub mod agent;
 pub mod asi;
-pub mod pool;
 pub mod bench;
 pub mod catalog;
 pub mod compact;
@@ -12,6 +11,7 @@ pub mod conformance;
 pub mod demo;
 pub mod langbench;
 pub mod native;
+pub mod pool;
 pub mod replay;
 pub mod scaffold;
 pub mod serve;

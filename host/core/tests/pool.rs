@@ -106,10 +106,13 @@ fn a_pool_too_small_misses_and_an_ample_one_meets_the_slo() {
     assert!(out.switches > 0 && out.models_per_executor_max > 1, "{out:?}");
 }
 
+type PlaceFn = Box<dyn FnMut(&PoolState) -> PoolPlacement>;
+type StepFn = Box<dyn FnMut(&PoolExecutor) -> Option<PoolStep>>;
+
 /// A test double that answers whatever it is told to.
 struct Scripted {
-    place: Box<dyn FnMut(&PoolState) -> PoolPlacement>,
-    step: Box<dyn FnMut(&PoolExecutor) -> Option<PoolStep>>,
+    place: PlaceFn,
+    step: StepFn,
 }
 
 impl PoolPolicy for Scripted {
