@@ -312,12 +312,15 @@ pub(crate) fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]
 }
 
 /// A task that writes the GPUs it sees to `vis-<job>-<allocation>`, then
-/// waits for `release-<job>` and exits with the code written there.
+/// waits for `release-<job>` and exits with the code written there (or 99
+/// after two minutes: tasks outlive SIGKILLed agents by design, and must
+/// not outlive a failed test for long).
 pub(crate) fn task_argv(d: &Path) -> Vec<String> {
     let d = d.display();
     let script = format!(
         "echo \"$CUDA_VISIBLE_DEVICES|$NVIDIA_VISIBLE_DEVICES\" > {d}/vis-$BERTH_JOB-$BERTH_ALLOCATION; \
-         while [ ! -f {d}/release-$BERTH_JOB ]; do sleep 0.05; done; exit $(cat {d}/release-$BERTH_JOB)"
+         i=0; while [ ! -f {d}/release-$BERTH_JOB ] && [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done; \
+         [ -f {d}/release-$BERTH_JOB ] || exit 99; exit $(cat {d}/release-$BERTH_JOB)"
     );
     vec!["sh".into(), "-c".into(), script]
 }
@@ -488,6 +491,14 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
     let idle: u32 = nodes.iter().filter(|n| n.source == "agent").map(|n| n.gpus_idle).sum();
     // n1 + n2 have 5 healthy GPUs; one 1-GPU job still runs.
     assert_eq!(idle, 4, "{nodes:?}");
+    for id in &ids {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+    until("every task gone", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().all(|j| j.runs.iter().all(|r| !matches!(r.state.as_str(), "starting" | "running" | "sleeping"))).then_some(()) }
+    })
+    .await;
 }
 
 /// Log text without its colour escapes.

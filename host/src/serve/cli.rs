@@ -142,6 +142,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             productive_sm_pct: args.productive_sm_pct,
             reschedule_after,
         };
+        if let StoreChoice::Etcd(e) = &config.store {
+            eprintln!("berth serve: campaigning for the leader lease on {} as {} (a standby serves nothing until it leads)", e.endpoints.join(","), e.id);
+        }
         let handle = super::server::start_with_agents(config, agents).await?;
         let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
         eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics")));
