@@ -45,6 +45,47 @@ async fn etcd(d: &Path) -> Option<(Proc, String)> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leader_cannot_write() {
+    let d = dir("fence");
+    let Some((_etcd, etcd_url)) = etcd(&d).await else { return };
+    let common = ["--etcd", etcd_url.as_str(), "--lease-ttl-s", "1"];
+    let (a, url_a) = serve(&d, "a", &d.join("a"), &common).await;
+    let lb = format!("127.0.0.1:{}", free_port());
+    let mut b_args: Vec<String> = vec!["--listen".into(), lb.clone()];
+    b_args.extend(common.iter().map(|s| s.to_string()));
+    // B campaigns while A leads; A is frozen (SIGSTOP) past its lease, so B
+    // takes over; then A wakes up believing it leads.
+    let b_task = {
+        let d = d.clone();
+        tokio::spawn(async move {
+            let args: Vec<&str> = b_args.iter().map(String::as_str).collect();
+            serve(&d, "b", &d.join("b"), &args).await
+        })
+    };
+    until("B campaigning", Duration::from_secs(120), || {
+        let t = plain(&std::fs::read_to_string(d.join("b.log")).unwrap_or_default());
+        async move { t.contains("campaigning").then_some(()) }
+    })
+    .await;
+    let pid = a.0.id() as i32;
+    // SAFETY: signalling the child this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let (_b, url_b) = b_task.await.unwrap();
+    let mut b = berth::serve::cli::connect(&url_b, Some("ops-test-token"), None, None).await.unwrap();
+    let job = pb::JobSpec { partition: "p0".into(), gpus: 1, duration_s: 600.0, ..Default::default() };
+    let on_b = b.submit_job(pb::SubmitJobRequest { job: Some(job.clone()) }).await.unwrap().into_inner().job_id;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let mut a_api = berth::serve::cli::connect(&url_a, Some("ops-test-token"), None, None).await.unwrap();
+    let refused = a_api.submit_job(pb::SubmitJobRequest { job: Some(job) }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("not the leader"), "{}", refused.message());
+    let on_b_now: Vec<u64> = jobs(&b).await.iter().map(|j| j.id).collect();
+    assert_eq!(on_b_now, vec![on_b], "only the leader's job exists");
+    drop(a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
     let d = dir("ha");
     let Some((_etcd, etcd_url)) = etcd(&d).await else { return };

@@ -57,6 +57,9 @@ pub enum ServeError {
     TooLarge { size: usize, limit: usize },
     #[error("{0}")]
     FailedPrecondition(String),
+    /// This host does not lead (HA on etcd): another one owns the state.
+    #[error("{0}")]
+    Unavailable(String),
     #[error("state directory: {0}")]
     Store(#[from] std::io::Error),
 }
@@ -71,6 +74,7 @@ impl From<ServeError> for tonic::Status {
             ServeError::Invalid(_) | ServeError::Rejected(_) => Code::InvalidArgument,
             ServeError::TooLarge { .. } => Code::ResourceExhausted,
             ServeError::FailedPrecondition(_) => Code::FailedPrecondition,
+            ServeError::Unavailable(_) => Code::Unavailable,
             ServeError::Store(_) => Code::Internal,
         };
         tonic::Status::new(code, e.to_string())

@@ -91,7 +91,10 @@ fn instant_of(unix: u64) -> Instant {
 }
 
 fn store_err(e: StoreError) -> ServeError {
-    ServeError::Store(std::io::Error::other(e.to_string()))
+    match e {
+        StoreError::Fenced(_) => ServeError::Unavailable(format!("this host is {e}; ask the current leader")),
+        StoreError::Backend(_) => ServeError::Store(std::io::Error::other(e.to_string())),
+    }
 }
 
 impl PartitionState {
@@ -173,7 +176,9 @@ impl Live {
             Err(e) => {
                 if matches!(e, StoreError::Fenced(_)) && !self.fenced.swap(true, Ordering::SeqCst) {
                     tracing::error!(target: "berth::serve", "{e}: this host stops deciding");
-                    self.stop();
+                    // Callers hold a partition's lock: the schedulers see the
+                    // flag within their next wait (at most a second), unpoked.
+                    self.shutdown.store(true, Ordering::SeqCst);
                 } else {
                     tracing::error!(target: "berth::serve", "state not written: {e}");
                 }
