@@ -730,3 +730,170 @@ async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu
     .await;
     drop(n1);
 }
+
+/// A task for migration: writes `start-<allocation>` (ns since the epoch)
+/// first, then the GPUs it sees and BERTH_MIGRATED_FROM to
+/// `vis-<allocation>`; on SIGTERM lists the processes then alive that
+/// were started as its migrated copy (`copies-at-term-<allocation>`: their
+/// environment names it in BERTH_MIGRATED_FROM), writes
+/// `term-<allocation>` and exits 0;
+/// exits 0 on `release` (99 after two minutes, so none outlives a test).
+fn migrate_argv(d: &Path) -> Vec<String> {
+    let d = d.display();
+    let script = format!(
+        "date +%s%N > {d}/start-$BERTH_ALLOCATION.tmp && mv {d}/start-$BERTH_ALLOCATION.tmp {d}/start-$BERTH_ALLOCATION; \
+         echo \"$CUDA_VISIBLE_DEVICES|$NVIDIA_VISIBLE_DEVICES|$BERTH_MIGRATED_FROM\" > {d}/vis-$BERTH_ALLOCATION; \
+         trap 'date +%s%N > {d}/term-$BERTH_ALLOCATION.tmp; \
+               grep -lasz \"^BERTH_MIGRATED_FROM=$BERTH_ALLOCATION$\" /proc/[0-9]*/environ > {d}/copies-at-term-$BERTH_ALLOCATION; \
+               mv {d}/term-$BERTH_ALLOCATION.tmp {d}/term-$BERTH_ALLOCATION; exit 0' TERM; \
+         i=0; while [ ! -f {d}/release ] && [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done; \
+         [ -f {d}/release ] || exit 99; exit 0"
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+/// A timestamp file a task wrote, once it is there.
+async fn stamp(path: PathBuf) -> u128 {
+    until(&format!("{}", path.display()), Duration::from_secs(60), || {
+        let t = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse::<u128>().ok());
+        async move { t }
+    })
+    .await
+}
+
+async fn idle_gpus(api: &berth::serve::cli::Client, node: &str) -> u32 {
+    node_info(api, node).await.map_or(u32::MAX, |n| n.gpus_idle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_task_migrates_make_before_break_and_a_failed_start_rolls_back() {
+    let d = dir("migrate");
+    // Nodes stay schedulable for a minute after they fall silent, so the
+    // rollback case can aim at a node whose agent is gone.
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "60000"]).await;
+    let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let _n2 = agent(&d, &url, "n2", "2xH20", &[]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    until("both agent nodes schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            ["n1", "n2"].iter().all(|n| nodes.iter().any(|x| x.name == *n && x.schedulable)).then_some(())
+        }
+    })
+    .await;
+    let spec = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 2, cpu_milli: 1000, memory_mib: 1024, argv: migrate_argv(&d), ..Default::default() };
+    let job = api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap().into_inner().job_id;
+    let first = until("the task running", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == job && j.state == "running" && j.runs.len() == 1 && j.runs[0].state == "running").map(|j| j.runs[0].clone()) }
+    })
+    .await;
+    let (src, old) = (first.node.clone(), first.allocation_id);
+    let dst = if src == "n1" { "n2" } else { "n1" };
+    stamp(d.join(format!("start-{old}"))).await;
+
+    // Bad requests change nothing.
+    let e = api.migrate_task(pb::MigrateTaskRequest { allocation_id: old, node: "nowhere".into(), checkpoint: false }).await.unwrap_err();
+    assert!(e.code() == Code::FailedPrecondition && e.message().contains("nowhere"), "{e:?}");
+    let e = api.migrate_task(pb::MigrateTaskRequest { allocation_id: old, node: src.clone(), checkpoint: false }).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = api.migrate_task(pb::MigrateTaskRequest { allocation_id: 999_999, ..Default::default() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+
+    // Ownership is sampled through the API for the whole move.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let (api, stop) = (api.clone(), stop.clone());
+        async move {
+            let (mut samples, mut both) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let js = jobs(&api).await;
+                assert_one_owner(&js, &[]);
+                let j = js.iter().find(|j| j.id == job).unwrap();
+                assert!(j.runs.len() <= 2, "{j:?}");
+                if j.runs.iter().filter(|r| r.state == "running").count() == 2 {
+                    both += 1;
+                }
+                samples += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (samples, both)
+        }
+    });
+    // No destination given: the only other node with room.
+    let m = api.migrate_task(pb::MigrateTaskRequest { allocation_id: old, node: String::new(), checkpoint: false }).await.unwrap().into_inner();
+    assert_eq!((m.job_id, m.node.as_str(), m.gpus.len()), (job, dst, 2), "{m:?}");
+    let moved = until("the old copy gone and the new one in its place", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == job && j.runs.len() == 1 && j.runs[0].allocation_id == m.allocation_id && j.runs[0].replaces == 0) }
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (samples, both) = watcher.await.unwrap();
+    // (a) The new copy started before the old one was told to stop.
+    let new_start = stamp(d.join(format!("start-{}", m.allocation_id))).await;
+    let old_term = stamp(d.join(format!("term-{old}"))).await;
+    let copies = std::fs::read_to_string(d.join(format!("copies-at-term-{old}"))).unwrap();
+    assert!(!copies.trim().is_empty(), "no new copy was running when the old one got its stop signal");
+    println!(
+        "migration overlap: the new copy's start marker {:.1} ms before the old one's stop marker; at the stop, {} process(es) of the new copy ran; {both} of {samples} API samples saw both copies running",
+        (old_term as f64 - new_start as f64) / 1e6,
+        copies.lines().count()
+    );
+    // (b) The new copy saw exactly its new GPUs, and where it came from.
+    let want = |node: &str, gpus: &[u32]| gpus.iter().map(|g| format!("GPU-synthetic-{node}-{g}")).collect::<Vec<_>>().join(",");
+    let seen = std::fs::read_to_string(d.join(format!("vis-{}", m.allocation_id))).unwrap();
+    let w = want(dst, &m.gpus);
+    assert_eq!(seen.trim(), format!("{w}|{w}|{old}"));
+    let w = want(&src, &first.gpus);
+    assert_eq!(std::fs::read_to_string(d.join(format!("vis-{old}"))).unwrap().trim(), format!("{w}|{w}|"));
+    // (d) The job still runs, on the destination; the source GPUs are free.
+    assert_eq!(moved.state, "running", "{moved:?}");
+    assert_eq!((moved.runs[0].node.as_str(), moved.runs[0].state.as_str(), &moved.runs[0].gpus), (dst, "running", &m.gpus));
+    assert_eq!(moved.placements[0].node, dst);
+    assert_eq!((idle_gpus(&api, &src).await, idle_gpus(&api, dst).await), (2, 0));
+    let agents = hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner();
+    let a = agents.allocations.iter().find(|a| a.id == old).unwrap();
+    assert_eq!((a.state.as_str(), a.exit_code, a.signal), ("exited", 0, 0), "{a:?}");
+
+    // (e) A destination that cannot start it: n3's agent is gone (its node
+    // still schedulable): the start is not delivered, the reservation is
+    // freed and the task keeps running where it is.
+    let mut n3 = agent(&d, &url, "n3", "2xH20", &[]);
+    until("n3 schedulable", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { node_info(&api, "n3").await.filter(|n| n.schedulable).map(|_| ()) }
+    })
+    .await;
+    kill9(&mut n3);
+    until("n3's command stream gone", Duration::from_secs(60), || {
+        let mut hub = hub.clone();
+        async move {
+            let l = hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner();
+            l.agents.iter().any(|a| a.node == "n3" && !a.commands_connected).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(idle_gpus(&api, "n3").await, 2);
+    let e = api.migrate_task(pb::MigrateTaskRequest { allocation_id: m.allocation_id, node: "n3".into(), checkpoint: true }).await.unwrap_err();
+    assert!(e.code() == Code::FailedPrecondition && e.message().contains("rolled back"), "{e:?}");
+    let kept = jobs(&api).await.into_iter().find(|j| j.id == job).unwrap();
+    assert_eq!(kept.state, "running", "{kept:?}");
+    assert_eq!((kept.runs.len(), kept.runs[0].allocation_id, kept.runs[0].state.as_str()), (1, m.allocation_id, "running"), "{kept:?}");
+    assert!(kept.detail.contains("rolled back"), "{}", kept.detail);
+    assert_eq!((idle_gpus(&api, "n3").await, idle_gpus(&api, dst).await), (2, 0));
+    assert!(!d.join(format!("term-{}", m.allocation_id)).exists(), "the running copy was stopped");
+    assert_one_owner(&jobs(&api).await, &[]);
+
+    // Released, it finishes normally: the old copy's exit did not end it.
+    std::fs::write(d.join("release"), "0").unwrap();
+    let done = until("the job finished", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == job && j.state != "running") }
+    })
+    .await;
+    assert_eq!((done.state.as_str(), done.runs.len(), done.runs[0].exit_code), ("finished", 1, 0), "{done:?}");
+    assert_eq!((idle_gpus(&api, "n1").await, idle_gpus(&api, "n2").await), (2, 2));
+}

@@ -550,4 +550,10 @@ impl Actuator for Hub {
             tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "stop not delivered: {}", e.message());
         }
     }
+
+    fn checkpoint(&self, alloc_id: u64, node: &str) {
+        if let Err(e) = self.send(node, pb::AgentCommand { allocation_id: alloc_id, action: "checkpoint".into(), ..Default::default() }) {
+            tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "checkpoint notice not delivered: {}", e.message());
+        }
+    }
 }

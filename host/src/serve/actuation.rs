@@ -13,11 +13,21 @@ use std::sync::atomic::Ordering;
 use berth_core::fleet::{gpus_of, intern_model, Node, NodeId};
 use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 
+use super::decisions::Placed;
 use super::scheduler::{JobState, Live, Partition, PartitionState, Start, TaskRun};
 use super::{unix_ms, ServeError};
 
 /// Agent nodes get switch domains of their own, apart from simulated ones.
 const AGENT_DOMAIN_BASE: u32 = 1 << 20;
+
+/// A migration under way: the job, and the new copy's allocation.
+#[derive(Clone, Debug)]
+pub struct Migration {
+    pub job_id: u64,
+    pub alloc_id: u64,
+    pub node: String,
+    pub gpus: Vec<u32>,
+}
 
 /// Whether a task's end counts as a failure.
 fn failed(state: &str, exit_code: i32, signal: i32) -> bool {
@@ -173,6 +183,8 @@ impl Live {
                 exit_code: 0,
                 signal: 0,
                 holds: true,
+                replaces: 0,
+                checkpoint_old: false,
             })
             .collect();
         job.runs = runs.clone();
@@ -197,6 +209,124 @@ impl Live {
         for (alloc_id, e) in undelivered {
             self.end_task(part, st, alloc_id, "failed", -1, 0, &format!("start not delivered: {e}"));
         }
+    }
+
+    /// Make-before-break migration of a job's running task to another
+    /// agent node (`to`, or when empty the schedulable agent node with the
+    /// fewest free GPUs that fit it). The destination GPUs are allocated
+    /// (checked: no GPU has two owners) and stored before the new copy is
+    /// started, with the job's argv and env plus BERTH_MIGRATED_FROM (the
+    /// old allocation id); the job holds both until the old copy's exit.
+    /// When the new copy reports running, the old one gets its stop (after
+    /// a checkpoint notice with `checkpoint`); its exit frees its GPUs and
+    /// the new copy takes its place. A new copy that fails to start is
+    /// rolled back: its GPUs are freed, the old copy keeps running.
+    pub fn migrate(&self, alloc_id: u64, to: &str, checkpoint: bool) -> Result<Migration, ServeError> {
+        for part in &self.partitions {
+            let mut guard = part.state.lock().unwrap();
+            let st = &mut *guard;
+            let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
+            if job_id == 0 {
+                return Err(ServeError::FailedPrecondition(format!("allocation {alloc_id} is an operator allocation, not a job's task")));
+            }
+            let job = st.jobs.get(&job_id).ok_or(ServeError::UnknownJob(job_id))?;
+            if job.state != JobState::Running {
+                return Err(ServeError::FailedPrecondition(format!("job {job_id} is {}", job.state.as_str())));
+            }
+            if let Some(m) = job.runs.iter().find(|r| r.replaces != 0) {
+                return Err(ServeError::FailedPrecondition(format!("job {job_id} is migrating allocation {} already", m.replaces)));
+            }
+            let Some(i) = job.runs.iter().position(|r| r.alloc_id == alloc_id && r.holds) else {
+                return Err(ServeError::FailedPrecondition(format!("allocation {alloc_id} of job {job_id} has ended")));
+            };
+            if job.runs[i].state != "running" {
+                return Err(ServeError::FailedPrecondition(format!("allocation {alloc_id} is {}: only a running task migrates", job.runs[i].state)));
+            }
+            let old = job.allocations[i].clone();
+            let src = job.runs[i].node.clone();
+            let want = old.gpus.count_ones() as usize;
+            let models: Vec<_> = job.spec.models.iter().filter_map(|m| st.fleet.model_id(m)).collect();
+            let any_model = job.spec.models.is_empty();
+            let (argv, mut env) = (job.spec.argv.clone(), job.spec.env.clone());
+            // The GPUs a node would give it, or why not.
+            let fit = |name: &str, id: NodeId| -> Result<(u64, usize), String> {
+                let n = &st.fleet.nodes()[id as usize];
+                if !n.schedulable {
+                    return Err("not schedulable".into());
+                }
+                if !any_model && !n.model.is_some_and(|m| models.contains(&m)) {
+                    return Err(format!("its GPUs are not of the job's models {:?}", job.spec.models));
+                }
+                let free: Vec<usize> = (0..n.gpus.len()).filter(|&g| n.gpus[g] >= old.gpu_milli).collect();
+                if free.len() < want || n.cpu_free_milli < old.cpu_milli || n.memory_free_mib < old.memory_mib {
+                    return Err(format!("node {name} has {} free GPUs, {} mCPU, {} MiB; the task needs {want}, {}, {}", free.len(), n.cpu_free_milli, n.memory_free_mib, old.cpu_milli, old.memory_mib));
+                }
+                Ok((free[..want].iter().fold(0u64, |m, &g| m | 1 << g), free.len()))
+            };
+            let (dest, dest_id, mask) = if to.is_empty() {
+                let mut best: Option<(usize, String, NodeId, u64)> = None;
+                for (name, &id) in &st.agent_ids {
+                    if *name == src {
+                        continue;
+                    }
+                    if let Ok((mask, free)) = fit(name, id)
+                        && best.as_ref().is_none_or(|b| (free, name) < (b.0, &b.1))
+                    {
+                        best = Some((free, name.clone(), id, mask));
+                    }
+                }
+                let (_, name, id, mask) = best.ok_or_else(|| ServeError::FailedPrecondition(format!("no other agent node has room for allocation {alloc_id}")))?;
+                (name, id, mask)
+            } else {
+                if to == src {
+                    return Err(ServeError::Invalid(format!("allocation {alloc_id} already runs on {to}")));
+                }
+                let id = *st.agent_ids.get(to).ok_or_else(|| ServeError::FailedPrecondition(format!("no agent node {to:?} in partition {}", part.name)))?;
+                let (mask, _) = fit(to, id).map_err(|e| ServeError::FailedPrecondition(format!("node {to} cannot take allocation {alloc_id}: {e}")))?;
+                (to.to_string(), id, mask)
+            };
+            let new = Allocation { node: dest_id, gpus: mask, ..old };
+            st.fleet.allocate(&new).map_err(|e| ServeError::FailedPrecondition(e.to_string()))?;
+            let new_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
+            let gpus: Vec<u32> = gpus_of(mask).map(|g| g as u32).collect();
+            let job = st.jobs.get_mut(&job_id).expect("found above");
+            job.allocations.push(new.clone());
+            job.runs.push(TaskRun {
+                alloc_id: new_id,
+                node: dest.clone(),
+                gpus: gpus.clone(),
+                state: "starting".into(),
+                exit_code: 0,
+                signal: 0,
+                holds: true,
+                replaces: alloc_id,
+                checkpoint_old: checkpoint,
+            });
+            st.by_alloc.insert(new_id, job_id);
+            // Stored before the start goes out, or not made at all.
+            if let Err(e) = self.persist(vec![st.job_op(&part.name, job_id)]) {
+                let job = st.jobs.get_mut(&job_id).expect("found above");
+                job.runs.pop();
+                job.allocations.pop();
+                st.by_alloc.remove(&new_id);
+                st.fleet.release(&new).expect("just allocated");
+                return Err(e);
+            }
+            env.insert("BERTH_MIGRATED_FROM".into(), alloc_id.to_string());
+            tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_id, node = %dest, gpus = ?gpus, "migration: starting the new copy");
+            let start = Start { alloc_id: new_id, job_id, node: &dest, gpus: &gpus, argv: &argv, env: &env };
+            let sent = match self.actuator() {
+                Some(a) => a.start(start),
+                None => Err("no agent hub".into()),
+            };
+            if let Err(e) = sent {
+                self.end_task(part, st, new_id, "failed", -1, 0, &format!("start not delivered: {e}"));
+                return Err(ServeError::FailedPrecondition(format!("migration of allocation {alloc_id} to {dest} rolled back: start not delivered: {e}")));
+            }
+            st.dirty = true;
+            return Ok(Migration { job_id, alloc_id: new_id, node: dest, gpus });
+        }
+        Err(ServeError::FailedPrecondition(format!("no allocation {alloc_id}")))
     }
 
     /// Allocations the fleet expects on an agent node: tasks and operator
@@ -291,6 +421,11 @@ impl Live {
         hit
     }
 
+    /// The partition of a job task's allocation.
+    pub fn allocation_partition(&self, alloc_id: u64) -> Option<String> {
+        self.partitions.iter().find(|p| p.state.lock().unwrap().by_alloc.get(&alloc_id).is_some_and(|&j| j != 0)).map(|p| p.name.clone())
+    }
+
     /// The node and GPUs of an allocation the fleet knows.
     pub fn allocation_node(&self, alloc_id: u64) -> Option<(String, Vec<u32>)> {
         for part in &self.partitions {
@@ -316,8 +451,22 @@ impl Live {
             match state {
                 "exited" | "failed" | "lost" => self.end_task(part, st, alloc_id, state, exit_code, signal, detail),
                 _ => {
-                    if let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) {
-                        r.state = state.to_string();
+                    let Some(job) = st.jobs.get_mut(&job_id) else { return };
+                    let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return };
+                    let was = std::mem::replace(&mut r.state, state.to_string());
+                    if r.replaces != 0 && was == "starting" && state == "running" {
+                        // Make-before-break: the new copy runs, now the old one stops.
+                        let (old, checkpoint) = (r.replaces, r.checkpoint_old);
+                        if let Some(o) = job.runs.iter().find(|o| o.alloc_id == old && o.holds)
+                            && let Some(act) = self.actuator()
+                        {
+                            tracing::info!(target: "berth::serve", job = job_id, from = old, to = alloc_id, "migration: new copy running, stopping the old one");
+                            if checkpoint {
+                                act.checkpoint(old, &o.node);
+                            }
+                            act.stop(old, &o.node);
+                        }
+                        self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                     }
                 }
             }
@@ -343,10 +492,43 @@ impl Live {
         } else {
             let Some(job) = st.jobs.get_mut(&job_id) else { return };
             let Some(i) = job.runs.iter().position(|r| r.alloc_id == alloc_id) else { return };
-            let r = &mut job.runs[i];
-            if !r.holds {
+            if !job.runs[i].holds {
                 return; // a repeated report
             }
+            if job.runs[i].replaces != 0 {
+                // A migrating copy ended before its old copy did: rolled
+                // back; the old copy keeps the task.
+                let (r, a) = (job.runs.remove(i), job.allocations.remove(i));
+                st.fleet.release(&a).expect("a holding task's allocation is held");
+                job.detail = format!("migration of allocation {} to {} rolled back: {state} (exit {exit_code}, signal {signal}) {detail}", r.replaces, r.node).trim_end().to_string();
+                tracing::warn!(target: "berth::serve", job = job_id, allocation = alloc_id, "{}", job.detail);
+                st.by_alloc.remove(&alloc_id);
+                st.apply_holds(a.node);
+                self.persist_logged(vec![st.job_op(&part.name, job_id)]);
+                st.dirty = true;
+                part.wake.notify_all();
+                return;
+            }
+            if let Some(k) = job.runs.iter().position(|n| n.replaces == alloc_id) {
+                // The old copy of a migrated task is gone: its GPUs are
+                // freed and the new copy takes its place; not the job's end.
+                let node = job.allocations[i].node;
+                st.fleet.release(&job.allocations[i]).expect("a holding task's allocation is held");
+                let (new_run, new_alloc) = (job.runs.remove(k), job.allocations.remove(k));
+                if let Some(p) = job.placements.get_mut(i) {
+                    *p = Placed { node: new_run.node.clone(), gpus: new_run.gpus.clone() };
+                }
+                tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_run.alloc_id, node = %new_run.node, "migration done: old copy {state}");
+                job.runs[i] = TaskRun { replaces: 0, checkpoint_old: false, ..new_run };
+                job.allocations[i] = new_alloc;
+                st.by_alloc.remove(&alloc_id);
+                st.apply_holds(node);
+                self.persist_logged(vec![st.job_op(&part.name, job_id)]);
+                st.dirty = true;
+                part.wake.notify_all();
+                return;
+            }
+            let r = &mut job.runs[i];
             r.holds = false;
             r.state = state.to_string();
             r.exit_code = exit_code;

@@ -1,6 +1,6 @@
 //! The command line of the live host: `berth serve`, and the client
 //! commands that talk to it (`berth submit`, `jobs`, `nodes`, `partitions`,
-//! `explain`, `accounting`, `decisions`, `cancel`, and `berth policy
+//! `explain`, `accounting`, `decisions`, `cancel`, `migrate`, and `berth policy
 //! upload|activate|rollback|history|shadow|report`).
 
 use std::net::SocketAddr;
@@ -260,6 +260,22 @@ pub enum ApiCommand {
         #[arg(last = true)]
         argv: Vec<String>,
     },
+    /// Move a job's running task to another agent node, make-before-break:
+    /// the new copy (env BERTH_MIGRATED_FROM=<old allocation>) starts, then
+    /// the old one stops.
+    Migrate {
+        /// The task's allocation id (see `berth jobs`).
+        allocation: u64,
+        /// Destination agent node (default: the one with the fewest free
+        /// GPUs that fit).
+        #[arg(long, default_value = "")]
+        to: String,
+        /// Send the old copy a checkpoint notice before its stop.
+        #[arg(long)]
+        checkpoint: bool,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Cancel a job.
     Cancel {
         job: u64,
@@ -442,6 +458,10 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             };
             let r = client(&conn).await?.submit_job(pb::SubmitJobRequest { job: Some(job) }).await.map_err(status)?;
             println!("job {}", r.into_inner().job_id);
+        }
+        ApiCommand::Migrate { allocation, to, checkpoint, conn } => {
+            let r = client(&conn).await?.migrate_task(pb::MigrateTaskRequest { allocation_id: allocation, node: to, checkpoint }).await.map_err(status)?.into_inner();
+            println!("job {}: allocation {allocation} migrating to allocation {} on {} GPUs {:?}; the old copy stops once the new one runs", r.job_id, r.allocation_id, r.node, r.gpus);
         }
         ApiCommand::Cancel { job, conn } => {
             let r = client(&conn).await?.cancel_job(pb::CancelJobRequest { job_id: job }).await.map_err(status)?;

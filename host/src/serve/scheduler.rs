@@ -91,6 +91,13 @@ pub struct TaskRun {
     /// Still holds its fleet allocation: its GPUs are given to nobody else
     /// until the agent reports the process gone (or the node is given up).
     pub holds: bool,
+    /// A copy being migrated in (make-before-break): the allocation it
+    /// replaces, until that one's exit is reported (0: none).
+    #[serde(default)]
+    pub replaces: u64,
+    /// With `replaces`: send the old copy a checkpoint notice before its stop.
+    #[serde(default)]
+    pub checkpoint_old: bool,
 }
 
 /// What starts and stops processes on agent nodes (the agent hub), so the
@@ -101,6 +108,8 @@ pub trait Actuator: Send + Sync {
     /// Asks the node to stop an allocation (best effort: the exit report
     /// is what frees the GPUs).
     fn stop(&self, alloc_id: u64, node: &str);
+    /// Sends a checkpoint notice to an allocation (best effort).
+    fn checkpoint(&self, alloc_id: u64, node: &str);
 }
 
 pub struct Start<'a> {

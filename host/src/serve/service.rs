@@ -147,7 +147,7 @@ fn job_message(id: u64, j: &JobRecord) -> pb::Job {
         runs: j
             .runs
             .iter()
-            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.clone(), exit_code: r.exit_code, signal: r.signal })
+            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.clone(), exit_code: r.exit_code, signal: r.signal, replaces: r.replaces })
             .collect(),
         detail: j.detail.clone(),
     }
@@ -204,6 +204,16 @@ impl Berth for Service {
         let before = self.live.cancel(p, job_id)?;
         tracing::info!(target: "berth::serve", job = job_id, by = %id.name, "job cancelled");
         Ok(Response::new(pb::CancelJobResponse { previous_state: before.as_str().into() }))
+    }
+
+    async fn migrate_task(&self, req: Request<pb::MigrateTaskRequest>) -> Reply<pb::MigrateTaskResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let partition = self.live.allocation_partition(r.allocation_id).ok_or_else(|| Status::not_found(format!("no task allocation {}", r.allocation_id)))?;
+        self.require(&id, &partition, Role::Operator)?;
+        let m = self.live.migrate(r.allocation_id, &r.node, r.checkpoint)?;
+        tracing::info!(target: "berth::serve", job = m.job_id, from = r.allocation_id, to = m.alloc_id, node = %m.node, by = %id.name, "task migration started");
+        Ok(Response::new(pb::MigrateTaskResponse { job_id: m.job_id, allocation_id: m.alloc_id, node: m.node, gpus: m.gpus }))
     }
 
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::ListJobsResponse> {
