@@ -7,9 +7,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-/// The contract every new project builds against.
+/// The contract the Python, JavaScript and C templates build against: 0.2.0,
+/// whose world has no pool hooks those templates would have to stub.
 const WIT: &str = include_str!("../../wit/v0.2.0/policy.wit");
 const WIT_VERSION: &str = "0.2.0";
+/// Rust builds against the SDK's contract, which gives every hook a default.
+const SDK_WIT_VERSION: &str = "0.3.0";
 
 /// (path in the project, template text, executable)
 type File = (&'static str, &'static str, bool);
@@ -98,7 +101,7 @@ pub fn create(lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> 
             .replace("{{berth}}", &berth.to_string_lossy())
             .replace("{{lang}}", lang)
             .replace("{{toolchain}}", toolchain)
-            .replace("{{contract}}", WIT_VERSION)
+            .replace("{{contract}}", if lang == "rust" { SDK_WIT_VERSION } else { WIT_VERSION })
     };
     for (path, text, exec) in files.iter().chain(std::iter::once(&("README.md", README, false))) {
         let target = dir.join(path);

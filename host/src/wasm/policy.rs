@@ -499,6 +499,34 @@ mod conv_v1 {
     }
 }
 
+/// The `domains` columns (contract 0.2.0 and later), moved across without
+/// copying, for a version module that has already `use`d its types as `w`.
+macro_rules! domain_columns {
+    () => {
+        pub fn take_domains(d: &mut berth_sdk::Domains) -> w::Domains {
+            w::Domains {
+                ids: take(&mut d.ids),
+                aggregation: take(&mut d.aggregation),
+                nodes: take(&mut d.nodes),
+                idle_nodes: take(&mut d.idle_nodes),
+                gpus_total: take(&mut d.gpus_total),
+                gpus_idle: take(&mut d.gpus_idle),
+                fitting_tasks: take(&mut d.fitting_tasks),
+            }
+        }
+
+        pub fn restore_domains(d: &mut berth_sdk::Domains, w: &mut w::Domains) {
+            d.ids = take(&mut w.ids);
+            d.aggregation = take(&mut w.aggregation);
+            d.nodes = take(&mut w.nodes);
+            d.idle_nodes = take(&mut w.idle_nodes);
+            d.gpus_total = take(&mut w.gpus_total);
+            d.gpus_idle = take(&mut w.gpus_idle);
+            d.fitting_tasks = take(&mut w.fitting_tasks);
+        }
+    };
+}
+
 mod conv_v2 {
     columns!(super::v2::berth::policy::types);
 
@@ -506,27 +534,7 @@ mod conv_v2 {
         if h.contains(w::Hooks::DOMAINS) { Hooks::DOMAINS } else { Hooks::NONE }
     }
 
-    pub fn take_domains(d: &mut berth_sdk::Domains) -> w::Domains {
-        w::Domains {
-            ids: take(&mut d.ids),
-            aggregation: take(&mut d.aggregation),
-            nodes: take(&mut d.nodes),
-            idle_nodes: take(&mut d.idle_nodes),
-            gpus_total: take(&mut d.gpus_total),
-            gpus_idle: take(&mut d.gpus_idle),
-            fitting_tasks: take(&mut d.fitting_tasks),
-        }
-    }
-
-    pub fn restore_domains(d: &mut berth_sdk::Domains, w: &mut w::Domains) {
-        d.ids = take(&mut w.ids);
-        d.aggregation = take(&mut w.aggregation);
-        d.nodes = take(&mut w.nodes);
-        d.idle_nodes = take(&mut w.idle_nodes);
-        d.gpus_total = take(&mut w.gpus_total);
-        d.gpus_idle = take(&mut w.gpus_idle);
-        d.fitting_tasks = take(&mut w.fitting_tasks);
-    }
+    domain_columns!();
 }
 
 mod conv_v3 {
@@ -539,27 +547,7 @@ mod conv_v3 {
             .fold(Hooks::NONE, |acc, (_, ours)| acc | ours)
     }
 
-    pub fn take_domains(d: &mut berth_sdk::Domains) -> w::Domains {
-        w::Domains {
-            ids: take(&mut d.ids),
-            aggregation: take(&mut d.aggregation),
-            nodes: take(&mut d.nodes),
-            idle_nodes: take(&mut d.idle_nodes),
-            gpus_total: take(&mut d.gpus_total),
-            gpus_idle: take(&mut d.gpus_idle),
-            fitting_tasks: take(&mut d.fitting_tasks),
-        }
-    }
-
-    pub fn restore_domains(d: &mut berth_sdk::Domains, w: &mut w::Domains) {
-        d.ids = take(&mut w.ids);
-        d.aggregation = take(&mut w.aggregation);
-        d.nodes = take(&mut w.nodes);
-        d.idle_nodes = take(&mut w.idle_nodes);
-        d.gpus_total = take(&mut w.gpus_total);
-        d.gpus_idle = take(&mut w.gpus_idle);
-        d.fitting_tasks = take(&mut w.fitting_tasks);
-    }
+    domain_columns!();
 
     pub fn pool_state(s: &berth_sdk::PoolState) -> w::PoolState {
         let s = s.clone();
