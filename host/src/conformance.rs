@@ -95,19 +95,13 @@ impl std::fmt::Display for Report {
 }
 
 /// Options of a run.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Options {
     /// Deadline and memory cap every call runs under (the host's defaults
     /// unless an operator would set others).
     pub limits: Limits,
     /// Configuration passed to `configure` before the scenarios.
     pub config: String,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options { limits: Limits::default(), config: String::new() }
-    }
 }
 
 /// Collects verdicts in rule order.
@@ -323,7 +317,7 @@ fn allocation_columns(allocs: &[Allocation]) -> Allocations {
         a.memory_mib.push(al.memory_mib);
         a.priority.push(i % 3);
         a.movable.push(u8::from(i % 5 != 4));
-        a.gang_id.push(if i % 4 == 0 { u64::from(7 + i / 8) } else { 0 });
+        a.gang_id.push(if i.is_multiple_of(4) { u64::from(7 + i / 8) } else { 0 });
         a.state_bytes.push(u64::from(i) << 30);
         a.remaining_s.push(u64::from(i * 600));
         a.running_s.push(u64::from(3600 + i * 60));
