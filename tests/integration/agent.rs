@@ -44,7 +44,12 @@ pub(crate) fn dir(name: &str) -> PathBuf {
 }
 
 pub(crate) fn spawn(args: &[&str], log: &Path) -> Proc {
-    let err = std::fs::File::create(log).unwrap();
+    spawn_into(args, std::fs::File::create(log).unwrap())
+}
+
+/// `berth ARGS` from the repository root, its stderr into `log`, with no
+/// token or server from the caller's environment.
+fn spawn_into(args: &[&str], log: std::fs::File) -> Proc {
     let child = Command::new(BERTH)
         .args(args)
         .current_dir(repo_root())
@@ -53,7 +58,7 @@ pub(crate) fn spawn(args: &[&str], log: &Path) -> Proc {
         .env_remove("BERTH_SERVER")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(err)
+        .stderr(log)
         .spawn()
         .expect("spawning berth");
     Proc(child)
@@ -297,18 +302,7 @@ pub(crate) fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]
     args.extend(extra);
     // Appended, so a restarted agent's log keeps the first one's.
     let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join(format!("{node}.log"))).unwrap();
-    let child = Command::new(BERTH)
-        .args(&args)
-        .current_dir(repo_root())
-        .env("BERTH_LOG", "info")
-        .env_remove("BERTH_TOKEN")
-        .env_remove("BERTH_SERVER")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("spawning berth agent");
-    Proc(child)
+    spawn_into(&args, log)
 }
 
 /// A task that writes the GPUs it sees to `vis-<job>-<allocation>`, then
