@@ -416,7 +416,9 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
                     hopeless = true;
                 }
             }
-            let mut placed = if hopeless { None } else { place_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)?.map(|(a, d)| (a, d, 0)) };
+            // (A single task, or a gang counted above: no second count.)
+            let mut placed =
+                if hopeless { None } else { place_fitting_gang(fleet, &mut placer, policy, job, &mut outcome.placements, &keep)?.map(|(a, d)| (a, d, 0)) };
             if placed.is_none()
                 && !low(j)
                 && let Some(ranker) = preemption.as_deref_mut()
@@ -785,6 +787,19 @@ pub fn place_gang(
     if job.tasks > 1 && fitting_tasks_among(fleet, &job.shape, job.tasks, keep) < job.tasks {
         return Ok(None); // cannot fit even ignoring placement: skip the policy
     }
+    place_fitting_gang(fleet, placer, policy, job, placements, keep)
+}
+
+/// [`place_gang`] for a caller that has already counted that all the gang's
+/// tasks fit among the nodes `keep` accepts.
+fn place_fitting_gang(
+    fleet: &mut Fleet,
+    placer: &mut Placer,
+    policy: &mut dyn PlacementPolicy,
+    job: &Job,
+    placements: &mut u64,
+    keep: &dyn Fn(NodeId, &crate::fleet::Node) -> bool,
+) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
     // A gang asks the policy for switch domains first; with an answer, its
     // tasks go only to the best domains that together hold it.
     let mut allowed: Option<HashSet<u32>> = None;
