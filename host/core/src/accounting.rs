@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::fleet::{Allocation, Fleet, Node};
 use crate::predicate::{self, Unfit};
-use crate::sim::{fitting_tasks, tasks_on_node};
+use crate::capacity::{fitting_tasks, tasks_on_node};
 use crate::task::TaskShape;
 use crate::MILLI_PER_GPU;
 

@@ -59,7 +59,8 @@ use serde::{Deserialize, Serialize};
 use crate::fleet::{Allocation, Fleet, ModelId, Node, NodeId};
 use crate::placement::{default_gpus, validate_mask};
 use crate::policy::PolicyError;
-use crate::sim::{tasks_on_node, Job};
+use crate::capacity::tasks_on_node;
+use crate::job::Job;
 use crate::task::TaskShape;
 use crate::MILLI_PER_GPU;
 

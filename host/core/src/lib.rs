@@ -6,9 +6,12 @@
 //! time, so the same code runs in the live host and in deterministic replay.
 
 pub mod accounting;
+pub mod capacity;
 pub mod compaction;
+pub mod engine;
 pub mod fleet;
 pub mod harvest;
+pub mod job;
 pub mod placement;
 pub mod policy;
 pub mod pool;
@@ -17,7 +20,9 @@ pub mod predicate;
 pub mod sim;
 pub mod task;
 
+pub use engine::{Decision, Engine, Event};
 pub use fleet::{Allocation, Fleet, FleetError, ModelId, Node, NodeId};
+pub use job::Job;
 pub use placement::{Placement, Placer, TaskMeta};
 pub use policy::{PlacementPolicy, PolicyError};
 pub use predicate::Unfit;

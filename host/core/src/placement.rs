@@ -2,11 +2,12 @@
 //! choose. The core, not the policy, has the last word on every GPU.
 
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 
 use berth_sdk::{Nodes, Scores, Task};
 
 use crate::fleet::{gpus_of, Allocation, Fleet, Node, NodeId};
+use crate::job::Job;
 use crate::policy::{PlacementPolicy, PolicyError};
 use crate::predicate::{self, Unfit};
 use crate::task::TaskShape;
@@ -369,3 +370,66 @@ pub fn default_gpus(node: &Node, shape: &TaskShape) -> u64 {
     }
     mask
 }
+
+/// Places every task of `job` or none (see [`Placer::place_tasks`]), a gang
+/// first choosing switch domains when the policy scores them. Returns the
+/// allocations and the number of distinct switch domains used.
+pub fn place_gang(
+    fleet: &mut Fleet,
+    placer: &mut Placer,
+    policy: &mut dyn PlacementPolicy,
+    job: &Job,
+    placements: &mut u64,
+    keep: &dyn Fn(NodeId, &Node) -> bool,
+) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
+    if job.tasks > 1 && crate::capacity::fitting_tasks_among(fleet, &job.shape, job.tasks, keep) < job.tasks {
+        return Ok(None); // cannot fit even ignoring placement: skip the policy
+    }
+    place_fitting_gang(fleet, placer, policy, job, placements, keep)
+}
+
+/// [`place_gang`] for a caller that has already counted that all the gang's
+/// tasks fit among the nodes `keep` accepts.
+pub fn place_fitting_gang(
+    fleet: &mut Fleet,
+    placer: &mut Placer,
+    policy: &mut dyn PlacementPolicy,
+    job: &Job,
+    placements: &mut u64,
+    keep: &dyn Fn(NodeId, &Node) -> bool,
+) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
+    // A gang asks the policy for switch domains first; with an answer, its
+    // tasks go only to the best domains that together hold it.
+    let mut allowed: Option<HashSet<u32>> = None;
+    if job.tasks > 1 {
+        let (mut domains, _) = crate::capacity::domain_table_among(fleet, &job.shape, keep);
+        let mut task = berth_sdk::Task::default();
+        crate::placement::fill_task(&mut task, &job.shape, TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 });
+        if let Some(scores) = policy.score_domains(&task, &mut domains)? {
+            if scores.len() != domains.len() || scores.iter().any(|s| !s.is_finite()) {
+                return Err(PolicyError::InvalidOutput(format!("{} domain scores for {} domains, or one not finite", scores.len(), domains.len())));
+            }
+            let mut order: Vec<usize> = (0..domains.len()).collect();
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(domains.ids[a].cmp(&domains.ids[b])));
+            let mut chosen = HashSet::new();
+            let mut fits = 0u32;
+            for i in order {
+                if fits >= job.tasks {
+                    break;
+                }
+                if domains.fitting_tasks[i] > 0 {
+                    chosen.insert(domains.ids[i]);
+                    fits += domains.fitting_tasks[i];
+                }
+            }
+            allowed = Some(chosen);
+        }
+    }
+    let keep = |id: NodeId, n: &crate::fleet::Node| keep(id, n) && allowed.as_ref().is_none_or(|a| a.contains(&n.switch_domain));
+    let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 };
+    let Some(allocs) = placer.place_tasks(fleet, &job.shape, meta, job.tasks, policy, None, &keep)? else { return Ok(None) };
+    *placements += u64::from(job.tasks);
+    let domains: HashSet<u32> = allocs.iter().map(|a| fleet.nodes()[a.node as usize].switch_domain).collect();
+    Ok(Some((allocs, domains.len() as u32)))
+}
+

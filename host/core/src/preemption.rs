@@ -5,9 +5,12 @@
 //! placement turns out not to need. Victims leave under their priority
 //! contract: notice, checkpoint on notice, grace, interruptions per day.
 
-use berth_sdk::{Allocations, Task};
+use berth_sdk::{AllocationRow, Allocations, Task};
+use std::collections::HashSet;
 
 use crate::fleet::{Allocation, Fleet, Node, NodeId};
+use crate::job::Job;
+use crate::placement::TaskMeta;
 use crate::policy::PolicyError;
 use crate::task::TaskShape;
 
@@ -102,7 +105,7 @@ pub fn choose_victims(
     keep: &dyn Fn(NodeId, &Node) -> bool,
     ranked: &[&[Allocation]],
 ) -> Option<Vec<usize>> {
-    let fits = |f: &Fleet| crate::sim::fitting_tasks_among(f, shape, tasks, keep) >= tasks;
+    let fits = |f: &Fleet| crate::capacity::fitting_tasks_among(f, shape, tasks, keep) >= tasks;
     let mut scratch = fleet.clone();
     let mut taken = Vec::new();
     for (k, allocs) in ranked.iter().enumerate() {
@@ -129,6 +132,79 @@ pub fn choose_victims(
         }
     }
     None
+}
+
+/// A running job the engine offers as a victim, with what the ranker sees
+/// of it.
+pub struct Candidate<'a> {
+    pub job: &'a Job,
+    pub held: &'a [Allocation],
+    /// Seconds its current run has lasted, work left, and work since its
+    /// last checkpoint (what an eviction would lose).
+    pub running_s: u64,
+    pub remaining_s: u64,
+    pub since_checkpoint_s: u64,
+}
+
+/// Asks `ranker` to order `candidates` for `demand`, checks the answer
+/// (every index in range, none twice), then takes the shortest prefix that
+/// frees room ([`choose_victims`]). Returns indexes into `candidates`;
+/// `None` when even all of them would not make room. The one place a rank
+/// answer is validated, for replay and the live host alike.
+pub fn select_victims(
+    fleet: &Fleet,
+    ranker: &mut dyn PreemptionPolicy,
+    demand: &Job,
+    candidates: &[Candidate],
+    keep: &dyn Fn(NodeId, &Node) -> bool,
+) -> Result<Option<Vec<usize>>, PolicyError> {
+    let mut victims = Allocations::default();
+    let mut owner = Vec::new();
+    for (k, c) in candidates.iter().enumerate() {
+        let vj = c.job;
+        for a in c.held {
+            victims.push(AllocationRow {
+                id: owner.len() as u32,
+                job_id: vj.id,
+                node: a.node,
+                gpus: a.gpus,
+                gpu_milli: a.gpu_milli,
+                cpu_milli: a.cpu_milli,
+                memory_mib: a.memory_mib,
+                priority: vj.priority,
+                movable: true,
+                gang_id: if vj.tasks > 1 { vj.id } else { 0 },
+                state_bytes: 0,
+                remaining_s: c.remaining_s,
+                running_s: c.running_s,
+                since_checkpoint_s: c.since_checkpoint_s,
+            });
+            owner.push(k);
+        }
+    }
+    if owner.is_empty() {
+        return Ok(None);
+    }
+    let mut task = Task::default();
+    crate::placement::fill_task(&mut task, &demand.shape, TaskMeta { job_id: demand.id, priority: demand.priority, gang_size: demand.tasks, gang_index: 0 });
+    let order = match ranker.rank(&task, &mut victims)? {
+        Some(order) => order,
+        None => berth_sdk::default_rank(&victims),
+    };
+    let mut seen = vec![false; owner.len()];
+    let mut ranked = Vec::new();
+    let mut taken: HashSet<usize> = HashSet::new();
+    for &i in &order {
+        let i = i as usize;
+        if i >= owner.len() || std::mem::replace(&mut seen[i], true) {
+            return Err(PolicyError::InvalidOutput(format!("rank index {i} is out of range or repeated ({} victims)", owner.len())));
+        }
+        if taken.insert(owner[i]) {
+            ranked.push(owner[i]);
+        }
+    }
+    let slices: Vec<&[Allocation]> = ranked.iter().map(|&k| candidates[k].held).collect();
+    Ok(choose_victims(fleet, &demand.shape, demand.tasks, keep, &slices).map(|picked| picked.into_iter().map(|k| ranked[k]).collect()))
 }
 
 /// What taking one job back costs it, under its contract.

@@ -189,6 +189,7 @@ impl WorkloadConfig {
             },
             partition: None,
             contract: None,
+            reports_exit: false,
         }
     }
 }
@@ -267,6 +268,7 @@ pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate
                 }
             },
             contract: None,
+            reports_exit: false,
         };
         if job.tasks == 0 {
             return Err(row.err(4, "a job needs at least one task"));

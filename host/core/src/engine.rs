@@ -1,0 +1,1017 @@
+//! The scheduling engine: one deterministic state machine that trace replay
+//! and the live host both drive. The world hands it events that happened at
+//! a time it chooses (a job submitted, a run ended, an evicted run gone, a
+//! checkpoint, capacity changed outside it, a harvest boundary, a compaction
+//! tick) and gets back decisions (placements, evictions under the priority
+//! contract, reservations of the starvation guard). Queue order, the
+//! predicate, gang placement, preemption, the guard, harvesting and
+//! compaction live here once; replay applies the decisions to a simulated
+//! fleet, `berth serve` actuates them through node agents.
+//!
+//! No IO and no wall clock: `now` is seconds on the world's clock.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
+
+use crate::capacity::{fitting_tasks_among, tasks_on_node};
+use crate::compaction::{CompactionConfig, CompactionPolicy, CompactionState, Ledger};
+use crate::fleet::{Allocation, Fleet, Node, NodeId};
+use crate::harvest::Harvest;
+use crate::job::Job;
+use crate::placement::{place_fitting_gang, Placer};
+use crate::policy::{PlacementPolicy, PolicyError};
+use crate::preemption::{evict, select_victims, Candidate, EvictionLatency, PreemptionPolicy, PriorityContract};
+use crate::task::TaskShape;
+
+/// What happened to one job.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct JobOutcome {
+    /// Start time; `None` if it never started before the horizon.
+    pub start_s: Option<u64>,
+    /// Distinct switch domains its tasks landed in (its last run).
+    pub domains: u32,
+    /// When it finished; `None` if it had not by the horizon.
+    pub end_s: Option<u64>,
+    /// Times it was preempted, of which forced terminations.
+    pub interruptions: u32,
+    pub forced: u32,
+    /// GPU-seconds of work lost to preemption (recomputed after resuming).
+    pub lost_gpu_s: f64,
+}
+
+/// Allocation sampled over time, integrated exactly between events.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Utilisation {
+    /// Integral of allocated milli-GPU over time (milli-GPU x seconds).
+    pub all_milli_s: f64,
+    /// The same counting only jobs at or above the high-priority threshold.
+    pub high_milli_s: f64,
+    /// Seconds covered.
+    pub seconds: f64,
+}
+
+/// What the engine counted over its life (replay reports read it).
+#[derive(Clone, Debug, Default)]
+pub struct SimOutcome {
+    /// Indexed like the engine's job slots (replay: like the input jobs).
+    pub jobs: Vec<JobOutcome>,
+    pub utilisation: Utilisation,
+    /// Scheduling passes run and placement calls made.
+    pub passes: u64,
+    pub placements: u64,
+    /// Reservations the starvation guard made.
+    pub reservations: u64,
+    /// Preemptions: jobs evicted, of which forced terminations, and the
+    /// GPU-seconds of work they lost.
+    pub evictions: u64,
+    pub forced_terminations: u64,
+    pub lost_gpu_s: f64,
+    /// Seconds each eviction took to vacate (ASI: 13 s mean, 48 s p95).
+    pub vacate_s: Vec<u64>,
+    /// Harvesting: GPU-seconds of sleeping replicas (standby), the part of
+    /// it low-priority work used, replicas put to sleep, borrowers evicted
+    /// to wake them, and replicas that could not wake on their GPUs.
+    pub standby_gpu_s: f64,
+    pub harvested_gpu_s: f64,
+    pub sleeps: u64,
+    pub wake_evictions: u64,
+    pub wake_failures: u64,
+    /// Compaction's migration ledger, summed over its steps.
+    pub compaction: Ledger,
+    /// Jobs still waiting at the end, and the work still running (planned
+    /// end, allocations) — the state accounting and quotes look at.
+    pub pending_at_end: Vec<usize>,
+    pub running_at_end: Vec<(u64, usize, Vec<Allocation>)>,
+    /// Simulated time at the end.
+    pub end_s: u64,
+}
+
+/// Engine settings.
+#[derive(Clone, Debug, Default)]
+pub struct SimConfig {
+    /// Replay stops at this simulated time (the live host ignores it).
+    pub horizon_s: u64,
+    /// Jobs with priority >= this are high priority: they may preempt, and
+    /// count in high-priority utilisation; below it jobs are low priority
+    /// (fill), candidate victims and borrowers of lent GPUs.
+    pub high_priority: u32,
+    /// Keeps large gangs from waiting forever behind streams of small jobs.
+    pub guards: Guards,
+    /// Preemption: the contract of low-priority jobs that name none, how
+    /// long evictions take, and partitions whose work is never taken back.
+    pub contract: PriorityContract,
+    pub eviction: EvictionLatency,
+    pub protected_partitions: BTreeSet<u32>,
+    /// Sleep-state harvesting of idle replicas in the daily trough.
+    pub harvest: Option<Harvest>,
+}
+
+/// Starvation-guard settings: fleet-wide, and per partition.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Guards {
+    /// For jobs not submitted to a partition, or whose partition has no
+    /// setting of its own.
+    pub fleet: Option<StarvationGuard>,
+    /// Per-partition settings; `None` turns the guard off in a partition.
+    pub partitions: BTreeMap<u32, Option<StarvationGuard>>,
+}
+
+impl Guards {
+    /// The same guard everywhere.
+    pub fn everywhere(guard: Option<StarvationGuard>) -> Guards {
+        Guards { fleet: guard, partitions: BTreeMap::new() }
+    }
+
+    /// The guard that applies to `job`.
+    pub fn of(&self, job: &Job) -> Option<StarvationGuard> {
+        job.partition.and_then(|p| self.partitions.get(&p).copied()).unwrap_or(self.fleet)
+    }
+}
+
+/// The starvation guard: aging raises a waiting job's place in the queue,
+/// and a job that has waited long enough and still cannot start gets a
+/// reservation. While it holds one, other jobs start on its drained nodes
+/// only if they will have ended by the reservation's time (the earliest time
+/// enough running work will have ended for it), so the reserved job starts
+/// then at the latest. Each partition (and the fleet-wide scope) holds at
+/// most one reservation at a time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StarvationGuard {
+    /// A job waiting this long that cannot start gets the reservation.
+    pub reserve_after_s: u64,
+    /// Priority points added per hour of waiting.
+    pub aging_per_hour: f64,
+}
+
+/// The policies the engine asks: placement always; preemption ranking and
+/// compaction planning when those mechanisms are on.
+pub struct Deciders<'a> {
+    pub placement: &'a mut dyn PlacementPolicy,
+    pub preemption: Option<&'a mut dyn PreemptionPolicy>,
+    /// Replay runs it every `config.period_s` over every partition.
+    pub compaction: Option<(&'a mut dyn CompactionPolicy, CompactionConfig)>,
+}
+
+/// The world's own hard constraint on which nodes a job may use, beside the
+/// engine's (partition, drained nodes, lent GPUs); the live host keeps jobs
+/// with a command on agent nodes and simulated jobs off them.
+pub type Eligible<'a> = &'a dyn Fn(&Job, NodeId, &Node) -> bool;
+
+/// A job slot: the engine's index of a job, stable for its life.
+pub type Slot = usize;
+
+/// Something that happened, at the `now` of [`Engine::handle`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A registered job joins the queue.
+    Arrive(Slot),
+    /// A running job's run ended (finished, failed or stopped for good).
+    End(Slot),
+    /// A pending job is withdrawn, or a running one stopped and dropped.
+    Cancel(Slot),
+    /// A running job goes back to the queue and gives up its allocations
+    /// (its node was lost, its start failed).
+    Requeue(Slot),
+    /// An evicted job that reports its exit ([`Job::reports_exit`]) has
+    /// stopped: it may run again.
+    Vacated(Slot),
+    /// A running job wrote a checkpoint: its work up to now is kept.
+    Checkpoint(Slot),
+    /// Capacity or constraints changed outside the engine (a node's health,
+    /// an operator's hold, a setting): every waiting job is tried again.
+    FleetChanged,
+    /// Harvest boundaries: replicas sleep and lend their GPUs, or wake.
+    Sleep,
+    Wake,
+    /// Run a compaction step before this pass.
+    Compact,
+}
+
+/// What the engine decided, in the order it decided it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// The job runs on these allocations, starting at `start_s` (once the
+    /// `victims` it evicted have vacated).
+    Place { slot: Slot, job: u64, allocations: Vec<Allocation>, domains: u32, start_s: u64, victims: Vec<u64> },
+    /// Take a running job back for `for_job` under its priority contract:
+    /// notice now, stopped by `stop_by_s` at the latest.
+    Evict { slot: Slot, job: u64, for_job: u64, ranker: String, stop_by_s: u64, lost_gpu_s: f64, forced: bool },
+    /// The starvation guard reserves capacity for a job: it starts by
+    /// `until_s` at the latest; these nodes are drained for it.
+    Reserve { slot: Slot, job: u64, until_s: u64, nodes: Vec<NodeId> },
+}
+
+/// One call's result: what was decided, and the policy error that stopped
+/// the pass, if one did. Decisions made before an error are real (applied
+/// to the fleet and the engine): the caller actuates them either way.
+#[derive(Debug, Default)]
+pub struct Pass {
+    pub decisions: Vec<Decision>,
+    /// The failing call's error and the job it was deciding; that job is
+    /// tried again on the next call.
+    pub error: Option<(Option<Slot>, PolicyError)>,
+}
+
+/// A reservation of the starvation guard: the job and the time it is
+/// planned to start at the latest.
+#[derive(Clone, Debug)]
+struct Reservation {
+    job: Slot,
+    until: u64,
+}
+
+/// Waiting jobs as the engine tells them apart: reservation scopes the
+/// job must avoid, and its (partition, tasks, shape) class.
+type ShapeKey = (Vec<Option<u32>>, u32);
+
+/// A waiting gang's [`ShapeKey`], and whether it is low priority (lent GPUs
+/// are open to low priority only).
+type GangKey = (ShapeKey, bool);
+
+/// The deterministic scheduler state.
+pub struct Engine {
+    pub config: SimConfig,
+    jobs: Vec<Job>,
+    /// Interned (partition, tasks, shape) of each slot.
+    class_of: Vec<u32>,
+    classes: Vec<(Option<u32>, u32, TaskShape)>,
+    class_ids: HashMap<(Option<u32>, u32, TaskShape), u32>,
+    pending: Vec<Slot>,
+    /// Jobs that joined the queue (or must be retried) since the last pass.
+    fresh: Vec<bool>,
+    runs: Runs,
+    outcome: SimOutcome,
+    placer: Placer,
+    /// Milli-GPU held by running high-priority jobs.
+    high_milli: u64,
+    /// One reservation per scope (a partition, or `None` for fleet-wide),
+    /// and which reservation drained each node.
+    reservations: BTreeMap<Option<u32>, Reservation>,
+    drained_by: HashMap<NodeId, Option<u32>>,
+    /// Harvesting: sleeping replicas with the allocations they keep a claim
+    /// on, the GPUs lent on each node.
+    sleeping: BTreeMap<Slot, Vec<Allocation>>,
+    lent: HashMap<NodeId, u64>,
+    sleeping_milli: u64,
+    gang_bounds: GangBounds,
+    compaction_state: CompactionState,
+    /// Set by events since the last pass: every job is tried again.
+    freed: bool,
+    /// Nodes where capacity was released since the last pass.
+    touched: HashSet<NodeId>,
+    compact_due: bool,
+}
+
+impl Engine {
+    pub fn new(config: SimConfig) -> Engine {
+        Engine {
+            config,
+            jobs: Vec::new(),
+            class_of: Vec::new(),
+            classes: Vec::new(),
+            class_ids: HashMap::new(),
+            pending: Vec::new(),
+            fresh: Vec::new(),
+            runs: Runs::default(),
+            outcome: SimOutcome::default(),
+            placer: Placer::new(),
+            high_milli: 0,
+            reservations: BTreeMap::new(),
+            drained_by: HashMap::new(),
+            sleeping: BTreeMap::new(),
+            lent: HashMap::new(),
+            sleeping_milli: 0,
+            gang_bounds: GangBounds::default(),
+            compaction_state: CompactionState::default(),
+            freed: true,
+            touched: HashSet::new(),
+            compact_due: false,
+        }
+    }
+
+    /// Adds a job to the engine's table (not yet to the queue: see
+    /// [`Event::Arrive`]); returns its slot.
+    pub fn register(&mut self, job: Job) -> Slot {
+        let key = (job.partition, job.tasks, job.shape.clone());
+        let next = self.classes.len() as u32;
+        let class = *self.class_ids.entry(key.clone()).or_insert_with(|| next);
+        if class == next {
+            self.classes.push(key);
+        }
+        self.class_of.push(class);
+        self.jobs.push(job);
+        self.fresh.push(false);
+        self.runs.push();
+        self.outcome.jobs.push(JobOutcome::default());
+        self.jobs.len() - 1
+    }
+
+    pub fn job(&self, slot: Slot) -> &Job {
+        &self.jobs[slot]
+    }
+
+    pub fn outcome(&self) -> &SimOutcome {
+        &self.outcome
+    }
+
+    /// The allocations a job holds now (empty when not running).
+    pub fn held(&self, slot: Slot) -> &[Allocation] {
+        &self.runs.held[slot]
+    }
+
+    /// When its current run is planned to end (`None` when not running).
+    pub fn planned_end(&self, slot: Slot) -> Option<u64> {
+        self.runs.planned_end[slot]
+    }
+
+    /// Whether the job waits in the queue.
+    pub fn is_pending(&self, slot: Slot) -> bool {
+        self.pending.contains(&slot)
+    }
+
+    /// The earliest time an evicted job (vacating on the modelled latency)
+    /// may run again, if any is due.
+    pub fn next_wakeup(&self) -> Option<u64> {
+        self.runs.wakeups.peek().map(|Reverse(t)| *t)
+    }
+
+    /// The guard's reservation of the scope `partition`: job slot and
+    /// latest start.
+    pub fn reservation(&self, partition: Option<u32>) -> Option<(Slot, u64)> {
+        self.reservations.get(&partition).map(|r| (r.job, r.until))
+    }
+
+    /// Running work (planned end, slot, allocations), sleeping replicas
+    /// excluded: what quotes and compaction look at.
+    pub fn running(&self) -> Vec<(u64, Slot, Vec<Allocation>)> {
+        self.runs
+            .planned_end
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| !self.sleeping.contains_key(j))
+            .filter_map(|(j, e)| e.map(|e| (e, j, self.runs.held[j].clone())))
+            .collect()
+    }
+
+    fn low(&self, j: Slot) -> bool {
+        self.jobs[j].priority < self.config.high_priority
+    }
+
+    /// Integrates utilisation over the `dt` seconds before the next event
+    /// (the fleet as it was since the last one).
+    pub fn integrate(&mut self, fleet: &Fleet, dt: f64) {
+        // A sleeping replica still owns its GPUs; a borrower on them is
+        // harvest, not more allocation.
+        let borrowed = lent_in_use(fleet, &self.lent);
+        let u = &mut self.outcome;
+        u.utilisation.all_milli_s += (fleet.gpu_allocated_milli() + self.sleeping_milli - borrowed) as f64 * dt;
+        u.harvested_gpu_s += borrowed as f64 / 1000.0 * dt;
+        u.standby_gpu_s += self.sleeping_milli as f64 / 1000.0 * dt;
+        u.utilisation.high_milli_s += self.high_milli as f64 * dt;
+        u.utilisation.seconds += dt;
+    }
+
+    /// The counters, with what still waits and runs, at `now`.
+    pub fn finish(mut self, now: u64) -> SimOutcome {
+        let mut outcome = std::mem::take(&mut self.outcome);
+        outcome.end_s = now;
+        outcome.pending_at_end = std::mem::take(&mut self.pending);
+        // Sleeping replicas are not on the fleet now: only what runs is.
+        let sleeping = &self.sleeping;
+        outcome.running_at_end = self
+            .runs
+            .planned_end
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| !sleeping.contains_key(j))
+            .filter_map(|(j, e)| e.map(|e| (e, j, std::mem::take(&mut self.runs.held[j]))))
+            .collect();
+        outcome
+    }
+
+    /// Applies `events` (all at `now`), then walks the queue once.
+    pub fn handle(
+        &mut self,
+        fleet: &mut Fleet,
+        now: u64,
+        events: impl IntoIterator<Item = Event>,
+        deciders: &mut Deciders,
+        eligible: Option<Eligible<'_>>,
+    ) -> Pass {
+        while self.runs.wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
+            self.runs.wakeups.pop();
+        }
+        let mut pass = Pass::default();
+        for event in events {
+            self.apply(fleet, now, event, &mut pass);
+        }
+        if let Err((slot, e)) = self.pass(fleet, now, deciders, eligible, &mut pass.decisions) {
+            if let Some(slot) = slot {
+                self.fresh[slot] = true; // tried again next time
+            }
+            self.freed = true;
+            pass.error = Some((slot, e));
+        }
+        pass
+    }
+
+    fn apply(&mut self, fleet: &mut Fleet, now: u64, event: Event, pass: &mut Pass) {
+        match event {
+            Event::Arrive(j) => {
+                self.pending.push(j);
+                self.fresh[j] = true;
+            }
+            Event::End(j) => {
+                if self.runs.planned_end[j].take().is_none() {
+                    return; // not running (a stale report)
+                }
+                self.outcome.jobs[j].end_s = Some(now);
+                self.stop_run(fleet, j);
+            }
+            Event::Cancel(j) => {
+                self.pending.retain(|&p| p != j);
+                if self.runs.planned_end[j].take().is_some() {
+                    self.stop_run(fleet, j);
+                }
+                self.reservations.retain(|_, r| r.job != j);
+            }
+            Event::Requeue(j) => {
+                if self.runs.planned_end[j].take().is_some() {
+                    self.stop_run(fleet, j);
+                    self.pending.push(j);
+                    self.fresh[j] = true;
+                }
+            }
+            Event::Vacated(j) => {
+                if self.runs.ready_at[j] == u64::MAX {
+                    self.runs.ready_at[j] = now;
+                    self.fresh[j] = true;
+                }
+            }
+            Event::Checkpoint(j) => self.runs.checkpoint_at[j] = Some(now),
+            Event::FleetChanged => self.freed = true,
+            Event::Sleep => self.sleep(fleet, now),
+            Event::Wake => self.wake(fleet, now),
+            Event::Compact => self.compact_due = true,
+        }
+        let _ = pass;
+    }
+
+    /// Releases a run's allocations (its planned end already cleared).
+    fn stop_run(&mut self, fleet: &mut Fleet, j: Slot) {
+        self.runs.running_low.remove(&j);
+        for alloc in self.runs.held[j].drain(..) {
+            fleet.release(&alloc).expect("a running job's allocations are held");
+            self.touched.insert(alloc.node);
+        }
+        if !self.low(j) {
+            self.high_milli -= self.jobs[j].gpus() * u64::from(self.jobs[j].shape.gpu_milli);
+        }
+    }
+
+    /// The trough begins: the idle share of whole-GPU replicas of the
+    /// harvest class that will still run at the wake sleeps, lending its
+    /// GPUs to low-priority work.
+    fn sleep(&mut self, fleet: &mut Fleet, now: u64) {
+        let Some(h) = self.config.harvest else { return };
+        self.freed = true;
+        let running_now: Vec<(usize, u64)> = self.runs.planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (j, e))).collect();
+        for (j, end) in running_now {
+            let job = &self.jobs[j];
+            // Whole-GPU replicas that will still run when it wakes.
+            if job.class != h.class || job.shape.gpu_milli < crate::MILLI_PER_GPU || end <= now + h.trough_s() || !h.sleeps(job.id, now / 86_400) {
+                continue;
+            }
+            for a in &self.runs.held[j] {
+                fleet.release(a).expect("a running job's allocations are held");
+                *self.lent.entry(a.node).or_default() |= a.gpus;
+                self.sleeping_milli += a.gpu_milli_total();
+            }
+            self.sleeping.insert(j, self.runs.held[j].clone());
+            self.outcome.sleeps += 1;
+        }
+    }
+
+    /// Wakes every sleeping replica on its own GPUs: low-priority borrowers
+    /// in the way are evicted under their contracts (on a node, those
+    /// holding the replica's GPUs first). A replica that still cannot fit (a
+    /// borrower's CPU or memory is not enough to explain it) counts as a
+    /// wake failure and queues again.
+    fn wake(&mut self, fleet: &mut Fleet, now: u64) {
+        if self.config.harvest.is_none() {
+            return;
+        }
+        self.freed = true;
+        let mut queue = Vec::new();
+        let mut failed = Vec::new();
+        for (r, allocs) in std::mem::take(&mut self.sleeping) {
+            let mut done = Vec::new();
+            let mut ok = true;
+            for a in &allocs {
+                while fleet.allocate(a).is_err() {
+                    // The borrower to evict: one on this node holding these
+                    // GPUs, else any on this node.
+                    let held = &self.runs.held;
+                    let on_node = |v: &usize| held[*v].iter().any(|b| b.node == a.node);
+                    let overlaps = |v: &usize| held[*v].iter().any(|b| b.node == a.node && b.gpus & a.gpus != 0);
+                    let Some(v) = self.runs.running_low.iter().copied().find(overlaps).or_else(|| self.runs.running_low.iter().copied().find(on_node))
+                    else {
+                        ok = false;
+                        break;
+                    };
+                    for b in self.runs.held[v].drain(..) {
+                        fleet.release(&b).expect("a running job's allocations are held");
+                    }
+                    self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
+                    self.outcome.wake_evictions += 1;
+                    if self.runs.ready_at[v] > now {
+                        queue.push(v);
+                    }
+                }
+                if !ok {
+                    break;
+                }
+                done.push(a.clone());
+            }
+            if !ok {
+                // Give back what it re-took and start it again from the queue.
+                for a in &done {
+                    fleet.release(a).expect("just allocated");
+                }
+                self.runs.held[r].clear();
+                self.runs.planned_end[r] = None;
+                self.outcome.wake_failures += 1;
+                failed.push(r);
+            }
+        }
+        for &r in &failed {
+            self.high_milli -= self.jobs[r].gpus() * u64::from(self.jobs[r].shape.gpu_milli);
+        }
+        self.pending.extend(queue.into_iter().chain(failed));
+        self.lent.clear();
+        self.sleeping_milli = 0;
+    }
+
+    /// One walk of the queue in (effective priority desc, arrival, id)
+    /// order, starting every job that fits (taking capacity back from
+    /// low-priority work for a high-priority job that does not, when a
+    /// ranker is given), reserving for a job that has waited too long.
+    fn pass(&mut self, fleet: &mut Fleet, now: u64, deciders: &mut Deciders, eligible: Option<Eligible<'_>>, out: &mut Vec<Decision>) -> Result<(), (Option<Slot>, PolicyError)> {
+        let Deciders { placement: policy, preemption, compaction } = deciders;
+        let high_priority = self.config.high_priority;
+        let low = |jobs: &[Job], j: usize| jobs[j].priority < high_priority;
+        // What changed since the last pass, so that jobs that did not fit
+        // then are tried again only where they might fit now: `freed` when
+        // constraints relaxed or capacity moved anywhere (every job is
+        // tried), else the nodes where capacity was released (a waiting
+        // single task can only fit on one of those); jobs new to the queue
+        // are always tried.
+        let mut freed = std::mem::take(&mut self.freed);
+        let mut touched = std::mem::take(&mut self.touched);
+        {
+            let (jobs, guards) = (&self.jobs, &self.config.guards);
+            let effective = |i: usize| {
+                let aging = guards.of(&jobs[i]).map_or(0.0, |g| g.aging_per_hour);
+                let waited_h = now.saturating_sub(jobs[i].arrival_s) as f64 / 3600.0;
+                u64::from(jobs[i].priority) + (aging * waited_h) as u64
+            };
+            self.pending.sort_by_cached_key(|&i| (Reverse(effective(i)), jobs[i].arrival_s, jobs[i].id));
+        }
+        self.outcome.passes += 1;
+        if std::mem::take(&mut self.compact_due)
+            && let Some((planner, cc)) = compaction.as_mut()
+        {
+            // Sleeping replicas are off the fleet: not movable.
+            let running_now: Vec<(u64, usize)> =
+                self.runs.planned_end.iter().enumerate().filter(|(j, _)| !self.sleeping.contains_key(j)).filter_map(|(j, e)| e.map(|e| (e, j))).collect();
+            match crate::compaction::step_jobs(fleet, &self.jobs, &mut self.runs.held, &running_now, &self.pending, *planner, cc, &mut self.compaction_state, now) {
+                Ok(step) => {
+                    freed |= !step.applied.is_empty();
+                    self.outcome.compaction.add(&step.ledger);
+                }
+                Err(e) => return Err((None, PolicyError::InvalidOutput(e.to_string()))),
+            }
+        }
+        // A reservation whose job started, or whose estimate passed, is
+        // dropped and planned again.
+        let before = self.reservations.len();
+        let outcome_jobs = &self.outcome.jobs;
+        self.reservations.retain(|_, r| outcome_jobs[r.job].start_s.is_none() && now < r.until);
+        let reservations = &self.reservations;
+        self.drained_by.retain(|_, scope| reservations.contains_key(scope));
+        freed |= self.reservations.len() != before;
+        if freed {
+            self.gang_bounds.clear();
+        } else {
+            self.gang_bounds.raise(fleet, &touched, &self.classes);
+        }
+        // Shapes that did not fit this pass under the same constraints: not
+        // retried until the next event.
+        let mut failed: HashSet<ShapeKey> = HashSet::new();
+        let pending = std::mem::take(&mut self.pending);
+        let mut still_pending = Vec::with_capacity(pending.len());
+        let mut evicted = Vec::new();
+        let mut error = None;
+        for (at, &j) in pending.iter().enumerate() {
+            let jobs = &self.jobs;
+            let job = &jobs[j];
+            let new_here = std::mem::take(&mut self.fresh[j]) || (self.runs.ready_at[j] == now && now > 0);
+            if self.runs.ready_at[j] > now || !(freed || new_here || !touched.is_empty()) {
+                still_pending.push(j); // evicted and still vacating, or nothing changed
+                continue;
+            }
+            let remaining = job.duration_s.saturating_sub(self.runs.kept_s[j]).max(1);
+            // Work that would still run at a reservation's time keeps off
+            // the nodes drained for it; shorter work may use them.
+            let avoided: Vec<Option<u32>> = self
+                .reservations
+                .iter()
+                .filter(|(_, r)| r.job != j && now.saturating_add(remaining) > r.until)
+                .map(|(scope, _)| *scope)
+                .collect();
+            let key: ShapeKey = (avoided, self.class_of[j]);
+            if failed.contains(&key) {
+                still_pending.push(j);
+                continue;
+            }
+            let is_low = low(jobs, j);
+            let (drained_by, lent) = (&self.drained_by, &self.lent);
+            let avoided = &key.0;
+            // Lent GPUs are for low-priority work only: their owners wake.
+            let keep = |id: NodeId, n: &Node| {
+                job.partition.is_none_or(|p| n.partition == p)
+                    && drained_by.get(&id).is_none_or(|scope| !avoided.contains(scope))
+                    && (is_low || !lent.contains_key(&id))
+                    && eligible.is_none_or(|e| e(job, id, n))
+            };
+            let fits_where_freed = || {
+                touched.iter().any(|&id| {
+                    let node = &fleet.nodes()[id as usize];
+                    keep(id, node) && crate::predicate::check(node, &job.shape).is_ok()
+                })
+            };
+            // (A job that may preempt is tried anyway: victims may have
+            // become available anywhere.)
+            let may_preempt = preemption.is_some() && !is_low;
+            if !(freed || new_here || may_preempt) && job.tasks == 1 && !fits_where_freed() {
+                still_pending.push(j);
+                continue;
+            }
+            // A gang whose tasks cannot all fit, even ignoring placement, is
+            // not offered to the policy (place_gang would decline it too);
+            // its bound spares the scan of the fleet until enough capacity
+            // came back.
+            let bound_key: Option<GangKey> = (job.tasks > 1).then(|| (key.clone(), is_low));
+            let mut hopeless = bound_key.as_ref().is_some_and(|k| self.gang_bounds.rules_out(k, &self.classes));
+            if let Some(k) = bound_key
+                && !hopeless
+            {
+                let fit = fitting_tasks_among(fleet, &job.shape, job.tasks, &keep);
+                if fit < job.tasks {
+                    self.gang_bounds.record(k, fit);
+                    hopeless = true;
+                }
+            }
+            // (A single task, or a gang counted above: no second count.)
+            let mut placed = if hopeless {
+                None
+            } else {
+                match place_fitting_gang(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep) {
+                    Ok(p) => p.map(|(a, d)| (a, d, 0, Vec::new())),
+                    Err(e) => {
+                        error = Some((at, j, e));
+                        break;
+                    }
+                }
+            };
+            if placed.is_none()
+                && !is_low
+                && let Some(ranker) = preemption.as_deref_mut()
+            {
+                let chosen = match self.choose_victims(fleet, ranker, j, now, &keep) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        error = Some((at, j, e));
+                        break;
+                    }
+                };
+                if let Some(chosen) = chosen {
+                    self.gang_bounds.clear(); // capacity comes back outside the departures
+                    for &v in &chosen {
+                        for alloc in &self.runs.held[v] {
+                            fleet.release(alloc).expect("a running job's allocations are held");
+                            touched.insert(alloc.node);
+                        }
+                    }
+                    match place_fitting_gang(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep) {
+                        Ok(Some((allocs, domains))) => {
+                            let mut delay = 0;
+                            let mut victims = Vec::new();
+                            let ranker_name = ranker.describe();
+                            for v in chosen {
+                                self.runs.held[v].clear(); // released above
+                                let (vacate, lost, forced) = self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
+                                delay = delay.max(vacate);
+                                if self.runs.ready_at[v] > now {
+                                    evicted.push(v);
+                                }
+                                victims.push(self.jobs[v].id);
+                                out.push(Decision::Evict {
+                                    slot: v,
+                                    job: self.jobs[v].id,
+                                    for_job: self.jobs[j].id,
+                                    ranker: ranker_name.clone(),
+                                    stop_by_s: now + vacate,
+                                    lost_gpu_s: lost,
+                                    forced,
+                                });
+                            }
+                            placed = Some((allocs, domains, delay, victims));
+                        }
+                        other => {
+                            // Cannot happen when enough tasks fit, but never
+                            // lose the victims' places if it does.
+                            for &v in &chosen {
+                                for alloc in &self.runs.held[v] {
+                                    fleet.allocate(alloc).expect("was runs.held a moment ago");
+                                }
+                            }
+                            if let Err(e) = other {
+                                error = Some((at, j, e));
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            let job = &self.jobs[j];
+            match placed {
+                Some((allocs, domains, delay, victims)) => {
+                    let start = now + delay;
+                    out.push(Decision::Place { slot: j, job: job.id, allocations: allocs.clone(), domains, start_s: start, victims });
+                    self.runs.held[j] = allocs;
+                    let o = &mut self.outcome.jobs[j];
+                    o.start_s.get_or_insert(start);
+                    o.domains = domains;
+                    self.runs.run_start[j] = start;
+                    self.runs.checkpoint_at[j] = None;
+                    let end = start.saturating_add(remaining);
+                    self.runs.planned_end[j] = Some(end);
+                    if low(&self.jobs, j) {
+                        self.runs.running_low.insert(j);
+                    } else {
+                        self.high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
+                    }
+                }
+                None => {
+                    failed.insert(key);
+                    still_pending.push(j);
+                    if let Some(g) = self.config.guards.of(job)
+                        && !self.reservations.contains_key(&job.partition)
+                        && now.saturating_sub(job.arrival_s) >= g.reserve_after_s
+                    {
+                        let in_scope = |n: &Node| job.partition.is_none_or(|p| n.partition == p);
+                        let ends: Vec<(u64, usize)> = self.runs.planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (e, j))).collect();
+                        let (until, nodes) = shadow_time(fleet, ends, &self.runs.held, job, &in_scope);
+                        self.outcome.reservations += 1;
+                        for &id in &nodes {
+                            self.drained_by.entry(id).or_insert(job.partition);
+                        }
+                        let mut listed: Vec<NodeId> = nodes.into_iter().collect();
+                        listed.sort_unstable();
+                        out.push(Decision::Reserve { slot: j, job: job.id, until_s: until, nodes: listed });
+                        self.reservations.insert(job.partition, Reservation { job: j, until });
+                    }
+                }
+            }
+        }
+        if let Some((at, j, e)) = error {
+            // The rest of the queue keeps its place, untried.
+            still_pending.push(j);
+            still_pending.extend_from_slice(&pending[at + 1..]);
+            still_pending.extend(evicted);
+            self.pending = still_pending;
+            return Err((Some(j), e));
+        }
+        still_pending.extend(evicted);
+        self.pending = still_pending;
+        Ok(())
+    }
+
+    /// The victims to evict so that job `j` fits, or `None`: candidates are
+    /// running low-priority jobs below `j`'s priority, under their daily
+    /// interruption limit, holding something on a node `j` could use; the
+    /// ranker orders them and [`select_victims`] takes the shortest
+    /// sufficient prefix.
+    fn choose_victims(&self, fleet: &Fleet, ranker: &mut dyn PreemptionPolicy, j: Slot, now: u64, keep: &dyn Fn(NodeId, &Node) -> bool) -> Result<Option<Vec<Slot>>, PolicyError> {
+        let job = &self.jobs[j];
+        let config = &self.config;
+        let usable = |id: NodeId| {
+            let node = &fleet.nodes()[id as usize];
+            node.schedulable && !config.protected_partitions.contains(&node.partition) && keep(id, node) && (job.shape.gpu_count == 0 || job.shape.accepts(node.model))
+        };
+        let mut slots = Vec::new();
+        let mut candidates = Vec::new();
+        for &v in &self.runs.running_low {
+            let vj = &self.jobs[v];
+            let contract = vj.contract.unwrap_or(config.contract);
+            let recent = self.runs.interrupted_at.get(&v).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
+            if vj.priority >= job.priority || recent >= contract.max_interruptions_per_day as usize || !self.runs.held[v].iter().any(|a| usable(a.node)) {
+                continue;
+            }
+            let ran = now.saturating_sub(self.runs.run_start[v]);
+            candidates.push(Candidate {
+                job: vj,
+                held: &self.runs.held[v],
+                running_s: ran,
+                remaining_s: vj.duration_s.saturating_sub(self.runs.kept_s[v] + ran),
+                since_checkpoint_s: self.runs.since_checkpoint(v, now, vj, &contract),
+            });
+            slots.push(v);
+        }
+        Ok(select_victims(fleet, ranker, job, &candidates, keep)?.map(|picked| picked.into_iter().map(|k| slots[k]).collect()))
+    }
+}
+
+/// For gangs that did not fit: an upper bound on how many of their tasks
+/// could fit now. Set to the exact count when a scan fails, then raised by
+/// what each node that released capacity could hold, so that on a large
+/// fleet a waiting gang is not re-scanned after every departure, only when
+/// enough capacity may have come back. Valid only while capacity returns
+/// through departures alone: anything else (constraints relaxed, moves,
+/// evictions) clears it.
+#[derive(Default)]
+struct GangBounds {
+    bounds: HashMap<GangKey, u32>,
+}
+
+impl GangBounds {
+    fn clear(&mut self) {
+        self.bounds.clear();
+    }
+
+    fn record(&mut self, key: GangKey, fitting: u32) {
+        self.bounds.insert(key, fitting);
+    }
+
+    /// True when the gang surely cannot fit: its bound is below its size.
+    fn rules_out(&self, key: &GangKey, classes: &[(Option<u32>, u32, TaskShape)]) -> bool {
+        self.bounds.get(key).is_some_and(|&b| b < classes[key.0.1 as usize].1)
+    }
+
+    /// Capacity came back on `released`: a gang's bound grows by what those
+    /// nodes could hold of it now (counted whether or not drained or lent,
+    /// which only makes the bound looser, never wrong).
+    fn raise(&mut self, fleet: &Fleet, released: &HashSet<NodeId>, classes: &[(Option<u32>, u32, TaskShape)]) {
+        if released.is_empty() {
+            return;
+        }
+        for (((_, class), _), bound) in self.bounds.iter_mut() {
+            let (partition, tasks, shape) = &classes[*class as usize];
+            for &id in released {
+                let node = &fleet.nodes()[id as usize];
+                if partition.is_none_or(|p| node.partition == p) {
+                    *bound = bound.saturating_add(tasks_on_node(node, shape).min(*tasks));
+                }
+            }
+        }
+        self.bounds.retain(|((_, class), _), bound| *bound < classes[*class as usize].1);
+    }
+}
+
+/// Milli-GPUs in use on lent GPUs (borrowed from sleeping replicas).
+fn lent_in_use(fleet: &Fleet, lent: &HashMap<NodeId, u64>) -> u64 {
+    lent.iter()
+        .map(|(&id, &mask)| crate::fleet::gpus_of(mask).map(|g| u64::from(crate::MILLI_PER_GPU - fleet.nodes()[id as usize].gpus[g])).sum::<u64>())
+        .sum()
+}
+
+/// Per-job state of runs.
+#[derive(Default)]
+struct Runs {
+    /// Planned end of the current run; `None` when not running.
+    planned_end: Vec<Option<u64>>,
+    held: Vec<Vec<Allocation>>,
+    /// When the current run's work started (after any victims vacated).
+    run_start: Vec<u64>,
+    /// The last checkpoint the job reported in its current run.
+    checkpoint_at: Vec<Option<u64>>,
+    /// Work kept across evictions (checkpointed).
+    kept_s: Vec<u64>,
+    /// When an evicted job, vacating, may run again (`u64::MAX`: when its
+    /// exit is reported); and the modelled times as events.
+    ready_at: Vec<u64>,
+    wakeups: BinaryHeap<Reverse<u64>>,
+    /// Times each job was taken back.
+    interrupted_at: HashMap<usize, Vec<u64>>,
+    /// Running low-priority jobs: the candidate victims.
+    running_low: BTreeSet<usize>,
+}
+
+impl Runs {
+    fn push(&mut self) {
+        self.planned_end.push(None);
+        self.held.push(Vec::new());
+        self.run_start.push(0);
+        self.checkpoint_at.push(None);
+        self.kept_s.push(0);
+        self.ready_at.push(0);
+    }
+
+    /// Seconds of work since the job's last checkpoint: reported ones for a
+    /// job that reports its exit, else its contract's periodic interval.
+    fn since_checkpoint(&self, v: usize, now: u64, job: &Job, contract: &PriorityContract) -> u64 {
+        let ran = now.saturating_sub(self.run_start[v]);
+        match self.checkpoint_at[v] {
+            Some(at) => now.saturating_sub(at.max(self.run_start[v])),
+            None if job.reports_exit => ran,
+            None => ran % contract.checkpoint_every_s.max(1),
+        }
+    }
+
+    /// Takes running job `v` back under its contract (its allocations are
+    /// the caller's to release): records the interruption and lost work,
+    /// and queues it to resume once vacated. Returns the seconds until it
+    /// has vacated at the latest, the GPU-seconds lost and whether it is a
+    /// forced termination.
+    fn take_back(&mut self, v: usize, now: u64, jobs: &[Job], config: &SimConfig, outcome: &mut SimOutcome) -> (u64, f64, bool) {
+        let job = &jobs[v];
+        let contract = job.contract.unwrap_or(config.contract);
+        let times = self.interrupted_at.entry(v).or_default();
+        let ran = now.saturating_sub(self.run_start[v]);
+        let ev = if job.reports_exit {
+            // The world tells when it is gone; until then it is not ready.
+            // Work since its last reported checkpoint is lost unless it
+            // checkpoints on notice.
+            let limit = contract.notice_s + contract.grace_s;
+            let since = match self.checkpoint_at[v] {
+                Some(at) => now.saturating_sub(at.max(self.run_start[v])),
+                None => ran,
+            };
+            let lost_s = if contract.checkpoint_on_notice { 0 } else { since };
+            crate::preemption::Eviction { vacate_s: limit, forced: false, kept_s: ran - lost_s.min(ran), lost_s }
+        } else {
+            let latency = config.eviction.sample_s(job.id.wrapping_mul(31).wrapping_add(times.len() as u64));
+            evict(&contract, ran, latency)
+        };
+        times.push(now);
+        self.planned_end[v] = None;
+        self.running_low.remove(&v);
+        self.kept_s[v] = (self.kept_s[v] + ev.kept_s).min(job.duration_s);
+        let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0;
+        let lost = gpus * ev.lost_s as f64;
+        let o = &mut outcome.jobs[v];
+        o.interruptions += 1;
+        o.forced += u32::from(ev.forced);
+        o.lost_gpu_s += lost;
+        outcome.evictions += 1;
+        outcome.forced_terminations += u64::from(ev.forced);
+        outcome.lost_gpu_s += lost;
+        outcome.vacate_s.push(ev.vacate_s);
+        if job.reports_exit {
+            self.ready_at[v] = u64::MAX;
+        } else if self.kept_s[v] >= job.duration_s {
+            o.end_s = Some(now + ev.vacate_s); // it finished while leaving
+        } else {
+            self.ready_at[v] = now + ev.vacate_s;
+            self.wakeups.push(Reverse(self.ready_at[v]));
+        }
+        (ev.vacate_s, lost, ev.forced)
+    }
+}
+
+/// The earliest time enough running work will have ended for `job` to fit
+/// on the nodes `in_scope` accepts, given the running jobs' planned `ends`
+/// (`u64::MAX` if it never would), and the nodes to drain for it: those that
+/// will hold it then, most capacity first. Keeps a running count of the
+/// tasks that fit, updated only on the nodes each departure touches, so a
+/// reservation on 20,000 nodes costs one pass over them, not one per job.
+fn shadow_time(fleet: &Fleet, mut ends: Vec<(u64, usize)>, held: &[Vec<Allocation>], job: &Job, in_scope: &dyn Fn(&Node) -> bool) -> (u64, HashSet<NodeId>) {
+    let need = job.tasks;
+    let room = |n: &Node| if in_scope(n) { u64::from(tasks_on_node(n, &job.shape).min(need)) } else { 0 };
+    ends.sort_unstable();
+    let mut scratch = fleet.clone();
+    let mut fitting: u64 = scratch.nodes().iter().map(room).sum();
+    for (end, j) in ends {
+        for alloc in &held[j] {
+            let before = room(&scratch.nodes()[alloc.node as usize]);
+            scratch.release(alloc).expect("held by a running job");
+            fitting += room(&scratch.nodes()[alloc.node as usize]) - before;
+        }
+        if fitting >= u64::from(need) {
+            let mut by_room: Vec<(u64, NodeId)> = scratch.nodes().iter().enumerate().map(|(i, n)| (room(n), i as NodeId)).filter(|&(t, _)| t > 0).collect();
+            by_room.sort_by_key(|&(t, i)| (Reverse(t), i));
+            let mut nodes = HashSet::new();
+            let mut room = 0;
+            for (t, i) in by_room {
+                if room >= u64::from(need) {
+                    break;
+                }
+                room += t;
+                nodes.insert(i);
+            }
+            return (end, nodes);
+        }
+    }
+    (u64::MAX, HashSet::new())
+}

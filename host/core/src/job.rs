@@ -1,0 +1,39 @@
+//! A job as the scheduler sees it: the shared vocabulary of the engine,
+//! replay, compaction, preemption and the live host.
+
+use crate::preemption::PriorityContract;
+use crate::task::TaskShape;
+
+/// One job: `tasks` identical tasks (a gang when more than one), each of
+/// `shape`, on distinct or shared nodes as the policy decides.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Job {
+    pub id: u64,
+    /// Workload class index (the caller's naming, e.g. online inference).
+    pub class: u8,
+    /// Larger is more important; only the order matters here.
+    pub priority: u32,
+    pub arrival_s: u64,
+    pub duration_s: u64,
+    pub tasks: u32,
+    pub shape: TaskShape,
+    /// The partition the job was submitted to: it runs on that partition's
+    /// nodes under that partition's starvation guard. `None`: anywhere,
+    /// under the fleet-wide guard.
+    pub partition: Option<u32>,
+    /// What a low-priority job is promised when preempted; `None`: the
+    /// simulation's default contract.
+    pub contract: Option<PriorityContract>,
+    /// The world reports when an evicted run has really stopped (live
+    /// processes on agents): the engine then waits for that report
+    /// ([`crate::engine::Event::Vacated`]) instead of modelling the
+    /// eviction's latency, and counts the work lost from the last
+    /// checkpoint the job reported.
+    pub reports_exit: bool,
+}
+
+impl Job {
+    pub fn gpus(&self) -> u64 {
+        u64::from(self.tasks) * u64::from(self.shape.gpu_count)
+    }
+}
