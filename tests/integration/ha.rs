@@ -131,7 +131,7 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
         .into_inner()
         .policy
         .unwrap();
-    api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: up.version }).await.unwrap();
+    api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: up.version, ..Default::default() }).await.unwrap();
     let held = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
     let sim = |gpus, tasks| pb::JobSpec { partition: "p0".into(), gpus, tasks, duration_s: 3600.0, ..Default::default() };
     for spec in [sim(1, 1), sim(8, 3), sim(8, 1000)] {

@@ -11,5 +11,6 @@ mod ha;
 mod languages;
 mod loading;
 mod pool;
+mod preempt;
 mod replay;
 mod serve;

@@ -56,6 +56,7 @@ fn config(dir: &Path, access: &str) -> ServeConfig {
         breaker: BreakerConfig { failures: 3, backoff: Duration::from_secs(600) },
         max_upload_bytes: 1 << 20,
         store: Default::default(),
+        scheduling: Default::default(),
     }
 }
 
@@ -156,7 +157,7 @@ async fn swap_under_concurrent_submissions_loses_and_duplicates_nothing() {
         .collect();
     let mut swaps = Vec::new();
     for i in 0..16 {
-        let r = ops.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: [spread, 1][i % 2] }).await.expect("activate");
+        let r = ops.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: [spread, 1][i % 2], ..Default::default() }).await.expect("activate");
         swaps.push(r.into_inner().swap_us);
     }
     let mut submitted = BTreeSet::new();
@@ -248,7 +249,7 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     // The hostile guest answers honestly for job 0 (the smoke call), so
     // it is accepted; jobs 1, 2, 3 make it loop, exhaust memory, panic.
     let hostile = upload(&mut ops, "p2", guest_path("hostile")).await;
-    ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile }).await.unwrap();
+    ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile, ..Default::default() }).await.unwrap();
     let mut ids = Vec::new();
     for _ in 0..4 {
         ids.push(alice.submit_job(job("p2", 1)).await.unwrap().into_inner().job_id);
@@ -261,7 +262,7 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     let errors = log.iter().filter(|d| d.outcome == "error" && d.policy_version == hostile).count();
     assert_eq!(errors, 3, "the breaker trips at the third failure");
 
-    let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p2".into() }).await.unwrap().into_inner();
+    let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p2".into(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(hist.active_version, 1);
     let trip = hist.events.iter().find(|e| e.kind == "breaker").expect("a breaker event");
     assert_eq!(trip.version, 1);
@@ -270,7 +271,7 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     assert!(v.blocked_until_unix_ms > berth::serve::unix_ms());
     assert_eq!(v.uploaded_by, "ops");
 
-    let again = ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile }).await.unwrap_err();
+    let again = ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile, ..Default::default() }).await.unwrap_err();
     assert_eq!(again.code(), Code::FailedPrecondition, "{again:?}");
     let text = metrics(&h).await;
     assert!(text.contains("berth_breaker_trips_total{partition=\"p2\",version=\"2\"} 1"), "{text}");
@@ -343,7 +344,7 @@ async fn access_control_over_tls_refuses_what_roles_do_not_allow() {
     // The client certificate alone identifies ops, an operator.
     let mut ops = connect(&url, None, Some(&ca), Some((&tls.join("client.pem"), &tls.join("client.key")))).await.unwrap();
     let v = upload(&mut ops, "p0", policy_path("spread")).await;
-    let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p0".into() }).await.unwrap().into_inner();
+    let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p0".into(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(hist.versions.iter().find(|x| x.policy.as_ref().unwrap().version == v).unwrap().uploaded_by, "ops");
     // Off the allow-list: refused before it is compiled.
     let e = ops
@@ -363,7 +364,7 @@ async fn registry_survives_a_restart() {
     let h = berth::serve::start(config(&dir, ACCESS)).await.unwrap();
     let mut ops = client(&h, "ops-test-token").await;
     let spread = upload(&mut ops, "p0", policy_path("spread")).await;
-    ops.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: spread }).await.unwrap();
+    ops.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: spread, ..Default::default() }).await.unwrap();
     ops.set_shadow(pb::SetShadowRequest { partition: "p0".into(), version: 1, mode: pb::ShadowMode::Shadow as i32, fraction: 0.0 }).await.unwrap();
     client(&h, "alice-test-token").await.submit_job(job("p0", 1)).await.unwrap();
     settle(&mut ops, "p0").await;
@@ -377,10 +378,10 @@ async fn registry_survives_a_restart() {
     assert_eq!(p0.active.as_ref().unwrap().version, spread);
     assert_eq!(p0.shadow_mode, "shadow");
     assert_eq!(decisions(&mut ops, "p0", true).await, before, "the decision log is kept");
-    let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p0".into() }).await.unwrap().into_inner();
+    let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p0".into(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(hist.versions.len(), 2);
     // Roll back to binpack: the version active before.
-    let r = ops.rollback_policy(pb::RollbackPolicyRequest { partition: "p0".into(), version: 0 }).await.unwrap().into_inner();
+    let r = ops.rollback_policy(pb::RollbackPolicyRequest { partition: "p0".into(), version: 0, ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(r.active.unwrap().version, 1);
     h.shutdown().await;
 }

@@ -157,6 +157,32 @@ pub struct Deciders<'a> {
 /// with a command on agent nodes and simulated jobs off them.
 pub type Eligible<'a> = &'a dyn Fn(&Job, NodeId, &Node) -> bool;
 
+/// Watches each placement attempt (the live host logs decisions, runs a
+/// shadow candidate on the same state, feeds its breaker).
+pub trait Observer {
+    /// The placement policy is about to be asked for `job` on `fleet`, on
+    /// the nodes `keep` accepts.
+    fn before_place(&mut self, _fleet: &Fleet, _job: &Job, _keep: &dyn Fn(NodeId, &Node) -> bool) {}
+    /// What that attempt gave (the fleet is as it left it).
+    fn after_place(&mut self, _fleet: &Fleet, _job: &Job, _result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>) {}
+}
+
+/// What the world adds to a pass: its own node constraint and an observer
+/// of placement attempts (replay uses neither).
+#[derive(Default)]
+pub struct World<'a> {
+    pub eligible: Option<Eligible<'a>>,
+    pub observer: Option<&'a mut dyn Observer>,
+}
+
+/// The policy hook a call went to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    Place,
+    Rank,
+    Compact,
+}
+
 /// A job slot: the engine's index of a job, stable for its life.
 pub type Slot = usize;
 
@@ -207,9 +233,9 @@ pub enum Decision {
 #[derive(Debug, Default)]
 pub struct Pass {
     pub decisions: Vec<Decision>,
-    /// The failing call's error and the job it was deciding; that job is
-    /// tried again on the next call.
-    pub error: Option<(Option<Slot>, PolicyError)>,
+    /// The failing call's hook, error and the job it was deciding; that
+    /// job is tried again on the next call.
+    pub error: Option<(Option<Slot>, Hook, PolicyError)>,
 }
 
 /// A reservation of the starvation guard: the job and the time it is
@@ -396,26 +422,28 @@ impl Engine {
         now: u64,
         events: impl IntoIterator<Item = Event>,
         deciders: &mut Deciders,
-        eligible: Option<Eligible<'_>>,
+        world: &mut World,
     ) -> Pass {
         while self.runs.wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
             self.runs.wakeups.pop();
         }
         let mut pass = Pass::default();
         for event in events {
-            self.apply(fleet, now, event, &mut pass);
+            self.apply(fleet, now, event);
         }
-        if let Err((slot, e)) = self.pass(fleet, now, deciders, eligible, &mut pass.decisions) {
+        if let Err((slot, hook, e)) = self.pass(fleet, now, deciders, world, &mut pass.decisions) {
             if let Some(slot) = slot {
                 self.fresh[slot] = true; // tried again next time
             }
             self.freed = true;
-            pass.error = Some((slot, e));
+            pass.error = Some((slot, hook, e));
         }
         pass
     }
 
-    fn apply(&mut self, fleet: &mut Fleet, now: u64, event: Event, pass: &mut Pass) {
+    /// Applies one event now, without a pass (the live host applies what
+    /// happens as it happens, and walks the queue when it is ready to).
+    pub fn apply(&mut self, fleet: &mut Fleet, now: u64, event: Event) {
         match event {
             Event::Arrive(j) => {
                 self.pending.push(j);
@@ -454,7 +482,49 @@ impl Engine {
             Event::Wake => self.wake(fleet, now),
             Event::Compact => self.compact_due = true,
         }
-        let _ = pass;
+    }
+
+    /// A running job recovered from durable state: it holds `allocations`
+    /// (allocated here) since `started_s`.
+    pub fn restore_running(&mut self, fleet: &mut Fleet, slot: Slot, allocations: Vec<Allocation>, started_s: u64) -> Result<(), crate::FleetError> {
+        for (k, a) in allocations.iter().enumerate() {
+            if let Err(e) = fleet.allocate(a) {
+                for done in &allocations[..k] {
+                    fleet.release(done).expect("just allocated");
+                }
+                return Err(e);
+            }
+        }
+        let job = &self.jobs[slot];
+        self.runs.held[slot] = allocations;
+        self.runs.run_start[slot] = started_s;
+        self.runs.planned_end[slot] = Some(started_s.saturating_add(job.duration_s.max(1)));
+        self.outcome.jobs[slot].start_s = Some(started_s);
+        if job.priority < self.config.high_priority {
+            self.runs.running_low.insert(slot);
+        } else {
+            self.high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
+        }
+        Ok(())
+    }
+
+    /// A job recovered while its evicted run was still stopping: it waits
+    /// in the queue for [`Event::Vacated`].
+    pub fn restore_evicting(&mut self, slot: Slot) {
+        self.runs.ready_at[slot] = u64::MAX;
+        self.pending.push(slot);
+    }
+
+    /// A running job's task moved (make-before-break migration done): the
+    /// engine's record follows; the caller made the fleet's changes.
+    pub fn replace_held(&mut self, slot: Slot, old: &Allocation, new: Allocation) -> bool {
+        match self.runs.held[slot].iter_mut().find(|a| *a == old) {
+            Some(a) => {
+                *a = new;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Releases a run's allocations (its planned end already cleared).
@@ -556,8 +626,10 @@ impl Engine {
     /// order, starting every job that fits (taking capacity back from
     /// low-priority work for a high-priority job that does not, when a
     /// ranker is given), reserving for a job that has waited too long.
-    fn pass(&mut self, fleet: &mut Fleet, now: u64, deciders: &mut Deciders, eligible: Option<Eligible<'_>>, out: &mut Vec<Decision>) -> Result<(), (Option<Slot>, PolicyError)> {
+    fn pass(&mut self, fleet: &mut Fleet, now: u64, deciders: &mut Deciders, world: &mut World, out: &mut Vec<Decision>) -> Result<(), (Option<Slot>, Hook, PolicyError)> {
         let Deciders { placement: policy, preemption, compaction } = deciders;
+        let World { eligible, observer } = world;
+        let eligible = *eligible;
         let high_priority = self.config.high_priority;
         let low = |jobs: &[Job], j: usize| jobs[j].priority < high_priority;
         // What changed since the last pass, so that jobs that did not fit
@@ -589,7 +661,7 @@ impl Engine {
                     freed |= !step.applied.is_empty();
                     self.outcome.compaction.add(&step.ledger);
                 }
-                Err(e) => return Err((None, PolicyError::InvalidOutput(e.to_string()))),
+                Err(e) => return Err((None, Hook::Compact, PolicyError::InvalidOutput(e.to_string()))),
             }
         }
         // A reservation whose job started, or whose estimate passed, is
@@ -676,10 +748,10 @@ impl Engine {
             let mut placed = if hopeless {
                 None
             } else {
-                match place_fitting_gang(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep) {
+                match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer) {
                     Ok(p) => p.map(|(a, d)| (a, d, 0, Vec::new())),
                     Err(e) => {
-                        error = Some((at, j, e));
+                        error = Some((at, j, Hook::Place, e));
                         break;
                     }
                 }
@@ -691,7 +763,7 @@ impl Engine {
                 let chosen = match self.choose_victims(fleet, ranker, j, now, &keep) {
                     Ok(c) => c,
                     Err(e) => {
-                        error = Some((at, j, e));
+                        error = Some((at, j, Hook::Rank, e));
                         break;
                     }
                 };
@@ -703,7 +775,7 @@ impl Engine {
                             touched.insert(alloc.node);
                         }
                     }
-                    match place_fitting_gang(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep) {
+                    match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer) {
                         Ok(Some((allocs, domains))) => {
                             let mut delay = 0;
                             let mut victims = Vec::new();
@@ -737,7 +809,7 @@ impl Engine {
                                 }
                             }
                             if let Err(e) = other {
-                                error = Some((at, j, e));
+                                error = Some((at, j, Hook::Place, e));
                                 break;
                             }
                         }
@@ -785,13 +857,13 @@ impl Engine {
                 }
             }
         }
-        if let Some((at, j, e)) = error {
+        if let Some((at, j, hook, e)) = error {
             // The rest of the queue keeps its place, untried.
             still_pending.push(j);
             still_pending.extend_from_slice(&pending[at + 1..]);
             still_pending.extend(evicted);
             self.pending = still_pending;
-            return Err((Some(j), e));
+            return Err((Some(j), hook, e));
         }
         still_pending.extend(evicted);
         self.pending = still_pending;
@@ -831,6 +903,26 @@ impl Engine {
         }
         Ok(select_victims(fleet, ranker, job, &candidates, keep)?.map(|picked| picked.into_iter().map(|k| slots[k]).collect()))
     }
+}
+
+/// One placement attempt, shown to the world's observer.
+fn attempt(
+    fleet: &mut Fleet,
+    placer: &mut Placer,
+    policy: &mut dyn PlacementPolicy,
+    job: &Job,
+    placements: &mut u64,
+    keep: &dyn Fn(NodeId, &Node) -> bool,
+    observer: &mut Option<&mut dyn Observer>,
+) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
+    if let Some(o) = observer.as_deref_mut() {
+        o.before_place(fleet, job, keep);
+    }
+    let result = place_fitting_gang(fleet, placer, policy, job, placements, keep);
+    if let Some(o) = observer.as_deref_mut() {
+        o.after_place(fleet, job, &result);
+    }
+    result
 }
 
 /// For gangs that did not fit: an upper bound on how many of their tasks

@@ -20,7 +20,7 @@ pub mod predicate;
 pub mod sim;
 pub mod task;
 
-pub use engine::{Decision, Engine, Event};
+pub use engine::{Decision, Engine, Event, Hook, World};
 pub use fleet::{Allocation, Fleet, FleetError, ModelId, Node, NodeId};
 pub use job::Job;
 pub use placement::{Placement, Placer, TaskMeta};

@@ -9,7 +9,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 pub use crate::capacity::{domain_table, domain_table_among, fitting_tasks, fitting_tasks_among, tasks_on_node};
-use crate::engine::{Decision, Engine, Event};
+use crate::engine::{Decision, Engine, Event, World};
 pub use crate::engine::{Deciders, Guards, JobOutcome, SimConfig, SimOutcome, StarvationGuard, Utilisation};
 use crate::fleet::Fleet;
 pub use crate::job::Job;
@@ -111,7 +111,7 @@ pub fn simulate_recorded(
             events.push(Event::Compact);
             next_compaction = Some(now + period);
         }
-        let pass = engine.handle(fleet, now, events, &mut deciders, None);
+        let pass = engine.handle(fleet, now, events, &mut deciders, &mut World::default());
         for d in &pass.decisions {
             if let Decision::Place { slot, .. } = d {
                 let end = engine.planned_end(*slot).expect("a job just placed runs");
@@ -121,7 +121,7 @@ pub fn simulate_recorded(
         if let Some(log) = log.as_deref_mut() {
             log.extend(pass.decisions.into_iter().map(|d| (now, d)));
         }
-        if let Some((_, e)) = pass.error {
+        if let Some((_, _, e)) = pass.error {
             return Err(e);
         }
     }

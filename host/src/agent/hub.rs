@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::serve::actuation::AgentTopology;
 use crate::serve::auth::{Identity, Role};
 use crate::serve::pb::{self, agent_hub_server::AgentHub};
 use crate::serve::scheduler::{Actuator, Live, Start};
@@ -275,7 +276,8 @@ impl AgentHub for Arc<Hub> {
         if r.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
             return Err(Status::invalid_argument(format!("node {}: GPU indexes must be 0..{}", r.node, r.gpus.len())));
         }
-        self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib)?;
+        let topology = AgentTopology { switch_domain: r.switch_domain, aggregation: r.aggregation };
+        self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib, topology)?;
         let (partition, node) = (r.partition.clone(), r.node.clone());
         let expected = self.live.expected_on(&partition, &node);
         let response = self.register_locked(r, &id, expected);

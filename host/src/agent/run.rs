@@ -62,6 +62,13 @@ pub struct AgentArgs {
     wake_hook: Option<String>,
     #[arg(long)]
     checkpoint_hook: Option<String>,
+    /// The node's access switch (nodes declaring the same one form a switch
+    /// domain for gang placement); unset: a domain of its own.
+    #[arg(long)]
+    switch_domain: Option<u32>,
+    /// The node's aggregation switch (above its access switch).
+    #[arg(long, requires = "switch_domain")]
+    aggregation: Option<u32>,
     /// Seconds between SIGTERM and SIGKILL when stopping an allocation.
     #[arg(long, default_value_t = 10)]
     stop_grace_s: u64,
@@ -412,6 +419,8 @@ impl Agent {
             gpus,
             source,
             agent_version: env!("CARGO_PKG_VERSION").into(),
+            switch_domain: self.args.switch_domain,
+            aggregation: self.args.aggregation,
         };
         let r = c.register(req).await.map_err(|s| anyhow::anyhow!("register: {:?}: {}", s.code(), s.message()))?;
         Ok(r.into_inner().session)

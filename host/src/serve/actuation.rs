@@ -17,8 +17,31 @@ use super::decisions::Placed;
 use super::scheduler::{JobState, Live, Partition, PartitionState, Start, TaskRun};
 use super::{unix_ms, ServeError};
 
-/// Agent nodes get switch domains of their own, apart from simulated ones.
+/// Agent nodes get switch domains of their own, apart from simulated ones:
+/// one per node unless the agent declares its access switch (and
+/// aggregation switch), in a space apart again.
 const AGENT_DOMAIN_BASE: u32 = 1 << 20;
+const DECLARED_DOMAIN_BASE: u32 = 1 << 24;
+/// Largest switch or aggregation id an agent may declare.
+pub const MAX_DECLARED_SWITCH: u32 = (1 << 24) - 1;
+
+/// The fat-tree position an agent declares for its node (`berth agent
+/// --switch-domain --aggregation`): nodes declaring the same access switch
+/// form one switch domain for gang placement.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgentTopology {
+    pub switch_domain: Option<u32>,
+    pub aggregation: Option<u32>,
+}
+
+impl AgentTopology {
+    /// The node's (switch domain, aggregation) in the fleet, given the id
+    /// it gets when it declares nothing.
+    fn place(&self, own: u32) -> (u32, u32) {
+        let domain = self.switch_domain.map_or(own, |d| DECLARED_DOMAIN_BASE + d);
+        (domain, self.aggregation.map_or(domain, |a| DECLARED_DOMAIN_BASE + a))
+    }
+}
 
 /// A migration under way: the job, and the new copy's allocation.
 #[derive(Clone, Debug)]
@@ -46,10 +69,23 @@ impl Live {
     /// schedulable until its command stream is held), or finds it there.
     /// A node that comes back with other GPUs is replaced if nothing runs
     /// on it, refused otherwise.
-    pub fn agent_node_up(&self, partition: &str, node: &str, model: &str, gpus: usize, cpu_milli: u32, memory_mib: u64) -> Result<(), ServeError> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn agent_node_up(
+        &self,
+        partition: &str,
+        node: &str,
+        model: &str,
+        gpus: usize,
+        cpu_milli: u32,
+        memory_mib: u64,
+        topology: AgentTopology,
+    ) -> Result<(), ServeError> {
         let p = self.partition_index(partition)?;
         if gpus > MAX_GPUS_PER_NODE {
             return Err(ServeError::Invalid(format!("node {node}: {gpus} GPUs, at most {MAX_GPUS_PER_NODE}")));
+        }
+        if let Some(x) = topology.switch_domain.into_iter().chain(topology.aggregation).find(|&x| x > MAX_DECLARED_SWITCH) {
+            return Err(ServeError::Invalid(format!("node {node}: switch id {x} is above {MAX_DECLARED_SWITCH}")));
         }
         for (q, other) in self.partitions.iter().enumerate() {
             if q != p && other.state.lock().unwrap().agent_ids.contains_key(node) {
@@ -68,7 +104,8 @@ impl Live {
         match st.agent_ids.get(node).copied() {
             Some(id) => {
                 let old = &nodes[id as usize];
-                if old.gpus.len() == gpus && old.model == model_id {
+                let (domain, aggregation) = topology.place(AGENT_DOMAIN_BASE + id);
+                if old.gpus.len() == gpus && old.model == model_id && old.switch_domain == domain && old.aggregation == aggregation {
                     return Ok(());
                 }
                 let holds = st.health.iter().filter(|&(&(n, _), &applied)| n == id && applied).count() as u64;
@@ -81,7 +118,7 @@ impl Live {
                         old.gpus.len()
                     )));
                 }
-                fresh.switch_domain = old.switch_domain;
+                (fresh.switch_domain, fresh.aggregation) = (domain, aggregation);
                 st.health.retain(|&(n, _), _| n != id);
                 st.activity.remove(&id);
                 nodes[id as usize] = fresh;
@@ -90,12 +127,14 @@ impl Live {
                 if nodes.iter().any(|n| n.name == node) {
                     return Err(ServeError::Invalid(format!("node name {node:?} is a simulated node of partition {partition}")));
                 }
-                fresh.switch_domain = AGENT_DOMAIN_BASE + nodes.len() as u32;
+                (fresh.switch_domain, fresh.aggregation) = topology.place(AGENT_DOMAIN_BASE + nodes.len() as u32);
                 st.agent_ids.insert(node.to_string(), nodes.len() as NodeId);
                 nodes.push(fresh);
             }
         }
         st.fleet = Fleet::new(models, nodes).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        let id = st.agent_ids[node];
+        st.topology.insert(id, topology);
         let op = st.node_op(partition, node).expect("just added");
         self.persist_logged(vec![op]);
         Ok(())
@@ -383,7 +422,15 @@ impl Live {
         let hit: Vec<u64> = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.runs.iter().any(|r| r.holds && r.node == node)).map(|(&id, _)| id).collect();
         let mut ops = Vec::new();
         for &id in &hit {
+            // The engine gives the job's GPUs back and queues it again; the
+            // same GPUs are taken at once by the fenced allocations below.
+            if let Some(&slot) = st.slots.get(&id) {
+                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::Requeue(slot));
+            }
             let job = st.jobs.get_mut(&id).expect("listed above");
+            for (a, _) in job.allocations.iter().zip(job.runs.iter()).filter(|(_, r)| r.holds) {
+                st.fleet.allocate(a).expect("the GPUs the engine just released");
+            }
             for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
                 // Same GPUs, now held by a fenced allocation instead of the job.
                 st.manual.insert(r.alloc_id, a.clone());
@@ -495,6 +542,25 @@ impl Live {
             if !job.runs[i].holds {
                 return; // a repeated report
             }
+            if job.evicting {
+                // A preempted job's process is gone: its GPUs are the
+                // preemptor's already (the engine gave them at the decision).
+                let r = &mut job.runs[i];
+                r.holds = false;
+                r.state = state.to_string();
+                r.exit_code = exit_code;
+                r.signal = signal;
+                let node = st.agent_ids.get(&r.node).copied();
+                if job.runs.iter().all(|r| !r.holds) {
+                    self.vacated(part, st, job_id);
+                }
+                if let Some(node) = node {
+                    st.apply_holds(node);
+                }
+                st.dirty = true;
+                part.wake.notify_all();
+                return;
+            }
             if job.runs[i].replaces != 0 {
                 // A migrating copy ended before its old copy did: rolled
                 // back; the old copy keeps the task.
@@ -515,6 +581,9 @@ impl Live {
                 let node = job.allocations[i].node;
                 st.fleet.release(&job.allocations[i]).expect("a holding task's allocation is held");
                 let (new_run, new_alloc) = (job.runs.remove(k), job.allocations.remove(k));
+                if let Some(&slot) = st.slots.get(&job_id) {
+                    st.engine.replace_held(slot, &job.allocations[i], new_alloc.clone());
+                }
                 if let Some(p) = job.placements.get_mut(i) {
                     *p = Placed { node: new_run.node.clone(), gpus: new_run.gpus.clone() };
                 }
@@ -533,8 +602,9 @@ impl Live {
             r.state = state.to_string();
             r.exit_code = exit_code;
             r.signal = signal;
-            let node = job.allocations[i].node;
-            st.fleet.release(&job.allocations[i]).expect("a holding task's allocation is held");
+            // The engine holds the job's GPUs until its last task is gone
+            // (a preempted job's are the preemptor's already).
+            let node = st.agent_ids.get(&job.runs[i].node).copied();
             if failed(state, exit_code, signal) && job.state == JobState::Running {
                 if job.detail.is_empty() {
                     job.detail = format!("task {i} on {}: {state} (exit {exit_code}, signal {signal}) {detail}", job.runs[i].node).trim_end().to_string();
@@ -557,8 +627,13 @@ impl Live {
                 if let Some(t) = job.ends_at.take() {
                     st.running.remove(&(t, job_id));
                 }
+                if let Some(&slot) = st.slots.get(&job_id) {
+                    st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::End(slot));
+                }
             }
-            st.apply_holds(node);
+            if let Some(node) = node {
+                st.apply_holds(node);
+            }
             self.persist_logged(vec![st.job_op(&part.name, job_id)]);
         }
         st.dirty = true;

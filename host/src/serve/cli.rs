@@ -14,7 +14,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 use super::auth::Access;
 use super::breaker::BreakerConfig;
 use super::pb::{self, berth_client::BerthClient};
-use super::server::{ServeConfig, StoreChoice, TlsFiles, DEFAULT_FLEET};
+use super::server::{Scheduling, ServeConfig, StoreChoice, TlsFiles, DEFAULT_FLEET};
 use crate::store::etcd::EtcdConfig;
 use crate::asi::fleet::FleetConfig;
 use crate::wasm::Limits;
@@ -84,6 +84,18 @@ pub struct ServeArgs {
     /// The leader lease's TTL: a dead leader is replaced after about this long.
     #[arg(long, default_value_t = 5, requires = "etcd")]
     lease_ttl_s: u64,
+    /// Jobs at or above this priority may preempt running jobs below it
+    /// (and below their own priority); below it jobs are low-priority fill.
+    #[arg(long, default_value_t = 1)]
+    high_priority: u32,
+    /// Priority contract of preempted jobs: seconds between the checkpoint
+    /// notice and the stop (the agent kills what is left after its
+    /// --stop-grace-s).
+    #[arg(long, default_value_t = 30)]
+    notice_s: u64,
+    /// Priority contract: a job is preempted at most this often in any 24 h.
+    #[arg(long, default_value_t = 3)]
+    max_interruptions_per_day: u32,
 }
 
 impl ServeArgs {
@@ -110,6 +122,14 @@ impl ServeArgs {
             limits: Limits { deadline: Duration::from_millis(self.deadline_ms), memory_bytes: self.memory_mib << 20, ..Limits::default() },
             breaker: BreakerConfig { failures: self.breaker_failures, backoff: Duration::from_secs(self.breaker_backoff_s) },
             max_upload_bytes: self.max_upload_bytes,
+            scheduling: Scheduling {
+                high_priority: self.high_priority,
+                contract: berth_core::preemption::PriorityContract {
+                    notice_s: self.notice_s,
+                    max_interruptions_per_day: self.max_interruptions_per_day,
+                    ..Default::default()
+                },
+            },
             store: match &self.etcd {
                 None => StoreChoice::Embedded,
                 Some(urls) => {
@@ -311,6 +331,46 @@ pub enum ApiCommand {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Availability quote: how many copies of a shape could start now, when
+    /// the next could (as running work ends on plan), and whether one can
+    /// start by a deadline.
+    Quote {
+        /// Partition to quote.
+        #[arg(long)]
+        partition: String,
+        /// GPUs per task.
+        #[arg(long, default_value_t = 8)]
+        gpus: u32,
+        /// Tasks of one copy (a gang when > 1).
+        #[arg(long, default_value_t = 1)]
+        tasks: u32,
+        /// Thousandths of each GPU (1000 = whole).
+        #[arg(long, default_value_t = 1000)]
+        gpu_milli: u32,
+        /// CPU cores per task.
+        #[arg(long, default_value_t = 4)]
+        cores: u32,
+        /// Memory per task, GiB.
+        #[arg(long, default_value_t = 16)]
+        memory_gib: u64,
+        /// Accepted GPU models (repeatable; none = any).
+        #[arg(long = "model")]
+        models: Vec<String>,
+        /// Every task of a copy in one switch domain.
+        #[arg(long)]
+        same_domain: bool,
+        /// Latest start wanted, hours from now.
+        #[arg(long)]
+        deadline_h: Option<f64>,
+        /// Quote agent nodes (jobs with a command) instead of simulated nodes.
+        #[arg(long)]
+        agents: bool,
+        /// The job's priority: pending jobs at or above it are counted as ahead.
+        #[arg(long, default_value_t = 0)]
+        priority: u32,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// GPU accounting: installed, healthy, schedulable, busy, productive; stranded by cause.
     Accounting {
         #[arg(long, default_value = "")]
@@ -351,6 +411,9 @@ pub enum PolicyApiCommand {
         config: String,
         #[arg(long, default_value = "")]
         note: String,
+        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        hook: String,
         #[command(flatten)]
         conn: Conn,
     },
@@ -359,6 +422,9 @@ pub enum PolicyApiCommand {
         #[arg(long)]
         partition: String,
         version: u32,
+        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        hook: String,
         #[command(flatten)]
         conn: Conn,
     },
@@ -367,6 +433,9 @@ pub enum PolicyApiCommand {
         #[arg(long)]
         partition: String,
         version: Option<u32>,
+        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        hook: String,
         #[command(flatten)]
         conn: Conn,
     },
@@ -374,6 +443,9 @@ pub enum PolicyApiCommand {
     History {
         #[arg(long)]
         partition: String,
+        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        hook: String,
         #[command(flatten)]
         conn: Conn,
     },
@@ -525,6 +597,34 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 println!("  last: {}", r.last_decision);
             }
         }
+        ApiCommand::Quote { partition, gpus, tasks, gpu_milli, cores, memory_gib, models, same_domain, deadline_h, agents, priority, conn } => {
+            let req = pb::QuoteRequest {
+                partition: partition.clone(),
+                tasks,
+                gpus,
+                gpu_milli,
+                cpu_milli: cores * 1000,
+                memory_mib: memory_gib * 1024,
+                models,
+                same_domain,
+                deadline_h: deadline_h.unwrap_or(0.0),
+                agent_nodes: agents,
+                priority,
+            };
+            let r = client(&conn).await?.quote(req).await.map_err(status)?.into_inner();
+            println!("{partition}: {} cop{} of {tasks} x {gpus} GPU(s) could start now", r.now, if r.now == 1 { "y" } else { "ies" });
+            if r.has_next {
+                println!("  the next could start in {} s, as running work ends on plan", r.next_in_s);
+            } else {
+                println!("  no more as running work ends on plan (work without a planned end is not counted)");
+            }
+            if r.has_deadline {
+                println!("  by the deadline: {}", if r.meets_deadline { "yes" } else { "no" });
+            }
+            if r.queued_ahead > 0 {
+                println!("  {} pending job(s) at or above priority {priority} are decided first", r.queued_ahead);
+            }
+        }
         ApiCommand::Accounting { partition, conn } => {
             let r = client(&conn).await?.accounting(pb::AccountingRequest { partition }).await.map_err(status)?.into_inner();
             println!("{:<16} {:>9} {:>9} {:>11} {:>9} {:>10}", "GPUs", "installed", "healthy", "schedulable", "busy", "productive");
@@ -568,25 +668,25 @@ pub fn run_policy(cmd: PolicyApiCommand) -> anyhow::Result<()> {
 
 async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
     match cmd {
-        PolicyApiCommand::Upload { partition, policy: spec, config, note, conn } => {
+        PolicyApiCommand::Upload { partition, policy: spec, config, note, hook, conn } => {
             let path = crate::catalog::resolve(&spec)?;
             let component = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-            let r = client(&conn).await?.upload_policy(pb::UploadPolicyRequest { partition: partition.clone(), component, config, note }).await.map_err(status)?;
+            let r = client(&conn).await?.upload_policy(pb::UploadPolicyRequest { partition: partition.clone(), component, config, note, hook }).await.map_err(status)?;
             let r = r.into_inner();
             println!("{} {partition}: {}", if r.created { "uploaded to" } else { "already in" }, policy(&r.policy));
         }
-        PolicyApiCommand::Activate { partition, version, conn } => {
-            let r = client(&conn).await?.activate_policy(pb::ActivatePolicyRequest { partition: partition.clone(), version }).await.map_err(status)?;
+        PolicyApiCommand::Activate { partition, version, hook, conn } => {
+            let r = client(&conn).await?.activate_policy(pb::ActivatePolicyRequest { partition: partition.clone(), version, hook }).await.map_err(status)?;
             let r = r.into_inner();
             println!("{partition}: active {} (was {}); swapped in {:.2} ms", policy(&r.active), policy(&r.previous), r.swap_us as f64 / 1e3);
         }
-        PolicyApiCommand::Rollback { partition, version, conn } => {
-            let req = pb::RollbackPolicyRequest { partition: partition.clone(), version: version.unwrap_or(0) };
+        PolicyApiCommand::Rollback { partition, version, hook, conn } => {
+            let req = pb::RollbackPolicyRequest { partition: partition.clone(), version: version.unwrap_or(0), hook };
             let r = client(&conn).await?.rollback_policy(req).await.map_err(status)?.into_inner();
             println!("{partition}: rolled back to {} (was {}); swapped in {:.2} ms", policy(&r.active), policy(&r.previous), r.swap_us as f64 / 1e3);
         }
-        PolicyApiCommand::History { partition, conn } => {
-            let r = client(&conn).await?.policy_history(pb::PolicyHistoryRequest { partition: partition.clone() }).await.map_err(status)?.into_inner();
+        PolicyApiCommand::History { partition, hook, conn } => {
+            let r = client(&conn).await?.policy_history(pb::PolicyHistoryRequest { partition: partition.clone(), hook }).await.map_err(status)?.into_inner();
             println!("{partition}: active version {}", r.active_version);
             for v in &r.versions {
                 let blocked = if v.blocked_until_unix_ms > super::unix_ms() { "  [breaker backoff]" } else { "" };

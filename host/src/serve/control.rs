@@ -24,6 +24,34 @@ pub struct Swap {
     pub took: Duration,
 }
 
+/// The policy hooks a partition versions separately: placement scoring,
+/// and preemption ranking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyHook {
+    Place,
+    Rank,
+}
+
+impl PolicyHook {
+    /// `place` (or empty) and `rank`.
+    pub fn parse(s: &str) -> Result<PolicyHook, ServeError> {
+        match s {
+            "" | "place" => Ok(PolicyHook::Place),
+            "rank" => Ok(PolicyHook::Rank),
+            other => Err(ServeError::Invalid(format!("unknown hook {other:?}: place or rank"))),
+        }
+    }
+}
+
+/// The registry key of a partition's hook: its name for placement, and
+/// `<name>:rank` for ranking.
+pub fn hook_key(partition: &str, hook: PolicyHook) -> String {
+    match hook {
+        PolicyHook::Place => partition.to_string(),
+        PolicyHook::Rank => format!("{partition}:rank"),
+    }
+}
+
 /// Activation-like events, newest last: the versions a partition ran.
 fn activations(events: &[Event]) -> impl DoubleEndedIterator<Item = &Event> {
     events.iter().filter(|e| matches!(e.kind.as_str(), "activate" | "rollback" | "breaker"))
@@ -52,9 +80,54 @@ impl Live {
         Ok(loaded)
     }
 
-    /// Registers a component as the partition's next version (or returns
-    /// the version that already has these bytes and config).
+    /// Checks a rank component: loads it, then ranks three victims for a
+    /// demand (the core validates the answer as it would live).
+    fn smoke_rank(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
+        let loaded = LoadedPolicy::from_bytes(&self.engine, bytes).map_err(|e| ServeError::Rejected(e.to_string()))?;
+        if !loaded.info.hooks.contains(Hooks::RANK) {
+            return Err(ServeError::Rejected(format!("{} does not implement the rank hook", loaded.info.name)));
+        }
+        let mut policy = WasmPolicy::new(self.engine.clone(), loaded.clone(), self.limits);
+        if !config.is_empty() {
+            policy.configure(config).map_err(|e| ServeError::Rejected(format!("configure: {e}")))?;
+        }
+        let mut fleet = crate::synth::fleet(3, 1, false);
+        let gpus = fleet.nodes().iter().map(|n| n.gpus.len()).min().unwrap_or(0) as u32;
+        let shape = TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, models: vec![] };
+        let mut held = Vec::new();
+        for node in 0..3u32 {
+            let n = &fleet.nodes()[node as usize];
+            let a = berth_core::Allocation { node, gpus: (1u64 << n.gpus.len()) - 1, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024 };
+            fleet.allocate(&a).map_err(|e| ServeError::Rejected(format!("rank smoke fleet: {e}")))?;
+            held.push(a);
+        }
+        let jobs: Vec<Job> = (0..held.len() as u64).map(|k| Job { id: k + 1, duration_s: 3600, tasks: 1, shape: shape.clone(), ..Job::default() }).collect();
+        let candidates: Vec<berth_core::preemption::Candidate> = jobs
+            .iter()
+            .zip(&held)
+            .enumerate()
+            .map(|(k, (job, a))| berth_core::preemption::Candidate {
+                job,
+                held: std::slice::from_ref(a),
+                running_s: 600 * (k as u64 + 1),
+                remaining_s: 3000,
+                since_checkpoint_s: 300 * k as u64,
+            })
+            .collect();
+        let demand = Job { id: 99, priority: 9, duration_s: 60, tasks: 1, shape, ..Job::default() };
+        berth_core::preemption::select_victims(&fleet, &mut policy, &demand, &candidates, &|_, _| true)
+            .map_err(|e| ServeError::Rejected(format!("smoke call (rank 3 victims) failed: {e}")))?;
+        Ok(loaded)
+    }
+
+    /// Registers a component as the partition's next placement version (or
+    /// returns the version that already has these bytes and config).
     pub fn upload(&self, by: &str, partition: &str, bytes: &[u8], config: &str, note: &str) -> Result<(VersionMeta, bool), ServeError> {
+        self.upload_hook(by, partition, PolicyHook::Place, bytes, config, note)
+    }
+
+    /// [`Live::upload`] for any hook.
+    pub fn upload_hook(&self, by: &str, partition: &str, hook: PolicyHook, bytes: &[u8], config: &str, note: &str) -> Result<(VersionMeta, bool), ServeError> {
         self.partition_index(partition)?;
         if bytes.len() > self.max_upload_bytes {
             return Err(ServeError::TooLarge { size: bytes.len(), limit: self.max_upload_bytes });
@@ -64,7 +137,10 @@ impl Live {
         }
         let sha256 = super::registry::sha256_hex(bytes);
         self.access.allow_component(&sha256)?;
-        let loaded = self.smoke(bytes, config)?;
+        let loaded = match hook {
+            PolicyHook::Place => self.smoke(bytes, config)?,
+            PolicyHook::Rank => self.smoke_rank(bytes, config)?,
+        };
         self.registry.put_component(&sha256, bytes)?;
         let meta = VersionMeta {
             version: 0,
@@ -79,7 +155,7 @@ impl Live {
             blocked_until_unix_ms: 0,
             trips: 0,
         };
-        let (meta, created) = self.registry.add_version(partition, meta)?;
+        let (meta, created) = self.registry.add_version(&hook_key(partition, hook), meta)?;
         tracing::info!(target: "berth::serve", partition, version = meta.version, by, created, "policy {}@{} uploaded", meta.name, meta.semver);
         Ok((meta, created))
     }
@@ -93,6 +169,15 @@ impl Live {
     /// Makes `version` the partition's active policy: the next decision is
     /// made by it; a decision in flight finishes on the old one.
     pub fn activate(&self, by: &str, partition: &str, version: u32, kind: &str) -> Result<Swap, ServeError> {
+        self.activate_hook(by, partition, PolicyHook::Place, version, kind)
+    }
+
+    /// [`Live::activate`] for any hook. A rank version decides the next
+    /// preemption; it has no candidate.
+    pub fn activate_hook(&self, by: &str, partition: &str, hook: PolicyHook, version: u32, kind: &str) -> Result<Swap, ServeError> {
+        if hook == PolicyHook::Rank {
+            return self.activate_rank(by, partition, version, kind);
+        }
         let started = Instant::now();
         let p = self.partition_index(partition)?;
         let part = &self.partitions[p];
@@ -128,10 +213,77 @@ impl Live {
         Ok(Swap { active: meta, previous: previous.map(|a| a.meta.clone()), took })
     }
 
+    fn activate_rank(&self, by: &str, partition: &str, version: u32, kind: &str) -> Result<Swap, ServeError> {
+        let started = Instant::now();
+        let p = self.partition_index(partition)?;
+        let key = hook_key(partition, PolicyHook::Rank);
+        let record = self.registry.record(&key)?;
+        let meta = record.version(version).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version })?;
+        let now = unix_ms();
+        if meta.blocked_until_unix_ms > now {
+            return Err(ServeError::FailedPrecondition(format!(
+                "rank version {version} tripped the circuit breaker; it may be activated again in {} s",
+                (meta.blocked_until_unix_ms - now).div_ceil(1000)
+            )));
+        }
+        let arm = Arc::new(self.load_arm(&meta)?);
+        self.registry.update(&key, |r| {
+            r.active = Some(version);
+            r.events.push(Event { unix_ms: now, kind: kind.into(), version, by: by.into(), detail: format!("{}@{}", meta.name, meta.semver) });
+            Ok(())
+        })?;
+        let part = &self.partitions[p];
+        let previous = part.ranker.lock().unwrap().replace(arm);
+        part.poke(false);
+        self.metrics.swaps.with_label_values(&[&key, kind]).inc();
+        tracing::info!(target: "berth::serve", partition, version, by, "rank policy {kind}: {}@{}", meta.name, meta.semver);
+        Ok(Swap { active: meta, previous: previous.map(|a| a.meta.clone()), took: started.elapsed() })
+    }
+
+    /// Loads the partition's active rank version at startup, if it has one
+    /// (none: the documented default ranking).
+    pub fn restore_rank(&self, partition: &str) -> Result<(), ServeError> {
+        let p = self.partition_index(partition)?;
+        let key = hook_key(partition, PolicyHook::Rank);
+        if let Some(v) = self.registry.record(&key)?.active {
+            let record = self.registry.record(&key)?;
+            let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version: v })?;
+            *self.partitions[p].ranker.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
+        }
+        Ok(())
+    }
+
+    /// The rank breaker tripped: the version is blocked for the backoff and
+    /// the documented default ranking takes over.
+    pub(super) fn trip_rank(&self, p: usize, arm: &Arc<Arm>, error: &berth_core::PolicyError) {
+        let part = &self.partitions[p];
+        let key = hook_key(&part.name, PolicyHook::Rank);
+        let version = arm.meta.version;
+        let now = unix_ms();
+        self.metrics.breaker_trips.with_label_values(&[&key, &version.to_string()]).inc();
+        let reason = format!("failed calls, last: {} ({error})", breaker::kind(error));
+        let _ = self.registry.update(&key, |r| {
+            if let Some(meta) = r.versions.iter_mut().find(|m| m.version == version) {
+                meta.trips += 1;
+                meta.blocked_until_unix_ms = now + self.breaker.backoff_for(meta.trips).as_millis() as u64;
+            }
+            r.active = None;
+            r.events.push(Event { unix_ms: now, kind: "breaker".into(), version, by: "breaker".into(), detail: format!("default ranking takes over: {reason}") });
+            Ok(())
+        });
+        *part.ranker.lock().unwrap() = None;
+        tracing::warn!(target: "berth::serve", partition = %part.name, version, "rank circuit breaker tripped: {reason}; the default ranking decides");
+    }
+
     /// Activates an earlier version: `version`, or the one active before
     /// the current one.
     pub fn rollback(&self, by: &str, partition: &str, version: Option<u32>) -> Result<Swap, ServeError> {
-        let record = self.registry.record(partition)?;
+        self.rollback_hook(by, partition, PolicyHook::Place, version)
+    }
+
+    /// [`Live::rollback`] for any hook.
+    pub fn rollback_hook(&self, by: &str, partition: &str, hook: PolicyHook, version: Option<u32>) -> Result<Swap, ServeError> {
+        let record = self.registry.record(&hook_key(partition, hook))?;
         let target = match version {
             Some(v) => v,
             None => activations(&record.events)
@@ -140,7 +292,7 @@ impl Live {
                 .find(|&v| Some(v) != record.active)
                 .ok_or_else(|| ServeError::FailedPrecondition(format!("partition {partition} has no earlier version to roll back to")))?,
         };
-        self.activate(by, partition, target, "rollback")
+        self.activate_hook(by, partition, hook, target, "rollback")
     }
 
     /// Sets (or with `None` clears) the partition's candidate.

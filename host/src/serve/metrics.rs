@@ -22,6 +22,10 @@ pub struct Metrics {
     pub jobs: IntGaugeVec,
     /// code (unauthenticated, permission_denied)
     pub api_denials: IntCounterVec,
+    /// Preemptions by how the victim was told (notice or forced), and the
+    /// GPU-seconds of work they lost (since the victims' last checkpoints).
+    pub evictions: IntCounterVec,
+    pub lost_gpu_seconds: prometheus::CounterVec,
 }
 
 impl Metrics {
@@ -68,6 +72,12 @@ impl Metrics {
             shadow_samples: counter("berth_shadow_samples_total", "Shadow comparisons by agreement", &["partition", "agree"]),
             jobs,
             api_denials: counter("berth_api_denials_total", "API calls refused by access control", &["code"]),
+            evictions: counter("berth_evictions_total", "Running jobs preempted for higher-priority work", &["partition", "kind"]),
+            lost_gpu_seconds: {
+                let c = prometheus::CounterVec::new(Opts::new("berth_lost_gpu_seconds_total", "GPU-seconds of work lost to preemption"), &["partition"]).expect("valid metric");
+                registry.register(Box::new(c.clone())).expect("registered once");
+                c
+            },
             registry,
         }
     }

@@ -20,6 +20,7 @@ use berth_core::sim::Job;
 use berth_core::{Allocation, TaskShape};
 use serde::{Deserialize, Serialize};
 
+use super::actuation::AgentTopology;
 use super::decisions::Placed;
 use super::scheduler::{JobRecord, JobSpec, JobState, Live, PartitionState, TaskRun};
 use super::{unix_ms, ServeError};
@@ -66,6 +67,14 @@ struct StoredJob {
     policy_version: u32,
     last_decision: String,
     detail: String,
+    /// Preempted, its processes still stopping.
+    #[serde(default)]
+    evicting: bool,
+    /// Preempted jobs it waits for before its tasks start.
+    #[serde(default)]
+    waiting_on: Vec<u64>,
+    #[serde(default)]
+    interruptions: u32,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -75,6 +84,9 @@ pub(crate) struct StoredNode {
     pub cpu_milli: u32,
     pub memory_mib: u64,
     pub unhealthy: Vec<u32>,
+    /// What the agent declared of its place in the fat tree.
+    #[serde(default)]
+    pub topology: AgentTopology,
 }
 
 pub(crate) fn job_key(partition: &str, id: u64) -> String {
@@ -138,6 +150,9 @@ impl PartitionState {
             policy_version: j.policy_version,
             last_decision: j.last_decision.clone(),
             detail: j.detail.clone(),
+            evicting: j.evicting,
+            waiting_on: j.waiting_on.clone(),
+            interruptions: j.interruptions,
         };
         Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
     }
@@ -161,6 +176,7 @@ impl PartitionState {
             cpu_milli: n.cpu_total_milli,
             memory_mib: n.memory_total_mib,
             unhealthy: self.health.keys().filter(|(n, _)| *n == id).map(|&(_, g)| g).collect(),
+            topology: self.topology.get(&id).copied().unwrap_or_default(),
         };
         Some(Op::Put(format!("nodes/{partition}/{name}"), serde_json::to_vec(&stored).expect("nodes serialize")))
     }
@@ -205,7 +221,7 @@ impl Live {
             for (key, value) in store.list(&format!("nodes/{name}/"))? {
                 let node = key.rsplit('/').next().unwrap_or_default().to_string();
                 let n: StoredNode = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
-                self.agent_node_up(name, &node, &n.model, n.gpus, n.cpu_milli, n.memory_mib).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+                self.agent_node_up(name, &node, &n.model, n.gpus, n.cpu_milli, n.memory_mib, n.topology).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
                 // Holds go on after the jobs took back their GPUs.
                 let mut st = part.state.lock().unwrap();
                 let id = st.agent_ids[&node];
@@ -244,9 +260,7 @@ impl Live {
                 } else {
                     allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a).collect()
                 };
-                for a in holding {
-                    st.fleet.allocate(a).map_err(|e| anyhow::anyhow!("{key}: GPUs held twice in the stored state: {e}"))?;
-                }
+                let holding: Vec<Allocation> = if j.evicting { Vec::new() } else { holding.into_iter().cloned().collect() };
                 for r in &j.runs {
                     st.by_alloc.insert(r.alloc_id, j.id);
                     max_alloc = max_alloc.max(r.alloc_id);
@@ -258,6 +272,7 @@ impl Live {
                 if state == JobState::Pending {
                     st.pending.push(j.id);
                 }
+                let (evicting, waiting_on, interruptions, started_unix_ms) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms);
                 running += usize::from(state == JobState::Running);
                 jobs += 1;
                 max_job = max_job.max(j.id);
@@ -289,8 +304,26 @@ impl Live {
                         last_decision: j.last_decision,
                         runs: j.runs,
                         detail: j.detail,
+                        evicting,
+                        waiting_on,
+                        interruptions,
+                        reserved_until_s: 0,
                     },
                 );
+                // Live jobs go back into the engine: waiting, stopping after
+                // a preemption, or running on what they hold.
+                if matches!(state, JobState::Pending | JobState::Running) || evicting {
+                    let slot = st.register(j.id);
+                    let now = super::deciding::now_s();
+                    if evicting {
+                        st.engine.restore_evicting(slot);
+                    } else if state == JobState::Pending {
+                        st.engine.apply(&mut st.fleet, now, berth_core::Event::Arrive(slot));
+                    } else {
+                        let (fleet, engine) = (&mut st.fleet, &mut st.engine);
+                        engine.restore_running(fleet, slot, holding, started_unix_ms / 1000).map_err(|e| anyhow::anyhow!("{key}: GPUs held twice in the stored state: {e}"))?;
+                    }
+                }
             }
             let ids: Vec<u32> = st.agent_ids.values().copied().collect();
             for id in ids {

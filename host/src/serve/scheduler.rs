@@ -3,15 +3,14 @@
 //! and decides each job through the core's `place_gang`, the same path as
 //! replay. Jobs end after their duration in real time.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use berth_core::sim::Job;
+use berth_core::engine::{Event, SimConfig as EngineConfig, Slot};
 use berth_core::fleet::{gpus_of, Node, NodeId};
-use berth_core::{Allocation, Fleet, Placer, PolicyError, TaskShape, MILLI_PER_GPU};
+use berth_core::{Allocation, Engine, Fleet, Job, Placer, PolicyError, MILLI_PER_GPU};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -27,7 +26,7 @@ use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
 /// One loaded policy version with its instance, ready to decide.
 pub struct Arm {
     pub meta: VersionMeta,
-    policy: Mutex<WasmPolicy>,
+    pub(crate) policy: Mutex<WasmPolicy>,
 }
 
 impl Arm {
@@ -155,18 +154,33 @@ pub struct JobRecord {
     pub runs: Vec<TaskRun>,
     /// Why it failed or was requeued.
     pub detail: String,
+    /// Preempted: its processes are stopping under the priority contract;
+    /// it runs again once they are gone.
+    pub evicting: bool,
+    /// Preempted jobs whose processes must be gone before this job's tasks
+    /// start on their GPUs.
+    pub waiting_on: Vec<u64>,
+    /// Times it was preempted.
+    pub interruptions: u32,
+    /// The starvation guard's latest start for it (Unix seconds; 0: none).
+    pub reserved_until_s: u64,
 }
 
 pub struct PartitionState {
     pub fleet: Fleet,
-    placer: Placer,
+    /// The partition's scheduling engine (the core's, shared with replay)
+    /// and each live job's slot in it.
+    pub engine: Engine,
+    pub slots: HashMap<u64, Slot>,
+    /// Stops due under the priority contract: (when, allocation, node).
+    pub(crate) stops: Vec<(Instant, u64, String)>,
     pub jobs: BTreeMap<u64, JobRecord>,
     pub pending: Vec<u64>,
     pub(crate) running: BTreeSet<(Instant, u64)>,
     /// Something changed since the last pass: try the queue again.
     pub(crate) dirty: bool,
     /// A policy failed: try again then.
-    retry_at: Option<Instant>,
+    pub(super) retry_at: Option<Instant>,
     /// The breaker found no version to fall back to.
     pub paused: bool,
     /// Nodes registered by agents (`berth agent`), by name.
@@ -185,6 +199,8 @@ pub struct PartitionState {
     /// Agent nodes: GPUs whose last measured SM utilisation reached the
     /// productive threshold.
     pub activity: HashMap<NodeId, u64>,
+    /// Agent nodes' declared places in the fat tree.
+    pub topology: BTreeMap<NodeId, super::actuation::AgentTopology>,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -192,7 +208,27 @@ pub(crate) fn health_hold(node: NodeId, gpu: u32) -> Allocation {
     Allocation { node, gpus: 1 << gpu, gpu_milli: MILLI_PER_GPU, cpu_milli: 0, memory_mib: 0 }
 }
 
+/// Planning length of a job with a command and no time limit: it ends when
+/// its processes do, which the engine cannot know.
+const UNLIMITED_PLAN_S: u64 = 365 * 86_400;
+
 impl PartitionState {
+    /// Adds job `id` (recorded in `jobs`) to the engine's table.
+    pub(crate) fn register(&mut self, id: u64) -> Slot {
+        let r = &self.jobs[&id];
+        let agent_job = !r.spec.argv.is_empty();
+        let mut job = r.spec.job.clone();
+        job.id = id;
+        job.arrival_s = r.submitted_unix_ms / 1000;
+        job.reports_exit = agent_job;
+        if agent_job && r.spec.duration.is_zero() {
+            job.duration_s = UNLIMITED_PLAN_S;
+        }
+        let slot = self.engine.register(job);
+        self.slots.insert(id, slot);
+        slot
+    }
+
     /// Holds every unhealthy GPU of `node` that is free now.
     pub(crate) fn apply_holds(&mut self, node: NodeId) {
         for (&(n, g), applied) in self.health.range_mut((node, 0)..=(node, u32::MAX)) {
@@ -267,15 +303,21 @@ pub struct Partition {
     pub candidate: Mutex<Option<Arc<Candidate>>>,
     pub stats: Mutex<shadow::Stats>,
     pub breaker: Mutex<Breaker>,
+    /// The rank hook's active version (none: the documented default
+    /// ranking), and its breaker.
+    pub ranker: Mutex<Option<Arc<Arm>>>,
+    pub rank_breaker: Mutex<Breaker>,
 }
 
 impl Partition {
-    pub fn new(name: String, fleet: Fleet) -> Partition {
+    pub fn new(name: String, fleet: Fleet, engine: EngineConfig) -> Partition {
         Partition {
             name,
             state: Mutex::new(PartitionState {
                 fleet,
-                placer: Placer::new(),
+                engine: Engine::new(engine),
+                slots: HashMap::new(),
+                stops: Vec::new(),
                 jobs: BTreeMap::new(),
                 pending: Vec::new(),
                 running: BTreeSet::new(),
@@ -288,13 +330,20 @@ impl Partition {
                 lost: BTreeSet::new(),
                 by_alloc: HashMap::new(),
                 activity: HashMap::new(),
+                topology: BTreeMap::new(),
             }),
             wake: Condvar::new(),
             active: Mutex::new(None),
             candidate: Mutex::new(None),
             stats: Mutex::new(shadow::Stats::default()),
             breaker: Mutex::new(Breaker::default()),
+            ranker: Mutex::new(None),
+            rank_breaker: Mutex::new(Breaker::default()),
         }
+    }
+
+    pub fn ranker(&self) -> Option<Arc<Arm>> {
+        self.ranker.lock().unwrap().clone()
     }
 
     pub fn active(&self) -> Option<Arc<Arm>> {
@@ -352,15 +401,15 @@ pub enum Trip {
 }
 
 /// One arm's run on one job.
-struct ArmRun {
-    result: Result<Option<(Vec<Allocation>, u32)>, PolicyError>,
-    first: Option<(Vec<u32>, Vec<f64>)>,
-    latency: Duration,
+pub(super) struct ArmRun {
+    pub result: Result<Option<(Vec<Allocation>, u32)>, PolicyError>,
+    pub first: Option<(Vec<u32>, Vec<f64>)>,
+    pub latency: Duration,
 }
 
 type Keep<'a> = &'a dyn Fn(NodeId, &Node) -> bool;
 
-fn run_arm(arm: &Arm, fleet: &mut Fleet, placer: &mut Placer, job: &Job, keep: Keep<'_>) -> ArmRun {
+pub(super) fn run_arm(arm: &Arm, fleet: &mut Fleet, placer: &mut Placer, job: &Job, keep: Keep<'_>) -> ArmRun {
     let mut policy = arm.policy.lock().unwrap();
     let mut recording = Recording { inner: &mut *policy, first: None };
     let started = Instant::now();
@@ -370,12 +419,12 @@ fn run_arm(arm: &Arm, fleet: &mut Fleet, placer: &mut Placer, job: &Job, keep: K
 }
 
 /// Nodes neither idle nor full: a measure of fragmentation.
-fn partly_used(fleet: &Fleet) -> u64 {
+pub(super) fn partly_used(fleet: &Fleet) -> u64 {
     fleet.nodes().iter().filter(|n| !n.gpus.is_empty() && n.gpu_free_milli() > 0 && n.gpu_free_milli() < n.gpu_total_milli()).count() as u64
 }
 
 /// SHA-256 (16 hex) of the job and the free capacity the policy sees.
-fn input_digest(fleet: &Fleet, job: &Job) -> String {
+pub(super) fn input_digest(fleet: &Fleet, job: &Job) -> String {
     let mut h = Sha256::new();
     let s = &job.shape;
     h.update(format!("{}|{}|{}|{}|{}|{}|{}|{:?}", job.id, job.priority, job.tasks, s.gpu_count, s.gpu_milli, s.cpu_milli, s.memory_mib, s.models));
@@ -390,7 +439,7 @@ fn input_digest(fleet: &Fleet, job: &Job) -> String {
     hex::encode(&h.finalize()[..8])
 }
 
-fn placed(fleet: &Fleet, allocs: &[Allocation]) -> Vec<Placed> {
+pub(super) fn placed(fleet: &Fleet, allocs: &[Allocation]) -> Vec<Placed> {
     allocs
         .iter()
         .map(|a| Placed {
@@ -456,7 +505,9 @@ impl Live {
         let id = self.next_job.fetch_add(1, Ordering::SeqCst);
         spec.job.id = id;
         let part = &self.partitions[p];
-        let mut st = part.state.lock().unwrap();
+        let mut guard = part.state.lock().unwrap();
+        let st = &mut *guard;
+        let submitted_unix_ms = unix_ms();
         st.jobs.insert(
             id,
             JobRecord {
@@ -464,7 +515,7 @@ impl Live {
                 owner: owner.to_string(),
                 state: JobState::Pending,
                 submitted_at: Instant::now(),
-                submitted_unix_ms: unix_ms(),
+                submitted_unix_ms,
                 started_unix_ms: 0,
                 ended_unix_ms: 0,
                 ends_at: None,
@@ -475,6 +526,10 @@ impl Live {
                 last_decision: String::new(),
                 runs: Vec::new(),
                 detail: String::new(),
+                evicting: false,
+                waiting_on: Vec::new(),
+                interruptions: 0,
+                reserved_until_s: 0,
             },
         );
         // The id is a receipt only once the job is stored.
@@ -482,6 +537,8 @@ impl Live {
             st.jobs.remove(&id);
             return Err(e);
         }
+        let slot = st.register(id);
+        st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Arrive(slot));
         st.pending.push(id);
         st.dirty = true;
         self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
@@ -502,31 +559,47 @@ impl Live {
         let st = &mut *st;
         let job = st.jobs.get_mut(&id).ok_or(ServeError::UnknownJob(id))?;
         let before = job.state;
+        let slot = st.slots.get(&id).copied();
         match before {
-            JobState::Pending => st.pending.retain(|&j| j != id),
-            JobState::Running if !job.runs.is_empty() => {
+            JobState::Pending => {
+                st.pending.retain(|&j| j != id);
+                if let Some(slot) = slot {
+                    st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Cancel(slot));
+                }
+                // A preempted job's processes may still be stopping: their
+                // exits end it.
+            }
+            JobState::Running if !job.runs.is_empty() || !job.waiting_on.is_empty() => {
                 // Processes hold their GPUs until their exit is reported.
                 if let Some(t) = job.ends_at.take() {
                     st.running.remove(&(t, id));
                 }
-                if let Some(act) = self.actuator() {
+                if job.runs.is_empty() {
+                    // Waiting for preempted work to stop: nothing started.
+                    job.waiting_on.clear();
+                    if let Some(slot) = slot {
+                        st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Cancel(slot));
+                    }
+                } else if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
                         act.stop(r.alloc_id, &r.node);
                     }
                 }
             }
             JobState::Running => {
-                for a in job.allocations.drain(..) {
-                    st.fleet.release(&a).expect("a running job's allocations are held");
-                }
+                job.allocations.clear();
                 if let Some(t) = job.ends_at.take() {
                     st.running.remove(&(t, id));
+                }
+                if let Some(slot) = slot {
+                    st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Cancel(slot));
                 }
             }
             JobState::Finished | JobState::Failed | JobState::Cancelled => {
                 return Err(ServeError::FailedPrecondition(format!("job {id} is already {}", before.as_str())));
             }
         }
+        let job = st.jobs.get_mut(&id).expect("found above");
         job.state = JobState::Cancelled;
         job.ended_unix_ms = unix_ms();
         self.persist_logged(vec![st.job_op(&part.name, id)]);
@@ -544,6 +617,12 @@ impl Live {
         while !self.shutdown.load(Ordering::SeqCst) {
             let now = Instant::now();
             self.release_ended(&part.name, &mut st, now);
+            self.due_stops(&mut st, now);
+            // An evicted simulated job is ready again at its modelled time.
+            let wakeup = st.engine.next_wakeup().map(|t| now + Duration::from_millis((t * 1000).saturating_sub(unix_ms())));
+            if wakeup.is_some_and(|t| t <= now) {
+                st.dirty = true;
+            }
             let retry_due = st.retry_at.is_some_and(|t| t <= now);
             if (st.dirty || retry_due) && !st.pending.is_empty() && !st.paused {
                 st.dirty = false;
@@ -554,9 +633,24 @@ impl Live {
                 continue;
             }
             let next_end = st.running.first().map(|(t, _)| *t);
-            let until = [next_end, st.retry_at].into_iter().flatten().min().unwrap_or(now + Duration::from_secs(1));
+            let next_stop = st.stops.iter().map(|s| s.0).min();
+            let until = [next_end, st.retry_at, next_stop, wakeup].into_iter().flatten().min().unwrap_or(now + Duration::from_secs(1));
             let wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
             st = part.wake.wait_timeout(st, wait).unwrap().0;
+        }
+    }
+
+    /// Stops preempted processes whose notice ran out.
+    fn due_stops(&self, st: &mut PartitionState, now: Instant) {
+        if st.stops.iter().all(|s| s.0 > now) {
+            return;
+        }
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut st.stops).into_iter().partition(|s| s.0 <= now);
+        st.stops = later;
+        if let Some(act) = self.actuator() {
+            for (_, alloc, node) in due {
+                act.stop(alloc, &node);
+            }
         }
     }
 
@@ -579,12 +673,13 @@ impl Live {
                 self.persist_logged(vec![st.job_op(partition, id)]);
                 continue;
             }
-            for a in job.allocations.drain(..) {
-                st.fleet.release(&a).expect("a running job's allocations are held");
-            }
+            job.allocations.clear();
             job.state = JobState::Finished;
             job.ends_at = None;
             job.ended_unix_ms = unix_ms();
+            if let Some(&slot) = st.slots.get(&id) {
+                st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::End(slot));
+            }
             self.persist_logged(vec![st.job_op(partition, id)]);
             self.metrics.jobs.with_label_values(&[partition, "running"]).dec();
             self.metrics.jobs.with_label_values(&[partition, "finished"]).inc();
@@ -592,165 +687,9 @@ impl Live {
         }
     }
 
-    /// One walk of the queue. A shape that did not fit is not tried again
-    /// in the same pass.
-    fn pass(&self, p: usize) {
-        let order: Vec<u64> = {
-            let st = self.partitions[p].state.lock().unwrap();
-            let mut order = st.pending.clone();
-            order.sort_by_key(|id| (Reverse(st.jobs[id].spec.job.priority), *id));
-            order
-        };
-        let mut unfit: HashSet<(u32, TaskShape)> = HashSet::new();
-        for id in order {
-            if self.shutdown.load(Ordering::SeqCst) {
-                return;
-            }
-            self.decide(p, id, &mut unfit);
-        }
-    }
-
-    /// Decides one pending job: the shadow candidate on a copy of the state
-    /// (recorded only), then the deciding arm for real.
-    fn decide(&self, p: usize, id: u64, unfit: &mut HashSet<(u32, TaskShape)>) {
-        let part = &self.partitions[p];
-        // The versions for this decision: a swap after this point applies
-        // to the next one.
-        let Some(active) = part.active() else { return };
-        let candidate = part.candidate();
-        let mut guard = part.state.lock().unwrap();
-        let st = &mut *guard;
-        if st.paused {
-            return;
-        }
-        let Some(record) = st.jobs.get(&id).filter(|j| j.state == JobState::Pending) else { return };
-        let job = record.spec.job.clone();
-        // Jobs with argv run on agent nodes only; simulated jobs never do.
-        let agent_job = !record.spec.argv.is_empty();
-        let agent_nodes: BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
-        let keep = move |id: NodeId, _: &Node| agent_nodes.contains(&id) == agent_job;
-        if unfit.contains(&(job.tasks, job.shape.clone())) {
-            return;
-        }
-        if berth_core::sim::fitting_tasks_among(&st.fleet, &job.shape, job.tasks, &keep) < job.tasks {
-            // No policy could place it: the predicate rules, no decision is
-            // made or logged, and the shape waits for capacity.
-            st.jobs.get_mut(&id).expect("checked above").last_decision = "no room: too few nodes pass the hard constraints now".into();
-            unfit.insert((job.tasks, job.shape));
-            return;
-        }
-        let actor = record.owner.clone();
-        let waited_s = record.submitted_at.elapsed().as_secs_f64();
-        let digest = input_digest(&st.fleet, &job);
-        let base = DecisionRecord {
-            id: 0,
-            unix_ms: unix_ms(),
-            partition: part.name.clone(),
-            job_id: id,
-            actor,
-            arm: String::new(),
-            actuated: true,
-            policy: String::new(),
-            policy_semver: String::new(),
-            policy_version: 0,
-            sha256: String::new(),
-            input_digest: digest,
-            outcome: String::new(),
-            detail: String::new(),
-            placements: Vec::new(),
-            latency_us: 0,
-        };
-
-        // Shadow: same inputs, a scratch copy of the fleet, never actuated.
-        let shadow_run = match candidate.as_deref() {
-            Some(Candidate { arm, mode: Mode::Shadow }) => {
-                let mut scratch = st.fleet.clone();
-                let run = run_arm(arm, &mut scratch, &mut st.placer, &job, &keep);
-                let decision = self.log(&base, "shadow", false, arm, &run, &scratch);
-                self.after_call(p, arm, &run.result, false);
-                Some((run, scratch, decision))
-            }
-            _ => None,
-        };
-
-        // The deciding arm: the split candidate for its share, else active.
-        let split = match candidate.as_deref() {
-            Some(Candidate { arm, mode: Mode::Split(f) }) if shadow::in_split(id, *f) => Some(arm.clone()),
-            _ => None,
-        };
-        let mut arm = split.clone().unwrap_or_else(|| active.clone());
-        let mut arm_name = if split.is_some() { "candidate" } else { "active" };
-        let mut run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job, &keep);
-        let mut decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
-        let mut trip = self.after_call(p, &arm, &run.result, split.is_none());
-        if split.is_some() {
-            let partial = partly_used(&st.fleet);
-            let outcome = run.result.as_ref().ok().and_then(|r| r.as_ref()).map(|(_, d)| (waited_s, *d, job.tasks > 1));
-            part.stats.lock().unwrap().arms[1].record(run.latency.as_micros() as u64, outcome, run.result.is_err(), partial);
-            if run.result.is_err() {
-                // The candidate failed this job: the active version decides
-                // it now, so a bad candidate never strands work.
-                arm = active.clone();
-                arm_name = "active";
-                run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job, &keep);
-                decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
-                trip = self.after_call(p, &arm, &run.result, true);
-            }
-        }
-        if arm_name == "active" && candidate.as_ref().is_some_and(|c| matches!(c.mode, Mode::Split(_))) {
-            let partial = partly_used(&st.fleet);
-            let outcome = run.result.as_ref().ok().and_then(|r| r.as_ref()).map(|(_, d)| (waited_s, *d, job.tasks > 1));
-            part.stats.lock().unwrap().arms[0].record(run.latency.as_micros() as u64, outcome, run.result.is_err(), partial);
-        }
-
-        let record = st.jobs.get_mut(&id).expect("checked above");
-        match &run.result {
-            Ok(Some((allocs, _))) => {
-                // Jobs with argv run until their processes exit, or their limit.
-                let ends_at = (!agent_job || !record.spec.duration.is_zero()).then(|| Instant::now() + record.spec.duration);
-                record.state = JobState::Running;
-                record.started_unix_ms = unix_ms();
-                record.ends_at = ends_at;
-                record.allocations = allocs.clone();
-                record.placements = placed(&st.fleet, allocs);
-                record.decision_id = decision;
-                record.policy_version = arm.meta.version;
-                record.last_decision = format!("decision {decision}: placed by {}@{} (version {})", arm.meta.name, arm.meta.semver, arm.meta.version);
-                st.pending.retain(|&j| j != id);
-                if let Some(t) = ends_at {
-                    st.running.insert((t, id));
-                }
-                self.metrics.jobs.with_label_values(&[&part.name, "pending"]).dec();
-                self.metrics.jobs.with_label_values(&[&part.name, "running"]).inc();
-                if agent_job {
-                    self.actuate(part, st, id);
-                } else {
-                    self.persist_logged(vec![st.job_op(&part.name, id)]);
-                }
-            }
-            Ok(None) => {
-                record.last_decision = format!("decision {decision}: no room now (version {})", arm.meta.version);
-                unfit.insert((job.tasks, job.shape.clone()));
-            }
-            Err(e) => {
-                record.last_decision = format!("decision {decision}: version {} failed: {e}", arm.meta.version);
-                // Try again shortly, on whatever version is active by then.
-                let soon = if trip == Trip::None { 50 } else { 1 };
-                st.retry_at = Some(Instant::now() + Duration::from_millis(soon));
-            }
-        }
-
-        if trip == Trip::Paused {
-            st.paused = true;
-        }
-        if let Some((shadow, scratch, shadow_decision)) = shadow_run {
-            self.compare(part, &job, &run, &st.fleet, &shadow, &scratch, shadow_decision);
-        }
-    }
-
     /// Records a shadow comparison of the two arms' decisions on one job.
     #[allow(clippy::too_many_arguments)]
-    fn compare(&self, part: &Partition, job: &Job, active: &ArmRun, fleet: &Fleet, cand: &ArmRun, scratch: &Fleet, shadow_decision: u64) {
+    pub(super) fn compare(&self, part: &Partition, job: &Job, active: &ArmRun, fleet: &Fleet, cand: &ArmRun, scratch: &Fleet, shadow_decision: u64) {
         let mut stats = part.stats.lock().unwrap();
         let (Ok(a), Ok(c)) = (&active.result, &cand.result) else {
             if cand.result.is_err() {
@@ -787,7 +726,7 @@ impl Live {
     }
 
     /// Logs one arm's decision and counts it; returns the decision id.
-    fn log(&self, base: &DecisionRecord, arm_name: &str, actuated: bool, arm: &Arm, run: &ArmRun, fleet: &Fleet) -> u64 {
+    pub(super) fn log(&self, base: &DecisionRecord, arm_name: &str, actuated: bool, arm: &Arm, run: &ArmRun, fleet: &Fleet) -> u64 {
         let (outcome, detail, placements) = match &run.result {
             Ok(Some((allocs, domains))) => ("placed", format!("{} task(s) in {domains} switch domain(s)", allocs.len()), placed(fleet, allocs)),
             Ok(None) => ("unplaced", "no room for every task now".to_string(), Vec::new()),
@@ -813,7 +752,7 @@ impl Live {
     }
 
     /// Feeds the breaker; on a trip, takes the version out of service.
-    fn after_call(&self, p: usize, arm: &Arc<Arm>, result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>, is_active: bool) -> Trip {
+    pub(super) fn after_call(&self, p: usize, arm: &Arc<Arm>, result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>, is_active: bool) -> Trip {
         let part = &self.partitions[p];
         let v = arm.meta.version;
         let e = match result {

@@ -74,6 +74,31 @@ pub struct ServeConfig {
     pub max_upload_bytes: usize,
     /// Where jobs, allocations and agent nodes persist.
     pub store: StoreChoice,
+    /// Priority and preemption settings of every partition's engine.
+    pub scheduling: Scheduling,
+}
+
+/// What the live engines are told about priority: jobs at or above
+/// `high_priority` may take capacity back from lower-priority jobs below
+/// it (fill), which leave under `contract`.
+#[derive(Clone, Debug)]
+pub struct Scheduling {
+    pub high_priority: u32,
+    pub contract: berth_core::preemption::PriorityContract,
+}
+
+impl Default for Scheduling {
+    /// Priority 1 and above preempts priority 0; the core's default
+    /// contract (30 s notice, at most 3 interruptions a day).
+    fn default() -> Self {
+        Scheduling { high_priority: 1, contract: berth_core::preemption::PriorityContract::default() }
+    }
+}
+
+impl Scheduling {
+    fn engine(&self) -> berth_core::engine::SimConfig {
+        berth_core::engine::SimConfig { high_priority: self.high_priority, contract: self.contract, ..Default::default() }
+    }
 }
 
 /// The durable store of a host.
@@ -145,7 +170,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
         .enumerate()
         .map(|(p, name)| {
             let nodes = fleet.nodes().iter().zip(&topo.partition).filter(|&(_, &q)| q as usize == p).map(|(n, _)| n.clone()).collect();
-            Ok(Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?))
+            Ok(Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine()))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
@@ -156,7 +181,9 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
             Some(Arc::new(tokio::task::spawn_blocking(move || crate::store::etcd::EtcdStore::lead(etcd)).await??))
         }
     };
-    let registry = Registry::open_in(&config.state_dir, &names, store.clone())?;
+    // Each partition's placement versions, and its rank hook's.
+    let keys: Vec<String> = names.iter().flat_map(|n| [n.clone(), super::control::hook_key(n, super::control::PolicyHook::Rank)]).collect();
+    let registry = Registry::open_in(&config.state_dir, &keys, store.clone())?;
     let engine = Arc::new(PolicyEngine::new(Some(registry.artifact_dir()))?);
     let decisions = DecisionLog::open(Some(&config.state_dir), 100_000)?;
     let live = Arc::new(Live::new(
@@ -172,6 +199,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     ));
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;
+        live.restore_rank(name).with_context(|| format!("partition {name}: rank hook"))?;
     }
     if let Some(store) = store {
         let started = std::time::Instant::now();

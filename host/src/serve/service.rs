@@ -11,6 +11,7 @@ use berth_core::{predicate, TaskShape};
 use tonic::{Request, Response, Status};
 
 use super::auth::{Identity, Role};
+use super::control::{hook_key, PolicyHook};
 use super::decisions::{DecisionRecord, Filter, Placed};
 use super::pb::{self, berth_server::Berth};
 use super::registry::VersionMeta;
@@ -390,6 +391,43 @@ impl Berth for Service {
         Ok(Response::new(pb::AccountingResponse { rows, stranded }))
     }
 
+    async fn quote(&self, req: Request<pb::QuoteRequest>) -> Reply<pb::QuoteResponse> {
+        let id = self.who(&req)?;
+        let q = req.into_inner();
+        self.require(&id, &q.partition, Role::Viewer)?;
+        let p = self.live.partition_index(&q.partition)?;
+        let bad = |m: String| Status::from(ServeError::Invalid(m));
+        let tasks = q.tasks.max(1);
+        if tasks > 4096 {
+            return Err(bad(format!("{tasks} tasks: at most 4096")));
+        }
+        if !(q.deadline_h.is_finite() && (0.0..=24.0 * 365.0).contains(&q.deadline_h)) {
+            return Err(bad(format!("deadline_h {} must be in [0, 8760] (0: none)", q.deadline_h)));
+        }
+        if q.models.len() > 64 || q.models.iter().any(|m| m.len() > 256) {
+            return Err(bad("at most 64 models of 256 bytes".into()));
+        }
+        let st = self.live.partitions[p].state.lock().unwrap();
+        let models = q
+            .models
+            .iter()
+            .map(|m| st.fleet.model_id(m).ok_or_else(|| bad(format!("unknown GPU model {:?} (partition {} has {:?})", m, q.partition, st.fleet.models))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gpu_milli = if q.gpus > 0 && q.gpu_milli == 0 { 1000 } else { q.gpu_milli };
+        let shape = TaskShape { gpu_count: q.gpus, gpu_milli, cpu_milli: q.cpu_milli, memory_mib: q.memory_mib, models };
+        shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
+        let deadline_s = (q.deadline_h > 0.0).then(|| (q.deadline_h * 3600.0).ceil() as u64);
+        let quote = st.quote(&PendingShape { shape, tasks, same_domain: q.same_domain }, q.agent_nodes, deadline_s);
+        Ok(Response::new(pb::QuoteResponse {
+            now: quote.now,
+            has_next: quote.next_in_s.is_some(),
+            next_in_s: quote.next_in_s.unwrap_or(0),
+            has_deadline: quote.meets_deadline.is_some(),
+            meets_deadline: quote.meets_deadline.unwrap_or(false),
+            queued_ahead: st.queued_at_or_above(q.priority),
+        }))
+    }
+
     async fn query_decisions(&self, req: Request<pb::QueryDecisionsRequest>) -> Reply<pb::QueryDecisionsResponse> {
         let id = self.who(&req)?;
         let r = req.into_inner();
@@ -412,7 +450,8 @@ impl Berth for Service {
         let r = req.into_inner();
         self.require(&id, &r.partition, Role::Operator)?;
         let live = self.live.clone();
-        let (meta, created) = blocking(move || live.upload(&id.name, &r.partition, &r.component, &r.config, &r.note)).await?;
+        let hook = PolicyHook::parse(&r.hook)?;
+        let (meta, created) = blocking(move || live.upload_hook(&id.name, &r.partition, hook, &r.component, &r.config, &r.note)).await?;
         Ok(Response::new(pb::UploadPolicyResponse { policy: Some(policy_ref(&meta)), created }))
     }
 
@@ -421,7 +460,8 @@ impl Berth for Service {
         let r = req.into_inner();
         self.require(&id, &r.partition, Role::Operator)?;
         let live = self.live.clone();
-        let swap = blocking(move || live.activate(&id.name, &r.partition, r.version, "activate")).await?;
+        let hook = PolicyHook::parse(&r.hook)?;
+        let swap = blocking(move || live.activate_hook(&id.name, &r.partition, hook, r.version, "activate")).await?;
         Ok(Response::new(pb::ActivatePolicyResponse {
             active: Some(policy_ref(&swap.active)),
             previous: swap.previous.as_ref().map(policy_ref),
@@ -434,7 +474,8 @@ impl Berth for Service {
         let r = req.into_inner();
         self.require(&id, &r.partition, Role::Operator)?;
         let live = self.live.clone();
-        let swap = blocking(move || live.rollback(&id.name, &r.partition, (r.version != 0).then_some(r.version))).await?;
+        let hook = PolicyHook::parse(&r.hook)?;
+        let swap = blocking(move || live.rollback_hook(&id.name, &r.partition, hook, (r.version != 0).then_some(r.version))).await?;
         Ok(Response::new(pb::ActivatePolicyResponse {
             active: Some(policy_ref(&swap.active)),
             previous: swap.previous.as_ref().map(policy_ref),
@@ -444,9 +485,11 @@ impl Berth for Service {
 
     async fn policy_history(&self, req: Request<pb::PolicyHistoryRequest>) -> Reply<pb::PolicyHistoryResponse> {
         let id = self.who(&req)?;
-        let partition = req.into_inner().partition;
+        let r = req.into_inner();
+        let partition = r.partition;
         self.require(&id, &partition, Role::Viewer)?;
-        let record = self.live.registry.record(&partition)?;
+        let hook = PolicyHook::parse(&r.hook)?;
+        let record = self.live.registry.record(&hook_key(&partition, hook))?;
         Ok(Response::new(pb::PolicyHistoryResponse {
             versions: record
                 .versions

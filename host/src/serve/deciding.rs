@@ -1,0 +1,495 @@
+//! How a partition decides: its queue is the core's [`Engine`], the same
+//! state machine replay drives, so queue order, the predicate, gangs, the
+//! starvation guard and preemption are written once. This module hands the
+//! engine the partition's policies (the active placement version, a split
+//! candidate routed by job id, the rank version or the documented default
+//! ranking), watches every placement attempt (decision log, shadow
+//! candidate on the same state, A/B tallies, breaker) and turns the
+//! engine's decisions into job records, process starts and evictions under
+//! the priority contract.
+
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_core::engine::{Deciders, Decision, Hook, Observer, World};
+use berth_core::fleet::{Node, NodeId};
+use berth_core::preemption::PreemptionPolicy;
+use berth_core::{Allocation, Fleet, Job, PlacementPolicy, Placer, PolicyError};
+use berth_sdk::{Allocations, Domains, Nodes, Scores, Task};
+
+use super::decisions::DecisionRecord;
+use super::scheduler::{input_digest, partly_used, run_arm, Arm, ArmRun, Candidate, JobState, Live, Partition, PartitionState, Trip};
+use super::shadow::{self, Mode};
+use super::unix_ms;
+
+/// Seconds on the engine's clock: the live host's is Unix time.
+pub fn now_s() -> u64 {
+    unix_ms() / 1000
+}
+
+/// What the deciding arms did for the job being placed: shared by the
+/// chooser (which calls them) and the observer (which logs).
+#[derive(Default)]
+struct Attempt {
+    calls: u32,
+    /// The split candidate decided this job.
+    candidate: bool,
+    /// The split candidate failed it: the active version decided.
+    fell_back: Option<PolicyError>,
+    latency: Duration,
+    candidate_latency: Duration,
+    /// The deciding arm's first scores (candidate node ids, scores).
+    first: Option<(Vec<u32>, Vec<f64>)>,
+}
+
+/// The placement policy the engine sees: the active version, or for a
+/// split candidate's share of jobs the candidate, falling back to the
+/// active version for the rest of a job the candidate failed.
+struct ArmChooser {
+    active: Arc<Arm>,
+    split: Option<(Arc<Arm>, f64)>,
+    attempt: Rc<RefCell<Attempt>>,
+}
+
+impl ArmChooser {
+    fn call<T>(&mut self, job_id: u64, mut f: impl FnMut(&mut dyn PlacementPolicy) -> Result<T, PolicyError>) -> Result<T, PolicyError> {
+        let mut at = self.attempt.borrow_mut();
+        at.calls += 1;
+        if let Some((cand, fraction)) = &self.split
+            && at.fell_back.is_none()
+            && shadow::in_split(job_id, *fraction)
+        {
+            let started = Instant::now();
+            let r = f(&mut *cand.policy.lock().unwrap());
+            at.candidate_latency += started.elapsed();
+            match r {
+                Ok(v) => {
+                    at.candidate = true;
+                    return Ok(v);
+                }
+                Err(e) => {
+                    at.candidate = false;
+                    at.fell_back = Some(e);
+                }
+            }
+        }
+        let started = Instant::now();
+        let r = f(&mut *self.active.policy.lock().unwrap());
+        at.latency += started.elapsed();
+        r
+    }
+}
+
+impl PlacementPolicy for ArmChooser {
+    fn describe(&self) -> String {
+        format!("{}@{} (version {})", self.active.meta.name, self.active.meta.semver, self.active.meta.version)
+    }
+
+    fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        let attempt = self.attempt.clone();
+        let r = self.call(task.job_id, |p| p.score(task, nodes));
+        let mut at = attempt.borrow_mut();
+        if at.first.is_none()
+            && let Ok(s) = &r
+        {
+            at.first = Some((nodes.ids.clone(), s.scores.clone()));
+        }
+        r
+    }
+
+    fn score_domains(&mut self, task: &Task, domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        self.call(task.job_id, |p| p.score_domains(task, domains))
+    }
+}
+
+/// The rank hook: the partition's rank version, or the documented default
+/// order (lowest priority first, then least work lost) when none is active
+/// or the breaker took it out.
+struct RankChooser {
+    arm: Option<Arc<Arm>>,
+}
+
+impl PreemptionPolicy for RankChooser {
+    fn describe(&self) -> String {
+        match &self.arm {
+            Some(a) => format!("{}@{} (rank version {})", a.meta.name, a.meta.semver, a.meta.version),
+            None => "default ranking".into(),
+        }
+    }
+
+    fn rank(&mut self, demand: &Task, victims: &mut Allocations) -> Result<Option<Vec<u32>>, PolicyError> {
+        match &self.arm {
+            Some(a) => PreemptionPolicy::rank(&mut *a.policy.lock().unwrap(), demand, victims),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Watches the engine's placement attempts.
+struct LiveObserver<'a> {
+    live: &'a Live,
+    p: usize,
+    part: &'a Partition,
+    active: Arc<Arm>,
+    candidate: Option<Arc<Candidate>>,
+    attempt: Rc<RefCell<Attempt>>,
+    /// Owner and submission time of every pending job.
+    owners: HashMap<u64, (String, Instant)>,
+    /// The shadow candidate's own placer and its run on the current job.
+    placer: Placer,
+    shadow_run: Option<(ArmRun, Fleet, u64)>,
+    digest: String,
+    /// Per job decided: the explanation, the decision id and version.
+    notes: Vec<(u64, String, u64, u32)>,
+    trip: Trip,
+}
+
+impl LiveObserver<'_> {
+    fn base(&self, job: &Job) -> DecisionRecord {
+        DecisionRecord {
+            id: 0,
+            unix_ms: unix_ms(),
+            partition: self.part.name.clone(),
+            job_id: job.id,
+            actor: self.owners.get(&job.id).map(|o| o.0.clone()).unwrap_or_default(),
+            arm: String::new(),
+            actuated: true,
+            policy: String::new(),
+            policy_semver: String::new(),
+            policy_version: 0,
+            sha256: String::new(),
+            input_digest: self.digest.clone(),
+            outcome: String::new(),
+            detail: String::new(),
+            placements: Vec::new(),
+            latency_us: 0,
+        }
+    }
+
+    fn note_trip(&mut self, trip: Trip) {
+        if trip != Trip::None {
+            self.trip = trip;
+        }
+    }
+}
+
+impl Observer for LiveObserver<'_> {
+    fn before_place(&mut self, fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool) {
+        *self.attempt.borrow_mut() = Attempt::default();
+        self.digest = input_digest(fleet, job);
+        self.shadow_run = None;
+        // Shadow: same inputs, a scratch copy of the fleet, never actuated.
+        if let Some(c) = self.candidate.as_deref()
+            && c.mode == Mode::Shadow
+        {
+            let mut scratch = fleet.clone();
+            let run = run_arm(&c.arm, &mut scratch, &mut self.placer, job, keep);
+            let base = self.base(job);
+            let decision = self.live.log(&base, "shadow", false, &c.arm, &run, &scratch);
+            let trip = self.live.after_call(self.p, &c.arm, &run.result, false);
+            self.note_trip(trip);
+            self.shadow_run = Some((run, scratch, decision));
+        }
+    }
+
+    fn after_place(&mut self, fleet: &Fleet, job: &Job, result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>) {
+        let at = std::mem::take(&mut *self.attempt.borrow_mut());
+        if at.calls == 0 {
+            // The predicate ruled it out before any policy call: no
+            // decision is made or logged.
+            self.notes.push((job.id, "no room: too few nodes pass the hard constraints now".into(), 0, 0));
+            return;
+        }
+        let base = self.base(job);
+        let waited_s = self.owners.get(&job.id).map_or(0.0, |o| o.1.elapsed().as_secs_f64());
+        let split = self.candidate.as_ref().filter(|c| matches!(c.mode, Mode::Split(_))).map(|c| c.arm.clone());
+        let outcome = |r: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>| r.as_ref().ok().and_then(|r| r.as_ref()).map(|(_, d)| (waited_s, *d, job.tasks > 1));
+        if let (Some(e), Some(cand)) = (at.fell_back.clone(), split.as_ref()) {
+            // The candidate failed this job: the active version decided it,
+            // so a bad candidate never strands work.
+            let run = ArmRun { result: Err(e), first: None, latency: at.candidate_latency };
+            self.live.log(&base, "candidate", true, cand, &run, fleet);
+            let trip = self.live.after_call(self.p, cand, &run.result, false);
+            self.note_trip(trip);
+            self.part.stats.lock().unwrap().arms[1].record(at.candidate_latency.as_micros() as u64, None, true, partly_used(fleet));
+        }
+        let (arm, name, latency) = match (&split, at.candidate) {
+            (Some(c), true) => (c.clone(), "candidate", at.candidate_latency),
+            _ => (self.active.clone(), "active", at.latency),
+        };
+        let run = ArmRun { result: result.clone(), first: at.first, latency };
+        let decision = self.live.log(&base, name, true, &arm, &run, fleet);
+        let trip = self.live.after_call(self.p, &arm, &run.result, name == "active");
+        self.note_trip(trip);
+        if split.is_some() {
+            let idx = usize::from(name == "candidate");
+            self.part.stats.lock().unwrap().arms[idx].record(latency.as_micros() as u64, outcome(&run.result), run.result.is_err(), partly_used(fleet));
+        }
+        if let Some((srun, scratch, sd)) = self.shadow_run.take() {
+            self.live.compare(self.part, job, &run, fleet, &srun, &scratch, sd);
+        }
+        let m = &arm.meta;
+        let note = match &run.result {
+            Ok(Some(_)) => format!("decision {decision}: placed by {}@{} (version {})", m.name, m.semver, m.version),
+            Ok(None) => format!("decision {decision}: no room now (version {})", m.version),
+            Err(e) => format!("decision {decision}: version {} failed: {e}", m.version),
+        };
+        self.notes.push((job.id, note, decision, m.version));
+    }
+}
+
+impl Live {
+    /// One walk of partition `p`'s queue by its engine; the decisions are
+    /// recorded, stored and actuated before the lock is let go.
+    pub(super) fn pass(&self, p: usize) {
+        let part = &self.partitions[p];
+        // The versions for this pass: a swap after this point applies to
+        // the next one.
+        let Some(active) = part.active() else { return };
+        let candidate = part.candidate();
+        let ranker = part.ranker();
+        let mut guard = part.state.lock().unwrap();
+        let st = &mut *guard;
+        if st.paused {
+            return;
+        }
+        let attempt = Rc::new(RefCell::new(Attempt::default()));
+        let split = candidate.as_ref().and_then(|c| match c.mode {
+            Mode::Split(f) => Some((c.arm.clone(), f)),
+            Mode::Shadow => None,
+        });
+        let mut chooser = ArmChooser { active: active.clone(), split, attempt: attempt.clone() };
+        let mut rank = RankChooser { arm: ranker.clone() };
+        let owners = st.pending.iter().filter_map(|id| st.jobs.get(id).map(|j| (*id, (j.owner.clone(), j.submitted_at)))).collect();
+        let mut observer = LiveObserver {
+            live: self,
+            p,
+            part,
+            active,
+            candidate,
+            attempt,
+            owners,
+            placer: Placer::new(),
+            shadow_run: None,
+            digest: String::new(),
+            notes: Vec::new(),
+            trip: Trip::None,
+        };
+        // Jobs with a command run on agent nodes only; simulated jobs never do.
+        let agent_nodes: BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
+        let eligible = |job: &Job, id: NodeId, _: &Node| agent_nodes.contains(&id) == job.reports_exit;
+        let now = now_s();
+        let pass = {
+            let mut deciders = Deciders { placement: &mut chooser, preemption: Some(&mut rank), compaction: None };
+            let mut world = World { eligible: Some(&eligible), observer: Some(&mut observer) };
+            st.engine.handle(&mut st.fleet, now, [], &mut deciders, &mut world)
+        };
+        let (notes, trip) = (std::mem::take(&mut observer.notes), observer.trip);
+        drop(observer);
+        let mut last: HashMap<u64, (String, u64, u32)> = HashMap::new();
+        for (job, note, decision, version) in notes {
+            last.insert(job, (note, decision, version));
+        }
+        for d in pass.decisions {
+            self.apply_decision(part, st, d, &last, ranker.as_deref());
+        }
+        for (job, (note, _, _)) in &last {
+            if let Some(r) = st.jobs.get_mut(job)
+                && r.state == JobState::Pending
+                && !r.evicting
+            {
+                r.last_decision = note.clone();
+            }
+        }
+        if let Some((slot, hook, e)) = pass.error {
+            let job_id = slot.map(|s| st.engine.job(s).id);
+            let trip = match hook {
+                Hook::Rank => self.rank_failed(p, ranker.as_ref(), &e),
+                _ => trip,
+            };
+            if let Some(id) = job_id
+                && let Some(r) = st.jobs.get_mut(&id)
+                && hook == Hook::Rank
+            {
+                r.last_decision = format!("preemption ranking failed: {e}");
+            }
+            // Try again shortly, on whatever version is active by then.
+            let soon = if trip == Trip::None { 50 } else { 1 };
+            st.retry_at = Some(Instant::now() + Duration::from_millis(soon));
+        }
+        if trip == Trip::Paused {
+            st.paused = true;
+        }
+    }
+
+    /// The rank version failed a call: its breaker may take it out, and the
+    /// default ranking decides from then on.
+    fn rank_failed(&self, p: usize, arm: Option<&Arc<Arm>>, e: &PolicyError) -> Trip {
+        let part = &self.partitions[p];
+        let Some(arm) = arm else { return Trip::None };
+        let v = arm.meta.version;
+        self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), super::breaker::kind(e)]).inc();
+        tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "rank policy call failed: {e}");
+        if !super::breaker::counts(e) || !part.rank_breaker.lock().unwrap().failure(v, &self.breaker) {
+            return Trip::None;
+        }
+        self.trip_rank(p, arm, e);
+        Trip::Replaced
+    }
+
+    /// Records one engine decision and actuates it.
+    fn apply_decision(&self, part: &Partition, st: &mut PartitionState, d: Decision, last: &HashMap<u64, (String, u64, u32)>, ranker: Option<&Arm>) {
+        match d {
+            Decision::Place { job: id, allocations, victims, .. } => {
+                let fleet_names = super::scheduler::placed(&st.fleet, &allocations);
+                // Preempted jobs whose processes still run: the new tasks
+                // start when they are gone.
+                let waiting_on: Vec<u64> = victims.iter().copied().filter(|v| st.jobs.get(v).is_some_and(|j| j.evicting)).collect();
+                let Some(record) = st.jobs.get_mut(&id) else { return };
+                let agent_job = !record.spec.argv.is_empty();
+                let ends_at = (!agent_job || !record.spec.duration.is_zero()).then(|| Instant::now() + record.spec.duration);
+                let (note, decision, version) = last.get(&id).cloned().unwrap_or_default();
+                record.state = JobState::Running;
+                record.started_unix_ms = unix_ms();
+                record.ends_at = ends_at;
+                record.allocations = allocations;
+                record.placements = fleet_names;
+                record.decision_id = decision;
+                record.policy_version = version;
+                record.last_decision = if victims.is_empty() { note } else { format!("{note}; preempted job(s) {victims:?}") };
+                record.waiting_on = waiting_on;
+                st.pending.retain(|&j| j != id);
+                if let Some(t) = ends_at {
+                    st.running.insert((t, id));
+                }
+                self.metrics.jobs.with_label_values(&[&part.name, "pending"]).dec();
+                self.metrics.jobs.with_label_values(&[&part.name, "running"]).inc();
+                if agent_job && st.jobs[&id].waiting_on.is_empty() {
+                    self.actuate(part, st, id);
+                } else {
+                    self.persist_logged(vec![st.job_op(&part.name, id)]);
+                }
+            }
+            Decision::Evict { job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, forced, .. } => {
+                let contract = st.engine.config.contract;
+                let Some(record) = st.jobs.get_mut(&id) else { return };
+                if let Some(t) = record.ends_at.take() {
+                    st.running.remove(&(t, id));
+                }
+                // A copy being migrated in holds GPUs the engine never gave:
+                // they stay fenced (an allocation of no job) until its exit
+                // frees them, and it is stopped now.
+                let mut k = 0;
+                while k < record.runs.len() {
+                    if record.runs[k].replaces != 0 && record.runs[k].holds {
+                        let (r, a) = (record.runs.remove(k), record.allocations.remove(k));
+                        st.manual.insert(r.alloc_id, a);
+                        st.lost.insert(r.alloc_id);
+                        st.by_alloc.insert(r.alloc_id, 0);
+                        if let Some(act) = self.actuator() {
+                            act.stop(r.alloc_id, &r.node);
+                        }
+                    } else {
+                        k += 1;
+                    }
+                }
+                record.state = JobState::Pending;
+                record.allocations.clear();
+                record.placements.clear();
+                record.interruptions += 1;
+                record.detail = format!("preempted for job {for_job} (ranked by {ranked_by}); {lost_gpu_s:.0} GPU-s of work lost");
+                record.last_decision = record.detail.clone();
+                let agent_job = !record.spec.argv.is_empty();
+                if agent_job {
+                    // The contract: a checkpoint notice now, the stop after
+                    // the notice period; the agent kills what is left after
+                    // its stop grace. The GPUs are the preemptor's once the
+                    // processes are gone.
+                    record.evicting = true;
+                    let stop_at = Instant::now() + Duration::from_secs(contract.notice_s);
+                    if let Some(act) = self.actuator() {
+                        for r in record.runs.iter().filter(|r| r.holds) {
+                            act.checkpoint(r.alloc_id, &r.node);
+                        }
+                    }
+                    for r in record.runs.iter().filter(|r| r.holds) {
+                        st.stops.push((stop_at, r.alloc_id, r.node.clone()));
+                    }
+                } else {
+                    record.runs.clear();
+                }
+                st.pending.push(id);
+                self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
+                self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+                self.metrics.evictions.with_label_values(&[part.name.as_str(), if forced { "forced" } else { "notice" }]).inc();
+                self.metrics.lost_gpu_seconds.with_label_values(&[&part.name]).inc_by(lost_gpu_s);
+                // The rank decision, with the version that ranked.
+                let (policy, semver, version, sha) = match ranker {
+                    Some(a) => (a.meta.name.clone(), a.meta.semver.clone(), a.meta.version, a.meta.sha256.clone()),
+                    None => ("default-rank".to_string(), String::new(), 0, String::new()),
+                };
+                self.decisions.append(DecisionRecord {
+                    id: 0,
+                    unix_ms: unix_ms(),
+                    partition: part.name.clone(),
+                    job_id: id,
+                    actor: "rank".into(),
+                    arm: "rank".into(),
+                    actuated: true,
+                    policy,
+                    policy_semver: semver,
+                    policy_version: version,
+                    sha256: sha,
+                    input_digest: String::new(),
+                    outcome: "evicted".into(),
+                    detail: format!("for job {for_job}; stop by {}; {lost_gpu_s:.0} GPU-s lost{}", stop_by_s, if forced { "; forced" } else { "" }),
+                    placements: Vec::new(),
+                    latency_us: 0,
+                });
+                tracing::info!(target: "berth::serve", partition = %part.name, job = id, for_job, "preempted: {}", st.jobs[&id].detail);
+                self.persist_logged(vec![st.job_op(&part.name, id)]);
+            }
+            Decision::Reserve { job: id, until_s, nodes, .. } => {
+                if let Some(record) = st.jobs.get_mut(&id) {
+                    let when = until_s.saturating_sub(now_s());
+                    record.last_decision = if until_s == u64::MAX {
+                        format!("reserved {} node(s); no running work ends on plan to make room", nodes.len())
+                    } else {
+                        format!("reserved {} node(s) drained for it: starts within {when} s at the latest", nodes.len())
+                    };
+                    record.reserved_until_s = until_s;
+                }
+            }
+        }
+    }
+
+    /// Every task of an evicted job has stopped: it may run again, and the
+    /// jobs that waited for its GPUs start.
+    pub(crate) fn vacated(&self, part: &Partition, st: &mut PartitionState, id: u64) {
+        let Some(&slot) = st.slots.get(&id) else { return };
+        st.engine.apply(&mut st.fleet, now_s(), berth_core::Event::Vacated(slot));
+        if let Some(r) = st.jobs.get_mut(&id) {
+            r.evicting = false;
+            r.runs.clear();
+        }
+        self.persist_logged(vec![st.job_op(&part.name, id)]);
+        let ready: Vec<u64> = st
+            .jobs
+            .iter_mut()
+            .filter(|(_, j)| j.state == JobState::Running && j.waiting_on.contains(&id))
+            .filter_map(|(&jid, j)| {
+                j.waiting_on.retain(|&v| v != id);
+                j.waiting_on.is_empty().then_some(jid)
+            })
+            .collect();
+        for jid in ready {
+            tracing::info!(target: "berth::serve", job = jid, "preempted work is gone: starting");
+            self.actuate(part, st, jid);
+        }
+        st.dirty = true;
+        part.wake.notify_all();
+    }
+}

@@ -1,0 +1,224 @@
+//! Live preemption through the engine: a real `berth serve` with a real
+//! synthetic agent; low-priority tasks are real child processes. A
+//! high-priority job that does not fit takes GPUs back through the
+//! partition's rank policy (wasm), the victims get the priority contract
+//! (checkpoint notice, stop after the notice) and go back to the queue; a
+//! hostile rank version trips its breaker and the default ranking decides.
+
+use std::path::Path;
+use std::time::Duration;
+
+use berth::serve::pb;
+
+use crate::agent::{agent, agent_job, assert_one_owner, dir, jobs, serve, until};
+use crate::common::{guest_path, policy_path};
+
+/// A task that records its checkpoint notices (the agent's checkpoint hook
+/// writes `ckpt-<allocation>`), writes the GPUs it sees, and runs until
+/// `release-<job>` exists (or two minutes).
+fn low_job(d: &Path, gpus: u32) -> pb::JobSpec {
+    agent_job(d, gpus, 1)
+}
+
+async fn upload_rank(api: &mut berth::serve::cli::Client, path: &Path) -> u32 {
+    let component = std::fs::read(path).unwrap();
+    let up = api
+        .upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "rank".into(), ..Default::default() })
+        .await
+        .expect("upload rank")
+        .into_inner()
+        .policy
+        .unwrap();
+    api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.version, hook: "rank".into() }).await.expect("activate rank");
+    up.version
+}
+
+async fn running(api: &berth::serve::cli::Client, ids: &[u64]) -> Vec<pb::Job> {
+    let ids = ids.to_vec();
+    until("jobs running with their processes", Duration::from_secs(60), || {
+        let api = api.clone();
+        let ids = ids.clone();
+        async move {
+            let js = jobs(&api).await;
+            let run: Vec<pb::Job> =
+                js.into_iter().filter(|j| ids.contains(&j.id) && j.state == "running" && !j.runs.is_empty() && j.runs.iter().all(|r| r.state == "running")).collect();
+            (run.len() == ids.len()).then_some(run)
+        }
+    })
+    .await
+}
+
+async fn evictions(api: &mut berth::serve::cli::Client) -> Vec<pb::Decision> {
+    let req = pb::QueryDecisionsRequest { partition: "p0".into(), limit: 1000, ..Default::default() };
+    api.query_decisions(req).await.unwrap().into_inner().decisions.into_iter().filter(|d| d.outcome == "evicted").collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contract() {
+    let d = dir("preempt");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "1"]).await;
+    let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
+    let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    until("n1 schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            nodes.iter().any(|n| n.name == "n1" && n.schedulable).then_some(())
+        }
+    })
+    .await;
+    let spot = upload_rank(&mut api, &policy_path("spot-gpu")).await;
+
+    // Low-priority fill: A (2 GPUs, oldest), then B and C (1 GPU each).
+    let mut low = Vec::new();
+    for gpus in [2, 1, 1] {
+        let id = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, gpus)) }).await.unwrap().into_inner().job_id;
+        low.push(id);
+        running(&api, &low).await; // started one after the other: A ran longest
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    let (a, b, c) = (low[0], low[1], low[2]);
+    let before = jobs(&api).await;
+    let held: std::collections::BTreeMap<u64, Vec<u32>> = before.iter().filter(|j| low.contains(&j.id)).map(|j| (j.id, j.runs[0].gpus.clone())).collect();
+
+    // A priority-5 job for 2 GPUs: nothing is free. spot-gpu takes the work
+    // with the least to recompute (GPUs x time since the last checkpoint):
+    // C then B, which is enough; A keeps running.
+    let mut high = agent_job(&d, 2, 1);
+    high.priority = 5;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    let hj = running(&api, &[h]).await.remove(0);
+    let mut got = hj.runs[0].gpus.clone();
+    got.sort_unstable();
+    let mut freed: Vec<u32> = held[&b].iter().chain(&held[&c]).copied().collect();
+    freed.sort_unstable();
+    assert_eq!(got, freed, "the high-priority job runs on its victims' GPUs");
+
+    let all = jobs(&api).await;
+    assert_one_owner(&all, &[]);
+    let state = |id: u64| all.iter().find(|j| j.id == id).unwrap().clone();
+    assert_eq!(state(a).state, "running", "A is not a victim: {:?}", state(a));
+    for v in [b, c] {
+        let j = state(v);
+        // Back in the queue (no GPU free for it now), its old process gone.
+        assert_eq!(j.state, "pending", "{j:?}");
+        assert!(j.detail.contains(&format!("preempted for job {h}")), "{j:?}");
+        // The contract: a checkpoint notice reached each victim's process
+        // before its stop.
+        let alloc = before.iter().find(|x| x.id == v).unwrap().runs[0].allocation_id;
+        let noted = std::fs::read_to_string(d.join(format!("ckpt-{alloc}"))).unwrap_or_default();
+        assert_eq!(noted.trim(), alloc.to_string(), "no checkpoint notice for job {v}");
+    }
+    // Logged with the rank policy's name and version.
+    let ev = evictions(&mut api).await;
+    let mut victims: Vec<u64> = ev.iter().map(|d| d.job_id).collect();
+    victims.sort_unstable();
+    assert_eq!(victims, vec![b, c], "{ev:?}");
+    assert!(ev.iter().all(|d| d.policy == "spot-gpu" && d.policy_version == spot && d.detail.contains(&format!("for job {h}"))), "{ev:?}");
+
+    // Releasing the high job gives the victims their turn again.
+    std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
+    running(&api, &[b, c]).await;
+    assert_one_owner(&jobs(&api).await, &[]);
+    for id in low {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+    until("all done", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_rank_policy_trips_its_breaker_and_the_default_ranking_takes_over() {
+    let d = dir("preempt-hostile");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0"]).await;
+    let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    until("n1 schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            nodes.iter().any(|n| n.name == "n1" && n.schedulable).then_some(())
+        }
+    })
+    .await;
+    let hostile = upload_rank(&mut api, &guest_path("hostile")).await;
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)) }).await.unwrap().into_inner().job_id;
+    running(&api, &[low]).await;
+    // The hostile version answers an out-of-range index for priority 77.
+    let mut high = agent_job(&d, 2, 1);
+    high.priority = 77;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    running(&api, &[h]).await;
+    let all = jobs(&api).await;
+    assert_one_owner(&all, &[]);
+    assert_eq!(all.iter().find(|j| j.id == low).unwrap().state, "pending");
+    let hist = api
+        .policy_history(pb::PolicyHistoryRequest { partition: "p0".into(), hook: "rank".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(hist.active_version, 0, "the hostile rank version is out of service");
+    assert!(hist.events.iter().any(|e| e.kind == "breaker" && e.version == hostile && e.detail.contains("default ranking")), "{:?}", hist.events);
+    let ev = evictions(&mut api).await;
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!((ev[0].job_id, ev[0].policy.as_str()), (low, "default-rank"));
+    for id in [low, h] {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+    until("all done", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quote_matches_what_then_happens() {
+    let d = dir("quote");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000"]).await;
+    let _n1 = agent(&d, &url, "n1", "4xH20", &["--switch-domain", "7"]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    until("n1 schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            nodes.iter().any(|n| n.name == "n1" && n.schedulable).then_some(())
+        }
+    })
+    .await;
+    let quote = |api: &berth::serve::cli::Client, gpus: u32| {
+        let mut api = api.clone();
+        async move {
+            let req = pb::QuoteRequest { partition: "p0".into(), gpus, cpu_milli: 1000, memory_mib: 1024, agent_nodes: true, deadline_h: 1.0, ..Default::default() };
+            api.quote(req).await.unwrap().into_inner()
+        }
+    };
+    let q = quote(&api, 4).await;
+    assert_eq!((q.now, q.has_deadline, q.meets_deadline), (1, true, true), "{q:?}");
+    assert_eq!(quote(&api, 5).await.now, 0, "five GPUs never fit a four-GPU node");
+    // A 4-GPU job with a 4 s limit fills the node.
+    let mut fill = agent_job(&d, 4, 1);
+    fill.duration_s = 4.0;
+    let first = api.submit_job(pb::SubmitJobRequest { job: Some(fill) }).await.unwrap().into_inner().job_id;
+    running(&api, &[first]).await;
+    let q = quote(&api, 2).await;
+    assert_eq!(q.now, 0, "{q:?}");
+    assert!(q.has_next && q.next_in_s <= 4, "{q:?}");
+    let quoted = std::time::Instant::now() + Duration::from_secs(q.next_in_s);
+    let next = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    running(&api, &[next]).await;
+    let now = std::time::Instant::now();
+    // It started when the quote said, give or take the stop of the first
+    // job's process (SIGTERM, then its exit report).
+    assert!(now + Duration::from_secs(1) >= quoted, "started {:?} before the quote", quoted - now);
+    assert!(now <= quoted + Duration::from_secs(10), "started {:?} after the quote", now - quoted);
+    // The declared switch is the node's domain (shared by nodes declaring it).
+    let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+    let n1 = nodes.iter().find(|n| n.name == "n1").unwrap();
+    assert_eq!(n1.switch_domain, (1 << 24) + 7);
+    std::fs::write(d.join(format!("release-{next}")), "0").unwrap();
+}
