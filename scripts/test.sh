@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The test command: installs the guest toolchain if needed, builds every policy
-# and test guest to a component, then runs the whole test suite (release: the
+# and test guest to a component, builds the book, then runs the whole test suite (release: the
 # wasm and replay tests are slow unoptimised).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build-policies.sh
 # etcd for the high-availability tests (they start their own instance).
 bash scripts/install-etcd.sh
+# Debian's chromium + chromedriver: the HTML-report test opens its page in a
+# real headless browser.
+bash scripts/install-chromium.sh
+# The book (docs/): a page that includes a missing file or anchor fails here.
+bash scripts/install-mdbook.sh
+(source scripts/lang-env.sh && mdbook build docs)
 BERTH_REQUIRE_TRACES="${BERTH_REQUIRE_TRACES:-${CI:+1}}" cargo test --release --workspace "$@"
