@@ -20,13 +20,16 @@ struct Cli {
 enum Command {
     /// Place a seeded, generated workload on a generated fleet with bundled policies.
     Demo {
+        /// Generated 8-GPU nodes.
         #[arg(long, default_value_t = 256)]
         nodes: usize,
+        /// Seed of the generated fleet and workload.
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Policies to compare (names or .wasm paths).
         #[arg(long = "policy", default_values_t = ["binpack".to_string(), "spread".to_string()])]
         policies: Vec<String>,
+        /// Print the rows as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -124,6 +127,8 @@ struct ReplayArgs {
     /// the compaction settings, e.g. period_s, min_residence_s).
     #[arg(long, requires = "fleet")]
     compact: Option<String>,
+    /// With --compact: the compaction settings (TOML of `CompactionConfig`
+    /// fields, e.g. period_s, min_residence_s).
     #[arg(long, requires = "compact")]
     compact_config: Option<PathBuf>,
     /// With --preempt: sleep-state harvesting, "SLEEP_H-WAKE_H[:SHARE]"
@@ -150,6 +155,11 @@ struct ReplayArgs {
     /// Draw unallocated % against arrival % as SVG.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Write one self-contained HTML report (opens offline): the curves with
+    /// min/max bands over the seeds, the table beside the published figures,
+    /// and every run. Trace replay only (not --fleet or --pool).
+    #[arg(long, conflicts_with_all = ["fleet", "pool", "save_snapshot"])]
+    html: Option<PathBuf>,
     /// Replay the pod list exactly as given: no shuffle, no tuning, ties to
     /// the first node.
     #[arg(long)]
@@ -200,14 +210,19 @@ enum BenchCommand {
     /// Place jobs of the synthetic ASI workload on a fleet config (default:
     /// the 20,000-node ASI fleet) with no departures; time each job.
     Place {
+        /// Placement policy (bundled name or .wasm path).
         #[arg(long)]
         policy: String,
+        /// Fleet config: `asi` (the embedded 20,000-node fleet) or a TOML file.
         #[arg(long, default_value = "asi")]
         fleet: String,
+        /// Scale every node count of the fleet config (e.g. 0.05).
         #[arg(long, default_value_t = 1.0)]
         fleet_scale: f64,
+        /// Jobs to place.
         #[arg(long, default_value_t = 3000)]
         jobs: usize,
+        /// Print the result as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -216,21 +231,28 @@ enum BenchCommand {
     /// generated one without $BERTH_OPENB_DIR / ../shared/data/openb), each
     /// as a ratio to the first policy.
     Languages {
+        /// Policies to compare (repeatable); ratios are to the first.
         #[arg(long = "policy", default_values_t = ["best-fit".to_string(), "best-fit-py".to_string(), "best-fit-js".to_string(), "best-fit-c".to_string()])]
         policies: Vec<String>,
+        /// Candidate nodes in the scoring call.
         #[arg(long, default_value_t = 1000)]
         candidates: usize,
+        /// Seed of the generated candidates and of the replay.
         #[arg(long, default_value_t = 42)]
         seed: u64,
+        /// Print the result as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Time one placement-scoring call in wasm and natively.
     Score {
+        /// Policy to time (bundled name or .wasm path).
         #[arg(long)]
         policy: String,
+        /// Candidate nodes in the scoring call.
         #[arg(long, default_value_t = 10_000)]
         candidates: usize,
+        /// Print the result as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -239,10 +261,15 @@ enum BenchCommand {
 #[derive(Subcommand)]
 enum PolicyCommand {
     /// Load a component and print what it says about itself.
-    Info { policy: String },
+    Info {
+        /// A bundled component name or a .wasm path.
+        policy: String,
+    },
     /// Wrap a core wasm module built with berth-sdk into a component.
     Componentize {
+        /// The core wasm module (wasm32-unknown-unknown, built with berth-sdk).
         module: PathBuf,
+        /// Where to write the component.
         #[arg(short, long)]
         output: PathBuf,
     },
@@ -254,6 +281,7 @@ enum PolicyCommand {
     /// fixed scenarios, pass or fail per contract rule; exits non-zero on a
     /// failure.
     Test {
+        /// The component: a .wasm path or a bundled name.
         component: PathBuf,
         /// Per-call deadline (default: the host's).
         #[arg(long)]
@@ -264,6 +292,7 @@ enum PolicyCommand {
         /// Configuration passed to `configure` first (default: empty).
         #[arg(long, default_value = "")]
         config: String,
+        /// Print the report as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -455,6 +484,17 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.svg {
         report::write_svg(path, &format!("Unallocated GPUs: {source}"), &outcome.rows, &outcome.policies)?;
     }
+    if let Some(path) = &args.html {
+        let meta = report::HtmlMeta {
+            source: &source,
+            seeds: &opts.seeds,
+            mode: if opts.native { "native" } else { "wasm" },
+            keep_order: opts.keep_order,
+            elapsed_s: elapsed.as_secs_f64(),
+            published_from: published_path.as_deref().filter(|_| !published.is_empty()),
+        };
+        report::write_html(path, &meta, &outcome, &published)?;
+    }
     Ok(())
 }
 
@@ -622,4 +662,54 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
 /// The policies' limits in replay: the live host's, with `--deadline-ms`.
 fn replay_limits(args: &ReplayArgs) -> berth::wasm::Limits {
     berth::wasm::Limits { deadline: std::time::Duration::from_millis(args.deadline_ms.max(1)), ..Default::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every argument and subcommand of `berth`, with the path to it, that
+    /// has no help text.
+    fn missing_help(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if arg.is_hide_set() || id == "help" || id == "version" {
+                continue;
+            }
+            if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                let name = arg.get_long().map_or_else(|| format!("<{id}>"), |l| format!("--{l}"));
+                out.push(format!("{path} {name}"));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            let sub_path = format!("{path} {}", sub.get_name());
+            if sub.get_name() == "help" {
+                continue;
+            }
+            if sub.get_about().is_none() && sub.get_long_about().is_none() {
+                out.push(format!("{sub_path} (subcommand)"));
+            }
+            missing_help(sub, &sub_path, out);
+        }
+    }
+
+    #[test]
+    fn every_flag_of_every_subcommand_has_help() {
+        let mut cmd = super::Cli::command();
+        cmd.build();
+        let mut missing = Vec::new();
+        missing_help(&cmd, "berth", &mut missing);
+        assert!(missing.is_empty(), "arguments without help text:\n  {}", missing.join("\n  "));
+        // The walk reaches deep: it saw the flags of `berth serve` and
+        // `berth policy shadow` (a subcommand flattened from another enum).
+        let serve = cmd.find_subcommand("serve").expect("berth serve");
+        assert!(serve.get_arguments().any(|a| a.get_long() == Some("etcd-prefix")));
+        let shadow = cmd.find_subcommand("policy").and_then(|p| p.find_subcommand("shadow")).expect("berth policy shadow");
+        assert!(shadow.get_arguments().any(|a| a.get_long() == Some("fraction")));
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        super::Cli::command().debug_assert();
+    }
 }

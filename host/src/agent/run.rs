@@ -39,6 +39,7 @@ pub struct AgentArgs {
     /// Node name (default: the hostname).
     #[arg(long)]
     node: Option<String>,
+    /// Partition the node joins.
     #[arg(long, default_value = "p0")]
     partition: String,
     /// Synthetic GPUs instead of NVML, as NxMODEL (e.g. 8xH20).
@@ -47,19 +48,23 @@ pub struct AgentArgs {
     /// Synthetic only: report an XID event on a GPU, INDEX:CODE (repeatable).
     #[arg(long, requires = "synthetic_gpus")]
     synthetic_xid: Vec<String>,
+    /// Milliseconds between heartbeats (each carries per-GPU telemetry).
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
     /// Print discovery and one telemetry sample, then exit.
     #[arg(long)]
     once: bool,
+    /// With --once: print as JSON.
     #[arg(long, requires = "once")]
     json: bool,
     /// Hook commands (run with `sh -c`, with BERTH_ALLOCATION and BERTH_PID
     /// set); by default SIGSTOP, SIGCONT and SIGUSR1 to the child's group.
     #[arg(long)]
     sleep_hook: Option<String>,
+    /// Command run to wake an allocation (default: SIGCONT to its group).
     #[arg(long)]
     wake_hook: Option<String>,
+    /// Command run to checkpoint an allocation (default: SIGUSR1 to its group).
     #[arg(long)]
     checkpoint_hook: Option<String>,
     /// The node's access switch (nodes declaring the same one form a switch
@@ -76,6 +81,7 @@ pub struct AgentArgs {
     /// with --synthetic-gpus, 16 cores and 128 GiB per GPU).
     #[arg(long)]
     cpu_cores: Option<u32>,
+    /// Host memory offered for placement, GiB (see --cpu-cores).
     #[arg(long)]
     memory_gib: Option<u64>,
 }
@@ -645,8 +651,10 @@ impl Agent {
 pub enum AllocCommand {
     /// Agents (nodes, GPUs, health) and allocations.
     List {
+        /// Only this partition (default: all).
         #[arg(long, default_value = "")]
         partition: String,
+        /// Print as JSON.
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -654,10 +662,13 @@ pub enum AllocCommand {
     },
     /// Start a command on GPUs of an agent node: `berth alloc start --node n1 --gpus 0,1 -- cmd args`.
     Start {
+        /// The agent node to run on.
         #[arg(long)]
         node: String,
+        /// GPU indexes on that node, comma-separated (e.g. 0,1).
         #[arg(long, value_delimiter = ',')]
         gpus: Vec<u32>,
+        /// The command and its arguments (after `--`).
         #[arg(trailing_var_arg = true, required = true)]
         argv: Vec<String>,
         #[command(flatten)]
@@ -665,8 +676,11 @@ pub enum AllocCommand {
     },
     /// stop, sleep, wake or checkpoint an allocation.
     Control {
+        /// What to do: stop (SIGTERM, then SIGKILL after the grace), sleep,
+        /// wake or checkpoint (the agent's hooks, or signals by default).
         #[arg(value_parser = ["stop", "sleep", "wake", "checkpoint"])]
         action: String,
+        /// The allocation id (see `berth alloc list`).
         allocation: u64,
         #[command(flatten)]
         conn: HubConn,
@@ -675,10 +689,13 @@ pub enum AllocCommand {
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct HubConn {
+    /// Server URL (https:// for TLS).
     #[arg(long, env = "BERTH_SERVER", default_value = "http://127.0.0.1:7450")]
     server: String,
+    /// Bearer token (an identity with the operator role to act).
     #[arg(long, env = "BERTH_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// CA certificate (PEM) that signed the server's certificate.
     #[arg(long, env = "BERTH_CA")]
     ca: Option<PathBuf>,
 }

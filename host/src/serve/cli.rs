@@ -21,6 +21,8 @@ use crate::wasm::Limits;
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
+    /// Address of the gRPC API (Berth and the agents' AgentHub); plaintext
+    /// only on loopback, TLS (--tls-cert/--tls-key) elsewhere.
     #[arg(long, default_value = "127.0.0.1:7450")]
     listen: SocketAddr,
     /// Prometheus text endpoint (`/metrics`); `off` to disable.
@@ -33,6 +35,7 @@ pub struct ServeArgs {
     /// of 32 eight-GPU nodes) or `asi`.
     #[arg(long, default_value = "default")]
     fleet: String,
+    /// Scale every node count of the fleet config (e.g. 0.05), in (0, 10].
     #[arg(long, default_value_t = 1.0)]
     fleet_scale: f64,
     /// Access file (TOML): identities, tokens or client-certificate digests,
@@ -40,8 +43,10 @@ pub struct ServeArgs {
     /// API is never open.
     #[arg(long)]
     access: PathBuf,
+    /// The server's TLS certificate chain (PEM); with --tls-key.
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
+    /// The server's TLS private key (PEM); with --tls-cert.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
     /// CA of client certificates (mTLS, optional for clients).
@@ -53,6 +58,7 @@ pub struct ServeArgs {
     /// Per-call deadline of a policy.
     #[arg(long, default_value_t = 500)]
     deadline_ms: u64,
+    /// Memory cap of one policy instance, MiB.
     #[arg(long, default_value_t = 256)]
     memory_mib: u64,
     /// Consecutive failed calls that trip a version's circuit breaker.
@@ -61,6 +67,8 @@ pub struct ServeArgs {
     /// Backoff after a trip before the version may run again (doubles per trip).
     #[arg(long, default_value_t = 60)]
     breaker_backoff_s: u64,
+    /// Largest component `berth policy upload` accepts, bytes (larger:
+    /// RESOURCE_EXHAUSTED).
     #[arg(long, default_value_t = 16 << 20)]
     max_upload_bytes: usize,
     /// A node agent silent for this long is marked unreachable.
@@ -79,6 +87,8 @@ pub struct ServeArgs {
     /// waits as a standby and takes over when the leader's lease ends.
     #[arg(long)]
     etcd: Option<String>,
+    /// Key prefix of this host's state in etcd (hosts sharing a prefix
+    /// share the state and the leader election).
     #[arg(long, default_value = "/berth/", requires = "etcd")]
     etcd_prefix: String,
     /// The leader lease's TTL: a dead leader is replaced after about this long.
@@ -199,6 +209,7 @@ pub struct Conn {
     /// Client certificate and key (PEM) for mTLS.
     #[arg(long, requires = "key")]
     cert: Option<PathBuf>,
+    /// Private key (PEM) of the client certificate (--cert).
     #[arg(long, requires = "cert")]
     key: Option<PathBuf>,
 }
@@ -245,8 +256,10 @@ pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, ident
 pub enum ApiCommand {
     /// Submit a job to a running `berth serve`.
     Submit {
+        /// Partition to submit to (e.g. p0).
         #[arg(long)]
         partition: String,
+        /// Tasks of the job (more than one: a gang, started all or nothing).
         #[arg(long, default_value_t = 1)]
         tasks: u32,
         /// GPUs per task.
@@ -255,19 +268,24 @@ pub enum ApiCommand {
         /// Thousandths of each GPU (1000 = whole).
         #[arg(long, default_value_t = 1000)]
         gpu_milli: u32,
+        /// CPU cores per task.
         #[arg(long, default_value_t = 4)]
         cores: u32,
+        /// Host memory per task, GiB.
         #[arg(long, default_value_t = 16)]
         memory_gib: u64,
         /// Accepted GPU models (repeatable; none = any).
         #[arg(long = "model")]
         models: Vec<String>,
+        /// Priority (higher is placed first; below the high-priority threshold
+        /// the job is low priority and may be preempted).
         #[arg(long, default_value_t = 0)]
         priority: u32,
         /// Seconds the job runs once started (default 600); with a command,
         /// a time limit (default none: it runs until the processes exit).
         #[arg(long)]
         duration_s: Option<f64>,
+        /// A name for the job, shown in listings.
         #[arg(long, default_value = "")]
         name: String,
         /// Environment for the command, NAME=VALUE (repeatable).
@@ -298,16 +316,21 @@ pub enum ApiCommand {
     },
     /// Cancel a job.
     Cancel {
+        /// The job id (see `berth jobs`).
         job: u64,
         #[command(flatten)]
         conn: Conn,
     },
     /// List jobs (newest first).
     Jobs {
+        /// Only this partition (default: every partition you may see).
         #[arg(long, default_value = "")]
         partition: String,
+        /// Only jobs in this state (pending, running, finished, failed,
+        /// cancelled; default: all).
         #[arg(long, default_value = "")]
         state: String,
+        /// At most this many jobs.
         #[arg(long, default_value_t = 50)]
         limit: u32,
         #[command(flatten)]
@@ -315,6 +338,7 @@ pub enum ApiCommand {
     },
     /// List nodes.
     Nodes {
+        /// Only this partition (default: every partition you may see).
         #[arg(long, default_value = "")]
         partition: String,
         #[command(flatten)]
@@ -327,6 +351,7 @@ pub enum ApiCommand {
     },
     /// Why a job is pending.
     Explain {
+        /// The job id (see `berth jobs`).
         job: u64,
         #[command(flatten)]
         conn: Conn,
@@ -373,6 +398,7 @@ pub enum ApiCommand {
     },
     /// GPU accounting: installed, healthy, schedulable, busy, productive; stranded by cause.
     Accounting {
+        /// Only this partition (default: every partition you may see).
         #[arg(long, default_value = "")]
         partition: String,
         #[command(flatten)]
@@ -380,13 +406,16 @@ pub enum ApiCommand {
     },
     /// Query the decision log (newest first).
     Decisions {
+        /// Only this partition (default: every partition you may see).
         #[arg(long, default_value = "")]
         partition: String,
+        /// Only decisions about this job (0: every job).
         #[arg(long, default_value_t = 0)]
         job: u64,
         /// Registry version of the deciding policy.
         #[arg(long, default_value_t = 0)]
         version: u32,
+        /// At most this many decisions.
         #[arg(long, default_value_t = 20)]
         limit: u32,
         /// Include shadow decisions (recorded, not actuated).
@@ -402,6 +431,7 @@ pub enum ApiCommand {
 pub enum PolicyApiCommand {
     /// Upload a component as a partition's next version (validated first).
     Upload {
+        /// The partition whose policy this acts on (e.g. p0).
         #[arg(long)]
         partition: String,
         /// A .wasm path or the name of a bundled component.
@@ -409,6 +439,7 @@ pub enum PolicyApiCommand {
         /// Text for the policy's `configure` hook.
         #[arg(long, default_value = "")]
         config: String,
+        /// A note kept with the version in the registry history.
         #[arg(long, default_value = "")]
         note: String,
         /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
@@ -419,8 +450,10 @@ pub enum PolicyApiCommand {
     },
     /// Make a version the partition's active policy (hot swap).
     Activate {
+        /// The partition whose policy this acts on (e.g. p0).
         #[arg(long)]
         partition: String,
+        /// The registry version (see `berth policy history`).
         version: u32,
         /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
         #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
@@ -430,8 +463,10 @@ pub enum PolicyApiCommand {
     },
     /// Activate an earlier version (default: the one before the current).
     Rollback {
+        /// The partition whose policy this acts on (e.g. p0).
         #[arg(long)]
         partition: String,
+        /// The version to go back to (default: the one before the current).
         version: Option<u32>,
         /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
         #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
@@ -441,6 +476,7 @@ pub enum PolicyApiCommand {
     },
     /// Versions and events of a partition's policy registry.
     History {
+        /// The partition (e.g. p0).
         #[arg(long)]
         partition: String,
         /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
@@ -452,12 +488,17 @@ pub enum PolicyApiCommand {
     /// Run a candidate version beside the active one: `shadow` (recorded
     /// only), `split` (a fraction of jobs decided by it) or `off`.
     Shadow {
+        /// The partition whose policy this acts on (e.g. p0).
         #[arg(long)]
         partition: String,
+        /// `shadow`: the candidate decides on a copy, never actuated; `split`:
+        /// it decides --fraction of jobs for real; `off`: no candidate.
         #[arg(value_parser = ["shadow", "split", "off"])]
         mode: String,
         /// The candidate version (not needed for `off`).
         version: Option<u32>,
+        /// With `split`: the share of jobs (by a stable hash of the job id) the
+        /// candidate decides.
         #[arg(long, default_value_t = 0.5)]
         fraction: f64,
         #[command(flatten)]
@@ -465,6 +506,7 @@ pub enum PolicyApiCommand {
     },
     /// The A/B report of a partition's candidate.
     Report {
+        /// The partition (e.g. p0).
         #[arg(long)]
         partition: String,
         #[command(flatten)]

@@ -49,6 +49,7 @@ pub fn fullness_after(task: &Task, node: &NodeView) -> f64 {
     100.0 * gpu + 10.0 * cpu + mem
 }
 
+// ANCHOR: policy
 impl Policy for Binpack {
     const NAME: &'static str = "binpack";
     const VERSION: &'static str = "1.0.0";
@@ -66,3 +67,4 @@ impl Policy for Binpack {
 }
 
 berth_sdk::export!(Binpack);
+// ANCHOR_END: policy
