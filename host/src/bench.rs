@@ -170,3 +170,66 @@ pub fn place(engine: Arc<PolicyEngine>, spec: &str, fleet_spec: &str, scale: f64
         placements_per_s: tasks as f64 / total,
     })
 }
+
+/// Score-call latency of one policy through an openb replay.
+#[derive(Debug, Serialize)]
+pub struct ReplayScoreBench {
+    pub policy: String,
+    /// Nodes of the cluster (the most candidates one call can carry).
+    pub nodes: usize,
+    pub calls: usize,
+    /// Mean candidates per call (nodes that fit the task).
+    pub mean_candidates: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+/// Times every scoring call of the policy while it replays one seed of an
+/// openb pod list under the FGD protocol (wasm, one thread): the decision
+/// cost as the cluster fills, not one fixed batch.
+pub fn score_replay(engine: Arc<PolicyEngine>, spec: &str, nodes: &std::path::Path, pods: &std::path::Path, seed: u64) -> anyhow::Result<ReplayScoreBench> {
+    use crate::replay::{fgd::Experiment, openb};
+    use anyhow::Context;
+    let exp = Experiment::new(&openb::read_nodes(nodes)?, &openb::read_pods(pods)?).map_err(anyhow::Error::msg).with_context(|| pods.display().to_string())?;
+    let config = crate::replay::policy_config(&crate::replay::fgd::typical_pods(&exp), seed);
+    let loaded = LoadedPolicy::from_file(&engine, &catalog::resolve(spec)?)?;
+    let mut inner = WasmPolicy::new(engine, loaded.clone(), Limits::default());
+    inner.configure(&config)?;
+    inner.warm()?;
+    let mut timed = Timed { inner, samples: Vec::new(), candidates: 0 };
+    exp.run(seed, &mut timed, false, |_| {})?;
+    let mut samples = timed.samples;
+    anyhow::ensure!(!samples.is_empty(), "the replay made no scoring call");
+    samples.sort_unstable();
+    let pct = |p: f64| crate::asi::report::percentile(&samples, p) as f64 / 1e3;
+    Ok(ReplayScoreBench {
+        policy: loaded.info.name.clone(),
+        nodes: exp.fleet().nodes().len(),
+        calls: samples.len(),
+        mean_candidates: timed.candidates as f64 / samples.len() as f64,
+        p50_us: pct(50.0),
+        p99_us: pct(99.0),
+        max_us: samples.last().map_or(0.0, |&n| n as f64 / 1e3),
+    })
+}
+
+/// A policy whose scoring calls are timed one by one.
+struct Timed {
+    inner: WasmPolicy,
+    samples: Vec<u64>,
+    candidates: u64,
+}
+
+impl PlacementPolicy for Timed {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<berth_sdk::Scores, berth_core::PolicyError> {
+        self.candidates += nodes.len() as u64;
+        let t = Instant::now();
+        let answer = self.inner.score(task, nodes);
+        self.samples.push(t.elapsed().as_nanos() as u64);
+        answer
+    }
+}

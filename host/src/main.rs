@@ -244,6 +244,26 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Time every scoring call of each policy while it replays one seed of
+    /// an openb pod list under the FGD protocol (wasm, one thread): p50,
+    /// p99 and max of one call over the nodes that fit each pod.
+    ScoreReplay {
+        /// Policy name or component path (repeatable).
+        #[arg(long = "policy", required = true)]
+        policies: Vec<String>,
+        /// openb node list (e.g. ../shared/data/openb/openb_node_list_gpu_node.csv).
+        #[arg(long)]
+        nodes: PathBuf,
+        /// openb pod list.
+        #[arg(long)]
+        pods: PathBuf,
+        /// Seed of the arrival order.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Print one JSON object per policy instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Time one placement-scoring call in wasm and natively.
     Score {
         /// Policy to time (bundled name or .wasm path).
@@ -358,6 +378,20 @@ fn main() -> anyhow::Result<()> {
             } else {
                 println!("{} candidates per scoring call; replay of {}, seed {}, one worker", r.candidates, r.trace, r.seed);
                 print!("{}", berth::langbench::table(&r));
+            }
+        }
+        Command::Bench { what: BenchCommand::ScoreReplay { policies, nodes, pods, seed, json } } => {
+            let engine = engine()?;
+            for policy in &policies {
+                let r = bench::score_replay(engine.clone(), policy, &nodes, &pods, seed)?;
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                } else {
+                    println!(
+                        "{}: {} score calls on {} nodes ({:.0} candidates per call on average): p50 {:.0} us, p99 {:.0} us, max {:.0} us",
+                        r.policy, r.calls, r.nodes, r.mean_candidates, r.p50_us, r.p99_us, r.max_us
+                    );
+                }
             }
         }
         Command::Bench { what: BenchCommand::Score { policy, candidates, json } } => {

@@ -131,10 +131,15 @@ fn tuning_and_typical_pods_follow_the_protocol() {
 }
 
 fn replay_six(dir: &Path, trace: &str) -> berth::replay::ReplayOutcome {
+    replay_policies(dir, trace, &SIX)
+}
+
+/// The FGD protocol (seeds 42-51, wasm components) on one openb trace.
+fn replay_policies(dir: &Path, trace: &str, policies: &[&str]) -> berth::replay::ReplayOutcome {
     let opts = ReplayOptions {
         trace: Some((dir.join("openb_node_list_gpu_node.csv"), dir.join(format!("{trace}.csv")))),
         synthetic_nodes: 0,
-        policies: SIX.iter().map(|p| p.to_string()).collect(),
+        policies: policies.iter().map(|p| p.to_string()).collect(),
         seeds: (42..=51).collect(),
         keep_order: false,
         native: false,
@@ -187,6 +192,34 @@ fn fgd_table_gpuspec20() {
 #[test]
 fn fgd_table_multigpu40() {
     matches_published("openb_pod_list_multigpu40");
+}
+
+/// berth-frag (docs/src/beyond-fgd.md) leaves less GPU capacity unallocated
+/// at 100% arrival than FGD, both replayed here under the protocol, and
+/// than FGD's published mean.
+fn berth_frag_beats_fgd(trace: &str) {
+    let Some(dir) = openb_dir() else { return };
+    let outcome = replay_policies(&dir, trace, &["fgd", "berth-frag"]);
+    let at100 = |policy: &str| {
+        let row = outcome.rows.iter().find(|r| r.policy == policy && r.arrived_pct == 100).expect("100% point");
+        assert_eq!(row.seeds, 10);
+        row.unallocated_pct_mean
+    };
+    let (fgd, ours) = (at100("fgd"), at100("berth-frag"));
+    let published = read_published(&dir.join("fgd_published_unallocated.csv"), trace).unwrap()[&("fgd".to_string(), 100)];
+    assert!(ours < fgd, "{trace}: berth-frag {ours:.3} vs fgd {fgd:.3}");
+    assert!(ours < published, "{trace}: berth-frag {ours:.3} vs fgd published {published:.3}");
+    assert!(outcome.runs.iter().all(|r| r.pods_placed > 0 && r.pods_placed <= r.pods_offered));
+}
+
+#[test]
+fn berth_frag_beats_fgd_default() {
+    berth_frag_beats_fgd("openb_pod_list_default");
+}
+
+#[test]
+fn berth_frag_beats_fgd_cpu200() {
+    berth_frag_beats_fgd("openb_pod_list_cpu200");
 }
 
 /// Every bundled FGD-paper policy decides the same in wasm and natively,

@@ -1,0 +1,436 @@
+//! berth-frag: FGD (Weng et al., ATC'23) plus the resources FGD leaves out.
+//! FGD measures a node's fragmentation as the idle GPU capacity that the
+//! workload's typical tasks, weighted by popularity, cannot use there
+//! (counting CPU for each typical task, not memory), and places each task
+//! where that grows the least, scored in whole sigmoid points. berth-frag
+//! keeps that score and adds to the fragmentation two stranding terms:
+//!
+//! - CPU: idle GPU milli the node's free CPU cannot feed at the typical GPU
+//!   tasks' CPU per GPU (`max(0, idle GPU - free CPU / (CPU per GPU))`);
+//! - memory: the same with the memory per GPU of the GPU tasks this
+//!   instance has scored so far (FGD's typical pods carry no memory).
+//!
+//! Both count only when a placement makes them grow (one-sided): a task is
+//! kept off a node where it would strand GPUs, never drawn to one because
+//! it relieves stranding there (drawing low-CPU tasks to CPU-poor nodes
+//! took GPUs that model-pinned tasks needed). The shared GPU inside a node
+//! is chosen with the same cost, the fullest fitting GPU on equal cost.
+//!
+//! Information used: the call's task and node columns, the typical pods
+//! given through `configure` (the same `typical_pods` FGD receives) and the
+//! tasks this instance was asked to score before; nothing about future
+//! arrivals. One set of weights for every workload ([`Weights::default`]),
+//! searched on two traces and checked on the rest (docs/src/beyond-fgd.md).
+//!
+//! Configuration (JSON): `{"typical_pods": [...]}` as for fgd; an optional
+//! `"weights": {...}` replaces the defaults (for experiments).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use berth_sdk::{Hooks, NodeView, Nodes, Policy, Scores, Task};
+use serde::{Deserialize, Serialize};
+
+/// One typical task shape and its share of the workload (as fgd's).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct TypicalPod {
+    pub cpu_milli: u32,
+    /// Per-GPU thousandths; 0 for CPU-only shapes.
+    pub gpu_milli: u32,
+    pub gpu_count: u32,
+    /// Accepted models by name; empty accepts any.
+    #[serde(default)]
+    pub models: Vec<String>,
+    pub weight: f64,
+}
+
+/// Weights of the score's terms, all against milli-GPU of fragmentation.
+/// One set for every workload (found by a search on some traces; see
+/// docs/src/beyond-fgd.md).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Weights {
+    /// FGD's fragmentation delta.
+    pub frag: f64,
+    /// Delta of idle GPU milli the node's free CPU cannot feed.
+    pub cpu: f64,
+    /// Delta of idle GPU milli the node's free memory cannot feed.
+    pub mem: f64,
+    /// Penalty per milli-GPU free on the node before placing (best fit).
+    pub pack: f64,
+    /// Typical pods weighted by popularity x (GPUs asked)^demand: 0 is
+    /// FGD's popularity; 1 weighs each shape by its share of GPU demand.
+    pub demand: f64,
+    /// How the cost drop becomes a score: 0 linear, 1 FGD's sigmoid in
+    /// whole points, 2 the same sigmoid unrounded.
+    pub points: f64,
+    /// Milli-GPU of cost drop per unit of the sigmoid's argument (FGD: 1000).
+    pub scale: f64,
+    /// Points per GPU of cost drop added after the sigmoid (breaks its ties).
+    pub tie: f64,
+    /// CPU per GPU of the term `cpu` from the typical pods the node's model
+    /// accepts (1) or from all typical pods (0).
+    pub cpu_model: f64,
+    /// Stranding terms count only when they grow (1) or both ways (0).
+    pub one_sided: f64,
+    /// Fragmentation as FGD (0: the GPUs one copy of each typical pod cannot
+    /// use) or by filling (1: the idle GPU capacity that as many copies of
+    /// each typical pod as the node's GPUs and CPU admit leave unused).
+    pub fill: f64,
+    /// Points taken off a node with every GPU idle when the task leaves
+    /// some of them idle (keeps whole nodes for multi-GPU tasks).
+    pub fresh: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        // Searched on the default and gpuspec25 traces (seeds 42-43).
+        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0 }
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct Config {
+    #[serde(default)]
+    typical_pods: Vec<TypicalPod>,
+    #[serde(default)]
+    weights: Option<Weights>,
+}
+
+/// Fragmentation of one node state, cached (most nodes are unchanged
+/// between decisions and many share a state).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct StateKey {
+    model: u32,
+    cpu_free: u32,
+    gpus: u8,
+    /// Free milli per GPU, sorted (fragmentation ignores GPU order).
+    free: [u16; 8],
+}
+
+#[derive(Default)]
+struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u8(&mut self, i: u8) {
+        self.add(u64::from(i));
+    }
+    fn write_u16(&mut self, i: u16) {
+        self.add(u64::from(i));
+    }
+    fn write_u32(&mut self, i: u32) {
+        self.add(u64::from(i));
+    }
+    fn write_u64(&mut self, i: u64) {
+        self.add(i);
+    }
+    fn write_usize(&mut self, i: usize) {
+        self.add(i as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+impl FxHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+const CACHE_LIMIT: usize = 1 << 18;
+
+/// A node state as the score sees it.
+#[derive(Clone, Copy)]
+struct State<'a> {
+    model: u32,
+    cpu_free: u32,
+    mem_free: u64,
+    free: &'a [u32],
+}
+
+#[derive(Default)]
+pub struct BerthFrag {
+    typical: Vec<TypicalPod>,
+    weights: Weights,
+    /// `typical[i].models` resolved against the batch's model table.
+    resolved: Vec<Vec<u32>>,
+    resolved_for: Vec<String>,
+    cache: HashMap<StateKey, f64, BuildHasherDefault<FxHasher>>,
+    /// CPU milli per GPU milli of the typical GPU tasks (popularity weighted).
+    cpu_per_gpu: f64,
+    /// The same, per model of the batch's model table (typical pods that
+    /// accept the model only).
+    cpu_per_gpu_model: Vec<f64>,
+    /// Memory MiB and GPU milli of the GPU tasks scored so far.
+    seen_mem: f64,
+    seen_gpu: f64,
+}
+
+impl BerthFrag {
+    pub fn new(mut typical: Vec<TypicalPod>, weights: Weights) -> BerthFrag {
+        if weights.demand != 0.0 {
+            let mut sum = 0.0;
+            for t in &mut typical {
+                let gpus = (f64::from(t.gpu_milli) * f64::from(t.gpu_count) / 1000.0).max(0.1);
+                t.weight *= gpus.powf(weights.demand);
+                sum += t.weight;
+            }
+            if sum > 0.0 {
+                typical.iter_mut().for_each(|t| t.weight /= sum);
+            }
+        }
+        let (mut cpu, mut gpu) = (0.0, 0.0);
+        for t in typical.iter().filter(|t| t.gpu_milli > 0) {
+            cpu += t.weight * f64::from(t.cpu_milli);
+            gpu += t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count);
+        }
+        let cpu_per_gpu = if gpu > 0.0 { cpu / gpu } else { 0.0 };
+        BerthFrag { typical, weights, cpu_per_gpu, ..BerthFrag::default() }
+    }
+
+    fn resolve_models(&mut self, models: &[String]) {
+        if self.resolved_for.as_slice() == models && self.resolved.len() == self.typical.len() {
+            return;
+        }
+        self.resolved = self
+            .typical
+            .iter()
+            .map(|t| t.models.iter().map(|m| models.iter().position(|x| x == m).map_or(u32::MAX, |i| i as u32)).collect())
+            .collect();
+        self.resolved_for = models.to_vec();
+        self.cache.clear();
+        self.cpu_per_gpu_model = (0..models.len() as u32)
+            .map(|m| {
+                let (mut cpu, mut gpu) = (0.0, 0.0);
+                for (t, r) in self.typical.iter().zip(&self.resolved) {
+                    if t.gpu_milli > 0 && (t.models.is_empty() || r.contains(&m)) {
+                        cpu += t.weight * f64::from(t.cpu_milli);
+                        gpu += t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count);
+                    }
+                }
+                if gpu > 0.0 { cpu / gpu } else { 0.0 }
+            })
+            .collect();
+    }
+
+    /// FGD's fragmentation of a node state: for each typical shape, all
+    /// idle GPU capacity counts unless the shape fits the node on CPU and
+    /// GPU, in which case only the GPUs too small for it count.
+    fn frag_uncached(&self, model: u32, cpu_free: u32, free: &[u32]) -> f64 {
+        let total = f64::from(free.iter().sum::<u32>());
+        let mut frag = 0.0;
+        for (t, models) in self.typical.iter().zip(&self.resolved) {
+            let f = t.weight;
+            if t.gpu_milli == 0 {
+                frag += f * total;
+                continue;
+            }
+            if !t.models.is_empty() && !models.contains(&model) {
+                frag += f * total;
+                continue;
+            }
+            let fitting = free.iter().filter(|&&g| g >= t.gpu_milli).count() as u32;
+            if fitting >= t.gpu_count && cpu_free >= t.cpu_milli {
+                let small: u32 = free.iter().filter(|&&g| g < t.gpu_milli).sum();
+                frag += f * f64::from(small);
+            } else {
+                frag += f * total;
+            }
+        }
+        frag
+    }
+
+    /// Fragmentation by filling: for each typical shape, the idle GPU
+    /// capacity left after packing the node with as many copies of it as
+    /// its GPUs and free CPU admit.
+    fn fill_uncached(&self, model: u32, cpu_free: u32, free: &[u32]) -> f64 {
+        let total = f64::from(free.iter().sum::<u32>());
+        let mut frag = 0.0;
+        for (t, models) in self.typical.iter().zip(&self.resolved) {
+            let f = t.weight;
+            if t.gpu_milli == 0 || (!t.models.is_empty() && !models.contains(&model)) {
+                frag += f * total;
+                continue;
+            }
+            let by_gpu = if t.gpu_milli < 1000 {
+                free.iter().map(|&g| g / t.gpu_milli).sum::<u32>()
+            } else {
+                free.iter().filter(|&&g| g >= t.gpu_milli).count() as u32 / t.gpu_count.max(1)
+            };
+            let by_cpu = if t.cpu_milli == 0 { u32::MAX } else { cpu_free / t.cpu_milli };
+            let copies = by_gpu.min(by_cpu);
+            let used = f64::from(copies) * f64::from(t.gpu_milli) * f64::from(t.gpu_count);
+            frag += f * (total - used).max(0.0);
+        }
+        frag
+    }
+
+    fn frag(&mut self, model: u32, cpu_free: u32, free: &[u32]) -> f64 {
+        if free.len() > 8 {
+            return self.frag_any(model, cpu_free, free);
+        }
+        let mut key = StateKey { model, cpu_free, gpus: free.len() as u8, free: [0; 8] };
+        for (k, &g) in key.free.iter_mut().zip(free) {
+            *k = g as u16;
+        }
+        key.free[..free.len()].sort_unstable();
+        if let Some(&f) = self.cache.get(&key) {
+            return f;
+        }
+        let f = self.frag_any(model, cpu_free, free);
+        if self.cache.len() >= CACHE_LIMIT {
+            self.cache.clear();
+        }
+        self.cache.insert(key, f);
+        f
+    }
+
+    fn frag_any(&self, model: u32, cpu_free: u32, free: &[u32]) -> f64 {
+        if self.weights.fill != 0.0 { self.fill_uncached(model, cpu_free, free) } else { self.frag_uncached(model, cpu_free, free) }
+    }
+
+    /// The cost of a node state (lower is better), in milli-GPU, by term:
+    /// fragmentation, CPU stranding, memory stranding (weights applied).
+    fn cost(&mut self, s: State) -> [f64; 3] {
+        let w = self.weights;
+        let total = f64::from(s.free.iter().sum::<u32>());
+        let mut c = [w.frag * self.frag(s.model, s.cpu_free, s.free), 0.0, 0.0];
+        let r = if w.cpu_model != 0.0 { self.cpu_per_gpu_model.get(s.model as usize).copied().unwrap_or(0.0) } else { self.cpu_per_gpu };
+        if w.cpu != 0.0 && r > 0.0 {
+            c[1] = w.cpu * (total - f64::from(s.cpu_free) / r).max(0.0);
+        }
+        if w.mem != 0.0 && self.seen_mem > 0.0 {
+            let mem_per_gpu = self.seen_mem / self.seen_gpu;
+            c[2] = w.mem * (total - s.mem_free as f64 / mem_per_gpu).max(0.0);
+        }
+        c
+    }
+
+    /// How much a placement lowers the cost; with `one_sided`, stranding
+    /// only counts when it grows (a task is never drawn to a node because
+    /// it relieves stranding there).
+    fn drop(&self, before: &[f64; 3], after: &[f64; 3]) -> f64 {
+        let side = |x: f64| if self.weights.one_sided != 0.0 { x.min(0.0) } else { x };
+        (before[0] - after[0]) + side(before[1] - after[1]) + side(before[2] - after[2])
+    }
+
+    /// Score of one node and, for a shared GPU, the chosen GPU's mask.
+    fn score_node(&mut self, task: &Task, node: &NodeView) -> (f64, u64) {
+        let before_state = State { model: node.model, cpu_free: node.cpu_free_milli, mem_free: node.memory_free_mib, free: node.gpu_free_milli };
+        let before = self.cost(before_state);
+        let cpu_after = node.cpu_free_milli.saturating_sub(task.cpu_milli);
+        let mem_after = node.memory_free_mib.saturating_sub(task.memory_mib);
+        let n = node.gpu_free_milli.len().min(64);
+        let mut after = [0u32; 64];
+        after[..n].copy_from_slice(&node.gpu_free_milli[..n]);
+        let mut pack = self.weights.pack * f64::from(node.gpu_free_total());
+        if n > 0 && node.idle_gpus() as usize == n && (task.gpu_count as usize) < n {
+            pack += 1000.0 * self.weights.fresh;
+        }
+        if task.gpu_count == 1 && task.gpu_milli < 1000 {
+            // Each distinct free level is one candidate; of equal costs the
+            // GPU with the least free wins (best fit inside the node).
+            let mut best: Option<(f64, u32, usize)> = None; // (drop, free, gpu)
+            for g in 0..n {
+                let free = node.gpu_free_milli[g];
+                if free < task.gpu_milli || best.is_some_and(|(_, f, _)| f == free) {
+                    continue;
+                }
+                after[g] = free - task.gpu_milli;
+                let c = self.cost(State { model: node.model, cpu_free: cpu_after, mem_free: mem_after, free: &after[..n] });
+                after[g] = free;
+                let d = self.drop(&before, &c);
+                if best.is_none_or(|(b, f, _)| d > b || (d == b && free < f)) {
+                    best = Some((d, free, g));
+                }
+            }
+            return best.map_or((0.0, 0), |(d, _, g)| (self.finish(d, pack), 1u64 << g));
+        }
+        // Whole GPUs (or none): the fitting GPUs with the least free.
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&g| after[g]);
+        let mut taken = 0;
+        for g in order {
+            if taken == task.gpu_count {
+                break;
+            }
+            if after[g] >= task.gpu_milli {
+                after[g] -= task.gpu_milli;
+                taken += 1;
+            }
+        }
+        let c = self.cost(State { model: node.model, cpu_free: cpu_after, mem_free: mem_after, free: &after[..n] });
+        (self.finish(self.drop(&before, &c), pack), 0)
+    }
+
+    fn finish(&self, drop: f64, pack: f64) -> f64 {
+        let w = self.weights;
+        let sigmoid = || 100.0 / (1.0 + (-drop / w.scale).exp());
+        let main = match w.points as i32 {
+            1 => sigmoid().trunc(),
+            2 => sigmoid(),
+            _ => drop / 1000.0,
+        };
+        main + w.tie * drop / 1000.0 - pack / 1000.0
+    }
+}
+
+impl Policy for BerthFrag {
+    const NAME: &'static str = "berth-frag";
+    const VERSION: &'static str = "0.1.0";
+    const HOOKS: Hooks = Hooks::SCORE;
+
+    fn configure(&mut self, config: &str) -> Result<(), String> {
+        let c: Config = if config.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_json::from_str(config).map_err(|e| format!("berth-frag: bad configuration: {e}"))?
+        };
+        if let Some(t) = c.typical_pods.iter().find(|t| !(t.weight.is_finite() && t.weight >= 0.0)) {
+            return Err(format!("berth-frag: typical pod weight {} is not a non-negative number", t.weight));
+        }
+        let weights = c.weights.unwrap_or_default();
+        if weights.scale <= 0.0 {
+            return Err("berth-frag: weights.scale must be positive".into());
+        }
+        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided].iter().all(|w| w.is_finite()) {
+            return Err("berth-frag: weights must be finite".into());
+        }
+        *self = BerthFrag::new(c.typical_pods, weights);
+        Ok(())
+    }
+
+    fn score(&mut self, task: &Task, nodes: &Nodes) -> Result<Scores, String> {
+        if self.typical.is_empty() {
+            // No workload given: every GPU shape that can occur is typical.
+            let typical = [(1000u32, 1u32), (1000, 2), (1000, 4), (1000, 8), (500, 1), (250, 1)]
+                .into_iter()
+                .map(|(m, k)| TypicalPod { cpu_milli: 0, gpu_milli: m, gpu_count: k, models: vec![], weight: 1.0 / 6.0 })
+                .collect();
+            *self = BerthFrag::new(typical, self.weights);
+        }
+        if task.gpu_count > 0 {
+            self.seen_mem += task.memory_mib as f64;
+            self.seen_gpu += task.total_gpu_milli() as f64;
+        }
+        self.resolve_models(&nodes.models);
+        let mut scores = Vec::with_capacity(nodes.len());
+        let mut gpus = Vec::with_capacity(nodes.len());
+        for node in nodes.iter() {
+            let (s, mask) = self.score_node(task, &node);
+            scores.push(s);
+            gpus.push(mask);
+        }
+        Ok(Scores { scores, gpus })
+    }
+}
+
+berth_sdk::export!(BerthFrag);
