@@ -228,9 +228,10 @@ fn scaffolded_projects_build_and_conform() {
             .current_dir(&project)
             .env("PATH", &user_path)
             .env_remove("BERTH")
-            // Rust: only a cache (the first build compiles std for wasm32
-            // with rustc-web); the SDK and the tools are found as a user's are.
-            .env("CARGO_TARGET_DIR", repo_root().join("target/guest-scaffold"))
+            // Rust: only a cache, the guest build's (with rustc-web a fresh
+            // target folder compiles std for wasm32 again); the SDK and the
+            // tools are found as a user's are.
+            .env("CARGO_TARGET_DIR", repo_root().join("target/guest"))
             .output()
             .unwrap();
         let build_log = format!("{}{}", String::from_utf8_lossy(&build.stdout), String::from_utf8_lossy(&build.stderr));
