@@ -3,12 +3,38 @@
 # hostile test guest (tests/guests/*) to a wasm component, offline:
 #   target/policies/<name>.wasm     bundled policies
 #   target/test-guests/<name>.wasm  hostile guests for the tests
+# Options (scripts/test.sh passes none: it needs everything):
+#   --rust-only   skip the Python, JS and C policies and their toolchains
+#   NAME...       build only these bundled policies (no test guests); the
+#                 Python/JS/C toolchains are installed only if one is named
+#                 (scripts/demo.sh names the Rust policies it replays)
 # Uses a rustup wasm32-unknown-unknown target where one is installed;
 # otherwise Debian's rustc-web/cargo-web/rust-web-src + lld (installed here if
 # missing) with build-std. Idempotent: reruns take seconds.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+rust_only=0
+only=()
+for arg in "$@"; do
+    case "$arg" in
+        --rust-only) rust_only=1 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -*) echo "build-policies: unknown option $arg (see --help)" >&2; exit 2 ;;
+        *) [ -d "policies/$arg" ] || { echo "build-policies: no policy policies/$arg" >&2; exit 2; }
+           only+=("$arg") ;;
+    esac
+done
+# The Rust crates and the other-language policies to build.
+rust_pkgs=()
+langs=(best-fit-py best-fit-js best-fit-c)
+if [ ${#only[@]} -gt 0 ]; then
+    langs=()
+    for name in "${only[@]}"; do
+        if [ -f "policies/$name/Cargo.toml" ]; then rust_pkgs+=(-p "berth-policy-$name"); else langs+=("$name"); fi
+    done
+fi
+[ "$rust_only" = 1 ] && langs=()
 target_dir="$root/target/guest"
 wasm_dir="$target_dir/wasm32-unknown-unknown/release"
 
@@ -27,23 +53,36 @@ fi
 cargo build --release -p berth --bin berth
 berth="$root/target/release/berth"
 
-for ws in policies tests/guests; do
-    (cd "$root/$ws" && env "${guest_env[@]}" "${guest_cargo[@]}" --target-dir "$target_dir")
-done
-
 mkdir -p target/policies target/test-guests
-for module in "$wasm_dir"/berth_policy_*.wasm; do
-    name="$(basename "$module" .wasm)"; name="${name#berth_policy_}"; name="${name//_/-}"
-    "$berth" policy componentize "$module" -o "target/policies/$name.wasm"
-done
-for module in "$wasm_dir"/berth_guest_*.wasm; do
-    name="$(basename "$module" .wasm)"; name="${name#berth_guest_}"; name="${name//_/-}"
-    "$berth" policy componentize "$module" -o "target/test-guests/$name.wasm"
-done
+if [ ${#only[@]} -gt 0 ]; then
+    if [ ${#rust_pkgs[@]} -gt 0 ]; then
+        (cd "$root/policies" && env "${guest_env[@]}" "${guest_cargo[@]}" --target-dir "$target_dir" "${rust_pkgs[@]}")
+    fi
+    for name in "${only[@]}"; do
+        [ -f "policies/$name/Cargo.toml" ] || continue
+        "$berth" policy componentize "$wasm_dir/berth_policy_${name//-/_}.wasm" -o "target/policies/$name.wasm"
+    done
+else
+    for ws in policies tests/guests; do
+        (cd "$root/$ws" && env "${guest_env[@]}" "${guest_cargo[@]}" --target-dir "$target_dir")
+    done
+    for module in "$wasm_dir"/berth_policy_*.wasm; do
+        name="$(basename "$module" .wasm)"; name="${name#berth_policy_}"; name="${name//_/-}"
+        "$berth" policy componentize "$module" -o "target/policies/$name.wasm"
+    done
+    for module in "$wasm_dir"/berth_guest_*.wasm; do
+        name="$(basename "$module" .wasm)"; name="${name#berth_guest_}"; name="${name//_/-}"
+        "$berth" policy componentize "$module" -o "target/test-guests/$name.wasm"
+    done
+fi
 # best-fit in Python, JavaScript and C: toolchains from package registries,
 # pinned (install-lang-toolchains.sh). A component is rebuilt only when its
 # sources, the WIT or the toolchain changed (componentize-py and -js take
 # tens of seconds).
+if [ ${#langs[@]} -eq 0 ]; then
+    echo "build-policies: $(ls target/policies | wc -l) policies in target/policies (Python, JS and C skipped)"
+    exit 0
+fi
 bash "$root/scripts/install-lang-toolchains.sh"
 source "$root/scripts/lang-env.sh"
 stamp_of() {
@@ -51,9 +90,13 @@ stamp_of() {
     { find "$root/policies/$dir" -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum
       sha256sum "$root/wit/v0.2.0/policy.wit"; "$tool" --version; } | sha256sum | cut -d' ' -f1
 }
-for lang in py:componentize-py js:componentize-js c:wit-bindgen; do
-    dir="best-fit-${lang%%:*}"
-    stamp="$(stamp_of "$dir" "${lang#*:}")"
+for dir in "${langs[@]}"; do
+    case "$dir" in
+        *-py) tool=componentize-py ;;
+        *-js) tool=componentize-js ;;
+        *) tool=wit-bindgen ;;
+    esac
+    stamp="$(stamp_of "$dir" "$tool")"
     if [ -f "target/policies/$dir.wasm" ] && [ "$(cat "target/policies/.$dir.stamp" 2>/dev/null)" = "$stamp" ]; then
         continue
     fi

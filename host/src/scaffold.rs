@@ -1,18 +1,24 @@
 //! `berth policy new --lang rust|python|js|c <name>`: writes a policy
-//! project that builds to a component with that language's toolchain
-//! (scripts/install-lang-toolchains.sh installs them) and passes
-//! `berth policy test`. The templates are compiled into the binary.
+//! project against the newest contract that builds from its own folder with
+//! that language's toolchain (its build.sh finds what Berth's installers put
+//! under ~/.cache/berth-tools, and names the installer when a tool is
+//! missing) and passes `berth policy test`. The templates are compiled into
+//! the binary.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-/// The contract the Python, JavaScript and C templates build against: 0.2.0,
-/// whose world has no pool hooks those templates would have to stub.
-const WIT: &str = include_str!("../../wit/v0.2.0/policy.wit");
-const WIT_VERSION: &str = "0.2.0";
-/// Rust builds against the SDK's contract, which gives every hook a default.
-const SDK_WIT_VERSION: &str = "0.3.0";
+/// The contract every template builds against: the newest. Python, JS and
+/// C carry its WIT; Rust gets it from the SDK (whose hooks all default).
+const WIT: &str = include_str!("../../wit/v0.3.0/policy.wit");
+const WIT_VERSION: &str = "0.3.0";
+
+/// The pinned tool versions scripts/install-lang-toolchains.sh installs
+/// (a test checks they agree).
+const COMPONENTIZE_PY: &str = "0.25.1";
+const COMPONENTIZE_JS: &str = "0.23.0";
+const WIT_BINDGEN: &str = "0.53.0";
 
 /// (path in the project, template text, executable)
 type File = (&'static str, &'static str, bool);
@@ -40,28 +46,64 @@ const C: &[File] = &[
 
 const README: &str = include_str!("../templates/README.md");
 
-/// Languages `berth policy new` knows, with what builds them.
-pub const LANGS: &[(&str, &str)] = &[
-    ("rust", "cargo + the berth-sdk crate"),
-    ("python", "componentize-py 0.25.1 (pip)"),
-    ("js", "componentize-js 0.23.0 (npm)"),
-    ("c", "clang + wasi-libc (apt) + wit-bindgen c 0.53.0 (cargo install)"),
+/// A language `berth policy new` knows.
+struct Lang {
+    name: &'static str,
+    files: &'static [File],
+    /// What builds it.
+    toolchain: &'static str,
+    /// The Berth script that installs the toolchain (in scripts/).
+    installer: &'static str,
+    /// How to install it by hand, for the README.
+    by_hand: &'static str,
+}
+
+const LANG_LIST: &[Lang] = &[
+    Lang {
+        name: "rust",
+        files: RUST,
+        toolchain: "cargo for wasm32 (rustup's wasm32-unknown-unknown target, or Debian's rustc-web with build-std) and the berth-sdk crate",
+        installer: "install-guest-toolchain.sh",
+        by_hand: "`rustup target add wasm32-unknown-unknown`, or `apt-get install rustc-web cargo-web rust-web-src lld`",
+    },
+    Lang {
+        name: "python",
+        files: PYTHON,
+        toolchain: "componentize-py {py} (PyPI)",
+        installer: "install-lang-toolchains.sh",
+        by_hand: "`pip install componentize-py=={py}`",
+    },
+    Lang {
+        name: "js",
+        files: JS,
+        toolchain: "componentize-js {js} (npm) and node",
+        installer: "install-lang-toolchains.sh",
+        by_hand: "`apt-get install nodejs npm`, then `npm install -g @bytecodealliance/componentize-js@{js}`",
+    },
+    Lang {
+        name: "c",
+        files: C,
+        toolchain: "clang + lld + wasi-libc (apt) and wit-bindgen c {wb} (cargo install)",
+        installer: "install-lang-toolchains.sh",
+        by_hand: "`apt-get install clang lld wasi-libc libclang-rt-dev-wasm32`, then `cargo install --locked wit-bindgen-cli@{wb}`",
+    },
 ];
 
-/// The language's canonical name, toolchain and files.
-fn template(lang: &str) -> anyhow::Result<(&'static str, &'static str, &'static [File])> {
-    let (canonical, files) = match lang {
-        "rust" => ("rust", RUST),
-        "python" | "py" => ("python", PYTHON),
-        "js" | "javascript" => ("js", JS),
-        "c" => ("c", C),
-        other => anyhow::bail!(
-            "unknown language {other:?}; one of: {}",
-            LANGS.iter().map(|(l, _)| *l).collect::<Vec<_>>().join(", ")
-        ),
+/// Fills in the pinned versions.
+fn versions(text: &str) -> String {
+    text.replace("{py}", COMPONENTIZE_PY).replace("{js}", COMPONENTIZE_JS).replace("{wb}", WIT_BINDGEN)
+}
+
+/// The language named `lang` (or an alias).
+fn template(lang: &str) -> anyhow::Result<&'static Lang> {
+    let canonical = match lang {
+        "python" | "py" => "python",
+        "js" | "javascript" => "js",
+        other => other,
     };
-    let toolchain = LANGS.iter().find(|(l, _)| *l == canonical).expect("listed").1;
-    Ok((canonical, toolchain, files))
+    LANG_LIST.iter().find(|l| l.name == canonical).ok_or_else(|| {
+        anyhow::anyhow!("unknown language {lang:?}; one of: {}", LANG_LIST.iter().map(|l| l.name).collect::<Vec<_>>().join(", "))
+    })
 }
 
 /// Where the Rust SDK is: `$BERTH_SDK_DIR`, else the checkout this binary
@@ -70,6 +112,26 @@ fn sdk_dir() -> PathBuf {
     std::env::var_os("BERTH_SDK_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk"))
+}
+
+/// The command that installs a toolchain: the script in the checkout this
+/// binary was built from, by absolute path while it is there.
+fn installer_command(script: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts").join(script);
+    match path.canonicalize() {
+        Ok(path) => format!("bash {}", path.display()),
+        Err(_) => format!("bash scripts/{script}  # in a Berth checkout"),
+    }
+}
+
+/// `text` as one word in a shell script.
+fn sh_quoted(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// `text` as a TOML basic string.
+fn toml_quoted(text: &str) -> String {
+    format!("\"{}\"", text.replace('\\', r"\\").replace('"', r#"\""#))
 }
 
 /// Checks a policy name: lowercase letters, digits and dashes, starting
@@ -86,24 +148,43 @@ pub fn check_name(name: &str) -> anyhow::Result<()> {
 /// write into an existing folder.
 pub fn create(lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> {
     check_name(name)?;
-    let (lang, toolchain, files) = template(lang)?;
+    let lang = template(lang)?;
     let dir = parent.join(name);
     anyhow::ensure!(!dir.exists(), "{} already exists", dir.display());
     let sdk = sdk_dir();
     let sdk = sdk.canonicalize().unwrap_or(sdk);
     let berth = std::env::current_exe().ok().and_then(|p| p.canonicalize().ok()).unwrap_or_else(|| PathBuf::from("berth"));
     let crate_name = format!("{name}-policy");
+    let installer = installer_command(lang.installer);
+    // apt needs root; the user-level tools go under $BERTH_TOOLS either way.
+    let installer_line = format!("{installer}  # as root where it has apt packages to install");
+    let note = format!("By hand: {}.", versions(lang.by_hand))
+        + if lang.name == "rust" {
+            "\n\nThe berth-sdk dependency is the SDK of the Berth checkout that created this \
+             project, by absolute path (Cargo.toml): the project builds from any folder while \
+             that checkout is there; edit the path if it moves. With Debian's rustc-web the \
+             first build also compiles Rust's std for wasm32 (minutes once)."
+        } else {
+            ""
+        };
     let fill = |text: &str| {
         text.replace("{{name}}", name)
             .replace("{{crate}}", &crate_name)
             .replace("{{crate_file}}", &crate_name.replace('-', "_"))
-            .replace("{{sdk}}", &sdk.to_string_lossy())
+            .replace("{{sdk_toml}}", &toml_quoted(&sdk.to_string_lossy()))
+            .replace("{{berth_sh}}", &sh_quoted(&berth.to_string_lossy()))
+            .replace("{{installer_sh}}", &sh_quoted(&installer))
             .replace("{{berth}}", &berth.to_string_lossy())
-            .replace("{{lang}}", lang)
-            .replace("{{toolchain}}", toolchain)
-            .replace("{{contract}}", if lang == "rust" { SDK_WIT_VERSION } else { WIT_VERSION })
+            .replace("{{lang}}", lang.name)
+            .replace("{{toolchain}}", &versions(lang.toolchain))
+            .replace("{{toolchain_note}}", &note)
+            .replace("{{installer}}", &installer_line)
+            .replace("{{componentize_py}}", COMPONENTIZE_PY)
+            .replace("{{componentize_js}}", COMPONENTIZE_JS)
+            .replace("{{wit_bindgen}}", WIT_BINDGEN)
+            .replace("{{contract}}", WIT_VERSION)
     };
-    for (path, text, exec) in files.iter().chain(std::iter::once(&("README.md", README, false))) {
+    for (path, text, exec) in lang.files.iter().chain(std::iter::once(&("README.md", README, false))) {
         let target = dir.join(path);
         std::fs::create_dir_all(target.parent().expect("inside dir")).with_context(|| format!("creating {}", dir.display()))?;
         std::fs::write(&target, fill(text)).with_context(|| format!("writing {}", target.display()))?;
@@ -114,4 +195,47 @@ pub fn create(lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> 
         }
     }
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinned_versions_match_the_installer() {
+        let script = include_str!("../../scripts/install-lang-toolchains.sh");
+        for (var, version) in [("COMPONENTIZE_PY", COMPONENTIZE_PY), ("COMPONENTIZE_JS", COMPONENTIZE_JS), ("WIT_BINDGEN", WIT_BINDGEN)] {
+            assert!(script.contains(&format!("\n{var}={version}\n")), "{var}={version} not in install-lang-toolchains.sh");
+        }
+    }
+
+    #[test]
+    fn every_placeholder_is_filled() {
+        let scratch = std::env::temp_dir().join(format!("berth-scaffold-unit-{}", std::process::id()));
+        for lang in LANG_LIST {
+            let dir = create(lang.name, &format!("p-{}", lang.name), &scratch).unwrap();
+            for (path, _, _) in lang.files.iter().chain(std::iter::once(&("README.md", "", false))) {
+                let text = std::fs::read_to_string(dir.join(path)).unwrap();
+                assert!(!text.contains("{{"), "{}: {path} has an unfilled placeholder", lang.name);
+            }
+        }
+        std::fs::remove_dir_all(&scratch).unwrap();
+    }
+
+    #[test]
+    fn quoting() {
+        assert_eq!(sh_quoted("/a b/it's"), r"'/a b/it'\''s'");
+        assert_eq!(toml_quoted(r#"C:\a"b"#), r#""C:\\a\"b""#);
+    }
+
+    #[test]
+    fn templates_target_the_newest_contract() {
+        let newest = std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok()?.strip_prefix('v').map(String::from))
+            .max_by_key(|v| v.split('.').map(|p| p.parse::<u32>().unwrap()).collect::<Vec<_>>())
+            .unwrap();
+        assert_eq!(WIT_VERSION, newest);
+        assert!(WIT.contains(&format!("package berth:policy@{newest};")));
+    }
 }

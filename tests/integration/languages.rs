@@ -177,53 +177,114 @@ fn best_fit_languages_agree_pod_by_pod_on_openb() {
     }
 }
 
-/// `berth policy new` in every language builds (with the toolchains
-/// scripts/install-lang-toolchains.sh installs) to a component that passes
-/// the conformance suite. Skipped per language whose toolchain is missing,
-/// except under CI or BERTH_REQUIRE_TOOLCHAINS=1.
+/// The newcomer's path in every language, from a fresh folder outside the
+/// repository: `berth policy new`, `./build.sh` in the project's folder,
+/// `berth policy test`. The build runs with the PATH a user's shell has, with
+/// Berth's tool cache taken off it (scripts/lang-env.sh puts it there): the
+/// build script must find the tools itself. A language whose toolchain is not
+/// installed must fail to build naming the installer to run (and may not be
+/// missing under CI or BERTH_REQUIRE_TOOLCHAINS=1).
 #[test]
 fn scaffolded_projects_build_and_conform() {
     let berth = env!("CARGO_BIN_EXE_berth");
     let scratch = std::env::temp_dir().join(format!("berth-test-{}-scaffold", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
+    let scratch = scratch.canonicalize().unwrap();
+    assert!(!scratch.starts_with(repo_root().canonicalize().unwrap()), "{} is inside the repository", scratch.display());
     let tools = std::env::var_os("BERTH_TOOLS")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/berth-tools"));
-    let path = std::env::join_paths(
-        ["py/bin", "npm/bin", "cargo/bin"].iter().map(|d| tools.join(d)).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
-    )
-    .unwrap();
-    let has = |tool: &str| Command::new("sh").arg("-c").arg(format!("command -v {tool}")).env("PATH", &path).output().is_ok_and(|o| o.status.success());
-    // CI installs every toolchain (build-policies.sh), so none may be missing there.
+    let user_path =
+        std::env::join_paths(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).filter(|p| !p.starts_with(&tools))).unwrap();
+    // Where build.sh looks: PATH, then the tool cache.
+    let searched = std::env::join_paths(std::env::split_paths(&user_path).chain(["py/bin", "npm/bin", "cargo/bin"].iter().map(|d| tools.join(d)))).unwrap();
+    let has = |tool: &str| Command::new("sh").arg("-c").arg(format!("command -v {tool}")).env("PATH", &searched).output().is_ok_and(|o| o.status.success());
     let required = ["BERTH_REQUIRE_TOOLCHAINS", "CI"].iter().any(|k| std::env::var(k).is_ok_and(|v| !v.is_empty()));
-    for (lang, tool) in [("rust", "cargo"), ("python", "componentize-py"), ("js", "componentize-js"), ("c", "wit-bindgen")] {
-        if !has(tool) {
-            assert!(!required, "{tool} missing for --lang {lang}");
-            eprintln!("skipping --lang {lang}: {tool} not found (scripts/install-lang-toolchains.sh installs it)");
-            continue;
-        }
+    let new = |lang: &str, name: &str| {
+        Command::new(berth).args(["policy", "new", "--lang", lang, name, "--dir"]).arg(&scratch).current_dir(&scratch).output().unwrap()
+    };
+    let mut built = 0;
+    for (lang, tool, installer) in [
+        ("rust", "cargo", "install-guest-toolchain.sh"),
+        ("python", "componentize-py", "install-lang-toolchains.sh"),
+        ("js", "componentize-js", "install-lang-toolchains.sh"),
+        ("c", "wit-bindgen", "install-lang-toolchains.sh"),
+    ] {
         let name = format!("hello-{lang}");
-        let out = Command::new(berth).args(["policy", "new", "--lang", lang, &name, "--dir"]).arg(&scratch).output().unwrap();
+        let out = new(lang, &name);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let project = scratch.join(&name);
         let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
-        assert!(readme.contains("./build.sh") && readme.contains(&format!("berth policy test {name}.wasm")), "{readme}");
-        let build = Command::new(project.join("build.sh"))
-            .env("PATH", &path)
-            .env("BERTH", berth)
-            // Rust: share the guest build's dependencies.
-            .env("CARGO_TARGET_DIR", repo_root().join("target/guest-scaffold"))
+        for want in ["./build.sh", &format!("berth policy test {name}.wasm"), "berth:policy@0.3.0", "pool-place", installer] {
+            assert!(readme.contains(want), "README lacks {want:?}:\n{readme}");
+        }
+        assert!(!readme.contains("{{"), "unfilled placeholder:\n{readme}");
+        if lang != "rust" {
+            let wit = std::fs::read_to_string(project.join("wit/policy.wit")).unwrap();
+            assert!(wit.contains("package berth:policy@0.3.0;"));
+        }
+        let build = Command::new("./build.sh")
+            .current_dir(&project)
+            .env("PATH", &user_path)
+            .env_remove("BERTH")
+            // Rust: only a cache, the guest build's (with rustc-web a fresh
+            // target folder compiles std for wasm32 again); the SDK and the
+            // tools are found as a user's are.
+            .env("CARGO_TARGET_DIR", repo_root().join("target/guest"))
             .output()
             .unwrap();
-        assert!(build.status.success(), "{lang} build:\n{}{}", String::from_utf8_lossy(&build.stdout), String::from_utf8_lossy(&build.stderr));
-        let report = conformance(&project.join(format!("{name}.wasm")));
-        assert!(report.passed(), "{lang}:\n{report}");
-        assert_eq!(report.policy, name);
+        let build_log = format!("{}{}", String::from_utf8_lossy(&build.stdout), String::from_utf8_lossy(&build.stderr));
+        if !has(tool) {
+            assert!(!required, "{tool} missing for --lang {lang}");
+            assert!(!build.status.success(), "{lang} built without {tool}:\n{build_log}");
+            assert!(build_log.contains(tool) && build_log.contains(installer), "{lang}: the error must name {tool} and {installer}:\n{build_log}");
+            eprintln!("--lang {lang}: {tool} not installed; build.sh said so");
+            continue;
+        }
+        assert!(build.status.success(), "{lang} build:\n{build_log}");
+        let test = Command::new(berth).args(["policy", "test", "--json"]).arg(format!("{name}.wasm")).current_dir(&project).output().unwrap();
+        let stdout = String::from_utf8_lossy(&test.stdout);
+        assert!(test.status.success(), "{lang}: berth policy test failed:\n{stdout}{}", String::from_utf8_lossy(&test.stderr));
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(report["policy"], name.as_str(), "{stdout}");
+        assert_eq!(report["contract"], "0.3.0", "{lang}: {stdout}");
+        assert!(report["rules"].as_array().is_some_and(|r| r.len() >= 5), "{stdout}");
+        built += 1;
         // A second project of the same name is refused.
-        let again = Command::new(berth).args(["policy", "new", "--lang", lang, &name, "--dir"]).arg(&scratch).output().unwrap();
-        assert!(!again.status.success());
+        assert!(!new(lang, &name).status.success());
     }
+    assert!(built >= 1, "no language built");
     let bad = Command::new(berth).args(["policy", "new", "--lang", "cobol", "x"]).output().unwrap();
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown language"));
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// A build script whose tool is missing says what to install: the Python, JS
+/// and C projects built with an empty tool cache and only the system PATH.
+#[test]
+fn scaffolded_build_names_the_missing_tool() {
+    let berth = env!("CARGO_BIN_EXE_berth");
+    let scratch = std::env::temp_dir().join(format!("berth-test-{}-scaffold-missing", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let empty_tools = scratch.join("no-tools");
+    std::fs::create_dir_all(&empty_tools).unwrap();
+    let system_path = "/usr/bin:/bin";
+    for (lang, tool) in [("python", "componentize-py"), ("js", "componentize-js"), ("c", "wit-bindgen")] {
+        let on_system = Command::new("sh").arg("-c").arg(format!("command -v {tool}")).env("PATH", system_path).output().unwrap().status.success();
+        if on_system {
+            eprintln!("skipping --lang {lang}: {tool} is installed system-wide");
+            continue;
+        }
+        let name = format!("missing-{lang}");
+        let out = Command::new(berth).args(["policy", "new", "--lang", lang, &name, "--dir"]).arg(&scratch).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let build = Command::new("./build.sh").current_dir(scratch.join(&name)).env("PATH", system_path).env("BERTH_TOOLS", &empty_tools).output().unwrap();
+        let stderr = String::from_utf8_lossy(&build.stderr);
+        assert!(!build.status.success(), "{lang}: {stderr}");
+        let installer = repo_root().join("scripts/install-lang-toolchains.sh").canonicalize().unwrap();
+        assert!(stderr.contains(&format!("{tool} ")) && stderr.contains(&format!("bash {}", installer.display())), "{lang}: {stderr}");
+        assert!(!scratch.join(&name).join(format!("{name}.wasm")).exists());
+    }
     let _ = std::fs::remove_dir_all(&scratch);
 }

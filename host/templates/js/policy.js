@@ -8,7 +8,7 @@
 export const policy = {
   info() {
     // The host calls only the hooks claimed here.
-    return { name: "{{name}}", version: "0.1.0", hooks: { score: true, compact: false, rank: false, domains: false } };
+    return { name: "{{name}}", version: "0.1.0", hooks: { score: true, compact: false, rank: false, domains: false, poolPlace: false, poolStep: false } };
   },
 
   configure(config) {
@@ -29,8 +29,23 @@ export const policy = {
     return { scores, gpus: new BigUint64Array(0) };
   },
 
-  // Hooks not claimed in info() are never called.
+  // Optional hooks. The host calls only those claimed in info() (set the
+  // flag to true); `berth policy test` then checks the claimed ones too.
   scoreDomains(task, domains) { throw "not implemented"; },
   compact(snapshot) { throw "not implemented"; },
   rank(demand, victims) { throw "not implemented"; },
+
+  // Contract 0.3.0, model pools (`berth replay --pool`). Unclaimed, the
+  // host's defaults apply: every model on every executor of its
+  // tensor-parallel degree, unpinned; each step prefills the row whose
+  // oldest request waited longest, else decodes the row with least slack.
+  poolPlace(state) {
+    // Return the complete assignment, as pairs:
+    // { executor: Uint32Array, model: Uint32Array, weight: Uint32Array (>= 1), pinned: Uint8Array (0/1) }
+    throw "not implemented";
+  },
+  poolStep(executor) {
+    // Return e.g. { phase: "prefill", row, iterations: 1, evict: new Uint32Array(0) }.
+    throw "not implemented";
+  },
 };

@@ -28,7 +28,10 @@ class Policy(exports.Policy):
         # chooses the GPUs on the winning node.
         return types.Scores(scores=scores, gpus=[])
 
-    # Hooks not claimed in info() are never called.
+    # Optional hooks. The host calls only those claimed in info(), e.g.
+    # hooks=types.Hooks.SCORE | types.Hooks.POOL_PLACE; `berth policy test`
+    # then checks the claimed ones too. Unclaimed, they are never called.
+
     def score_domains(self, task, domains):
         raise Err("not implemented")
 
@@ -36,4 +39,18 @@ class Policy(exports.Policy):
         raise Err("not implemented")
 
     def rank(self, demand, victims):
+        raise Err("not implemented")
+
+    # Contract 0.3.0, model pools (`berth replay --pool`). Unclaimed, the
+    # host's defaults apply: every model on every executor of its
+    # tensor-parallel degree, unpinned; each step prefills the row whose
+    # oldest request waited longest, else decodes the row with least slack.
+    def pool_place(self, state: types.PoolState) -> types.PoolPlacement:
+        # Return the complete assignment, as pairs (executor, model,
+        # weight >= 1, pinned 0/1).
+        raise Err("not implemented")
+
+    def pool_step(self, executor: types.PoolExecutor) -> types.PoolChoice:
+        # Return types.PoolChoice(phase=types.PoolPhase.PREFILL, row=r,
+        # iterations=1, evict=[]) to prefill row r of `executor`.
         raise Err("not implemented")

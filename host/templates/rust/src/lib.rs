@@ -19,6 +19,16 @@ impl Policy for ThisPolicy {
         // chooses the GPUs on the winning node.
         Ok(Scores::from_scores(nodes.iter().map(|n| -(f64::from(n.gpu_free_total()) - wanted)).collect()))
     }
+
+    // Optional hooks, each with a default in berth_sdk::Policy: claim one in
+    // HOOKS (e.g. `Hooks::SCORE.union(Hooks::POOL_PLACE)`) and override it;
+    // `berth policy test` then checks it too.
+    //   fn score_domains(&mut self, task: &Task, domains: &Domains) -> Result<Vec<f64>, String>
+    //   fn compact(&mut self, snapshot: &Snapshot) -> Result<Plan, String>
+    //   fn rank(&mut self, demand: &Task, victims: &Allocations) -> Result<Vec<u32>, String>
+    // Contract 0.3.0, model pools (`berth replay --pool`):
+    //   fn pool_place(&mut self, state: &PoolState) -> Result<PoolPlacement, String>
+    //   fn pool_step(&mut self, executor: &PoolExecutor) -> Result<PoolStep, String>
 }
 
 berth_sdk::export!(ThisPolicy);
