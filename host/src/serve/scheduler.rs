@@ -667,7 +667,7 @@ impl Live {
                 let mut scratch = st.fleet.clone();
                 let run = run_arm(arm, &mut scratch, &mut st.placer, &job, &keep);
                 let decision = self.log(&base, "shadow", false, arm, &run, &scratch);
-                self.after_call(p, arm, &run.result, false);
+                self.after_call(p, arm, &run, false);
                 Some((run, scratch, decision))
             }
             _ => None,
@@ -682,7 +682,7 @@ impl Live {
         let mut arm_name = if split.is_some() { "candidate" } else { "active" };
         let mut run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job, &keep);
         let mut decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
-        let mut trip = self.after_call(p, &arm, &run.result, split.is_none());
+        let mut trip = self.after_call(p, &arm, &run, split.is_none());
         if split.is_some() {
             let partial = partly_used(&st.fleet);
             let outcome = run.result.as_ref().ok().and_then(|r| r.as_ref()).map(|(_, d)| (waited_s, *d, job.tasks > 1));
@@ -694,7 +694,7 @@ impl Live {
                 arm_name = "active";
                 run = run_arm(&arm, &mut st.fleet, &mut st.placer, &job, &keep);
                 decision = self.log(&base, arm_name, true, &arm, &run, &st.fleet);
-                trip = self.after_call(p, &arm, &run.result, true);
+                trip = self.after_call(p, &arm, &run, true);
             }
         }
         if arm_name == "active" && candidate.as_ref().is_some_and(|c| matches!(c.mode, Mode::Split(_))) {
@@ -813,22 +813,23 @@ impl Live {
     }
 
     /// Feeds the breaker; on a trip, takes the version out of service.
-    fn after_call(&self, p: usize, arm: &Arc<Arm>, result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>, is_active: bool) -> Trip {
+    fn after_call(&self, p: usize, arm: &Arc<Arm>, run: &ArmRun, is_active: bool) -> Trip {
         let part = &self.partitions[p];
         let v = arm.meta.version;
-        let e = match result {
-            Ok(_) => {
-                part.breaker.lock().unwrap().success(v);
-                return Trip::None;
+        let call = match &run.result {
+            Ok(_) => breaker::Call::Answered(run.latency),
+            Err(e) if breaker::counts(e) => {
+                self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
+                tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
+                breaker::Call::Failed(e)
             }
-            Err(e) if breaker::counts(e) => e,
             Err(_) => return Trip::None,
         };
-        self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
-        tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
-        if !part.breaker.lock().unwrap().failure(v, &self.breaker) {
-            return Trip::None;
+        // Bound first: trip() takes the breaker's lock again.
+        let tripped = part.breaker.lock().unwrap().record(v, call, &self.breaker);
+        match tripped {
+            None => Trip::None,
+            Some(reason) => self.trip(p, arm, &reason, is_active),
         }
-        self.trip(p, arm, e, is_active)
     }
 }
