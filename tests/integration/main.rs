@@ -12,4 +12,5 @@ mod languages;
 mod loading;
 mod pool;
 mod replay;
+mod security;
 mod serve;
