@@ -17,6 +17,7 @@ pub mod scaffold;
 pub mod serve;
 pub mod store;
 pub mod synth;
+pub mod text;
 pub mod wasm;
 
 pub use berth_core as core;

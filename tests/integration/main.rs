@@ -15,4 +15,5 @@ mod loading;
 mod pool;
 mod preempt;
 mod replay;
+mod security;
 mod serve;

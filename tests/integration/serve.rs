@@ -35,13 +35,13 @@ roles = { "*" = "viewer", "p0" = "tenant" }
 "#;
 
 /// A fresh state directory for one test.
-fn state_dir(name: &str) -> PathBuf {
+pub(crate) fn state_dir(name: &str) -> PathBuf {
     let dir = repo_root().join("target").join("tmp").join(format!("serve-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
 
-fn config(dir: &Path, access: &str) -> ServeConfig {
+pub(crate) fn config(dir: &Path, access: &str) -> ServeConfig {
     ServeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
@@ -53,18 +53,18 @@ fn config(dir: &Path, access: &str) -> ServeConfig {
         // Generous: a loaded CI machine must not turn a slow honest call
         // into a failure.
         limits: Limits { deadline: Duration::from_secs(2), memory_bytes: 64 << 20, ..Limits::default() },
-        breaker: BreakerConfig { failures: 3, backoff: Duration::from_secs(600) },
+        breaker: BreakerConfig { failures: 3, backoff: Duration::from_secs(600), ..BreakerConfig::default() },
         max_upload_bytes: 1 << 20,
         store: Default::default(),
         scheduling: Default::default(),
     }
 }
 
-async fn client(h: &ServeHandle, token: &str) -> Client {
+pub(crate) async fn client(h: &ServeHandle, token: &str) -> Client {
     connect(&format!("http://{}", h.addr), Some(token), None, None).await.expect("connect")
 }
 
-fn job(partition: &str, gpus: u32) -> pb::SubmitJobRequest {
+pub(crate) fn job(partition: &str, gpus: u32) -> pb::SubmitJobRequest {
     pb::SubmitJobRequest {
         job: Some(pb::JobSpec {
             partition: partition.into(),
@@ -79,19 +79,19 @@ fn job(partition: &str, gpus: u32) -> pb::SubmitJobRequest {
     }
 }
 
-async fn upload(c: &mut Client, partition: &str, path: PathBuf) -> u32 {
+pub(crate) async fn upload(c: &mut Client, partition: &str, path: PathBuf) -> u32 {
     let component = std::fs::read(path).unwrap();
     let r = c.upload_policy(pb::UploadPolicyRequest { partition: partition.into(), component, ..Default::default() }).await.expect("upload");
     r.into_inner().policy.unwrap().version
 }
 
-async fn jobs(c: &mut Client, partition: &str) -> Vec<pb::Job> {
+pub(crate) async fn jobs(c: &mut Client, partition: &str) -> Vec<pb::Job> {
     c.list_jobs(pb::ListJobsRequest { partition: partition.into(), limit: 100_000, ..Default::default() }).await.unwrap().into_inner().jobs
 }
 
 /// Waits until no job of the partition is pending (a liveness bound, not
 /// a timing assertion: it only fails a test that would otherwise hang).
-async fn settle(c: &mut Client, partition: &str) -> Vec<pb::Job> {
+pub(crate) async fn settle(c: &mut Client, partition: &str) -> Vec<pb::Job> {
     let limit = Instant::now() + Duration::from_secs(120);
     loop {
         let all = jobs(c, partition).await;
@@ -125,7 +125,7 @@ fn placed_once(all: &[pb::Job], log: &[pb::Decision]) {
     assert!(placing.is_empty(), "placements of unknown jobs: {:?}", placing.keys());
 }
 
-async fn metrics(h: &ServeHandle) -> String {
+pub(crate) async fn metrics(h: &ServeHandle) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(h.metrics_addr.unwrap()).await.unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();

@@ -87,9 +87,14 @@ impl Live {
         if let Some(x) = topology.switch_domain.into_iter().chain(topology.aggregation).find(|&x| x > MAX_DECLARED_SWITCH) {
             return Err(ServeError::Invalid(format!("node {node}: switch id {x} is above {MAX_DECLARED_SWITCH}")));
         }
+        // Node names are unique across the fleet: an operator of one
+        // partition cannot register a node named like another's (agent or
+        // simulated), nor shadow a simulated node of its own.
         for (q, other) in self.partitions.iter().enumerate() {
-            if q != p && other.state.lock().unwrap().agent_ids.contains_key(node) {
-                return Err(ServeError::FailedPrecondition(format!("node {node} is registered in partition {}", other.name)));
+            let st = other.state.lock().unwrap();
+            let agent_here = q == p && st.agent_ids.contains_key(node);
+            if !agent_here && st.fleet.nodes().iter().any(|n| n.name == node) {
+                return Err(ServeError::FailedPrecondition(format!("node name {node:?} is already taken in the fleet")));
             }
         }
         let part = &self.partitions[p];

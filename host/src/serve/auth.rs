@@ -6,6 +6,10 @@
 //! ```toml
 //! # Optional: uploads must match one of these SHA-256 digests.
 //! allowed_components = ["9f2c..."]
+//! # Optional: the highest job priority a tenant may set, per partition
+//! # ("*" = every other partition; 100 where none is set). Operators are
+//! # not capped.
+//! tenant_max_priority = { "*" = 100, "batch" = 10 }
 //!
 //! [[identities]]
 //! name = "ops"
@@ -54,6 +58,8 @@ struct IdentityConfig {
 struct AccessConfig {
     #[serde(default)]
     allowed_components: Option<Vec<String>>,
+    #[serde(default)]
+    tenant_max_priority: BTreeMap<String, u32>,
     identities: Vec<IdentityConfig>,
 }
 
@@ -95,6 +101,7 @@ pub struct Access {
     /// (SHA-256 of the certificate's DER, identity)
     certs: Vec<(String, Identity)>,
     allowed_components: Option<Vec<String>>,
+    tenant_max_priority: BTreeMap<String, u32>,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -110,7 +117,8 @@ impl Access {
     pub fn parse(text: &str) -> anyhow::Result<Access> {
         let cfg: AccessConfig = toml::from_str(text)?;
         anyhow::ensure!(!cfg.identities.is_empty(), "no identities: the API would be closed to everyone");
-        let mut access = Access { tokens: Vec::new(), certs: Vec::new(), allowed_components: None };
+        let mut access =
+            Access { tokens: Vec::new(), certs: Vec::new(), allowed_components: None, tenant_max_priority: cfg.tenant_max_priority };
         for id in cfg.identities {
             anyhow::ensure!(!id.name.is_empty(), "an identity without a name");
             let identity = Identity { name: id.name.clone(), roles: id.roles };
@@ -166,6 +174,12 @@ impl Access {
         Err(ServeError::Unauthenticated("no credentials: send `authorization: Bearer <token>` or a client certificate".into()))
     }
 
+    /// The highest priority a tenant may give a job in `partition`, if the
+    /// access file sets one (the partition's own entry, else `*`).
+    pub fn priority_ceiling(&self, partition: &str) -> Option<u32> {
+        self.tenant_max_priority.get(partition).or_else(|| self.tenant_max_priority.get("*")).copied()
+    }
+
     /// Refuses a component whose digest is not allow-listed (when a list is set).
     pub fn allow_component(&self, sha256: &str) -> Result<(), ServeError> {
         match &self.allowed_components {
@@ -197,6 +211,18 @@ mod tests {
         assert!(id.require("other", Role::Tenant).is_err());
         assert!(id.require("other", Role::Viewer).is_ok());
         assert!(id.require("gpu", Role::Operator).is_err());
+    }
+
+    #[test]
+    fn priority_ceiling_is_per_partition_with_a_default() {
+        let a = Access::parse(
+            "tenant_max_priority = { \"*\" = 50, \"batch\" = 5 }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}",
+        )
+        .unwrap();
+        assert_eq!(a.priority_ceiling("batch"), Some(5));
+        assert_eq!(a.priority_ceiling("gpu"), Some(50));
+        let none = Access::parse("[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}").unwrap();
+        assert_eq!(none.priority_ceiling("gpu"), None);
     }
 
     #[test]

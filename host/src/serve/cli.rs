@@ -58,17 +58,32 @@ pub struct ServeArgs {
     /// Per-call deadline of a policy.
     #[arg(long, default_value_t = 500)]
     deadline_ms: u64,
-    /// Memory cap of one policy instance, MiB.
+    /// Memory cap of one policy instance, in MiB: the sum of all its linear
+    /// memories and tables.
     #[arg(long, default_value_t = 256)]
     memory_mib: u64,
     /// Consecutive failed calls that trip a version's circuit breaker.
     #[arg(long, default_value_t = 3)]
     breaker_failures: u32,
+    /// The breaker's window: a version also trips when at least
+    /// --breaker-rate of its last this-many calls failed.
+    #[arg(long, default_value_t = 20)]
+    breaker_window: u32,
+    /// Failure rate over the window that trips a version, in (0, 1].
+    #[arg(long, default_value_t = 0.5)]
+    breaker_rate: f64,
+    /// Calls a version must have made before the rate rule applies (at most
+    /// --breaker-window).
+    #[arg(long, default_value_t = 10)]
+    breaker_min_calls: u32,
+    /// Latency budget of a policy call in ms: a slower answer counts as a
+    /// failure (a slow policy stalls its partition); 0: none.
+    #[arg(long, default_value_t = 250)]
+    breaker_slow_ms: u64,
     /// Backoff after a trip before the version may run again (doubles per trip).
     #[arg(long, default_value_t = 60)]
     breaker_backoff_s: u64,
-    /// Largest component `berth policy upload` accepts, bytes (larger:
-    /// RESOURCE_EXHAUSTED).
+    /// Largest policy component an upload may carry, in bytes.
     #[arg(long, default_value_t = 16 << 20)]
     max_upload_bytes: usize,
     /// A node agent silent for this long is marked unreachable.
@@ -110,7 +125,15 @@ pub struct ServeArgs {
 
 impl ServeArgs {
     pub fn config(&self) -> anyhow::Result<ServeConfig> {
-        anyhow::ensure!(self.breaker_failures > 0, "--breaker-failures must be at least 1");
+        let breaker = BreakerConfig {
+            failures: self.breaker_failures,
+            window: self.breaker_window,
+            rate: self.breaker_rate,
+            min_calls: self.breaker_min_calls,
+            slow: (self.breaker_slow_ms > 0).then(|| Duration::from_millis(self.breaker_slow_ms)),
+            backoff: Duration::from_secs(self.breaker_backoff_s),
+        };
+        breaker.check().map_err(|e| anyhow::anyhow!("--breaker-*: {e}"))?;
         anyhow::ensure!(self.deadline_ms > 0, "--deadline-ms must be positive");
         let fleet = match self.fleet.as_str() {
             "default" => FleetConfig::parse(DEFAULT_FLEET, "(embedded default)")?,
@@ -130,7 +153,7 @@ impl ServeArgs {
             tls: self.tls_cert.clone().zip(self.tls_key.clone()).map(|(cert, key)| TlsFiles { cert, key, client_ca: self.client_ca.clone() }),
             default_policy: std::fs::read(&policy).with_context(|| format!("reading {}", policy.display()))?,
             limits: Limits { deadline: Duration::from_millis(self.deadline_ms), memory_bytes: self.memory_mib << 20, ..Limits::default() },
-            breaker: BreakerConfig { failures: self.breaker_failures, backoff: Duration::from_secs(self.breaker_backoff_s) },
+            breaker,
             max_upload_bytes: self.max_upload_bytes,
             scheduling: Scheduling {
                 high_priority: self.high_priority,
@@ -248,7 +271,9 @@ pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, ident
         Some(t) => Some(format!("Bearer {t}").parse().context("token is not valid header text")?),
         None => None,
     };
-    Ok(BerthClient::with_interceptor(channel, Bearer(bearer)).max_encoding_message_size(64 << 20))
+    // Replies are cut to 3 MiB by the server; a larger receive limit keeps
+    // an older or differently configured server's reply readable.
+    Ok(BerthClient::with_interceptor(channel, Bearer(bearer)).max_encoding_message_size(64 << 20).max_decoding_message_size(64 << 20))
 }
 
 /// Client commands at the top level of `berth`.
@@ -526,8 +551,19 @@ fn placements(p: &[pb::TaskPlacement]) -> String {
     p.iter().map(|t| format!("{}{:?}", t.node, t.gpus)).collect::<Vec<_>>().join(" ")
 }
 
+/// Text from the server (which may quote a policy or a caller), printable
+/// and at most `PRINT_BYTES`.
+fn esc(s: &str) -> std::borrow::Cow<'_, str> {
+    crate::text::printable(s, PRINT_BYTES)
+}
+
+/// Longest server-supplied field the CLI prints, in bytes.
+const PRINT_BYTES: usize = 1024;
+
 fn policy(p: &Option<pb::PolicyRef>) -> String {
-    p.as_ref().map_or("-".into(), |p| format!("v{} {}@{} ({})", p.version, p.name, p.policy_version, &p.sha256[..12.min(p.sha256.len())]))
+    p.as_ref().map_or("-".into(), |p| {
+        format!("v{} {}@{} ({})", p.version, esc(&p.name), esc(&p.policy_version), esc(p.sha256.get(..12).unwrap_or(&p.sha256)))
+    })
 }
 
 async fn client(conn: &Conn) -> anyhow::Result<Client> {
@@ -537,7 +573,7 @@ async fn client(conn: &Conn) -> anyhow::Result<Client> {
 
 /// Turns a gRPC status into an error that names its code.
 fn status(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+    anyhow::anyhow!("{:?}: {}", s.code(), esc(s.message()))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -634,9 +670,9 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
         ApiCommand::Explain { job, conn } => {
             let r = client(&conn).await?.explain_job(pb::ExplainJobRequest { job_id: job }).await.map_err(status)?.into_inner();
             println!("job {job}: {}", r.state);
-            println!("  {}", r.summary);
+            println!("  {}", esc(&r.summary));
             if !r.last_decision.is_empty() {
-                println!("  last: {}", r.last_decision);
+                println!("  last: {}", esc(&r.last_decision));
             }
         }
         ApiCommand::Quote { partition, gpus, tasks, gpu_milli, cores, memory_gib, models, same_domain, deadline_h, agents, priority, conn } => {
@@ -683,7 +719,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.query_decisions(req).await.map_err(status)?.into_inner();
             println!("{:>5} {:<13} {:<4} {:>5} {:<7} {:<9} {:<20} {:<16} {:<8} {:>8}  result", "id", "time", "part", "job", "actor", "arm", "policy", "input", "outcome", "latency");
             for d in r.decisions {
-                let result = if d.outcome == "placed" { placements(&d.placements) } else { d.detail };
+                let result = if d.outcome == "placed" { placements(&d.placements) } else { esc(&d.detail).into_owned() };
                 println!(
                     "{:>5} {:<13} {:<4} {:>5} {:<7} {:<9} {:<20} {:<16} {:<8} {:>6}us  {}",
                     d.id,
@@ -692,7 +728,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                     d.job_id,
                     d.actor,
                     d.arm,
-                    format!("v{} {}@{}", d.policy_version, d.policy, d.policy_semver),
+                    format!("v{} {}@{}", d.policy_version, esc(&d.policy), esc(&d.policy_semver)),
                     d.input_digest,
                     d.outcome,
                     d.latency_us,
@@ -732,11 +768,11 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
             println!("{partition}: active version {}", r.active_version);
             for v in &r.versions {
                 let blocked = if v.blocked_until_unix_ms > super::unix_ms() { "  [breaker backoff]" } else { "" };
-                println!("  {}  by {} at {}  contract {}{}", policy(&v.policy), v.uploaded_by, ms_to_time(v.uploaded_unix_ms), v.contract, blocked);
+                println!("  {}  by {} at {}  contract {}{}", policy(&v.policy), esc(&v.uploaded_by), ms_to_time(v.uploaded_unix_ms), esc(&v.contract), blocked);
             }
             println!("events:");
             for e in &r.events {
-                println!("  {}  {:<10} v{:<3} by {:<8} {}", ms_to_time(e.unix_ms), e.kind, e.version, e.by, e.detail);
+                println!("  {}  {:<10} v{:<3} by {:<8} {}", ms_to_time(e.unix_ms), esc(&e.kind), e.version, esc(&e.by), esc(&e.detail));
             }
         }
         PolicyApiCommand::Shadow { partition, mode, version, fraction, conn } => {
@@ -762,7 +798,7 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
                     println!("  switch domains per gang: active {:.2}, candidate {:.2}", r.mean_domains_active, r.mean_domains_candidate);
                 }
                 for d in r.recent_diffs.iter().take(5) {
-                    println!("  job {} (decision {}): active {} | candidate {} ({})", d.job_id, d.decision_id, placements(&d.active), placements(&d.candidate), d.note);
+                    println!("  job {} (decision {}): active {} | candidate {} ({})", d.job_id, d.decision_id, placements(&d.active), placements(&d.candidate), esc(&d.note));
                 }
             }
             for a in r.arms {

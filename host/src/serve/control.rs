@@ -9,12 +9,16 @@ use berth_core::sim::Job;
 use berth_core::{Placer, TaskShape};
 use berth_sdk::Hooks;
 
-use super::breaker;
 use super::registry::{Event, ShadowSetting, VersionMeta};
 use super::scheduler::{Arm, Candidate, Live, Trip};
 use super::shadow::{self, Mode};
 use super::{unix_ms, ServeError};
 use crate::wasm::{LoadedPolicy, WasmPolicy};
+
+/// Longest policy configuration an upload may carry, in bytes.
+pub const MAX_CONFIG_BYTES: usize = 64 << 10;
+/// Longest note an upload may carry, in bytes.
+pub const MAX_NOTE_BYTES: usize = 1024;
 
 /// The result of an activation.
 pub struct Swap {
@@ -134,6 +138,12 @@ impl Live {
         }
         if bytes.is_empty() {
             return Err(ServeError::Invalid("empty component".into()));
+        }
+        if config.len() > MAX_CONFIG_BYTES {
+            return Err(ServeError::Invalid(format!("config is {} bytes: at most {MAX_CONFIG_BYTES}", config.len())));
+        }
+        if note.len() > MAX_NOTE_BYTES {
+            return Err(ServeError::Invalid(format!("note is {} bytes: at most {MAX_NOTE_BYTES}", note.len())));
         }
         let sha256 = super::registry::sha256_hex(bytes);
         self.access.allow_component(&sha256)?;
@@ -255,13 +265,12 @@ impl Live {
 
     /// The rank breaker tripped: the version is blocked for the backoff and
     /// the documented default ranking takes over.
-    pub(super) fn trip_rank(&self, p: usize, arm: &Arc<Arm>, error: &berth_core::PolicyError) {
+    pub(super) fn trip_rank(&self, p: usize, arm: &Arc<Arm>, reason: &str) {
         let part = &self.partitions[p];
         let key = hook_key(&part.name, PolicyHook::Rank);
         let version = arm.meta.version;
         let now = unix_ms();
         self.metrics.breaker_trips.with_label_values(&[&key, &version.to_string()]).inc();
-        let reason = format!("failed calls, last: {} ({error})", breaker::kind(error));
         let _ = self.registry.update(&key, |r| {
             if let Some(meta) = r.versions.iter_mut().find(|m| m.version == version) {
                 meta.trips += 1;
@@ -364,12 +373,11 @@ impl Live {
 
     /// The breaker tripped on `arm`: block it for the backoff, and roll the
     /// partition back to the last good version (or drop the candidate).
-    pub(super) fn trip(&self, p: usize, arm: &Arc<Arm>, error: &berth_core::PolicyError, is_active: bool) -> Trip {
+    pub(super) fn trip(&self, p: usize, arm: &Arc<Arm>, reason: &str, is_active: bool) -> Trip {
         let part = &self.partitions[p];
         let version = arm.meta.version;
         let now = unix_ms();
         self.metrics.breaker_trips.with_label_values(&[&part.name, &version.to_string()]).inc();
-        let reason = format!("{} consecutive failures, last: {} ({error})", self.breaker.failures, breaker::kind(error));
         let blocked = self.registry.update(&part.name, |r| {
             let meta = r.versions.iter_mut().find(|m| m.version == version).expect("running versions are registered");
             meta.trips += 1;

@@ -189,7 +189,7 @@ impl Observer for LiveObserver<'_> {
             let run = run_arm(&c.arm, &mut scratch, &mut self.placer, job, keep);
             let base = self.base(job);
             let decision = self.live.log(&base, "shadow", false, &c.arm, &run, &scratch);
-            let trip = self.live.after_call(self.p, &c.arm, &run.result, false);
+            let trip = self.live.after_call(self.p, &c.arm, &run, false);
             self.note_trip(trip);
             self.shadow_run = Some((run, scratch, decision));
         }
@@ -212,7 +212,7 @@ impl Observer for LiveObserver<'_> {
             // so a bad candidate never strands work.
             let run = ArmRun { result: Err(e), first: None, latency: at.candidate_latency };
             self.live.log(&base, "candidate", true, cand, &run, fleet);
-            let trip = self.live.after_call(self.p, cand, &run.result, false);
+            let trip = self.live.after_call(self.p, cand, &run, false);
             self.note_trip(trip);
             self.part.stats.lock().unwrap().arms[1].record(at.candidate_latency.as_micros() as u64, None, true, partly_used(fleet));
         }
@@ -222,7 +222,7 @@ impl Observer for LiveObserver<'_> {
         };
         let run = ArmRun { result: result.clone(), first: at.first, latency };
         let decision = self.live.log(&base, name, true, &arm, &run, fleet);
-        let trip = self.live.after_call(self.p, &arm, &run.result, name == "active");
+        let trip = self.live.after_call(self.p, &arm, &run, name == "active");
         self.note_trip(trip);
         if split.is_some() {
             let idx = usize::from(name == "candidate");
@@ -293,6 +293,12 @@ impl Live {
         for (job, note, decision, version) in notes {
             last.insert(job, (note, decision, version));
         }
+        if let Some(arm) = ranker.as_ref()
+            && pass.decisions.iter().any(|d| matches!(d, Decision::Evict { .. }))
+        {
+            // The rank version answered (its answer was used).
+            part.rank_breaker.lock().unwrap().record(arm.meta.version, super::breaker::Call::Answered(Duration::ZERO), &self.breaker);
+        }
         for d in pass.decisions {
             self.apply_decision(part, st, d, &last, ranker.as_deref());
         }
@@ -333,11 +339,18 @@ impl Live {
         let v = arm.meta.version;
         self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), super::breaker::kind(e)]).inc();
         tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "rank policy call failed: {e}");
-        if !super::breaker::counts(e) || !part.rank_breaker.lock().unwrap().failure(v, &self.breaker) {
+        if !super::breaker::counts(e) {
             return Trip::None;
         }
-        self.trip_rank(p, arm, e);
-        Trip::Replaced
+        // Bound first: trip_rank() does not take the lock, but keep it short.
+        let tripped = part.rank_breaker.lock().unwrap().record(v, super::breaker::Call::Failed(e), &self.breaker);
+        match tripped {
+            None => Trip::None,
+            Some(reason) => {
+                self.trip_rank(p, arm, &reason);
+                Trip::Replaced
+            }
+        }
     }
 
     /// Records one engine decision and actuates it.

@@ -752,22 +752,23 @@ impl Live {
     }
 
     /// Feeds the breaker; on a trip, takes the version out of service.
-    pub(super) fn after_call(&self, p: usize, arm: &Arc<Arm>, result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>, is_active: bool) -> Trip {
+    pub(super) fn after_call(&self, p: usize, arm: &Arc<Arm>, run: &ArmRun, is_active: bool) -> Trip {
         let part = &self.partitions[p];
         let v = arm.meta.version;
-        let e = match result {
-            Ok(_) => {
-                part.breaker.lock().unwrap().success(v);
-                return Trip::None;
+        let call = match &run.result {
+            Ok(_) => breaker::Call::Answered(run.latency),
+            Err(e) if breaker::counts(e) => {
+                self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
+                tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
+                breaker::Call::Failed(e)
             }
-            Err(e) if breaker::counts(e) => e,
             Err(_) => return Trip::None,
         };
-        self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
-        tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
-        if !part.breaker.lock().unwrap().failure(v, &self.breaker) {
-            return Trip::None;
+        // Bound first: trip() takes the breaker's lock again.
+        let tripped = part.breaker.lock().unwrap().record(v, call, &self.breaker);
+        match tripped {
+            None => Trip::None,
+            Some(reason) => self.trip(p, arm, &reason, is_active),
         }
-        self.trip(p, arm, e, is_active)
     }
 }
