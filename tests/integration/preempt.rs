@@ -48,6 +48,18 @@ async fn running(api: &berth::serve::cli::Client, ids: &[u64]) -> Vec<pb::Job> {
     .await
 }
 
+/// Waits until agent node `node` of p0 takes work.
+async fn schedulable(api: &berth::serve::cli::Client, node: &str) {
+    until("the agent node schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            nodes.iter().any(|n| n.name == node && n.schedulable).then_some(())
+        }
+    })
+    .await;
+}
+
 async fn evictions(api: &mut berth::serve::cli::Client) -> Vec<pb::Decision> {
     let req = pb::QueryDecisionsRequest { partition: "p0".into(), limit: 1000, ..Default::default() };
     api.query_decisions(req).await.unwrap().into_inner().decisions.into_iter().filter(|d| d.outcome == "evicted").collect()
@@ -60,14 +72,7 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
     let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
-    until("n1 schedulable", Duration::from_secs(60), || {
-        let mut api = api.clone();
-        async move {
-            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
-            nodes.iter().any(|n| n.name == "n1" && n.schedulable).then_some(())
-        }
-    })
-    .await;
+    schedulable(&api, "n1").await;
     let spot = upload_rank(&mut api, &policy_path("spot-gpu")).await;
 
     // Low-priority fill: A (2 GPUs, oldest), then B and C (1 GPU each).
@@ -137,14 +142,7 @@ async fn a_hostile_rank_policy_trips_its_breaker_and_the_default_ranking_takes_o
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0"]).await;
     let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
-    until("n1 schedulable", Duration::from_secs(60), || {
-        let mut api = api.clone();
-        async move {
-            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
-            nodes.iter().any(|n| n.name == "n1" && n.schedulable).then_some(())
-        }
-    })
-    .await;
+    schedulable(&api, "n1").await;
     let hostile = upload_rank(&mut api, &guest_path("hostile")).await;
     let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)) }).await.unwrap().into_inner().job_id;
     running(&api, &[low]).await;
@@ -182,14 +180,7 @@ async fn a_quote_matches_what_then_happens() {
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000"]).await;
     let _n1 = agent(&d, &url, "n1", "4xH20", &["--switch-domain", "7"]);
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
-    until("n1 schedulable", Duration::from_secs(60), || {
-        let mut api = api.clone();
-        async move {
-            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
-            nodes.iter().any(|n| n.name == "n1" && n.schedulable).then_some(())
-        }
-    })
-    .await;
+    schedulable(&api, "n1").await;
     let quote = |api: &berth::serve::cli::Client, gpus: u32| {
         let mut api = api.clone();
         async move {
