@@ -294,7 +294,7 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
 async fn breaker_event(c: &mut berth::serve::cli::Client, partition: &str) -> String {
     let limit = Instant::now() + Duration::from_secs(90);
     loop {
-        let h = c.policy_history(berth::serve::pb::PolicyHistoryRequest { partition: partition.into() }).await.unwrap().into_inner();
+        let h = c.policy_history(berth::serve::pb::PolicyHistoryRequest { partition: partition.into(), ..Default::default() }).await.unwrap().into_inner();
         if let Some(e) = h.events.iter().find(|e| e.kind == "breaker") {
             return e.detail.clone();
         }
@@ -308,7 +308,7 @@ async fn hostile_with(h: &berth::serve::ServeHandle, partition: &str, config: &s
     let component = std::fs::read(guest_path("hostile")).unwrap();
     let req = berth::serve::pb::UploadPolicyRequest { partition: partition.into(), component, config: config.into(), ..Default::default() };
     let v = ops.upload_policy(req).await.expect("upload").into_inner().policy.unwrap().version;
-    ops.activate_policy(berth::serve::pb::ActivatePolicyRequest { partition: partition.into(), version: v }).await.expect("activate");
+    ops.activate_policy(berth::serve::pb::ActivatePolicyRequest { partition: partition.into(), version: v, ..Default::default() }).await.expect("activate");
     v
 }
 
