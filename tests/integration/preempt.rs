@@ -60,6 +60,15 @@ async fn schedulable(api: &berth::serve::cli::Client, node: &str) {
     .await;
 }
 
+/// Waits until every job of p0 has finished.
+async fn all_finished(api: &berth::serve::cli::Client) {
+    until("all done", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
+    })
+    .await;
+}
+
 async fn evictions(api: &mut berth::serve::cli::Client) -> Vec<pb::Decision> {
     let req = pb::QueryDecisionsRequest { partition: "p0".into(), limit: 1000, ..Default::default() };
     api.query_decisions(req).await.unwrap().into_inner().decisions.into_iter().filter(|d| d.outcome == "evicted").collect()
@@ -129,11 +138,7 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     for id in low {
         std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
     }
-    until("all done", Duration::from_secs(60), || {
-        let api = api.clone();
-        async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
-    })
-    .await;
+    all_finished(&api).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,11 +172,7 @@ async fn a_hostile_rank_policy_trips_its_breaker_and_the_default_ranking_takes_o
     for id in [low, h] {
         std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
     }
-    until("all done", Duration::from_secs(60), || {
-        let api = api.clone();
-        async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
-    })
-    .await;
+    all_finished(&api).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

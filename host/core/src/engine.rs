@@ -1029,6 +1029,7 @@ impl Runs {
     fn take_back(&mut self, v: usize, now: u64, jobs: &[Job], config: &SimConfig, outcome: &mut SimOutcome) -> (u64, f64, bool) {
         let job = &jobs[v];
         let contract = job.contract.unwrap_or(config.contract);
+        let since = self.since_checkpoint(v, now, job, &contract);
         let times = self.interrupted_at.entry(v).or_default();
         let ran = now.saturating_sub(self.run_start[v]);
         let ev = if job.reports_exit {
@@ -1036,10 +1037,6 @@ impl Runs {
             // Work since its last reported checkpoint is lost unless it
             // checkpoints on notice.
             let limit = contract.notice_s + contract.grace_s;
-            let since = match self.checkpoint_at[v] {
-                Some(at) => now.saturating_sub(at.max(self.run_start[v])),
-                None => ran,
-            };
             let lost_s = if contract.checkpoint_on_notice { 0 } else { since };
             crate::preemption::Eviction { vacate_s: limit, forced: false, kept_s: ran - lost_s.min(ran), lost_s }
         } else {
