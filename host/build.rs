@@ -6,7 +6,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded here.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=proto");
-    tonic_prost_build::configure().compile_protos(&["proto/berth/v1/berth.proto", "proto/berth/v1/agent.proto"], &["proto"])?;
+    // Our codec: an undecodable request is INVALID_ARGUMENT, not INTERNAL.
+    // Serialize: the web console answers in JSON with the API's own messages.
+    tonic_prost_build::configure()
+        .codec_path("crate::serve::codec::Codec")
+        .type_attribute(".berth.v1", "#[derive(serde::Serialize)]")
+        .compile_protos(&["proto/berth/v1/berth.proto", "proto/berth/v1/agent.proto"], &["proto"])?;
     // The etcd store's client (a subset of etcd's v3 API).
     tonic_prost_build::configure().build_server(false).compile_protos(&["proto/etcd/rpc.proto"], &["proto"])?;
     Ok(())

@@ -82,7 +82,8 @@ impl std::fmt::Display for Report {
             let verdict = if r.passed() { "PASS" } else { "FAIL" };
             writeln!(f, "{verdict}  {:<28} {} ({} checked)", r.rule, r.what, r.checked)?;
             for line in r.failures.iter().take(SHOWN) {
-                writeln!(f, "        {line}")?;
+                // Failures quote the policy (its errors): escaped, bounded.
+                writeln!(f, "        {}", crate::text::printable(line, 512))?;
             }
             if r.failures.len() > SHOWN {
                 writeln!(f, "        ... and {} more", r.failures.len() - SHOWN)?;
@@ -195,6 +196,8 @@ struct RankCase {
 
 struct CompactCase {
     name: &'static str,
+    /// The fleet the snapshot was taken of, with its allocations applied.
+    fleet: Arc<Fleet>,
     snapshot: Snapshot,
 }
 
@@ -362,7 +365,11 @@ fn compact_cases() -> Vec<CompactCase> {
     let pending = Pending { gpu_count: vec![8, 1, 4], gpu_milli: vec![1000, 500, 1000], whole_nodes: vec![2, 0, 0], model: vec![0, u32::MAX, 2] };
     let full = Snapshot { nodes: nodes_of(&fleet, |_| true), allocations: allocation_columns(&allocs), pending: pending.clone() };
     let empty = Snapshot { nodes: nodes_of(&fleet, |_| true), allocations: Allocations::default(), pending: Pending::default() };
-    vec![CompactCase { name: "mixed fleet, three pending shapes", snapshot: full }, CompactCase { name: "nothing running", snapshot: empty }]
+    let fleet = Arc::new(fleet);
+    vec![
+        CompactCase { name: "mixed fleet, three pending shapes", fleet: fleet.clone(), snapshot: full },
+        CompactCase { name: "nothing running", fleet, snapshot: empty },
+    ]
 }
 
 fn task_of(shape: &TaskShape, job_id: u64, gang_size: u32, gang_index: u32, priority: u32) -> Task {
@@ -468,6 +475,7 @@ pub fn run_loaded(engine: Arc<PolicyEngine>, loaded: &Arc<LoadedPolicy>, opts: &
                 rules.declare("score/length", "one score per node, one GPU mask per node or none");
                 rules.declare("score/finite", "no NaN or infinite score");
                 rules.declare("score/gpu-masks", "masks name the task's GPU count, existing GPUs with enough free");
+                rules.declare("score/memory-steady", "memory does not grow call after call (no leak)");
             }
             "score-domains" => {
                 rules.declare("score-domains/length", "one score per domain");
@@ -482,6 +490,10 @@ pub fn run_loaded(engine: Arc<PolicyEngine>, loaded: &Arc<LoadedPolicy>, opts: &
                 rules.declare("compact/chains", "chains numbered from 0, each chain's moves contiguous");
                 rules.declare("compact/moves", "moves name movable allocations and nodes of the snapshot");
                 rules.declare("compact/gpu-masks", "destination masks name the allocation's GPU count on existing GPUs");
+                rules.declare(
+                    "compact/host-accepts",
+                    "the live host's validation accepts the plan (each allocation moved once, never onto its own node, destinations with room)",
+                );
             }
         }
         rules.declare(&format!("{hook}/deterministic"), "a fresh instance answers the same calls the same");
@@ -555,6 +567,12 @@ fn pass(
             }
         }
     }
+    if hooks.contains(Hooks::SCORE)
+        && let Some(rules) = rules.as_deref_mut()
+        && let Some(case) = suite.score.first()
+    {
+        check_memory_steady(rules, &mut policy, case);
+    }
     if hooks.contains(Hooks::DOMAINS) {
         for (k, case) in suite.domains.iter().enumerate() {
             let (mut domains, _) = berth_core::sim::domain_table(&case.fleet, &case.shape);
@@ -595,6 +613,7 @@ fn pass(
                 call_outcome(rules, "compact", &label, &result);
                 if let Ok(plan) = &result {
                     check_plan(rules, &label, &case.snapshot, plan);
+                    check_plan_host(rules, &label, case, plan);
                 }
             }
         }
@@ -668,6 +687,66 @@ fn check_rank(rules: &mut Rules, label: &str, result: &Result<Vec<u32>, PolicyEr
         }
         Err(_) => {}
     }
+}
+
+/// Growth of an instance's memory over this many identical calls, after
+/// the suite has warmed it, that fails `score/memory-steady`.
+const LEAK_CALLS: usize = 8;
+const LEAK_BYTES: u64 = 16 << 20;
+
+/// Calls the first score scenario [`LEAK_CALLS`] more times: an allocator
+/// keeps what it grew, but an honest policy reuses it, so its memory stops
+/// growing once warm. A leak grows it every call until the cap ends it live.
+fn check_memory_steady(rules: &mut Rules, policy: &mut WasmPolicy, case: &ScoreCase) {
+    let task = task_of(&case.shape, 0, case.gang_size, case.gang_index, case.priority);
+    let before = policy.memory_bytes();
+    let mut failure = None;
+    for call in 0..LEAK_CALLS {
+        let mut nodes = nodes_of(&case.fleet, |n| predicate::check(n, &case.shape).is_ok());
+        if let Err(e) = policy.score_raw(&task, &mut nodes) {
+            failure = Some(format!("repeat call {} of scenario 0: {}", call + 1, brief(&e)));
+            break;
+        }
+    }
+    let grown = policy.memory_bytes().saturating_sub(before);
+    if failure.is_none() && grown > LEAK_BYTES {
+        failure = Some(format!("{LEAK_CALLS} repeats of scenario 0 grew memory by {} MiB (at most {} MiB)", grown >> 20, LEAK_BYTES >> 20));
+    }
+    rules.check("score/memory-steady", failure.is_none(), || failure.clone().unwrap_or_default());
+}
+
+/// The plan as the live host validates it ([`berth_core::compaction::validate`]),
+/// so a policy that passes here is not refused live for its plans.
+fn check_plan_host(rules: &mut Rules, label: &str, case: &CompactCase, plan: &Plan) {
+    let a = &case.snapshot.allocations;
+    let running: Vec<berth_core::compaction::Running> = (0..a.ids.len())
+        .map(|i| berth_core::compaction::Running {
+            id: a.ids[i],
+            job_id: a.job_ids[i],
+            node: a.node[i],
+            gpus: a.gpus[i],
+            gpu_milli: a.gpu_milli[i],
+            cpu_milli: a.cpu_milli[i],
+            memory_mib: a.memory_mib[i],
+            priority: a.priority[i],
+            movable: a.movable[i] != 0,
+            gang_id: a.gang_id[i],
+            state_bytes: a.state_bytes[i],
+            remaining_s: a.remaining_s[i],
+            running_s: a.running_s[i],
+            since_checkpoint_s: a.since_checkpoint_s[i],
+            last_moved_s: None,
+        })
+        .collect();
+    let config = berth_core::compaction::CompactionConfig::default();
+    let verdict = berth_core::compaction::validate(&case.fleet, &case.snapshot.nodes.ids, &running, plan, &config, 0);
+    rules.check("compact/host-accepts", verdict.is_ok(), || {
+        let e = verdict.as_ref().err().expect("failed");
+        match e.move_index {
+            Some(i) => format!("{label}: move {i}: {}", e.reason),
+            None => format!("{label}: {}", e.reason),
+        }
+    });
 }
 
 fn check_plan(rules: &mut Rules, label: &str, snapshot: &Snapshot, plan: &Plan) {
@@ -766,6 +845,29 @@ mod tests {
         // Allocation 0 holds one GPU: two named, or a GPU a 4-GPU node lacks.
         assert_eq!(check(Plan { dest_gpus: vec![0, 0b11, 0], ..ok.clone() }), ["compact/gpu-masks"]);
         assert_eq!(check(Plan { dest_node: vec![2, 2, 4], dest_gpus: vec![0, 1 << 5, 0], ..ok }), ["compact/gpu-masks"]);
+    }
+
+    #[test]
+    fn plans_are_checked_as_the_host_would() {
+        let case = &compact_cases()[0];
+        let a = &case.snapshot.allocations;
+        // Allocation 1: a quarter GPU on node 0 (an H800), in no gang.
+        let id = a.ids[1];
+        assert_eq!((a.node[1], a.gang_id[1], a.movable[1]), (0, 0, 1));
+        let check = |plan: Plan| {
+            let mut r = Rules::default();
+            r.declare("compact/host-accepts", "test");
+            check_plan_host(&mut r, "case", case, &plan);
+            r.into_vec().remove(0).failures
+        };
+        let one = |dest: u32| Plan { chain: vec![0], allocation: vec![id], dest_node: vec![dest], dest_gpus: vec![0] };
+        // Node 4 is an idle H800 like node 0.
+        assert!(check(one(4)).is_empty(), "{:?}", check(one(4)));
+        let twice = Plan { chain: vec![0, 0], allocation: vec![id, id], dest_node: vec![4, 8], dest_gpus: vec![0, 0] };
+        assert!(check(twice)[0].contains("moved twice"));
+        assert!(check(one(0))[0].contains("already runs on node 0"));
+        // Node 3 is full: all eight GPUs taken.
+        assert!(check(one(3))[0].contains("node 3"), "{:?}", check(one(3)));
     }
 
     #[test]

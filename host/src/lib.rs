@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod asi;
 pub mod bench;
+pub mod bench_live;
 pub mod catalog;
 pub mod compact;
 pub mod componentize;
@@ -12,11 +13,14 @@ pub mod demo;
 pub mod langbench;
 pub mod native;
 pub mod pool;
+pub mod proto;
 pub mod replay;
 pub mod scaffold;
 pub mod serve;
 pub mod store;
 pub mod synth;
+pub mod text;
+pub mod util;
 pub mod wasm;
 
 pub use berth_core as core;

@@ -57,6 +57,9 @@ enum Command {
     /// registers with `berth serve`, sends heartbeats and telemetry, and
     /// runs allocations as child processes on their GPUs.
     Agent(berth::agent::run::AgentArgs),
+    /// Run inside a task started by `berth agent`: report that the task just
+    /// saved a checkpoint, so preemption ranks it, and counts work lost, from now.
+    Checkpointed,
     /// Node agents and allocations: list, start, stop, sleep, wake, checkpoint.
     Alloc {
         #[command(subcommand)]
@@ -199,9 +202,11 @@ struct ReplayArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
-    /// Deadline of one policy call, ms. Replay is offline: a long run on a
-    /// loaded machine may want more than the live host's 500 ms.
-    #[arg(long, default_value_t = 500)]
+    /// Deadline of one policy call, ms of the calling thread's CPU time
+    /// (replay is offline: time spent waiting for a core on a busy machine
+    /// does not count). Generous by default; the live host's is 500 ms of
+    /// elapsed time.
+    #[arg(long, default_value_t = 5000)]
     deadline_ms: u64,
 }
 
@@ -261,6 +266,27 @@ enum BenchCommand {
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Print one JSON object per policy instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Decision latency of a live host with preemption: an in-process
+    /// `berth serve` on one partition of N eight-GPU nodes, filled with
+    /// low-priority whole-node jobs; high-priority jobs then arrive one at a
+    /// time and the rank policy picks each one's victim.
+    Live {
+        /// Eight-GPU nodes in the partition.
+        #[arg(long, default_value_t = 2000)]
+        nodes: u32,
+        /// Placement policy (bundled name or .wasm path).
+        #[arg(long, default_value = "binpack")]
+        policy: String,
+        /// Rank policy (bundled name or .wasm path).
+        #[arg(long, default_value = "spot-gpu")]
+        rank: String,
+        /// High-priority arrivals, each needing a preemption.
+        #[arg(long, default_value_t = 100)]
+        preemptions: usize,
+        /// Print the result as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -370,6 +396,28 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
+        Command::Bench { what: BenchCommand::Live { nodes, policy, rank, preemptions, json } } => {
+            let r = berth::bench_live::live(&policy, &rank, nodes, preemptions)?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "live host, {} nodes ({} GPUs), {} / {}: filled with {} jobs in {:.1} s; {} preemptions: deciding pass p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; submit to eviction p50 {} ms, p99 {} ms",
+                    r.nodes,
+                    r.nodes * 8,
+                    r.policy,
+                    r.rank,
+                    r.fill_jobs,
+                    r.fill_s,
+                    r.preemptions,
+                    r.pass_p50_us as f64 / 1e3,
+                    r.pass_p99_us as f64 / 1e3,
+                    r.pass_max_us as f64 / 1e3,
+                    r.submit_to_decision_p50_ms,
+                    r.submit_to_decision_p99_ms
+                );
+            }
+        }
         Command::Bench { what: BenchCommand::Languages { policies, candidates, seed, json } } => {
             anyhow::ensure!(candidates > 0, "--candidates must be at least 1");
             let r = berth::langbench::run(engine()?, &policies, candidates, seed, berth::langbench::openb_dir().as_deref())?;
@@ -414,6 +462,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Serve(args) => berth::serve::cli::serve(args)?,
         Command::Agent(args) => berth::agent::run::main(args)?,
+        Command::Checkpointed => berth::agent::run::report_checkpoint()?,
         Command::Alloc { what } => berth::agent::run::alloc(what)?,
         Command::Api(cmd) => berth::serve::cli::run(cmd)?,
         Command::Policy { what } => match what {
@@ -627,9 +676,33 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         let flags = berth::asi::fleet::GuardConfig { reserve_after_h: args.reserve_after_h, aging_per_hour: args.aging };
         guards.fleet = flags.to_guard().context("--reserve-after-h / --aging")?;
     }
+    // Mechanisms compose in one run; what cannot is refused, never dropped.
+    anyhow::ensure!(
+        args.save_snapshot.is_none() || (args.preempt.is_empty() && args.compact.is_none()),
+        "--save-snapshot takes the placement-only state: it does not run --preempt or --compact"
+    );
+    anyhow::ensure!(
+        !(accounting && !args.preempt.is_empty()),
+        "`berth report` prints one run's accounting; with --preempt use `berth replay --fleet ... --preempt` (each run's quote with --quote)"
+    );
     if let (Some(out), Some(at)) = (&args.save_snapshot, &args.at) {
         return berth::compact::cli::save_event(&engine, &fleet, &jobs, &guards, &args.policies, fleet_spec, seeds[0], at, out);
     }
+    let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
+    let compaction = match &args.compact {
+        Some(spec) => {
+            let path = catalog::resolve(spec)?;
+            let planner = LoadedPolicy::from_file(&engine, &path).with_context(|| format!("loading {}", path.display()))?;
+            let config: berth_core::compaction::CompactionConfig = match &args.compact_config {
+                Some(p) => berth::text::parse_toml(&std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
+                    .with_context(|| format!("compaction config {}", p.display()))?,
+                None => Default::default(),
+            };
+            config.check().map_err(anyhow::Error::msg).context("compaction config")?;
+            Some((planner, config))
+        }
+        None => None,
+    };
     if !args.preempt.is_empty() {
         let load = |spec: &String| -> anyhow::Result<Arc<LoadedPolicy>> {
             let path = catalog::resolve(spec)?;
@@ -648,7 +721,9 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             protected_partitions: config.non_preemptible_partitions.iter().copied().collect(),
             ..Default::default()
         };
-        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base, replay_limits(args))?;
+        // Compaction and the quote run in every one of the runs.
+        let alongside = berth::asi::preempt::Alongside { compaction: compaction.as_ref(), quote: request.as_ref() };
+        let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base, alongside, replay_limits(args))?;
         print!("{}", berth::asi::preempt::table(&rows));
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "preemption": rows }))?)
@@ -656,21 +731,6 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         }
         return Ok(());
     }
-    let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
-    let compaction = match &args.compact {
-        Some(spec) => {
-            let path = catalog::resolve(spec)?;
-            let planner = LoadedPolicy::from_file(&engine, &path).with_context(|| format!("loading {}", path.display()))?;
-            let config: berth_core::compaction::CompactionConfig = match &args.compact_config {
-                Some(p) => toml::from_str(&std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
-                    .with_context(|| format!("compaction config {}", p.display()))?,
-                None => Default::default(),
-            };
-            config.check().map_err(anyhow::Error::msg).context("compaction config")?;
-            Some((planner, config))
-        }
-        None => None,
-    };
     let mut reports = Vec::new();
     for spec in &args.policies {
         let path = catalog::resolve(spec)?;
@@ -695,7 +755,11 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
 
 /// The policies' limits in replay: the live host's, with `--deadline-ms`.
 fn replay_limits(args: &ReplayArgs) -> berth::wasm::Limits {
-    berth::wasm::Limits { deadline: std::time::Duration::from_millis(args.deadline_ms.max(1)), ..Default::default() }
+    berth::wasm::Limits {
+        deadline: std::time::Duration::from_millis(args.deadline_ms.max(1)),
+        clock: berth::wasm::DeadlineClock::ThreadCpu,
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]

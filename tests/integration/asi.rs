@@ -320,7 +320,7 @@ fn spot_gpu_loses_less_work_than_both_baselines() {
     for seed in 1..=3 {
         let jobs = WorkloadConfig { days: 3.0, seed, ..WorkloadConfig::default() }.generate(&fleet);
         let base = SimConfig { horizon_s: 3 * 86_400, ..SimConfig::default() };
-        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, &base, Limits::default()).unwrap();
+        let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, &base, Default::default(), Limits::default()).unwrap();
         assert_eq!(rows.len(), 5);
         let (alone, fill) = (&rows[0], &rows[1]);
         assert_eq!(alone.low_jobs, 0);
@@ -409,4 +409,41 @@ fn non_preemptible_partitions_are_configured() {
     assert_eq!(cfg.non_preemptible_partitions, vec![1]);
     let err = format!("{:#}", FleetConfig::parse(&format!("non_preemptible_partitions = [5]\n{base}"), "np.toml").unwrap_err());
     assert!(err.contains("np.toml") && err.contains("partition 5 does not exist"), "{err}");
+}
+
+/// `--preempt` composes with `--compact`, `--harvest` and `--quote` in every
+/// run (it used to drop them silently); what cannot compose is refused.
+#[test]
+fn preemption_composes_with_compaction_harvest_and_quote() {
+    let dir = std::env::temp_dir().join(format!("berth-asi-compose-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("r.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["replay", "--fleet", "asi", "--fleet-scale", "0.02", "--days", "1.5", "--seeds", "1", "--policy", "binpack", "--quiet"])
+        .args(["--preempt", "spot-gpu", "--compact", "ipc", "--harvest", "15-21", "--quote", "model=H800,gpus=8,cores=64,tasks=2"])
+        .arg("--json")
+        .arg(&json)
+        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = doc["preemption"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    for row in rows {
+        assert!(row["compaction"]["steps"].as_u64().unwrap() > 0, "{row}");
+        assert!(row["quote"]["now"].is_u64(), "{row}");
+    }
+    let fill = &rows[2];
+    assert!(fill["compaction"]["moves_run"].as_u64().unwrap() > 0, "compaction moved work in the preemption run: {fill}");
+    assert!(fill["standby_gpu_h"].as_f64().unwrap() > 0.0, "harvesting ran too: {fill}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("fill + spot-gpu: compaction") && text.contains("quote:"), "{text}");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["replay", "--fleet", "asi", "--seeds", "1", "--policy", "binpack", "--preempt", "spot-gpu", "--save-snapshot", "s.json", "--at", "1h"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not run --preempt"), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -15,7 +15,7 @@ use crate::common::{guest_path, wasm_policy};
 const DEADLINE: Duration = Duration::from_millis(100);
 
 fn limits() -> Limits {
-    Limits { deadline: Duration::from_secs(5), memory_bytes: 64 << 20, log_lines_per_call: 5 }
+    Limits { deadline: Duration::from_secs(5), memory_bytes: 64 << 20, log_lines_per_call: 5, ..Limits::default() }
 }
 
 /// A small fleet where every node fits a half-GPU task.

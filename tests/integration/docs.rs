@@ -84,3 +84,25 @@ fn readme_is_short_and_links_into_the_book() {
     }
     assert!(into_book >= 10, "README.md links to {into_book} chapters");
 }
+
+/// The host side (`serve/`) and the node agent (`agent/`) share only the
+/// generated protocol (`proto`) and small helpers (`util`), never each
+/// other's modules: no file cycle between them.
+#[test]
+fn serve_and_agent_do_not_import_each_other() {
+    let src = crate::common::repo_root().join("host/src");
+    for (dir, forbidden) in [("agent", ["crate::serve", "super::super::serve"]), ("serve", ["crate::agent", "super::super::agent"])] {
+        let mut files = 0;
+        for entry in std::fs::read_dir(src.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "rs") {
+                files += 1;
+                let text = std::fs::read_to_string(&path).unwrap();
+                for f in forbidden {
+                    assert!(!text.contains(f), "{} uses {f}", path.display());
+                }
+            }
+        }
+        assert!(files > 2, "host/src/{dir} has its modules");
+    }
+}

@@ -63,7 +63,7 @@ fn write_published(dir: &Path) -> PathBuf {
     path
 }
 
-fn find_tool(candidates: &[&str]) -> Option<PathBuf> {
+pub(crate) fn find_tool(candidates: &[&str]) -> Option<PathBuf> {
     candidates.iter().map(PathBuf::from).find(|p| p.is_file()).or_else(|| {
         let name = Path::new(candidates[0]).file_name()?.to_owned();
         std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(&name)).find(|p| p.is_file())
@@ -71,7 +71,7 @@ fn find_tool(candidates: &[&str]) -> Option<PathBuf> {
 }
 
 /// chromedriver on a loopback port, killed when dropped.
-struct Driver {
+pub(crate) struct Driver {
     child: Child,
     url: String,
 }
@@ -84,7 +84,7 @@ impl Drop for Driver {
 }
 
 impl Driver {
-    fn start(binary: &Path) -> Driver {
+    pub(crate) fn start(binary: &Path) -> Driver {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let mut child = Command::new(binary)
             .arg(format!("--port={port}"))
@@ -110,7 +110,7 @@ impl Driver {
 
     /// One WebDriver command; returns its `value`, or an error naming the
     /// command and WebDriver's message.
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    pub(crate) fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_global(Some(Duration::from_secs(60)))

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use berth::serve::pb;
 
-use crate::agent::{agent, agent_job, assert_one_owner, dir, jobs, serve, until};
+use crate::agent::{agent, agent_job, assert_one_owner, dir, jobs, serve, until, BERTH};
 use crate::common::{guest_path, policy_path};
 
 /// A task that records its checkpoint notices (the agent's checkpoint hook
@@ -141,6 +141,80 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     all_finished(&api).await;
 }
 
+/// A low-priority task that runs `berth checkpointed` once `ckpt-now-<job>`
+/// exists (then writes `ckpt-done-<job>`), and ends on `release-<job>`.
+fn checkpointing_job(d: &Path) -> pb::JobSpec {
+    let d = d.display();
+    let script = format!(
+        "i=0; while [ ! -f {d}/release-$BERTH_JOB ] && [ $i -lt 2400 ]; do \
+           if [ -f {d}/ckpt-now-$BERTH_JOB ] && [ ! -f {d}/ckpt-done-$BERTH_JOB ]; then {BERTH} checkpointed && touch {d}/ckpt-done-$BERTH_JOB; fi; \
+           sleep 0.05; i=$((i+1)); done; exit 0"
+    );
+    pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, cpu_milli: 1000, memory_mib: 1024, argv: vec!["sh".into(), "-c".into(), script], ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_checkpoint_report_changes_who_is_preempted() {
+    let d = dir("preempt-ckpt");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0"]).await;
+    let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    schedulable(&api, "n1").await;
+    upload_rank(&mut api, &policy_path("spot-gpu")).await;
+    // A starts first: by time since start it has the most to recompute.
+    let a = api.submit_job(pb::SubmitJobRequest { job: Some(checkpointing_job(&d)) }).await.unwrap().into_inner().job_id;
+    running(&api, &[a]).await;
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let b = api.submit_job(pb::SubmitJobRequest { job: Some(checkpointing_job(&d)) }).await.unwrap().into_inner().job_id;
+    running(&api, &[b]).await;
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    // Then A saves its work: now it has the least to recompute.
+    std::fs::write(d.join(format!("ckpt-now-{a}")), "").unwrap();
+    let reported = until("A's checkpoint report reaches the host", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == a).map(|j| j.runs[0].checkpointed_unix_ms).filter(|&t| t > 0) }
+    })
+    .await;
+    assert!(d.join(format!("ckpt-done-{a}")).exists(), "`berth checkpointed` ran in the task");
+    assert!(reported <= berth::serve::unix_ms(), "{reported}");
+    let b_run = jobs(&api).await.into_iter().find(|j| j.id == b).unwrap().runs[0].clone();
+    assert_eq!(b_run.checkpointed_unix_ms, 0, "B never reported one");
+
+    // newest-first in shadow beside spot-gpu: it ranks the same victims,
+    // never actuated.
+    let component = std::fs::read(policy_path("newest-first")).unwrap();
+    let up = api.upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "rank".into(), ..Default::default() }).await.unwrap();
+    let shadow = up.into_inner().policy.unwrap().version;
+    let split = pb::SetShadowRequest { partition: "p0".into(), version: shadow, mode: pb::ShadowMode::Split as i32, fraction: 0.5, hook: "rank".into() };
+    assert_eq!(api.set_shadow(split).await.unwrap_err().code(), tonic::Code::InvalidArgument, "a rank candidate runs in shadow only");
+    api.set_shadow(pb::SetShadowRequest { partition: "p0".into(), version: shadow, mode: pb::ShadowMode::Shadow as i32, hook: "rank".into(), ..Default::default() })
+        .await
+        .unwrap();
+
+    // One GPU for a high-priority job: spot-gpu takes A, the checkpointed one.
+    let mut high = agent_job(&d, 1, 1);
+    high.priority = 5;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    running(&api, &[h]).await;
+    let ev = evictions(&mut api).await;
+    assert_eq!(ev.iter().map(|e| e.job_id).collect::<Vec<_>>(), vec![a], "{ev:?}");
+    assert!(ev[0].policy == "spot-gpu", "{ev:?}");
+    let all = jobs(&api).await;
+    assert_one_owner(&all, &[]);
+    assert_eq!(all.iter().find(|j| j.id == b).unwrap().state, "running");
+    // The shadow ranking would have taken B, the newest, losing more work.
+    let report = api.shadow_report(pb::ShadowReportRequest { partition: "p0".into(), hook: "rank".into(), ..Default::default() }).await.unwrap().into_inner();
+    let rank = report.rank.expect("a rank report");
+    assert_eq!((report.mode.as_str(), rank.samples, rank.agreed, rank.candidate_errors), ("shadow", 1, 0, 0), "{report:?}");
+    assert_eq!((rank.active_victims, rank.candidate_victims), (1, 1), "{rank:?}");
+    assert!(rank.candidate_lost_gpu_s > rank.active_lost_gpu_s, "{rank:?}");
+    assert_eq!(report.candidate.map(|c| c.name), Some("newest-first".to_string()));
+    for id in [a, b, h] {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+    all_finished(&api).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_rank_policy_trips_its_breaker_and_the_default_ranking_takes_over() {
     let d = dir("preempt-hostile");
@@ -213,4 +287,20 @@ async fn a_quote_matches_what_then_happens() {
     let n1 = nodes.iter().find(|n| n.name == "n1").unwrap();
     assert_eq!(n1.switch_domain, (1 << 24) + 7);
     std::fs::write(d.join(format!("release-{next}")), "0").unwrap();
+}
+
+/// `berth bench live` runs end to end and reports a decision per
+/// preemption (the figures themselves are the benchmark's, not a test's).
+#[test]
+fn the_live_decision_benchmark_reports_every_preemption() {
+    let out = std::process::Command::new(BERTH)
+        .args(["bench", "live", "--nodes", "16", "--preemptions", "3", "--json"])
+        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((r["nodes"].as_u64(), r["preemptions"].as_u64()), (Some(16), Some(3)), "{r}");
+    let (p50, p99, max) = (r["pass_p50_us"].as_u64().unwrap(), r["pass_p99_us"].as_u64().unwrap(), r["pass_max_us"].as_u64().unwrap());
+    assert!(0 < p50 && p50 <= p99 && p99 <= max, "{r}");
 }

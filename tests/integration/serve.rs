@@ -16,7 +16,7 @@ use tonic::Code;
 
 use crate::common::{guest_path, policy_path, repo_root};
 
-const ACCESS: &str = r#"
+pub(crate) const ACCESS: &str = r#"
 [[identities]]
 name = "ops"
 token = "ops-test-token"
@@ -35,13 +35,13 @@ roles = { "*" = "viewer", "p0" = "tenant" }
 "#;
 
 /// A fresh state directory for one test.
-fn state_dir(name: &str) -> PathBuf {
+pub(crate) fn state_dir(name: &str) -> PathBuf {
     let dir = repo_root().join("target").join("tmp").join(format!("serve-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
 
-fn config(dir: &Path, access: &str) -> ServeConfig {
+pub(crate) fn config(dir: &Path, access: &str) -> ServeConfig {
     ServeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
@@ -53,18 +53,18 @@ fn config(dir: &Path, access: &str) -> ServeConfig {
         // Generous: a loaded CI machine must not turn a slow honest call
         // into a failure.
         limits: Limits { deadline: Duration::from_secs(2), memory_bytes: 64 << 20, ..Limits::default() },
-        breaker: BreakerConfig { failures: 3, backoff: Duration::from_secs(600) },
+        breaker: BreakerConfig { failures: 3, backoff: Duration::from_secs(600), ..BreakerConfig::default() },
         max_upload_bytes: 1 << 20,
         store: Default::default(),
         scheduling: Default::default(),
     }
 }
 
-async fn client(h: &ServeHandle, token: &str) -> Client {
+pub(crate) async fn client(h: &ServeHandle, token: &str) -> Client {
     connect(&format!("http://{}", h.addr), Some(token), None, None).await.expect("connect")
 }
 
-fn job(partition: &str, gpus: u32) -> pb::SubmitJobRequest {
+pub(crate) fn job(partition: &str, gpus: u32) -> pb::SubmitJobRequest {
     pb::SubmitJobRequest {
         job: Some(pb::JobSpec {
             partition: partition.into(),
@@ -79,19 +79,19 @@ fn job(partition: &str, gpus: u32) -> pb::SubmitJobRequest {
     }
 }
 
-async fn upload(c: &mut Client, partition: &str, path: PathBuf) -> u32 {
+pub(crate) async fn upload(c: &mut Client, partition: &str, path: PathBuf) -> u32 {
     let component = std::fs::read(path).unwrap();
     let r = c.upload_policy(pb::UploadPolicyRequest { partition: partition.into(), component, ..Default::default() }).await.expect("upload");
     r.into_inner().policy.unwrap().version
 }
 
-async fn jobs(c: &mut Client, partition: &str) -> Vec<pb::Job> {
+pub(crate) async fn jobs(c: &mut Client, partition: &str) -> Vec<pb::Job> {
     c.list_jobs(pb::ListJobsRequest { partition: partition.into(), limit: 100_000, ..Default::default() }).await.unwrap().into_inner().jobs
 }
 
 /// Waits until no job of the partition is pending (a liveness bound, not
 /// a timing assertion: it only fails a test that would otherwise hang).
-async fn settle(c: &mut Client, partition: &str) -> Vec<pb::Job> {
+pub(crate) async fn settle(c: &mut Client, partition: &str) -> Vec<pb::Job> {
     let limit = Instant::now() + Duration::from_secs(120);
     loop {
         let all = jobs(c, partition).await;
@@ -125,7 +125,7 @@ fn placed_once(all: &[pb::Job], log: &[pb::Decision]) {
     assert!(placing.is_empty(), "placements of unknown jobs: {:?}", placing.keys());
 }
 
-async fn metrics(h: &ServeHandle) -> String {
+pub(crate) async fn metrics(h: &ServeHandle) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(h.metrics_addr.unwrap()).await.unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
@@ -192,7 +192,7 @@ async fn shadow_records_without_actuating_and_split_divides_by_job() {
     let mut ops = client(&h, "ops-test-token").await;
     let mut alice = client(&h, "alice-test-token").await;
     let spread = upload(&mut ops, "p1", policy_path("spread")).await;
-    ops.set_shadow(pb::SetShadowRequest { partition: "p1".into(), version: spread, mode: pb::ShadowMode::Shadow as i32, fraction: 0.0 }).await.unwrap();
+    ops.set_shadow(pb::SetShadowRequest { partition: "p1".into(), version: spread, mode: pb::ShadowMode::Shadow as i32, fraction: 0.0, ..Default::default() }).await.unwrap();
     for _ in 0..20 {
         alice.submit_job(job("p1", 1)).await.unwrap();
     }
@@ -209,7 +209,7 @@ async fn shadow_records_without_actuating_and_split_divides_by_job() {
         assert_eq!(active.input_digest, d.input_digest);
     }
 
-    let r = ops.shadow_report(pb::ShadowReportRequest { partition: "p1".into() }).await.unwrap().into_inner();
+    let r = ops.shadow_report(pb::ShadowReportRequest { partition: "p1".into(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(r.mode, "shadow");
     assert_eq!(r.samples, 20);
     // Binpack stacks jobs on one node; spread puts each on an idle one.
@@ -219,7 +219,7 @@ async fn shadow_records_without_actuating_and_split_divides_by_job() {
     assert!(r.mean_partial_nodes_candidate > r.mean_partial_nodes_active, "spread leaves more nodes partly used");
 
     // Split: the candidate decides exactly the jobs its hash selects.
-    ops.set_shadow(pb::SetShadowRequest { partition: "p1".into(), version: spread, mode: pb::ShadowMode::Split as i32, fraction: 0.5 }).await.unwrap();
+    ops.set_shadow(pb::SetShadowRequest { partition: "p1".into(), version: spread, mode: pb::ShadowMode::Split as i32, fraction: 0.5, ..Default::default() }).await.unwrap();
     let mut split_ids = Vec::new();
     for _ in 0..40 {
         split_ids.push(alice.submit_job(job("p1", 1)).await.unwrap().into_inner().job_id);
@@ -231,7 +231,7 @@ async fn shadow_records_without_actuating_and_split_divides_by_job() {
         assert_eq!(j.policy_version, expect, "job {}", j.id);
         by_candidate += u64::from(expect == spread);
     }
-    let r = ops.shadow_report(pb::ShadowReportRequest { partition: "p1".into() }).await.unwrap().into_inner();
+    let r = ops.shadow_report(pb::ShadowReportRequest { partition: "p1".into(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(r.arms.len(), 2);
     assert_eq!(r.arms[1].placed, by_candidate);
     assert_eq!(r.arms[0].placed + r.arms[1].placed, 40);
@@ -287,8 +287,10 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     bad_job.job.as_mut().unwrap().gpu_milli = 500;
     let e = alice.submit_job(bad_job).await.unwrap_err();
     assert!(e.code() == Code::InvalidArgument && e.message().contains("shared GPU"), "{e:?}");
+    // Permission before existence: a tenant learns nothing about partitions
+    // it holds no grant on, not even whether they exist.
     let e = alice.submit_job(job("nowhere", 1)).await.unwrap_err();
-    assert_eq!(e.code(), Code::NotFound);
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert_eq!(jobs(&mut ops, "p2").await.len(), 4);
 
     // Why pending: per-node reasons, aggregated (p2 is all L20).
@@ -365,7 +367,7 @@ async fn registry_survives_a_restart() {
     let mut ops = client(&h, "ops-test-token").await;
     let spread = upload(&mut ops, "p0", policy_path("spread")).await;
     ops.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: spread, ..Default::default() }).await.unwrap();
-    ops.set_shadow(pb::SetShadowRequest { partition: "p0".into(), version: 1, mode: pb::ShadowMode::Shadow as i32, fraction: 0.0 }).await.unwrap();
+    ops.set_shadow(pb::SetShadowRequest { partition: "p0".into(), version: 1, mode: pb::ShadowMode::Shadow as i32, fraction: 0.0, ..Default::default() }).await.unwrap();
     client(&h, "alice-test-token").await.submit_job(job("p0", 1)).await.unwrap();
     settle(&mut ops, "p0").await;
     let before = decisions(&mut ops, "p0", true).await;

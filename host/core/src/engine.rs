@@ -165,6 +165,11 @@ pub trait Observer {
     fn before_place(&mut self, _fleet: &Fleet, _job: &Job, _keep: &dyn Fn(NodeId, &Node) -> bool) {}
     /// What that attempt gave (the fleet is as it left it).
     fn after_place(&mut self, _fleet: &Fleet, _job: &Job, _result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>) {}
+    /// The rank policy chose `chosen` (indexes into `candidates`) to make
+    /// room for `demand` on the nodes `keep` accepts; the fleet is as before
+    /// any eviction (the live host ranks the same input with a shadow rank
+    /// candidate).
+    fn after_rank(&mut self, _fleet: &Fleet, _demand: &Job, _candidates: &[Candidate], _keep: &dyn Fn(NodeId, &Node) -> bool, _chosen: Option<&[usize]>) {}
 }
 
 /// What the world adds to a pass: its own node constraint and an observer
@@ -285,6 +290,9 @@ pub struct Engine {
     freed: bool,
     /// Nodes where capacity was released since the last pass.
     touched: HashSet<NodeId>,
+    /// Slots of forgotten jobs, reused by `register` (the live host forgets
+    /// ended jobs so the table does not grow with every job ever seen).
+    free_slots: Vec<Slot>,
     compact_due: bool,
 }
 
@@ -311,6 +319,7 @@ impl Engine {
             compaction_state: CompactionState::default(),
             freed: true,
             touched: HashSet::new(),
+            free_slots: Vec::new(),
             compact_due: false,
         }
     }
@@ -324,12 +333,45 @@ impl Engine {
         if class == next {
             self.classes.push(key);
         }
+        if let Some(slot) = self.free_slots.pop() {
+            // `forget` left every per-slot field as a new slot has it.
+            self.class_of[slot] = class;
+            self.jobs[slot] = job;
+            return slot;
+        }
         self.class_of.push(class);
         self.jobs.push(job);
         self.fresh.push(false);
         self.runs.push();
         self.outcome.jobs.push(JobOutcome::default());
         self.jobs.len() - 1
+    }
+
+    /// Forgets an ended job so its slot can be reused; false (and nothing
+    /// changes) while the job still waits, holds, sleeps, is being taken
+    /// back or holds a reservation.
+    pub fn forget(&mut self, slot: Slot) -> bool {
+        let busy = self.pending.contains(&slot)
+            || !self.runs.held[slot].is_empty()
+            || self.runs.planned_end[slot].is_some()
+            || self.runs.running_low.contains(&slot)
+            || self.sleeping.contains_key(&slot)
+            || self.reservations.values().any(|r| r.job == slot)
+            || self.runs.ready_at[slot] == u64::MAX;
+        if busy || self.free_slots.contains(&slot) {
+            return false;
+        }
+        self.jobs[slot] = Job::default();
+        self.fresh[slot] = false;
+        self.runs.reset(slot);
+        self.outcome.jobs[slot] = JobOutcome::default();
+        self.free_slots.push(slot);
+        true
+    }
+
+    /// Slots in the table (reused ones included): what a live host holds.
+    pub fn slots_in_use(&self) -> usize {
+        self.jobs.len() - self.free_slots.len()
     }
 
     pub fn job(&self, slot: Slot) -> &Job {
@@ -359,6 +401,19 @@ impl Engine {
     /// may run again, if any is due.
     pub fn next_wakeup(&self) -> Option<u64> {
         self.runs.wakeups.peek().map(|Reverse(t)| *t)
+    }
+
+    /// Changes the starvation guards (an operator at run time). A scope
+    /// whose guard is now off gives up its reservation and drained nodes;
+    /// every pending job is tried again.
+    pub fn set_guards(&mut self, guards: Guards) {
+        self.config.guards = guards;
+        let config = &self.config;
+        let jobs = &self.jobs;
+        self.reservations.retain(|_, r| config.guards.of(&jobs[r.job]).is_some());
+        let reservations = &self.reservations;
+        self.drained_by.retain(|_, scope| reservations.contains_key(scope));
+        self.freed = true;
     }
 
     /// The guard's reservation of the scope `partition`: job slot and
@@ -760,7 +815,7 @@ impl Engine {
                 && !is_low
                 && let Some(ranker) = preemption.as_deref_mut()
             {
-                let chosen = match self.choose_victims(fleet, ranker, j, now, &keep) {
+                let chosen = match self.choose_victims(fleet, ranker, j, now, &keep, observer) {
                     Ok(c) => c,
                     Err(e) => {
                         error = Some((at, j, Hook::Rank, e));
@@ -875,7 +930,15 @@ impl Engine {
     /// interruption limit, holding something on a node `j` could use; the
     /// ranker orders them and [`select_victims`] takes the shortest
     /// sufficient prefix.
-    fn choose_victims(&self, fleet: &Fleet, ranker: &mut dyn PreemptionPolicy, j: Slot, now: u64, keep: &dyn Fn(NodeId, &Node) -> bool) -> Result<Option<Vec<Slot>>, PolicyError> {
+    fn choose_victims(
+        &self,
+        fleet: &Fleet,
+        ranker: &mut dyn PreemptionPolicy,
+        j: Slot,
+        now: u64,
+        keep: &dyn Fn(NodeId, &Node) -> bool,
+        observer: &mut Option<&mut dyn Observer>,
+    ) -> Result<Option<Vec<Slot>>, PolicyError> {
         let job = &self.jobs[j];
         let config = &self.config;
         let usable = |id: NodeId| {
@@ -901,7 +964,13 @@ impl Engine {
             });
             slots.push(v);
         }
-        Ok(select_victims(fleet, ranker, job, &candidates, keep)?.map(|picked| picked.into_iter().map(|k| slots[k]).collect()))
+        let picked = select_victims(fleet, ranker, job, &candidates, keep)?;
+        if let Some(o) = observer.as_deref_mut()
+            && !candidates.is_empty()
+        {
+            o.after_rank(fleet, job, &candidates, keep, picked.as_deref());
+        }
+        Ok(picked.map(|picked| picked.into_iter().map(|k| slots[k]).collect()))
     }
 }
 
@@ -1001,6 +1070,17 @@ struct Runs {
 }
 
 impl Runs {
+    /// A slot as `push` makes it.
+    fn reset(&mut self, v: usize) {
+        self.planned_end[v] = None;
+        self.held[v].clear();
+        self.run_start[v] = 0;
+        self.checkpoint_at[v] = None;
+        self.kept_s[v] = 0;
+        self.ready_at[v] = 0;
+        self.interrupted_at.remove(&v);
+    }
+
     fn push(&mut self) {
         self.planned_end.push(None);
         self.held.push(Vec::new());

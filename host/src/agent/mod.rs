@@ -17,7 +17,6 @@
 //! sends start/stop/sleep/wake/checkpoint commands down a server stream.
 
 pub mod devices;
-pub mod hub;
 pub mod run;
 
 use std::path::Path;
@@ -26,7 +25,7 @@ use anyhow::Context;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
-use crate::serve::pb::agent_hub_client::AgentHubClient;
+use crate::proto::agent_hub_client::AgentHubClient;
 
 /// Adds the bearer token to every call.
 #[derive(Clone)]

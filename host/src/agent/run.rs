@@ -12,7 +12,24 @@ use tokio::process::Command;
 
 use super::devices::{DeviceSource, Gpu, Nvml, Sample, Synthetic};
 use super::{connect_hub, HubClient};
-use crate::serve::pb;
+use crate::proto as pb;
+
+/// Set in a task's environment: the file `berth checkpointed` writes.
+pub const CHECKPOINT_ENV: &str = "BERTH_CHECKPOINTED";
+/// How often the agent looks for a task's checkpoint report.
+const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
+
+/// `berth checkpointed`, run inside a task: tells the agent (and through it
+/// the host) that the task just saved its work, so preemption counts work
+/// lost from now.
+pub fn report_checkpoint() -> anyhow::Result<()> {
+    let marker = std::env::var_os(CHECKPOINT_ENV)
+        .ok_or_else(|| anyhow::anyhow!("{CHECKPOINT_ENV} is not set: run `berth checkpointed` inside a task started by `berth agent`"))?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
+    crate::util::write_atomic(std::path::Path::new(&marker), now.to_string().as_bytes())
+        .with_context(|| format!("writing {}", std::path::Path::new(&marker).display()))?;
+    Ok(())
+}
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct AgentArgs {
@@ -226,7 +243,7 @@ fn supervise(status: &std::path::Path, argv: &[String]) -> ! {
             Ended { exit_code: 127, signal: 0 }
         }
     };
-    let _ = crate::serve::registry::write_atomic(status, &serde_json::to_vec(&ended).expect("serializes"));
+    let _ = crate::util::write_atomic(status, &serde_json::to_vec(&ended).expect("serializes"));
     std::process::exit(if ended.signal != 0 { 128 + ended.signal } else { ended.exit_code });
 }
 
@@ -515,6 +532,29 @@ impl Agent {
         }
     }
 
+    /// The file a task touches (through `berth checkpointed`) to report a
+    /// checkpoint: no credentials in the task, and the agent relays it.
+    fn checkpoint_marker(&self, id: u64) -> PathBuf {
+        self.state_dir.join(format!("alloc-{id}.checkpointed"))
+    }
+
+    /// Relays a task's checkpoint reports while it runs (polled: a report
+    /// reaches the host within a poll).
+    async fn watch_checkpoints(self: Arc<Self>, id: u64, base: pb::AllocationReport) {
+        let marker = self.checkpoint_marker(id);
+        let _ = std::fs::remove_file(&marker);
+        let mut seen = None;
+        while self.children.lock().unwrap().contains_key(&id) {
+            tokio::time::sleep(CHECKPOINT_POLL).await;
+            let modified = std::fs::metadata(&marker).and_then(|m| m.modified()).ok();
+            if modified.is_some() && modified != seen {
+                seen = modified;
+                self.report(pb::AllocationReport { state: "checkpointed".into(), ..base.clone() }).await;
+            }
+        }
+        let _ = std::fs::remove_file(&marker);
+    }
+
     async fn report(&self, r: pb::AllocationReport) {
         if let Err(s) = self.client().report_allocation(r).await {
             tracing::warn!(target: "berth::agent", "report: {:?}: {}", s.code(), s.message());
@@ -560,6 +600,7 @@ impl Agent {
                     .env("NVIDIA_VISIBLE_DEVICES", &visible)
                     .env("BERTH_ALLOCATION", id.to_string())
                     .env("BERTH_NODE", &self.node)
+                    .env(CHECKPOINT_ENV, self.checkpoint_marker(id))
                     .stdin(std::process::Stdio::null())
                     .process_group(0)
                     .kill_on_drop(false);
@@ -572,12 +613,13 @@ impl Agent {
                 };
                 let pid = child.id().unwrap_or(0);
                 let rec = Record { alloc_id: id, pid, gpus: gpus.clone() };
-                if let Err(e) = crate::serve::registry::write_atomic(&record, &serde_json::to_vec(&rec).expect("serializes")) {
+                if let Err(e) = crate::util::write_atomic(&record, &serde_json::to_vec(&rec).expect("serializes")) {
                     tracing::warn!(target: "berth::agent", allocation = id, "{}: {e}; a restarted agent will not adopt this task", record.display());
                 }
                 self.children.lock().unwrap().insert(id, Child { pid, gpus, sleeping: false });
                 tracing::info!(target: "berth::agent", allocation = id, pid, gpus = %visible, "started");
                 self.report(pb::AllocationReport { state: "running".into(), pid, ..base.clone() }).await;
+                tokio::spawn(self.clone().watch_checkpoints(id, base.clone()));
                 let agent = self.clone();
                 tokio::spawn(async move {
                     let status = child.wait().await;

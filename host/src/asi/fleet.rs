@@ -13,6 +13,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
+/// Nodes a fleet config may describe (ASI's default has 20,000): a bound
+/// on what building the fleet allocates.
+pub const MAX_NODES: u64 = 1_000_000;
+
 /// A fleet description.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -159,7 +163,7 @@ memory_gib = 1024
 
 impl FleetConfig {
     pub fn parse(text: &str, origin: &str) -> anyhow::Result<FleetConfig> {
-        let cfg: FleetConfig = toml::from_str(text).with_context(|| format!("fleet config {origin}"))?;
+        let cfg: FleetConfig = crate::text::parse_toml(text).with_context(|| format!("fleet config {origin}"))?;
         cfg.check().with_context(|| format!("fleet config {origin}"))?;
         Ok(cfg)
     }
@@ -189,6 +193,8 @@ impl FleetConfig {
         anyhow::ensure!(self.nodes_per_partition > 0, "nodes_per_partition must be positive");
         anyhow::ensure!((0.0..1.0).contains(&self.unhealthy_fraction), "unhealthy_fraction must be in [0, 1)");
         anyhow::ensure!(!self.shapes.is_empty(), "no node shapes");
+        let total: u64 = self.shapes.iter().map(|s| u64::from(s.count)).sum();
+        anyhow::ensure!(total <= MAX_NODES, "{total} nodes: a fleet config may describe at most {MAX_NODES}");
         for (i, s) in self.shapes.iter().enumerate() {
             let at = format!("shapes[{i}] ({})", s.model);
             anyhow::ensure!(!s.model.is_empty(), "{at}: empty model");

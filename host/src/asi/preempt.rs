@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use berth_core::accounting::{quote, PendingShape, Quote};
+use berth_core::compaction::{CompactionConfig, CompactionPolicy, Ledger};
 use berth_core::harvest::Harvest;
 use berth_core::preemption::PriorityContract;
 use berth_core::sim::{simulate_with, Deciders, Job, SimConfig, SimOutcome};
@@ -50,6 +52,21 @@ pub struct PreemptRow {
     pub harvested_pct: f64,
     pub wake_evictions: u64,
     pub wake_failures: u64,
+    /// With compaction: the run's ledger.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compaction: Option<Ledger>,
+    /// With a quote request: the quote at the end of the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quote: Option<Quote>,
+}
+
+/// Mechanisms every run of the comparison composes with preemption.
+#[derive(Default, Clone, Copy)]
+pub struct Alongside<'a> {
+    /// Periodic compaction by a wasm compaction policy.
+    pub compaction: Option<&'a (Arc<LoadedPolicy>, CompactionConfig)>,
+    /// A shape to quote at the end of each run, with its start deadline.
+    pub quote: Option<&'a (PendingShape, Option<u64>)>,
 }
 
 /// Gives each low-priority job a contract: checkpoints every 30, 60 or 120
@@ -85,27 +102,36 @@ pub fn compare(
     fleet: &Fleet,
     jobs: &[Job],
     base: &SimConfig,
+    alongside: Alongside<'_>,
     limits: Limits,
 ) -> anyhow::Result<Vec<PreemptRow>> {
     let jobs = with_contracts(jobs);
     let horizon_s = base.horizon_s;
     let config = SimConfig { high_priority: HIGH_PRIORITY, ..base.clone() };
-    let run = |jobs: &[Job], ranker: Option<&Arc<LoadedPolicy>>| -> anyhow::Result<SimOutcome> {
+    let run = |name: &str, jobs: &[Job], ranker: Option<&Arc<LoadedPolicy>>| -> anyhow::Result<PreemptRow> {
         let mut policy = WasmPolicy::new(engine.clone(), placement.clone(), limits);
         let mut fleet = fleet.clone();
         let mut ranker = ranker.map(|r| WasmPolicy::new(engine.clone(), r.clone(), limits));
         let ranker = ranker.as_mut().map(|r| r as &mut dyn berth_core::preemption::PreemptionPolicy);
+        let mut planner = alongside.compaction.map(|(p, _)| WasmPolicy::new(engine.clone(), p.clone(), limits));
+        let compaction = planner.as_mut().zip(alongside.compaction).map(|(p, (_, c))| (p as &mut dyn CompactionPolicy, c.clone()));
         // High priority alone has nothing to lend to.
         let config = if jobs.iter().all(|j| j.priority >= HIGH_PRIORITY) { SimConfig { harvest: None, ..config.clone() } } else { config.clone() };
-        let out = simulate_with(&mut fleet, jobs, Deciders { placement: &mut policy, preemption: ranker, compaction: None }, config)?;
+        let out = simulate_with(&mut fleet, jobs, Deciders { placement: &mut policy, preemption: ranker, compaction }, config)?;
         fleet.check_invariants().map_err(anyhow::Error::msg)?;
-        Ok(out)
+        let mut row = summarise(name, &fleet, jobs, &out, horizon_s);
+        row.compaction = alongside.compaction.map(|_| out.compaction.clone());
+        if let Some((request, deadline)) = alongside.quote {
+            let running: Vec<(u64, Vec<berth_core::Allocation>)> = out.running_at_end.iter().map(|(e, _, a)| (*e, a.clone())).collect();
+            row.quote = Some(quote(&fleet, request, &running, out.end_s, *deadline));
+        }
+        Ok(row)
     };
     let high_only: Vec<Job> = jobs.iter().filter(|j| j.priority >= HIGH_PRIORITY).cloned().collect();
-    let mut rows = vec![summarise("high priority only", fleet, &high_only, &run(&high_only, None)?, horizon_s)];
-    rows.push(summarise("fill, no preemption", fleet, &jobs, &run(&jobs, None)?, horizon_s));
+    let mut rows = vec![run("high priority only", &high_only, None)?];
+    rows.push(run("fill, no preemption", &jobs, None)?);
     for r in rankers {
-        rows.push(summarise(&format!("fill + {}", r.info.name), fleet, &jobs, &run(&jobs, Some(r))?, horizon_s));
+        rows.push(run(&format!("fill + {}", r.info.name), &jobs, Some(r))?);
     }
     Ok(rows)
 }
@@ -142,6 +168,8 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
         harvested_pct: if out.standby_gpu_s > 0.0 { 100.0 * out.harvested_gpu_s / out.standby_gpu_s } else { 0.0 },
         wake_evictions: out.wake_evictions,
         wake_failures: out.wake_failures,
+        compaction: None,
+        quote: None,
     }
 }
 
@@ -151,6 +179,31 @@ pub fn table(rows: &[PreemptRow]) -> String {
         "{:<26} {:>7} {:>7} {:>9} {:>9} {:>13} {:>10} {:>9} {:>7} {:>9} {:>11} {:>9} {:>10}\n",
         "run", "alloc%", "high%", "hi p50", "hi p99", "low done", "low compl", "evicted", "forced", "lost GPUh", "vacate s", "standby", "harvested"
     );
+    s += &rows_table(rows);
+    for r in rows.iter().filter(|r| r.compaction.is_some() || r.quote.is_some()) {
+        s += &format!("{}:", r.run);
+        if let Some(l) = &r.compaction {
+            s += &format!(
+                " compaction {} steps ({} active), {} chains run, {} moves run / {} rolled back, {} whole nodes gained;",
+                l.steps,
+                l.steps - l.steps_idle,
+                l.chains_run,
+                l.moves_run,
+                l.moves_rolled_back,
+                l.whole_nodes_gained
+            );
+        }
+        if let Some(q) = &r.quote {
+            s += &format!(" {}", super::report::quote_line(q));
+        }
+        s += "\n";
+    }
+    s
+}
+
+/// One line per run under the header.
+fn rows_table(rows: &[PreemptRow]) -> String {
+    let mut s = String::new();
     for r in rows {
         s += &format!(
             "{:<26} {:>7.1} {:>7.1} {:>8.1}h {:>8.1}h {:>6}/{:<6} {:>9.1}h {:>9} {:>7} {:>9.1} {:>5.0}/{:<5} {:>8.0}h {:>9.1}%\n",

@@ -316,16 +316,22 @@ pub fn accounting_table(r: &EventReport) -> String {
     }
     out.push('\n');
     if let Some(q) = &r.quote {
-        out.push_str(&format!(
-            "quote: {} could start now; next {}{}\n",
-            q.now,
-            q.next_in_s.map_or("not within running work".to_string(), |s| format!("in {:.1} h", s as f64 / 3600.0)),
-            match q.meets_deadline {
-                Some(true) => "; meets the start deadline",
-                Some(false) => "; misses the start deadline",
-                None => "",
-            }
-        ));
+        out.push_str(&quote_line(q));
+        out.push('\n');
     }
     out
+}
+
+/// A quote for people: how many could start now, when the next could.
+pub fn quote_line(q: &Quote) -> String {
+    format!(
+        "quote: {} could start now; next {}{}",
+        q.now,
+        q.next_in_s.map_or("not within running work".to_string(), |s| format!("in {:.1} h", s as f64 / 3600.0)),
+        match q.meets_deadline {
+            Some(true) => "; meets the start deadline",
+            Some(false) => "; misses the start deadline",
+            None => "",
+        }
+    )
 }

@@ -56,7 +56,7 @@ impl Default for WorkloadConfig {
 impl WorkloadConfig {
     pub fn load_file(path: &str) -> anyhow::Result<WorkloadConfig> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading workload config {path}"))?;
-        let cfg: WorkloadConfig = toml::from_str(&text).with_context(|| format!("workload config {path}"))?;
+        let cfg: WorkloadConfig = crate::text::parse_toml(&text).with_context(|| format!("workload config {path}"))?;
         cfg.check().with_context(|| format!("workload config {path}"))?;
         Ok(cfg)
     }

@@ -89,7 +89,7 @@ impl PoolFile {
         } else {
             (std::fs::read_to_string(spec).with_context(|| format!("reading {spec}"))?, spec.to_string())
         };
-        let file: PoolFile = toml::from_str(&text).with_context(|| format!("parsing {name}"))?;
+        let file: PoolFile = crate::text::parse_toml(&text).with_context(|| format!("parsing {name}"))?;
         file.config().validate().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         Ok(file)
     }

@@ -76,7 +76,7 @@ impl Reader {
             if self.header.get(i).map(String::as_str) != Some(*w) {
                 return Err(TraceError::File {
                     path: self.path.clone(),
-                    message: format!("expected column {} to be {w:?}, header is {:?}", i + 1, self.header.join(",")),
+                    message: format!("expected column {} to be {w:?}, header is \"{}\"", i + 1, crate::text::printable(&self.header.join(","), 256)),
                 });
             }
         }
@@ -100,7 +100,7 @@ impl Reader {
                         return Err(TraceError::Row {
                             path: self.path.clone(),
                             line,
-                            column: self.header.get(record.len()).cloned().unwrap_or_else(|| "(extra)".into()),
+                            column: self.header.get(record.len()).map_or_else(|| "(extra)".into(), |h| crate::text::printable(h, 64).into_owned()),
                             message: format!("{} fields, header has {}", record.len(), self.header.len()),
                         });
                     }
@@ -136,7 +136,7 @@ impl Row<'_> {
     }
     pub(crate) fn num<T: std::str::FromStr>(&self, column: usize) -> Result<T, TraceError> {
         let text = self.str(column);
-        text.parse().map_err(|_| self.err(column, format!("{text:?} is not a non-negative integer in range")))
+        text.parse().map_err(|_| self.err(column, format!("\"{}\" is not a non-negative integer in range", crate::text::printable(text, 64))))
     }
     fn opt_num(&self, column: usize) -> Result<Option<u64>, TraceError> {
         if self.header.len() <= column || self.str(column).is_empty() { Ok(None) } else { self.num(column).map(Some) }

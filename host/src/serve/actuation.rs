@@ -61,7 +61,7 @@ impl Live {
     /// The partition and node id of an agent node.
     fn agent_node(&self, partition: &str, node: &str) -> Result<(usize, NodeId), ServeError> {
         let p = self.partition_index(partition)?;
-        let id = self.partitions[p].state.lock().unwrap().agent_ids.get(node).copied();
+        let id = self.partitions[p].lock_state().agent_ids.get(node).copied();
         id.map(|id| (p, id)).ok_or_else(|| ServeError::FailedPrecondition(format!("no agent node {node:?} in partition {partition}")))
     }
 
@@ -87,13 +87,18 @@ impl Live {
         if let Some(x) = topology.switch_domain.into_iter().chain(topology.aggregation).find(|&x| x > MAX_DECLARED_SWITCH) {
             return Err(ServeError::Invalid(format!("node {node}: switch id {x} is above {MAX_DECLARED_SWITCH}")));
         }
+        // Node names are unique across the fleet: an operator of one
+        // partition cannot register a node named like another's (agent or
+        // simulated), nor shadow a simulated node of its own.
         for (q, other) in self.partitions.iter().enumerate() {
-            if q != p && other.state.lock().unwrap().agent_ids.contains_key(node) {
-                return Err(ServeError::FailedPrecondition(format!("node {node} is registered in partition {}", other.name)));
+            let st = other.lock_state();
+            let agent_here = q == p && st.agent_ids.contains_key(node);
+            if !agent_here && st.fleet.nodes().iter().any(|n| n.name == node) {
+                return Err(ServeError::FailedPrecondition(format!("node name {node:?} is already taken in the fleet")));
             }
         }
         let part = &self.partitions[p];
-        let mut guard = part.state.lock().unwrap();
+        let mut guard = part.lock_state();
         let st = &mut *guard;
         let mut models = st.fleet.models.clone();
         let model_id = (gpus > 0).then(|| intern_model(&mut models, model));
@@ -133,6 +138,7 @@ impl Live {
             }
         }
         st.fleet = Fleet::new(models, nodes).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        part.models.lock().unwrap().clone_from(&st.fleet.models);
         let id = st.agent_ids[node];
         st.topology.insert(id, topology);
         let op = st.node_op(partition, node).expect("just added");
@@ -144,9 +150,12 @@ impl Live {
     pub fn agent_node_schedulable(&self, partition: &str, node: &str, on: bool) {
         let Ok((p, id)) = self.agent_node(partition, node) else { return };
         let part = &self.partitions[p];
-        let mut st = part.state.lock().unwrap();
+        let mut guard = part.lock_state();
+        let st = &mut *guard;
         if st.fleet.nodes()[id as usize].schedulable != on {
             st.fleet.set_schedulable(id, on).expect("agent node ids are in the fleet");
+            // Outside the engine: jobs that did not fit are tried again.
+            st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
             st.dirty = true;
             part.wake.notify_all();
         }
@@ -156,7 +165,7 @@ impl Live {
     /// holder lets go).
     pub fn agent_gpu_unhealthy(&self, partition: &str, node: &str, gpu: u32) {
         let Ok((p, id)) = self.agent_node(partition, node) else { return };
-        let mut st = self.partitions[p].state.lock().unwrap();
+        let mut st = self.partitions[p].lock_state();
         if (gpu as usize) < st.fleet.nodes()[id as usize].gpus.len() && !st.health.contains_key(&(id, gpu)) {
             st.health.insert((id, gpu), false);
             st.apply_holds(id);
@@ -170,14 +179,14 @@ impl Live {
     pub fn agent_activity(&self, partition: &str, node: &str, active: &[u32]) {
         let Ok((p, id)) = self.agent_node(partition, node) else { return };
         let mask = active.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
-        self.partitions[p].state.lock().unwrap().activity.insert(id, mask);
+        self.partitions[p].lock_state().activity.insert(id, mask);
     }
 
     /// An operator's allocation of whole GPUs on an agent node: checked
     /// against everything else that holds GPUs there. Returns its id.
     pub fn hold_manual(&self, partition: &str, node: &str, gpus: &[u32]) -> Result<u64, ServeError> {
         let (p, id) = self.agent_node(partition, node)?;
-        let mut guard = self.partitions[p].state.lock().unwrap();
+        let mut guard = self.partitions[p].lock_state();
         let st = &mut *guard;
         let n = &st.fleet.nodes()[id as usize];
         let mut mask = 0u64;
@@ -224,6 +233,7 @@ impl Live {
                 holds: true,
                 replaces: 0,
                 checkpoint_old: false,
+                checkpointed_unix_ms: 0,
             })
             .collect();
         job.runs = runs.clone();
@@ -262,7 +272,7 @@ impl Live {
     /// rolled back: its GPUs are freed, the old copy keeps running.
     pub fn migrate(&self, alloc_id: u64, to: &str, checkpoint: bool) -> Result<Migration, ServeError> {
         for part in &self.partitions {
-            let mut guard = part.state.lock().unwrap();
+            let mut guard = part.lock_state();
             let st = &mut *guard;
             let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
             if job_id == 0 {
@@ -340,6 +350,7 @@ impl Live {
                 holds: true,
                 replaces: alloc_id,
                 checkpoint_old: checkpoint,
+                checkpointed_unix_ms: 0,
             });
             st.by_alloc.insert(new_id, job_id);
             // Stored before the start goes out, or not made at all.
@@ -372,7 +383,7 @@ impl Live {
     /// or fenced allocations still holding GPUs there.
     pub fn expected_on(&self, partition: &str, node: &str) -> Vec<u64> {
         let Ok((p, id)) = self.agent_node(partition, node) else { return Vec::new() };
-        let st = self.partitions[p].state.lock().unwrap();
+        let st = self.partitions[p].lock_state();
         let mut out: Vec<u64> = st.manual.iter().filter(|(_, a)| a.node == id).map(|(&k, _)| k).collect();
         for j in st.jobs.values() {
             out.extend(j.runs.iter().filter(|r| r.holds && r.node == node).map(|r| r.alloc_id));
@@ -388,7 +399,7 @@ impl Live {
     pub fn reconcile(&self, partition: &str, node: &str, running: &[u64], expected: Option<&[u64]>) -> Vec<u64> {
         let Ok((p, nid)) = self.agent_node(partition, node) else { return running.to_vec() };
         let part = &self.partitions[p];
-        let mut guard = part.state.lock().unwrap();
+        let mut guard = part.lock_state();
         let st = &mut *guard;
         let mut orphans = Vec::new();
         for &a in running {
@@ -417,7 +428,7 @@ impl Live {
     pub fn give_up_node(&self, partition: &str, node: &str, why: &str) -> Vec<u64> {
         let Ok((p, _)) = self.agent_node(partition, node) else { return Vec::new() };
         let part = &self.partitions[p];
-        let mut guard = part.state.lock().unwrap();
+        let mut guard = part.lock_state();
         let st = &mut *guard;
         let hit: Vec<u64> = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.runs.iter().any(|r| r.holds && r.node == node)).map(|(&id, _)| id).collect();
         let mut ops = Vec::new();
@@ -470,13 +481,13 @@ impl Live {
 
     /// The partition of a job task's allocation.
     pub fn allocation_partition(&self, alloc_id: u64) -> Option<String> {
-        self.partitions.iter().find(|p| p.state.lock().unwrap().by_alloc.get(&alloc_id).is_some_and(|&j| j != 0)).map(|p| p.name.clone())
+        self.partitions.iter().find(|p| p.lock_state().by_alloc.get(&alloc_id).is_some_and(|&j| j != 0)).map(|p| p.name.clone())
     }
 
     /// The node and GPUs of an allocation the fleet knows.
     pub fn allocation_node(&self, alloc_id: u64) -> Option<(String, Vec<u32>)> {
         for part in &self.partitions {
-            let st = part.state.lock().unwrap();
+            let st = part.lock_state();
             let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
             if job_id == 0 {
                 let a = st.manual.get(&alloc_id)?;
@@ -492,11 +503,22 @@ impl Live {
     /// is gone (exited, failed), its GPUs go back to the fleet.
     pub fn task_report(&self, alloc_id: u64, state: &str, exit_code: i32, signal: i32, detail: &str) {
         for part in &self.partitions {
-            let mut guard = part.state.lock().unwrap();
+            let mut guard = part.lock_state();
             let st = &mut *guard;
             let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
             match state {
                 "exited" | "failed" | "lost" => self.end_task(part, st, alloc_id, state, exit_code, signal, detail),
+                "checkpointed" => {
+                    // The task saved its work: preemption ranks it, and
+                    // counts work lost, from now.
+                    let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) else { return };
+                    r.checkpointed_unix_ms = unix_ms();
+                    if let Some(&slot) = st.slots.get(&job_id) {
+                        st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::engine::Event::Checkpoint(slot));
+                    }
+                    tracing::info!(target: "berth::serve", job = job_id, allocation = alloc_id, "task reported a checkpoint");
+                    self.persist_logged(vec![st.job_op(&part.name, job_id)]);
+                }
                 _ => {
                     let Some(job) = st.jobs.get_mut(&job_id) else { return };
                     let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return };
@@ -530,6 +552,9 @@ impl Live {
             if let Some(a) = st.manual.remove(&alloc_id) {
                 st.fleet.release(&a).expect("an operator allocation is held");
                 st.apply_holds(a.node);
+                // GPUs freed outside the engine (a fenced or operator
+                // allocation): jobs that did not fit are tried again.
+                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
                 if st.lost.remove(&alloc_id) {
                     tracing::info!(target: "berth::serve", allocation = alloc_id, "fenced GPUs of a lost node released: {state}");
                 }

@@ -6,6 +6,10 @@
 //! ```toml
 //! # Optional: uploads must match one of these SHA-256 digests.
 //! allowed_components = ["9f2c..."]
+//! # Optional: the highest job priority a tenant may set, per partition
+//! # ("*" = every other partition; 100 where none is set). Operators are
+//! # not capped.
+//! tenant_max_priority = { "*" = 100, "batch" = 10 }
 //!
 //! [[identities]]
 //! name = "ops"
@@ -54,6 +58,8 @@ struct IdentityConfig {
 struct AccessConfig {
     #[serde(default)]
     allowed_components: Option<Vec<String>>,
+    #[serde(default)]
+    tenant_max_priority: BTreeMap<String, u32>,
     identities: Vec<IdentityConfig>,
 }
 
@@ -76,11 +82,10 @@ impl Identity {
             Some(r) if r >= role => Ok(()),
             held => {
                 let held = held.map_or("no role".to_string(), |r| format!("role {r:?}"));
-                let e = ServeError::PermissionDenied(format!(
-                    "{} holds {held} in partition {partition:?}; this needs {role:?}",
-                    self.name
-                ));
-                tracing::warn!(target: "berth::serve::auth", identity = %self.name, partition, "denied: {e}");
+                // The partition name is the caller's: bounded and escaped.
+                let shown = crate::text::printable(partition, 64);
+                let e = ServeError::PermissionDenied(format!("{} holds {held} in partition \"{shown}\"; this needs {role:?}", self.name));
+                tracing::warn!(target: "berth::serve::auth", identity = %self.name, partition = %shown, "denied: {e}");
                 Err(e)
             }
         }
@@ -95,6 +100,7 @@ pub struct Access {
     /// (SHA-256 of the certificate's DER, identity)
     certs: Vec<(String, Identity)>,
     allowed_components: Option<Vec<String>>,
+    tenant_max_priority: BTreeMap<String, u32>,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -108,11 +114,19 @@ impl Access {
     }
 
     pub fn parse(text: &str) -> anyhow::Result<Access> {
-        let cfg: AccessConfig = toml::from_str(text)?;
+        let cfg: AccessConfig = crate::text::parse_toml(text)?;
         anyhow::ensure!(!cfg.identities.is_empty(), "no identities: the API would be closed to everyone");
-        let mut access = Access { tokens: Vec::new(), certs: Vec::new(), allowed_components: None };
+        let mut access =
+            Access { tokens: Vec::new(), certs: Vec::new(), allowed_components: None, tenant_max_priority: cfg.tenant_max_priority };
         for id in cfg.identities {
             anyhow::ensure!(!id.name.is_empty(), "an identity without a name");
+            // Names are printed and logged (job owners, `by=`): bounded, and
+            // nothing a terminal or a log reader would act on.
+            anyhow::ensure!(
+                crate::text::printable(&id.name, 256) == id.name.as_str(),
+                "identity \"{}\": a name is at most 256 bytes, without control or formatting characters",
+                crate::text::printable(&id.name, 64)
+            );
             let identity = Identity { name: id.name.clone(), roles: id.roles };
             let token = match (id.token, id.token_sha256) {
                 (Some(t), None) => {
@@ -140,17 +154,7 @@ impl Access {
     pub fn identify<T>(&self, request: &tonic::Request<T>) -> Result<Identity, ServeError> {
         if let Some(value) = request.metadata().get("authorization") {
             let value = value.to_str().map_err(|_| ServeError::Unauthenticated("authorization header is not text".into()))?;
-            let token = value
-                .strip_prefix("Bearer ")
-                .ok_or_else(|| ServeError::Unauthenticated("authorization header must be `Bearer <token>`".into()))?;
-            let digest = sha256_hex(token.trim().as_bytes());
-            return match self.tokens.iter().find(|(h, _)| *h == digest) {
-                Some((_, id)) => Ok(id.clone()),
-                None => {
-                    tracing::warn!(target: "berth::serve::auth", "unknown bearer token refused");
-                    Err(ServeError::Unauthenticated("unknown bearer token".into()))
-                }
-            };
+            return self.identify_bearer(value);
         }
         if let Some(certs) = request.peer_certs()
             && let Some(leaf) = certs.first()
@@ -164,6 +168,28 @@ impl Access {
         }
         tracing::warn!(target: "berth::serve::auth", "anonymous call refused");
         Err(ServeError::Unauthenticated("no credentials: send `authorization: Bearer <token>` or a client certificate".into()))
+    }
+
+    /// Who sends this `authorization` header value (`Bearer <token>`): the
+    /// API's check, shared with the web console.
+    pub fn identify_bearer(&self, value: &str) -> Result<Identity, ServeError> {
+        let token = value
+            .strip_prefix("Bearer ")
+            .ok_or_else(|| ServeError::Unauthenticated("authorization header must be `Bearer <token>`".into()))?;
+        let digest = sha256_hex(token.trim().as_bytes());
+        match self.tokens.iter().find(|(h, _)| *h == digest) {
+            Some((_, id)) => Ok(id.clone()),
+            None => {
+                tracing::warn!(target: "berth::serve::auth", "unknown bearer token refused");
+                Err(ServeError::Unauthenticated("unknown bearer token".into()))
+            }
+        }
+    }
+
+    /// The highest priority a tenant may give a job in `partition`, if the
+    /// access file sets one (the partition's own entry, else `*`).
+    pub fn priority_ceiling(&self, partition: &str) -> Option<u32> {
+        self.tenant_max_priority.get(partition).or_else(|| self.tenant_max_priority.get("*")).copied()
     }
 
     /// Refuses a component whose digest is not allow-listed (when a list is set).
@@ -197,6 +223,18 @@ mod tests {
         assert!(id.require("other", Role::Tenant).is_err());
         assert!(id.require("other", Role::Viewer).is_ok());
         assert!(id.require("gpu", Role::Operator).is_err());
+    }
+
+    #[test]
+    fn priority_ceiling_is_per_partition_with_a_default() {
+        let a = Access::parse(
+            "tenant_max_priority = { \"*\" = 50, \"batch\" = 5 }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}",
+        )
+        .unwrap();
+        assert_eq!(a.priority_ceiling("batch"), Some(5));
+        assert_eq!(a.priority_ceiling("gpu"), Some(50));
+        let none = Access::parse("[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}").unwrap();
+        assert_eq!(none.priority_ceiling("gpu"), None);
     }
 
     #[test]

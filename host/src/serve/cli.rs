@@ -25,7 +25,8 @@ pub struct ServeArgs {
     /// only on loopback, TLS (--tls-cert/--tls-key) elsewhere.
     #[arg(long, default_value = "127.0.0.1:7450")]
     listen: SocketAddr,
-    /// Prometheus text endpoint (`/metrics`); `off` to disable.
+    /// Prometheus text endpoint (`/metrics`) and the web console
+    /// (`/console`, answered on loopback only); `off` to disable both.
     #[arg(long, default_value = "127.0.0.1:7451")]
     metrics_listen: String,
     /// Registry, artifacts and decision log live here; survives restarts.
@@ -58,17 +59,32 @@ pub struct ServeArgs {
     /// Per-call deadline of a policy.
     #[arg(long, default_value_t = 500)]
     deadline_ms: u64,
-    /// Memory cap of one policy instance, MiB.
+    /// Memory cap of one policy instance, in MiB: the sum of all its linear
+    /// memories and tables.
     #[arg(long, default_value_t = 256)]
     memory_mib: u64,
     /// Consecutive failed calls that trip a version's circuit breaker.
     #[arg(long, default_value_t = 3)]
     breaker_failures: u32,
+    /// The breaker's window: a version also trips when at least
+    /// --breaker-rate of its last this-many calls failed.
+    #[arg(long, default_value_t = 20)]
+    breaker_window: u32,
+    /// Failure rate over the window that trips a version, in (0, 1].
+    #[arg(long, default_value_t = 0.5)]
+    breaker_rate: f64,
+    /// Calls a version must have made before the rate rule applies (at most
+    /// --breaker-window).
+    #[arg(long, default_value_t = 10)]
+    breaker_min_calls: u32,
+    /// Latency budget of a policy call in ms: a slower answer counts as a
+    /// failure (a slow policy stalls its partition); 0: none.
+    #[arg(long, default_value_t = 250)]
+    breaker_slow_ms: u64,
     /// Backoff after a trip before the version may run again (doubles per trip).
     #[arg(long, default_value_t = 60)]
     breaker_backoff_s: u64,
-    /// Largest component `berth policy upload` accepts, bytes (larger:
-    /// RESOURCE_EXHAUSTED).
+    /// Largest policy component an upload may carry, in bytes.
     #[arg(long, default_value_t = 16 << 20)]
     max_upload_bytes: usize,
     /// A node agent silent for this long is marked unreachable.
@@ -110,7 +126,15 @@ pub struct ServeArgs {
 
 impl ServeArgs {
     pub fn config(&self) -> anyhow::Result<ServeConfig> {
-        anyhow::ensure!(self.breaker_failures > 0, "--breaker-failures must be at least 1");
+        let breaker = BreakerConfig {
+            failures: self.breaker_failures,
+            window: self.breaker_window,
+            rate: self.breaker_rate,
+            min_calls: self.breaker_min_calls,
+            slow: (self.breaker_slow_ms > 0).then(|| Duration::from_millis(self.breaker_slow_ms)),
+            backoff: Duration::from_secs(self.breaker_backoff_s),
+        };
+        breaker.check().map_err(|e| anyhow::anyhow!("--breaker-*: {e}"))?;
         anyhow::ensure!(self.deadline_ms > 0, "--deadline-ms must be positive");
         let fleet = match self.fleet.as_str() {
             "default" => FleetConfig::parse(DEFAULT_FLEET, "(embedded default)")?,
@@ -130,7 +154,7 @@ impl ServeArgs {
             tls: self.tls_cert.clone().zip(self.tls_key.clone()).map(|(cert, key)| TlsFiles { cert, key, client_ca: self.client_ca.clone() }),
             default_policy: std::fs::read(&policy).with_context(|| format!("reading {}", policy.display()))?,
             limits: Limits { deadline: Duration::from_millis(self.deadline_ms), memory_bytes: self.memory_mib << 20, ..Limits::default() },
-            breaker: BreakerConfig { failures: self.breaker_failures, backoff: Duration::from_secs(self.breaker_backoff_s) },
+            breaker,
             max_upload_bytes: self.max_upload_bytes,
             scheduling: Scheduling {
                 high_priority: self.high_priority,
@@ -167,7 +191,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "off" => None,
             ms => Some(Duration::from_millis(ms.parse().with_context(|| format!("--reschedule-after-ms {ms:?}: milliseconds or off"))?)),
         };
-        let agents = crate::agent::hub::HubConfig {
+        let agents = crate::serve::hub::HubConfig {
             heartbeat_timeout: Duration::from_millis(args.agent_timeout_ms.max(1)),
             productive_sm_pct: args.productive_sm_pct,
             reschedule_after,
@@ -177,9 +201,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         let handle = super::server::start_with_agents(config, agents).await?;
         let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
-        eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics")));
+        eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics, console on http://{m}/console")));
         for p in &handle.live.partitions {
-            let st = p.state.lock().unwrap();
+            let st = p.lock_state();
             let active = p.active().map_or("none".into(), |a| format!("{}@{} (version {})", a.meta.name, a.meta.semver, a.meta.version));
             eprintln!("  partition {}: {} nodes, policy {active}", p.name, st.fleet.nodes().len());
         }
@@ -248,7 +272,9 @@ pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, ident
         Some(t) => Some(format!("Bearer {t}").parse().context("token is not valid header text")?),
         None => None,
     };
-    Ok(BerthClient::with_interceptor(channel, Bearer(bearer)).max_encoding_message_size(64 << 20))
+    // Replies are cut to 3 MiB by the server; a larger receive limit keeps
+    // an older or differently configured server's reply readable.
+    Ok(BerthClient::with_interceptor(channel, Bearer(bearer)).max_encoding_message_size(64 << 20).max_decoding_message_size(64 << 20))
 }
 
 /// Client commands at the top level of `berth`.
@@ -346,6 +372,25 @@ pub enum ApiCommand {
     },
     /// List partitions with their active policy and candidate.
     Partitions {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Set a partition's starvation guard (operator; kept across restarts):
+    /// a job that has waited `--reserve-after-s` and still cannot start gets
+    /// a reservation and nodes drained for it.
+    Guard {
+        /// Partition to change.
+        #[arg(long)]
+        partition: String,
+        /// Turn the guard off (drops its reservation).
+        #[arg(long, conflicts_with_all = ["reserve_after_s", "aging_per_hour"])]
+        off: bool,
+        /// Seconds a job waits, unable to start, before it gets a reservation (0: never, aging only).
+        #[arg(long, default_value_t = 0)]
+        reserve_after_s: u64,
+        /// Priority points a waiting job gains per hour.
+        #[arg(long, default_value_t = 0.0)]
+        aging_per_hour: f64,
         #[command(flatten)]
         conn: Conn,
     },
@@ -501,6 +546,9 @@ pub enum PolicyApiCommand {
         /// candidate decides.
         #[arg(long, default_value_t = 0.5)]
         fraction: f64,
+        /// The hook: `place`, or `rank` (a rank candidate runs in shadow only).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        hook: String,
         #[command(flatten)]
         conn: Conn,
     },
@@ -509,6 +557,13 @@ pub enum PolicyApiCommand {
         /// The partition (e.g. p0).
         #[arg(long)]
         partition: String,
+        /// The hook: `place`, or `rank` (victims and work lost per ranking).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        hook: String,
+        /// Also write the report as one self-contained HTML page (tables, and
+        /// SVG plots of agreement over time and latency per arm; opens offline).
+        #[arg(long)]
+        html: Option<PathBuf>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -526,8 +581,19 @@ fn placements(p: &[pb::TaskPlacement]) -> String {
     p.iter().map(|t| format!("{}{:?}", t.node, t.gpus)).collect::<Vec<_>>().join(" ")
 }
 
+/// Text from the server (which may quote a policy or a caller), printable
+/// and at most `PRINT_BYTES`.
+fn esc(s: &str) -> std::borrow::Cow<'_, str> {
+    crate::text::printable(s, PRINT_BYTES)
+}
+
+/// Longest server-supplied field the CLI prints, in bytes.
+const PRINT_BYTES: usize = 1024;
+
 fn policy(p: &Option<pb::PolicyRef>) -> String {
-    p.as_ref().map_or("-".into(), |p| format!("v{} {}@{} ({})", p.version, p.name, p.policy_version, &p.sha256[..12.min(p.sha256.len())]))
+    p.as_ref().map_or("-".into(), |p| {
+        format!("v{} {}@{} ({})", p.version, esc(&p.name), esc(&p.policy_version), esc(p.sha256.get(..12).unwrap_or(&p.sha256)))
+    })
 }
 
 async fn client(conn: &Conn) -> anyhow::Result<Client> {
@@ -537,7 +603,7 @@ async fn client(conn: &Conn) -> anyhow::Result<Client> {
 
 /// Turns a gRPC status into an error that names its code.
 fn status(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+    anyhow::anyhow!("{:?}: {}", s.code(), esc(s.message()))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -618,7 +684,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.list_partitions(pb::ListPartitionsRequest {}).await.map_err(status)?;
             for p in r.into_inner().partitions {
                 println!(
-                    "{}: {} nodes, {:.1}/{} GPUs busy, {} pending, {} running; active {}{}{}",
+                    "{}: {} nodes, {:.1}/{} GPUs busy, {} pending, {} running; active {}{}{}; guard: {}",
                     p.name,
                     p.nodes,
                     p.gpus_busy,
@@ -627,16 +693,22 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                     p.running_jobs,
                     policy(&p.active),
                     if p.shadow_mode == "off" { String::new() } else { format!("; {} {}", p.shadow_mode, policy(&p.candidate)) },
-                    if p.paused { "; PAUSED (no good policy version)" } else { "" }
+                    if p.paused { "; PAUSED (no good policy version)" } else { "" },
+                    p.guard
                 );
             }
+        }
+        ApiCommand::Guard { partition, off, reserve_after_s, aging_per_hour, conn } => {
+            let req = pb::SetGuardRequest { partition: partition.clone(), off, reserve_after_s, aging_per_hour };
+            let r = client(&conn).await?.set_guard(req).await.map_err(status)?.into_inner();
+            println!("{partition}: starvation guard {}", r.guard);
         }
         ApiCommand::Explain { job, conn } => {
             let r = client(&conn).await?.explain_job(pb::ExplainJobRequest { job_id: job }).await.map_err(status)?.into_inner();
             println!("job {job}: {}", r.state);
-            println!("  {}", r.summary);
+            println!("  {}", esc(&r.summary));
             if !r.last_decision.is_empty() {
-                println!("  last: {}", r.last_decision);
+                println!("  last: {}", esc(&r.last_decision));
             }
         }
         ApiCommand::Quote { partition, gpus, tasks, gpu_milli, cores, memory_gib, models, same_domain, deadline_h, agents, priority, conn } => {
@@ -683,7 +755,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.query_decisions(req).await.map_err(status)?.into_inner();
             println!("{:>5} {:<13} {:<4} {:>5} {:<7} {:<9} {:<20} {:<16} {:<8} {:>8}  result", "id", "time", "part", "job", "actor", "arm", "policy", "input", "outcome", "latency");
             for d in r.decisions {
-                let result = if d.outcome == "placed" { placements(&d.placements) } else { d.detail };
+                let result = if d.outcome == "placed" { placements(&d.placements) } else { esc(&d.detail).into_owned() };
                 println!(
                     "{:>5} {:<13} {:<4} {:>5} {:<7} {:<9} {:<20} {:<16} {:<8} {:>6}us  {}",
                     d.id,
@@ -692,7 +764,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                     d.job_id,
                     d.actor,
                     d.arm,
-                    format!("v{} {}@{}", d.policy_version, d.policy, d.policy_semver),
+                    format!("v{} {}@{}", d.policy_version, esc(&d.policy), esc(&d.policy_semver)),
                     d.input_digest,
                     d.outcome,
                     d.latency_us,
@@ -732,27 +804,41 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
             println!("{partition}: active version {}", r.active_version);
             for v in &r.versions {
                 let blocked = if v.blocked_until_unix_ms > super::unix_ms() { "  [breaker backoff]" } else { "" };
-                println!("  {}  by {} at {}  contract {}{}", policy(&v.policy), v.uploaded_by, ms_to_time(v.uploaded_unix_ms), v.contract, blocked);
+                println!("  {}  by {} at {}  contract {}{}", policy(&v.policy), esc(&v.uploaded_by), ms_to_time(v.uploaded_unix_ms), esc(&v.contract), blocked);
             }
             println!("events:");
             for e in &r.events {
-                println!("  {}  {:<10} v{:<3} by {:<8} {}", ms_to_time(e.unix_ms), e.kind, e.version, e.by, e.detail);
+                println!("  {}  {:<10} v{:<3} by {:<8} {}", ms_to_time(e.unix_ms), esc(&e.kind), e.version, esc(&e.by), esc(&e.detail));
             }
         }
-        PolicyApiCommand::Shadow { partition, mode, version, fraction, conn } => {
+        PolicyApiCommand::Shadow { partition, mode, version, fraction, hook, conn } => {
             anyhow::ensure!(mode == "off" || version.is_some(), "berth policy shadow {mode} needs a version");
             let m = match mode.as_str() {
                 "shadow" => pb::ShadowMode::Shadow,
                 "split" => pb::ShadowMode::Split,
                 _ => pb::ShadowMode::Off,
             };
-            let req = pb::SetShadowRequest { partition: partition.clone(), version: version.unwrap_or(0), mode: m as i32, fraction };
+            let req = pb::SetShadowRequest { partition: partition.clone(), version: version.unwrap_or(0), mode: m as i32, fraction, hook };
             client(&conn).await?.set_shadow(req).await.map_err(status)?;
             println!("{partition}: candidate {mode}{}", version.map_or(String::new(), |v| format!(" version {v}")));
         }
-        PolicyApiCommand::Report { partition, conn } => {
-            let r = client(&conn).await?.shadow_report(pb::ShadowReportRequest { partition: partition.clone() }).await.map_err(status)?.into_inner();
+        PolicyApiCommand::Report { partition, hook, html, conn } => {
+            let mut c = client(&conn).await?;
+            let r = c.shadow_report(pb::ShadowReportRequest { partition: partition.clone(), hook }).await.map_err(status)?.into_inner();
+            if let Some(path) = &html {
+                anyhow::ensure!(r.rank.is_none(), "--html reports placement A/B; the rank report is text");
+                let req = pb::QueryDecisionsRequest { partition: partition.clone(), limit: 20_000, include_shadow: true, ..Default::default() };
+                let log = c.query_decisions(req).await.map_err(status)?.into_inner().decisions;
+                std::fs::write(path, super::console::report_html(&partition, &r, &log)).with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("wrote {}", path.display());
+            }
             println!("{partition}: mode {}; active {}; candidate {}", r.mode, policy(&r.active), policy(&r.candidate));
+            if let Some(k) = &r.rank {
+                println!("  preemptions ranked by both: {}, same victims: {}, candidate errors {}", k.samples, k.agreed, k.candidate_errors);
+                println!("  jobs interrupted: active {}, candidate {}", k.active_victims, k.candidate_victims);
+                println!("  GPU-s of work lost: active {:.0}, candidate {:.0}", k.active_lost_gpu_s, k.candidate_lost_gpu_s);
+                return Ok(());
+            }
             if r.arms.is_empty() {
                 println!("  samples {}, agreement {:.1}%, candidate errors {}", r.samples, r.agreement_rate * 100.0, r.candidate_errors);
                 println!("  score gap, candidate's view (own pick - active's pick): {:.3}", r.mean_candidate_score_gap);
@@ -762,7 +848,7 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
                     println!("  switch domains per gang: active {:.2}, candidate {:.2}", r.mean_domains_active, r.mean_domains_candidate);
                 }
                 for d in r.recent_diffs.iter().take(5) {
-                    println!("  job {} (decision {}): active {} | candidate {} ({})", d.job_id, d.decision_id, placements(&d.active), placements(&d.candidate), d.note);
+                    println!("  job {} (decision {}): active {} | candidate {} ({})", d.job_id, d.decision_id, placements(&d.active), placements(&d.candidate), esc(&d.note));
                 }
             }
             for a in r.arms {

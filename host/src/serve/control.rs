@@ -9,12 +9,16 @@ use berth_core::sim::Job;
 use berth_core::{Placer, TaskShape};
 use berth_sdk::Hooks;
 
-use super::breaker;
 use super::registry::{Event, ShadowSetting, VersionMeta};
 use super::scheduler::{Arm, Candidate, Live, Trip};
 use super::shadow::{self, Mode};
 use super::{unix_ms, ServeError};
 use crate::wasm::{LoadedPolicy, WasmPolicy};
+
+/// Longest policy configuration an upload may carry, in bytes.
+pub const MAX_CONFIG_BYTES: usize = 64 << 10;
+/// Longest note an upload may carry, in bytes.
+pub const MAX_NOTE_BYTES: usize = 1024;
 
 /// The result of an activation.
 pub struct Swap {
@@ -135,6 +139,12 @@ impl Live {
         if bytes.is_empty() {
             return Err(ServeError::Invalid("empty component".into()));
         }
+        if config.len() > MAX_CONFIG_BYTES {
+            return Err(ServeError::Invalid(format!("config is {} bytes: at most {MAX_CONFIG_BYTES}", config.len())));
+        }
+        if note.len() > MAX_NOTE_BYTES {
+            return Err(ServeError::Invalid(format!("note is {} bytes: at most {MAX_NOTE_BYTES}", note.len())));
+        }
         let sha256 = super::registry::sha256_hex(bytes);
         self.access.allow_component(&sha256)?;
         let loaded = match hook {
@@ -250,18 +260,54 @@ impl Live {
             let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version: v })?;
             *self.partitions[p].ranker.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
         }
+        // A rank candidate in shadow comes back too.
+        let record = self.registry.record(&key)?;
+        if let Some(shadow) = &record.shadow
+            && let Some(meta) = record.version(shadow.version).cloned()
+        {
+            *self.partitions[p].rank_candidate.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
+        }
+        Ok(())
+    }
+
+    /// Puts a rank version in shadow beside the partition's ranking (or
+    /// takes it out with `None`): it ranks every preemption's victims too,
+    /// never actuated, and its choices are tallied (`rank_stats`).
+    pub fn set_rank_shadow(&self, by: &str, partition: &str, version: Option<u32>) -> Result<(), ServeError> {
+        let p = self.partition_index(partition)?;
+        let part = &self.partitions[p];
+        let key = hook_key(partition, PolicyHook::Rank);
+        let now = unix_ms();
+        let arm = match version {
+            None => None,
+            Some(v) => {
+                let record = self.registry.record(&key)?;
+                let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version: v })?;
+                if record.active == Some(v) {
+                    return Err(ServeError::FailedPrecondition(format!("rank version {v} is already active in {partition}")));
+                }
+                Some(Arc::new(self.load_arm(&meta)?))
+            }
+        };
+        self.registry.update(&key, |r| {
+            r.shadow = version.map(|v| ShadowSetting { version: v, split: None });
+            let kind = if version.is_some() { "shadow" } else { "shadow-off" };
+            r.events.push(Event { unix_ms: now, kind: kind.into(), version: version.unwrap_or(0), by: by.into(), detail: String::new() });
+            Ok(())
+        })?;
+        *part.rank_stats.lock().unwrap() = shadow::RankStats::default();
+        *part.rank_candidate.lock().unwrap() = arm;
         Ok(())
     }
 
     /// The rank breaker tripped: the version is blocked for the backoff and
     /// the documented default ranking takes over.
-    pub(super) fn trip_rank(&self, p: usize, arm: &Arc<Arm>, error: &berth_core::PolicyError) {
+    pub(super) fn trip_rank(&self, p: usize, arm: &Arc<Arm>, reason: &str) {
         let part = &self.partitions[p];
         let key = hook_key(&part.name, PolicyHook::Rank);
         let version = arm.meta.version;
         let now = unix_ms();
         self.metrics.breaker_trips.with_label_values(&[&key, &version.to_string()]).inc();
-        let reason = format!("failed calls, last: {} ({error})", breaker::kind(error));
         let _ = self.registry.update(&key, |r| {
             if let Some(meta) = r.versions.iter_mut().find(|m| m.version == version) {
                 meta.trips += 1;
@@ -364,12 +410,11 @@ impl Live {
 
     /// The breaker tripped on `arm`: block it for the backoff, and roll the
     /// partition back to the last good version (or drop the candidate).
-    pub(super) fn trip(&self, p: usize, arm: &Arc<Arm>, error: &berth_core::PolicyError, is_active: bool) -> Trip {
+    pub(super) fn trip(&self, p: usize, arm: &Arc<Arm>, reason: &str, is_active: bool) -> Trip {
         let part = &self.partitions[p];
         let version = arm.meta.version;
         let now = unix_ms();
         self.metrics.breaker_trips.with_label_values(&[&part.name, &version.to_string()]).inc();
-        let reason = format!("{} consecutive failures, last: {} ({error})", self.breaker.failures, breaker::kind(error));
         let blocked = self.registry.update(&part.name, |r| {
             let meta = r.versions.iter_mut().find(|m| m.version == version).expect("running versions are registered");
             meta.trips += 1;

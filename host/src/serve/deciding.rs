@@ -177,6 +177,31 @@ impl LiveObserver<'_> {
 }
 
 impl Observer for LiveObserver<'_> {
+    fn after_rank(&mut self, fleet: &Fleet, demand: &Job, candidates: &[berth_core::preemption::Candidate], keep: &dyn Fn(NodeId, &Node) -> bool, chosen: Option<&[usize]>) {
+        let Some(shadow) = self.part.rank_candidate.lock().unwrap().clone() else { return };
+        let theirs = berth_core::preemption::select_victims(fleet, &mut *shadow.policy.lock().unwrap(), demand, candidates, keep);
+        let lost = |picked: &[usize]| -> f64 {
+            picked.iter().map(|&k| candidates[k].held.iter().map(|a| a.gpu_milli_total()).sum::<u64>() as f64 / 1000.0 * candidates[k].since_checkpoint_s as f64).sum()
+        };
+        let mut s = self.part.rank_stats.lock().unwrap();
+        s.samples += 1;
+        let mine = chosen.unwrap_or_default();
+        s.active_victims += mine.len() as u64;
+        s.active_lost_gpu_s += lost(mine);
+        match theirs {
+            Err(_) => s.candidate_errors += 1,
+            Ok(theirs) => {
+                let theirs = theirs.unwrap_or_default();
+                s.candidate_victims += theirs.len() as u64;
+                s.candidate_lost_gpu_s += lost(&theirs);
+                let (mut a, mut b) = (mine.to_vec(), theirs);
+                a.sort_unstable();
+                b.sort_unstable();
+                s.agreed += u64::from(a == b);
+            }
+        }
+    }
+
     fn before_place(&mut self, fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool) {
         *self.attempt.borrow_mut() = Attempt::default();
         self.digest = input_digest(fleet, job);
@@ -189,7 +214,7 @@ impl Observer for LiveObserver<'_> {
             let run = run_arm(&c.arm, &mut scratch, &mut self.placer, job, keep);
             let base = self.base(job);
             let decision = self.live.log(&base, "shadow", false, &c.arm, &run, &scratch);
-            let trip = self.live.after_call(self.p, &c.arm, &run.result, false);
+            let trip = self.live.after_call(self.p, &c.arm, &run, false);
             self.note_trip(trip);
             self.shadow_run = Some((run, scratch, decision));
         }
@@ -212,7 +237,7 @@ impl Observer for LiveObserver<'_> {
             // so a bad candidate never strands work.
             let run = ArmRun { result: Err(e), first: None, latency: at.candidate_latency };
             self.live.log(&base, "candidate", true, cand, &run, fleet);
-            let trip = self.live.after_call(self.p, cand, &run.result, false);
+            let trip = self.live.after_call(self.p, cand, &run, false);
             self.note_trip(trip);
             self.part.stats.lock().unwrap().arms[1].record(at.candidate_latency.as_micros() as u64, None, true, partly_used(fleet));
         }
@@ -222,7 +247,7 @@ impl Observer for LiveObserver<'_> {
         };
         let run = ArmRun { result: result.clone(), first: at.first, latency };
         let decision = self.live.log(&base, name, true, &arm, &run, fleet);
-        let trip = self.live.after_call(self.p, &arm, &run.result, name == "active");
+        let trip = self.live.after_call(self.p, &arm, &run, name == "active");
         self.note_trip(trip);
         if split.is_some() {
             let idx = usize::from(name == "candidate");
@@ -251,7 +276,7 @@ impl Live {
         let Some(active) = part.active() else { return };
         let candidate = part.candidate();
         let ranker = part.ranker();
-        let mut guard = part.state.lock().unwrap();
+        let mut guard = part.lock_state();
         let st = &mut *guard;
         if st.paused {
             return;
@@ -282,19 +307,29 @@ impl Live {
         let agent_nodes: BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
         let eligible = |job: &Job, id: NodeId, _: &Node| agent_nodes.contains(&id) == job.reports_exit;
         let now = now_s();
+        let started = Instant::now();
         let pass = {
             let mut deciders = Deciders { placement: &mut chooser, preemption: Some(&mut rank), compaction: None };
             let mut world = World { eligible: Some(&eligible), observer: Some(&mut observer) };
             st.engine.handle(&mut st.fleet, now, [], &mut deciders, &mut world)
         };
+        // The whole decision: queue walk, placement and rank calls,
+        // validation (an eviction's record carries it).
+        let pass_us = started.elapsed().as_micros() as u64;
         let (notes, trip) = (std::mem::take(&mut observer.notes), observer.trip);
         drop(observer);
         let mut last: HashMap<u64, (String, u64, u32)> = HashMap::new();
         for (job, note, decision, version) in notes {
             last.insert(job, (note, decision, version));
         }
+        if let Some(arm) = ranker.as_ref()
+            && pass.decisions.iter().any(|d| matches!(d, Decision::Evict { .. }))
+        {
+            // The rank version answered (its answer was used).
+            part.rank_breaker.lock().unwrap().record(arm.meta.version, super::breaker::Call::Answered(Duration::ZERO), &self.breaker);
+        }
         for d in pass.decisions {
-            self.apply_decision(part, st, d, &last, ranker.as_deref());
+            self.apply_decision(part, st, d, &last, ranker.as_deref(), pass_us);
         }
         for (job, (note, _, _)) in &last {
             if let Some(r) = st.jobs.get_mut(job)
@@ -333,15 +368,22 @@ impl Live {
         let v = arm.meta.version;
         self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), super::breaker::kind(e)]).inc();
         tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "rank policy call failed: {e}");
-        if !super::breaker::counts(e) || !part.rank_breaker.lock().unwrap().failure(v, &self.breaker) {
+        if !super::breaker::counts(e) {
             return Trip::None;
         }
-        self.trip_rank(p, arm, e);
-        Trip::Replaced
+        // Bound first: trip_rank() does not take the lock, but keep it short.
+        let tripped = part.rank_breaker.lock().unwrap().record(v, super::breaker::Call::Failed(e), &self.breaker);
+        match tripped {
+            None => Trip::None,
+            Some(reason) => {
+                self.trip_rank(p, arm, &reason);
+                Trip::Replaced
+            }
+        }
     }
 
     /// Records one engine decision and actuates it.
-    fn apply_decision(&self, part: &Partition, st: &mut PartitionState, d: Decision, last: &HashMap<u64, (String, u64, u32)>, ranker: Option<&Arm>) {
+    fn apply_decision(&self, part: &Partition, st: &mut PartitionState, d: Decision, last: &HashMap<u64, (String, u64, u32)>, ranker: Option<&Arm>, pass_us: u64) {
         match d {
             Decision::Place { job: id, allocations, victims, .. } => {
                 let fleet_names = super::scheduler::placed(&st.fleet, &allocations);
@@ -447,7 +489,7 @@ impl Live {
                     outcome: "evicted".into(),
                     detail: format!("for job {for_job}; stop by {}; {lost_gpu_s:.0} GPU-s lost{}", stop_by_s, if forced { "; forced" } else { "" }),
                     placements: Vec::new(),
-                    latency_us: 0,
+                    latency_us: pass_us,
                 });
                 tracing::info!(target: "berth::serve", partition = %part.name, job = id, for_job, "preempted: {}", st.jobs[&id].detail);
                 self.persist_logged(vec![st.job_op(&part.name, id)]);

@@ -18,9 +18,13 @@ pub mod actuation;
 pub mod auth;
 pub mod breaker;
 pub mod cli;
+pub mod codec;
+pub mod console;
 pub mod control;
 pub mod deciding;
 pub mod decisions;
+pub mod guard;
+pub mod hub;
 pub mod metrics;
 pub mod persist;
 pub mod quote;
@@ -31,9 +35,8 @@ pub mod service;
 pub mod shadow;
 
 /// The generated protobuf types and gRPC stubs (host/proto/berth/v1).
-pub mod pb {
-    tonic::include_proto!("berth.v1");
-}
+pub use crate::proto as pb;
+pub use crate::util::unix_ms;
 
 pub use server::{start, ServeConfig, ServeHandle};
 
@@ -45,7 +48,8 @@ pub enum ServeError {
     Unauthenticated(String),
     #[error("{0}")]
     PermissionDenied(String),
-    #[error("unknown partition {0:?}")]
+    // Bounded and escaped: the name is the caller's.
+    #[error("unknown partition \"{}\"", crate::text::printable(.0, 64))]
     UnknownPartition(String),
     #[error("no job {0}")]
     UnknownJob(u64),
@@ -83,7 +87,3 @@ impl From<ServeError> for tonic::Status {
     }
 }
 
-/// Milliseconds since the Unix epoch, for records people read.
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}

@@ -27,7 +27,7 @@ use super::{unix_ms, ServeError};
 use crate::store::{Op, Store, StoreError};
 
 #[derive(Serialize, Deserialize)]
-struct StoredAlloc {
+pub(crate) struct StoredAlloc {
     /// Fenced off a lost node (held/ only).
     #[serde(default)]
     lost: bool,
@@ -121,42 +121,49 @@ impl PartitionState {
 
     /// The op that records job `id` as it is now.
     pub(crate) fn job_op(&self, partition: &str, id: u64) -> Op {
-        let j = &self.jobs[&id];
-        let s = &j.spec;
-        let stored = StoredJob {
-            id,
-            partition: partition.to_string(),
-            name: s.name.clone(),
-            owner: j.owner.clone(),
-            state: j.state.as_str().into(),
-            priority: s.job.priority,
-            tasks: s.job.tasks,
-            gpus: s.job.shape.gpu_count,
-            gpu_milli: s.job.shape.gpu_milli,
-            cpu_milli: s.job.shape.cpu_milli,
-            memory_mib: s.job.shape.memory_mib,
-            models: s.models.clone(),
-            duration_ms: s.duration.as_millis() as u64,
-            argv: s.argv.clone(),
-            env: s.env.clone(),
-            submitted_unix_ms: j.submitted_unix_ms,
-            started_unix_ms: j.started_unix_ms,
-            ended_unix_ms: j.ended_unix_ms,
-            ends_unix_ms: j.ends_at.map_or(0, |t| unix_ms() + t.saturating_duration_since(Instant::now()).as_millis() as u64),
-            allocations: j.allocations.iter().map(|a| self.alloc_out(a)).collect(),
-            placements: j.placements.clone(),
-            runs: j.runs.clone(),
-            decision_id: j.decision_id,
-            policy_version: j.policy_version,
-            last_decision: j.last_decision.clone(),
-            detail: j.detail.clone(),
-            evicting: j.evicting,
-            waiting_on: j.waiting_on.clone(),
-            interruptions: j.interruptions,
-        };
-        Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
+        job_record_op(partition, id, &self.jobs[&id], |a| self.alloc_out(a))
     }
+}
 
+/// The op that records job `id` as `j` says, with `alloc_out` naming its
+/// allocations' nodes.
+pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: impl Fn(&Allocation) -> StoredAlloc) -> Op {
+    let s = &j.spec;
+    let stored = StoredJob {
+        id,
+        partition: partition.to_string(),
+        name: s.name.clone(),
+        owner: j.owner.clone(),
+        state: j.state.as_str().into(),
+        priority: s.job.priority,
+        tasks: s.job.tasks,
+        gpus: s.job.shape.gpu_count,
+        gpu_milli: s.job.shape.gpu_milli,
+        cpu_milli: s.job.shape.cpu_milli,
+        memory_mib: s.job.shape.memory_mib,
+        models: s.models.clone(),
+        duration_ms: s.duration.as_millis() as u64,
+        argv: s.argv.clone(),
+        env: s.env.clone(),
+        submitted_unix_ms: j.submitted_unix_ms,
+        started_unix_ms: j.started_unix_ms,
+        ended_unix_ms: j.ended_unix_ms,
+        ends_unix_ms: j.ends_at.map_or(0, |t| unix_ms() + t.saturating_duration_since(Instant::now()).as_millis() as u64),
+        allocations: j.allocations.iter().map(alloc_out).collect(),
+        placements: j.placements.clone(),
+        runs: j.runs.clone(),
+        decision_id: j.decision_id,
+        policy_version: j.policy_version,
+        last_decision: j.last_decision.clone(),
+        detail: j.detail.clone(),
+        evicting: j.evicting,
+        waiting_on: j.waiting_on.clone(),
+        interruptions: j.interruptions,
+    };
+    Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
+}
+
+impl PartitionState {
     pub(crate) fn held_op(&self, partition: &str, id: u64) -> Op {
         match self.manual.get(&id) {
             Some(a) => {
@@ -223,13 +230,13 @@ impl Live {
                 let n: StoredNode = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
                 self.agent_node_up(name, &node, &n.model, n.gpus, n.cpu_milli, n.memory_mib, n.topology).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
                 // Holds go on after the jobs took back their GPUs.
-                let mut st = part.state.lock().unwrap();
+                let mut st = part.lock_state();
                 let id = st.agent_ids[&node];
                 for g in n.unhealthy.into_iter().filter(|&g| (g as usize) < n.gpus) {
                     st.health.insert((id, g), false);
                 }
             }
-            let mut guard = part.state.lock().unwrap();
+            let mut guard = part.lock_state();
             let st = &mut *guard;
             for (key, value) in store.list(&format!("held/{name}/"))? {
                 let id: u64 = key.rsplit('/').next().and_then(|i| i.parse().ok()).ok_or_else(|| anyhow::anyhow!("{key}: not an allocation id"))?;

@@ -101,14 +101,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(<sha2::Sha256 as sha2::Digest>::digest(bytes))
 }
 
-/// Writes `bytes` to `path` so that a reader sees the old file or the new
-/// one, never half of one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)
-}
+pub use crate::util::write_atomic;
 
 impl Registry {
     /// Opens (or creates) the registry under `dir` for these partitions.

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use berth_core::engine::{Event, SimConfig as EngineConfig, Slot};
@@ -18,6 +18,7 @@ use super::auth::Access;
 use super::breaker::{self, Breaker, BreakerConfig};
 use super::decisions::{DecisionLog, DecisionRecord, Placed};
 use super::metrics::Metrics;
+use super::persist::job_record_op;
 use super::registry::{Registry, VersionMeta};
 use super::shadow::{self, Mode, Recording};
 use super::{unix_ms, ServeError};
@@ -97,6 +98,10 @@ pub struct TaskRun {
     /// With `replaces`: send the old copy a checkpoint notice before its stop.
     #[serde(default)]
     pub checkpoint_old: bool,
+    /// When the task last reported a checkpoint (`berth checkpointed`), in
+    /// Unix ms; 0: never.
+    #[serde(default)]
+    pub checkpointed_unix_ms: u64,
 }
 
 /// What starts and stops processes on agent nodes (the agent hub), so the
@@ -201,6 +206,8 @@ pub struct PartitionState {
     pub activity: HashMap<NodeId, u64>,
     /// Agent nodes' declared places in the fat tree.
     pub topology: BTreeMap<NodeId, super::actuation::AgentTopology>,
+    /// When ended jobs are next taken out of the engine.
+    forget_at: Option<Instant>,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -208,11 +215,39 @@ pub(crate) fn health_hold(node: NodeId, gpu: u32) -> Allocation {
     Allocation { node, gpus: 1 << gpu, gpu_milli: MILLI_PER_GPU, cpu_milli: 0, memory_mib: 0 }
 }
 
+/// How often ended jobs are taken out of a partition's engine.
+const FORGET_EVERY: Duration = Duration::from_secs(1);
+
 /// Planning length of a job with a command and no time limit: it ends when
 /// its processes do, which the engine cannot know.
 const UNLIMITED_PLAN_S: u64 = 365 * 86_400;
 
 impl PartitionState {
+    /// Takes ended jobs out of the engine's table (their records stay), so
+    /// a long-lived host's engine holds only work that may still run.
+    fn forget_ended(&mut self) {
+        let ended: Vec<(u64, Slot)> = self
+            .slots
+            .iter()
+            .filter(|(id, _)| self.jobs.get(id).is_none_or(|j| matches!(j.state, JobState::Finished | JobState::Failed | JobState::Cancelled)))
+            .map(|(&id, &slot)| (id, slot))
+            .collect();
+        for (id, slot) in ended {
+            if self.engine.forget(slot) {
+                self.slots.remove(&id);
+            }
+        }
+    }
+
+    /// Takes in a newly accepted job: recorded, in the engine, queued.
+    fn admit(&mut self, id: u64, record: JobRecord) {
+        self.jobs.insert(id, record);
+        let slot = self.register(id);
+        self.engine.apply(&mut self.fleet, super::deciding::now_s(), Event::Arrive(slot));
+        self.pending.push(id);
+        self.dirty = true;
+    }
+
     /// Adds job `id` (recorded in `jobs`) to the engine's table.
     pub(crate) fn register(&mut self, id: u64) -> Slot {
         let r = &self.jobs[&id];
@@ -307,12 +342,23 @@ pub struct Partition {
     /// ranking), and its breaker.
     pub ranker: Mutex<Option<Arc<Arm>>>,
     pub rank_breaker: Mutex<Breaker>,
+    /// A rank version in shadow beside `ranker`, and what it would have done.
+    pub rank_candidate: Mutex<Option<Arc<Arm>>>,
+    pub rank_stats: Mutex<shadow::RankStats>,
+    /// Jobs accepted and stored but not yet in `state`: a submission never
+    /// waits for the state lock, which the deciding thread holds through its
+    /// policy calls. Whoever takes the lock next moves them in.
+    inbox: Mutex<Vec<(u64, JobRecord)>>,
+    /// The fleet's GPU models (agents add theirs), for validating a
+    /// submission without the state lock.
+    pub(crate) models: Mutex<Vec<String>>,
 }
 
 impl Partition {
     pub fn new(name: String, fleet: Fleet, engine: EngineConfig) -> Partition {
         Partition {
             name,
+            models: Mutex::new(fleet.models.clone()),
             state: Mutex::new(PartitionState {
                 fleet,
                 engine: Engine::new(engine),
@@ -331,6 +377,7 @@ impl Partition {
                 by_alloc: HashMap::new(),
                 activity: HashMap::new(),
                 topology: BTreeMap::new(),
+                forget_at: None,
             }),
             wake: Condvar::new(),
             active: Mutex::new(None),
@@ -339,7 +386,26 @@ impl Partition {
             breaker: Mutex::new(Breaker::default()),
             ranker: Mutex::new(None),
             rank_breaker: Mutex::new(Breaker::default()),
+            rank_candidate: Mutex::new(None),
+            rank_stats: Mutex::new(shadow::RankStats::default()),
+            inbox: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The partition's state with every accepted job in it. Lock order:
+    /// state, then inbox.
+    pub fn lock_state(&self) -> MutexGuard<'_, PartitionState> {
+        let mut st = self.state.lock().unwrap();
+        let arrived = std::mem::take(&mut *self.inbox.lock().unwrap());
+        for (id, record) in arrived {
+            st.admit(id, record);
+        }
+        st
+    }
+
+    /// Whether accepted jobs wait to be moved into the state.
+    fn inbox_waiting(&self) -> bool {
+        !self.inbox.lock().unwrap().is_empty()
     }
 
     pub fn ranker(&self) -> Option<Arc<Arm>> {
@@ -356,7 +422,7 @@ impl Partition {
 
     /// Asks the scheduler to walk the queue again.
     pub fn poke(&self, unpause: bool) {
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.lock_state();
         st.dirty = true;
         if unpause {
             st.paused = false;
@@ -505,57 +571,49 @@ impl Live {
         let id = self.next_job.fetch_add(1, Ordering::SeqCst);
         spec.job.id = id;
         let part = &self.partitions[p];
-        let mut guard = part.state.lock().unwrap();
-        let st = &mut *guard;
-        let submitted_unix_ms = unix_ms();
-        st.jobs.insert(
-            id,
-            JobRecord {
-                spec,
-                owner: owner.to_string(),
-                state: JobState::Pending,
-                submitted_at: Instant::now(),
-                submitted_unix_ms,
-                started_unix_ms: 0,
-                ended_unix_ms: 0,
-                ends_at: None,
-                allocations: Vec::new(),
-                placements: Vec::new(),
-                decision_id: 0,
-                policy_version: 0,
-                last_decision: String::new(),
-                runs: Vec::new(),
-                detail: String::new(),
-                evicting: false,
-                waiting_on: Vec::new(),
-                interruptions: 0,
-                reserved_until_s: 0,
-            },
-        );
-        // The id is a receipt only once the job is stored.
-        if let Err(e) = self.persist(vec![st.job_op(&part.name, id)]) {
-            st.jobs.remove(&id);
-            return Err(e);
-        }
-        let slot = st.register(id);
-        st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Arrive(slot));
-        st.pending.push(id);
-        st.dirty = true;
+        let record = JobRecord {
+            spec,
+            owner: owner.to_string(),
+            state: JobState::Pending,
+            submitted_at: Instant::now(),
+            submitted_unix_ms: unix_ms(),
+            started_unix_ms: 0,
+            ended_unix_ms: 0,
+            ends_at: None,
+            allocations: Vec::new(),
+            placements: Vec::new(),
+            decision_id: 0,
+            policy_version: 0,
+            last_decision: String::new(),
+            runs: Vec::new(),
+            detail: String::new(),
+            evicting: false,
+            waiting_on: Vec::new(),
+            interruptions: 0,
+            reserved_until_s: 0,
+        };
+        // The id is a receipt only once the job is stored. A pending job
+        // holds no allocations, so its record names no node.
+        self.persist(vec![job_record_op(&part.name, id, &record, |_| unreachable!("a new job holds nothing"))])?;
+        part.inbox.lock().unwrap().push((id, record));
         self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+        // Not under the state lock, so the deciding thread may miss this
+        // between its inbox check and its wait: it then sees the job within
+        // its longest wait (1 s).
         part.wake.notify_all();
         Ok(id)
     }
 
     /// Finds the partition holding a job.
     pub fn job_partition(&self, id: u64) -> Result<usize, ServeError> {
-        self.partitions.iter().position(|p| p.state.lock().unwrap().jobs.contains_key(&id)).ok_or(ServeError::UnknownJob(id))
+        self.partitions.iter().position(|p| p.lock_state().jobs.contains_key(&id)).ok_or(ServeError::UnknownJob(id))
     }
 
     /// Cancels a pending or running job (releasing what it holds); returns
     /// its state before.
     pub fn cancel(&self, p: usize, id: u64) -> Result<JobState, ServeError> {
         let part = &self.partitions[p];
-        let mut st = part.state.lock().unwrap();
+        let mut st = part.lock_state();
         let st = &mut *st;
         let job = st.jobs.get_mut(&id).ok_or(ServeError::UnknownJob(id))?;
         let before = job.state;
@@ -613,23 +671,33 @@ impl Live {
     /// The scheduler of partition `p`; returns at shutdown.
     pub fn run_partition(&self, p: usize) {
         let part = &self.partitions[p];
-        let mut st = part.state.lock().unwrap();
+        let mut st = part.lock_state();
         while !self.shutdown.load(Ordering::SeqCst) {
             let now = Instant::now();
             self.release_ended(&part.name, &mut st, now);
             self.due_stops(&mut st, now);
+            if st.forget_at.is_none_or(|t| t <= now) {
+                st.forget_ended();
+                st.forget_at = Some(now + FORGET_EVERY);
+            }
             // An evicted simulated job is ready again at its modelled time.
             let wakeup = st.engine.next_wakeup().map(|t| now + Duration::from_millis((t * 1000).saturating_sub(unix_ms())));
             if wakeup.is_some_and(|t| t <= now) {
                 st.dirty = true;
             }
             let retry_due = st.retry_at.is_some_and(|t| t <= now);
+            if part.inbox_waiting() {
+                // Taken in by lock_state.
+                drop(st);
+                st = part.lock_state();
+                continue;
+            }
             if (st.dirty || retry_due) && !st.pending.is_empty() && !st.paused {
                 st.dirty = false;
                 st.retry_at = None;
                 drop(st);
                 self.pass(p);
-                st = part.state.lock().unwrap();
+                st = part.lock_state();
                 continue;
             }
             let next_end = st.running.first().map(|(t, _)| *t);
@@ -752,22 +820,23 @@ impl Live {
     }
 
     /// Feeds the breaker; on a trip, takes the version out of service.
-    pub(super) fn after_call(&self, p: usize, arm: &Arc<Arm>, result: &Result<Option<(Vec<Allocation>, u32)>, PolicyError>, is_active: bool) -> Trip {
+    pub(super) fn after_call(&self, p: usize, arm: &Arc<Arm>, run: &ArmRun, is_active: bool) -> Trip {
         let part = &self.partitions[p];
         let v = arm.meta.version;
-        let e = match result {
-            Ok(_) => {
-                part.breaker.lock().unwrap().success(v);
-                return Trip::None;
+        let call = match &run.result {
+            Ok(_) => breaker::Call::Answered(run.latency),
+            Err(e) if breaker::counts(e) => {
+                self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
+                tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
+                breaker::Call::Failed(e)
             }
-            Err(e) if breaker::counts(e) => e,
             Err(_) => return Trip::None,
         };
-        self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
-        tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
-        if !part.breaker.lock().unwrap().failure(v, &self.breaker) {
-            return Trip::None;
+        // Bound first: trip() takes the breaker's lock again.
+        let tripped = part.breaker.lock().unwrap().record(v, call, &self.breaker);
+        match tripped {
+            None => Trip::None,
+            Some(reason) => self.trip(p, arm, &reason, is_active),
         }
-        self.trip(p, arm, e, is_active)
     }
 }

@@ -96,8 +96,10 @@ impl Default for Scheduling {
 }
 
 impl Scheduling {
-    fn engine(&self) -> berth_core::engine::SimConfig {
-        berth_core::engine::SimConfig { high_priority: self.high_priority, contract: self.contract, ..Default::default() }
+    /// A partition's engine settings, with its starvation guard.
+    fn engine(&self, guard: Option<berth_core::engine::StarvationGuard>) -> berth_core::engine::SimConfig {
+        let guards = berth_core::engine::Guards::everywhere(guard);
+        berth_core::engine::SimConfig { high_priority: self.high_priority, contract: self.contract, guards, ..Default::default() }
     }
 }
 
@@ -150,11 +152,11 @@ impl ServeHandle {
 /// Builds the live host and starts serving. Refuses to serve plaintext on
 /// anything but loopback.
 pub async fn start(config: ServeConfig) -> anyhow::Result<ServeHandle> {
-    start_with_agents(config, crate::agent::hub::HubConfig::default()).await
+    start_with_agents(config, crate::serve::hub::HubConfig::default()).await
 }
 
 /// [`start`], with the node-agent service configured (`berth agent`).
-pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::HubConfig) -> anyhow::Result<ServeHandle> {
+pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::HubConfig) -> anyhow::Result<ServeHandle> {
     anyhow::ensure!(
         config.tls.is_some() || config.listen.ip().is_loopback(),
         "refusing to serve without TLS on {} (not loopback): pass --tls-cert and --tls-key",
@@ -165,12 +167,16 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     let models = fleet.models.clone();
     let count = topo.partition.iter().copied().max().map_or(0, |m| m + 1);
     let names: Vec<String> = (0..count).map(|p| format!("p{p}")).collect();
+    // The fleet TOML's [guard] and [[partition_guard]]; operators change
+    // them at run time (`berth guard`).
+    let guards = config.fleet.guards()?;
     let partitions = names
         .iter()
         .enumerate()
         .map(|(p, name)| {
             let nodes = fleet.nodes().iter().zip(&topo.partition).filter(|&(_, &q)| q as usize == p).map(|(n, _)| n.clone()).collect();
-            Ok(Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine()))
+            let guard = guards.partitions.get(&(p as u32)).copied().unwrap_or(guards.fleet);
+            Ok(Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine(guard)))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
@@ -204,6 +210,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     if let Some(store) = store {
         let started = std::time::Instant::now();
         let (jobs, running, held) = live.recover(&*store).with_context(|| format!("recovering state from {}", store.describe()))?;
+        live.recover_guards(&*store).with_context(|| format!("recovering guards from {}", store.describe()))?;
         tracing::info!(target: "berth::serve", store = %store.describe(), jobs, running, held, took_ms = started.elapsed().as_millis() as u64, "state recovered");
         let _ = live.store.set(store);
     }
@@ -230,10 +237,11 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
     // Messages up to twice the upload limit reach the handler, which refuses
     // an oversized component with RESOURCE_EXHAUSTED and the limit; larger
     // ones the transport refuses with OUT_OF_RANGE before reading them.
-    let hub = crate::agent::hub::Hub::new(live.clone(), agents);
+    let hub = crate::serve::hub::Hub::new(live.clone(), agents);
     let actuator: Arc<dyn super::scheduler::Actuator> = hub.clone();
     let _ = live.actuator.set(Arc::downgrade(&actuator));
     tasks.push(hub.spawn_sweeper(stopped.clone()));
+    let console_hub = hub.clone();
     let service = BerthServer::new(Service { live: live.clone(), agents: Some(hub.clone()) }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
     let router = builder.add_service(service).add_service(super::pb::agent_hub_server::AgentHubServer::new(hub));
     let mut rx = stopped.clone();
@@ -249,7 +257,9 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::agent::hub::H
         let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
         metrics_addr = Some(listener.local_addr()?);
         let m = live.clone();
-        let app = axum::Router::new().route("/metrics", axum::routing::get(move || async move { m.metrics.render() }));
+        // The web console shares the listener; it answers its API on loopback only.
+        let console = super::console::router(Service { live: live.clone(), agents: Some(console_hub) }, listen.ip().is_loopback());
+        let app = axum::Router::new().route("/metrics", axum::routing::get(move || async move { m.metrics.render() })).merge(console);
         let mut rx = stopped.clone();
         tasks.push(tokio::spawn(async move {
             let shutdown = async move { drop(rx.wait_for(|s| *s).await) };

@@ -22,10 +22,44 @@ use super::ServeError;
 pub struct Service {
     pub live: Arc<Live>,
     /// Node agents (`berth agent`), listed by `ListNodes` beside the simulated fleet.
-    pub agents: Option<Arc<crate::agent::hub::Hub>>,
+    pub agents: Option<Arc<crate::serve::hub::Hub>>,
 }
 
 type Reply<T> = Result<Response<T>, Status>;
+
+/// Bounds on what a caller may send (INVALID_ARGUMENT past them, naming the
+/// field) and on what one reply may hold. docs/src/security.md lists them.
+pub mod bounds {
+    /// Bytes of a job's argv, env (names and values) and name together.
+    pub const JOB_SPEC_BYTES: usize = 64 << 10;
+    /// Arguments of a job's argv.
+    pub const ARGV: usize = 1024;
+    /// Variables of a job's env.
+    pub const ENV: usize = 256;
+    /// Bytes of a job's name.
+    pub const JOB_NAME_BYTES: usize = 256;
+    /// GPU models a job may accept.
+    pub const MODELS: usize = 64;
+    /// Priority a tenant may give a job where the access file sets no
+    /// ceiling for the partition; operators are not capped.
+    pub const TENANT_PRIORITY: u32 = 100;
+    /// Bytes of one list reply (jobs, decisions): under gRPC's default 4 MiB
+    /// receive limit, so every client can read it. A longer list is cut.
+    pub const REPLY_BYTES: usize = 3 << 20;
+}
+
+/// The longest prefix of `items` whose encoding fits in a reply.
+fn fit_reply<T: prost::Message>(items: &mut Vec<T>) {
+    let mut total = 0usize;
+    let keep = items
+        .iter()
+        .position(|m| {
+            total += m.encoded_len() + 8;
+            total > bounds::REPLY_BYTES
+        })
+        .unwrap_or(items.len());
+    items.truncate(keep);
+}
 
 fn policy_ref(m: &VersionMeta) -> pb::PolicyRef {
     pb::PolicyRef { version: m.version, name: m.name.clone(), policy_version: m.semver.clone(), sha256: m.sha256.clone() }
@@ -56,9 +90,23 @@ impl Service {
     }
 
     fn require(&self, id: &Identity, partition: &str, role: Role) -> Result<(), Status> {
-        // An unknown partition is NOT_FOUND before it is a denial.
+        // Permission before existence: a caller without a role there learns
+        // nothing about which partitions exist.
+        id.require(partition, role).map_err(|e| self.denied(e))?;
         self.live.partition_index(partition)?;
-        id.require(partition, role).map_err(|e| self.denied(e))
+        Ok(())
+    }
+
+    /// The partition of `job_id` if the caller may see it. A job in a
+    /// partition the caller has no role in is answered exactly as a job that
+    /// does not exist, so job ids cannot be probed.
+    fn job_partition(&self, id: &Identity, job_id: u64) -> Result<usize, Status> {
+        let hidden = || Status::from(ServeError::UnknownJob(job_id));
+        let p = self.live.job_partition(job_id).map_err(|_| hidden())?;
+        if id.role_in(&self.live.partitions[p].name).is_none() {
+            return Err(hidden());
+        }
+        Ok(p)
     }
 
     /// Partitions the caller may view: `partition`, or all they can see.
@@ -70,10 +118,17 @@ impl Service {
         Ok(vec![self.live.partition_index(partition)?])
     }
 
-    fn job_spec(&self, spec: Option<pb::JobSpec>) -> Result<JobSpec, ServeError> {
+    fn job_spec(&self, id: &Identity, spec: Option<pb::JobSpec>) -> Result<JobSpec, ServeError> {
         let s = spec.ok_or_else(|| ServeError::Invalid("job is missing".into()))?;
         let p = self.live.partition_index(&s.partition)?;
         let bad = |m: String| ServeError::Invalid(m);
+        check_job_size(&s)?;
+        if id.role_in(&s.partition) < Some(Role::Operator) {
+            let ceiling = self.live.access.priority_ceiling(&s.partition).unwrap_or(bounds::TENANT_PRIORITY);
+            if s.priority > ceiling {
+                return Err(bad(format!("priority {}: a tenant of partition {} may give at most {ceiling}", s.priority, s.partition)));
+            }
+        }
         let tasks = s.tasks.max(1);
         if tasks > 4096 {
             return Err(bad(format!("{tasks} tasks: at most 4096")));
@@ -85,25 +140,23 @@ impl Service {
             let range = if s.argv.is_empty() { "(0, 30 days]" } else { "[0, 30 days] (0: no limit)" };
             return Err(bad(format!("duration_s {} must be in {range}", s.duration_s)));
         }
-        if s.argv.len() > 4096 || s.argv.iter().chain(s.env.values()).any(|a| a.len() > 65_536) {
-            return Err(bad("argv or env too large (at most 4096 arguments of 64 KiB)".into()));
-        }
         if s.argv.first().is_some_and(|a| a.is_empty()) {
             return Err(bad("argv[0] is empty".into()));
         }
         if let Some(k) = s.env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
-            return Err(bad(format!("env name {k:?} is empty or contains '=' or NUL")));
-        }
-        if s.name.len() > 256 {
-            return Err(bad("name longer than 256 bytes".into()));
+            return Err(bad(format!("env name \"{}\" is empty or contains '=' or NUL", crate::text::printable(k, 64))));
         }
         let gpu_milli = if s.gpus > 0 && s.gpu_milli == 0 { 1000 } else { s.gpu_milli };
         // Models of the partition's fleet, agent nodes included.
-        let known = self.live.partitions[p].state.lock().unwrap().fleet.models.clone();
+        let known = self.live.partitions[p].models.lock().unwrap().clone();
         let models = s
             .models
             .iter()
-            .map(|m| known.iter().position(|k| k == m).map(|i| i as u32).ok_or_else(|| bad(format!("unknown GPU model {m:?} (partition {} has {known:?})", s.partition))))
+            .map(|m| {
+                known.iter().position(|k| k == m).map(|i| i as u32).ok_or_else(|| {
+                    bad(format!("unknown GPU model \"{}\" (partition {} has {known:?})", crate::text::printable(m, 64), s.partition))
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let shape = TaskShape { gpu_count: s.gpus, gpu_milli, cpu_milli: s.cpu_milli, memory_mib: s.memory_mib, models };
         shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
@@ -119,7 +172,35 @@ impl Service {
     }
 }
 
-fn job_message(id: u64, j: &JobRecord) -> pb::Job {
+/// Size bounds of a job spec, each error naming its field.
+fn check_job_size(s: &pb::JobSpec) -> Result<(), ServeError> {
+    let bad = |m: String| Err(ServeError::Invalid(m));
+    if s.name.len() > bounds::JOB_NAME_BYTES {
+        return bad(format!("job.name is {} bytes: at most {}", s.name.len(), bounds::JOB_NAME_BYTES));
+    }
+    if s.argv.len() > bounds::ARGV {
+        return bad(format!("job.argv has {} arguments: at most {}", s.argv.len(), bounds::ARGV));
+    }
+    if s.env.len() > bounds::ENV {
+        return bad(format!("job.env has {} variables: at most {}", s.env.len(), bounds::ENV));
+    }
+    if s.models.len() > bounds::MODELS {
+        return bad(format!("job.models has {} entries: at most {}", s.models.len(), bounds::MODELS));
+    }
+    let total = s.name.len()
+        + s.argv.iter().map(|a| a.len() + 1).sum::<usize>()
+        + s.env.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>()
+        + s.models.iter().map(|m| m.len() + 1).sum::<usize>()
+        + s.partition.len();
+    if total > bounds::JOB_SPEC_BYTES {
+        return bad(format!("job spec (name, argv, env, models) is {total} bytes: at most {}", bounds::JOB_SPEC_BYTES));
+    }
+    Ok(())
+}
+
+/// A job as a reply. Its environment (which may hold secrets) only for its
+/// owner and the partition's operators.
+fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
     let s = &j.spec;
     pb::Job {
         id,
@@ -135,7 +216,7 @@ fn job_message(id: u64, j: &JobRecord) -> pb::Job {
             priority: s.job.priority,
             duration_s: s.duration.as_secs_f64(),
             argv: s.argv.clone(),
-            env: s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            env: if show_env { s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect() } else { Default::default() },
         }),
         owner: j.owner.clone(),
         state: j.state.as_str().into(),
@@ -148,7 +229,7 @@ fn job_message(id: u64, j: &JobRecord) -> pb::Job {
         runs: j
             .runs
             .iter()
-            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.clone(), exit_code: r.exit_code, signal: r.signal, replaces: r.replaces })
+            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.clone(), exit_code: r.exit_code, signal: r.signal, replaces: r.replaces, checkpointed_unix_ms: r.checkpointed_unix_ms })
             .collect(),
         detail: j.detail.clone(),
     }
@@ -185,7 +266,7 @@ impl Berth for Service {
         let id = self.who(&req)?;
         let partition = req.get_ref().job.as_ref().map(|j| j.partition.clone()).unwrap_or_default();
         self.require(&id, &partition, Role::Tenant)?;
-        let spec = self.job_spec(req.into_inner().job)?;
+        let spec = self.job_spec(&id, req.into_inner().job)?;
         let job_id = self.live.submit(spec, &id.name)?;
         tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "job submitted");
         Ok(Response::new(pb::SubmitJobResponse { job_id }))
@@ -194,10 +275,10 @@ impl Berth for Service {
     async fn cancel_job(&self, req: Request<pb::CancelJobRequest>) -> Reply<pb::CancelJobResponse> {
         let id = self.who(&req)?;
         let job_id = req.get_ref().job_id;
-        let p = self.live.job_partition(job_id)?;
+        let p = self.job_partition(&id, job_id)?;
         let partition = self.live.partitions[p].name.clone();
         self.require(&id, &partition, Role::Tenant)?;
-        let owner = self.live.partitions[p].state.lock().unwrap().jobs.get(&job_id).map(|j| j.owner.clone()).unwrap_or_default();
+        let owner = self.live.partitions[p].lock_state().jobs.get(&job_id).map(|j| j.owner.clone()).unwrap_or_default();
         if owner != id.name && id.role_in(&partition) < Some(Role::Operator) {
             tracing::warn!(target: "berth::serve::auth", identity = %id.name, job = job_id, "denied: cancel of another tenant's job");
             return Err(self.denied(ServeError::PermissionDenied(format!("job {job_id} belongs to {owner}; {} may cancel only its own jobs", id.name))));
@@ -210,7 +291,12 @@ impl Berth for Service {
     async fn migrate_task(&self, req: Request<pb::MigrateTaskRequest>) -> Reply<pb::MigrateTaskResponse> {
         let id = self.who(&req)?;
         let r = req.into_inner();
-        let partition = self.live.allocation_partition(r.allocation_id).ok_or_else(|| Status::not_found(format!("no task allocation {}", r.allocation_id)))?;
+        let unknown = || Status::not_found(format!("no task allocation {}", r.allocation_id));
+        let partition = self.live.allocation_partition(r.allocation_id).ok_or_else(unknown)?;
+        // As for jobs: no role there reads as no such allocation.
+        if id.role_in(&partition).is_none() {
+            return Err(unknown());
+        }
         self.require(&id, &partition, Role::Operator)?;
         let m = self.live.migrate(r.allocation_id, &r.node, r.checkpoint)?;
         tracing::info!(target: "berth::serve", job = m.job_id, from = r.allocation_id, to = m.alloc_id, node = %m.node, by = %id.name, "task migration started");
@@ -226,21 +312,28 @@ impl Berth for Service {
         }
         let mut jobs = Vec::new();
         for p in self.viewable(&id, &r.partition)? {
-            let st = self.live.partitions[p].state.lock().unwrap();
-            jobs.extend(st.jobs.iter().filter(|(_, j)| r.state.is_empty() || j.state.as_str() == r.state).map(|(&i, j)| job_message(i, j)));
+            let st = self.live.partitions[p].lock_state();
+            let operator = id.role_in(&self.live.partitions[p].name) >= Some(Role::Operator);
+            jobs.extend(
+                st.jobs
+                    .iter()
+                    .filter(|(_, j)| r.state.is_empty() || j.state.as_str() == r.state)
+                    .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name)),
+            );
         }
         jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
         jobs.truncate(limit);
+        fit_reply(&mut jobs);
         Ok(Response::new(pb::ListJobsResponse { jobs }))
     }
 
     async fn explain_job(&self, req: Request<pb::ExplainJobRequest>) -> Reply<pb::ExplainJobResponse> {
         let id = self.who(&req)?;
         let job_id = req.get_ref().job_id;
-        let p = self.live.job_partition(job_id)?;
+        let p = self.job_partition(&id, job_id)?;
         let part = &self.live.partitions[p];
         self.require(&id, &part.name, Role::Viewer)?;
-        let st = part.state.lock().unwrap();
+        let st = part.lock_state();
         let job = &st.jobs[&job_id];
         let mut out = pb::ExplainJobResponse { state: job.state.as_str().into(), last_decision: job.last_decision.clone(), ..Default::default() };
         if job.state != JobState::Pending {
@@ -270,6 +363,9 @@ impl Berth for Service {
         let reasons_text =
             ranked.iter().enumerate().map(|(i, (why, n))| if i == 0 { format!("{n} nodes: {why}") } else { format!("{n}: {why}") }).collect::<Vec<_>>().join("; ");
         let tasks = job.spec.job.tasks;
+        // The guard's reservation, if this job holds it.
+        let reserved = st.slots.get(&job_id).and_then(|&slot| st.engine.reservation(None).filter(|&(s, _)| s == slot)).map(|(_, until)| until);
+        out.reserved_until_unix_s = reserved.unwrap_or(0);
         out.summary = if st.paused {
             "decisions paused: the circuit breaker found no good policy version; an operator must activate one".into()
         } else if out.fitting_tasks >= tasks {
@@ -279,6 +375,14 @@ impl Berth for Service {
         } else {
             reasons_text
         };
+        if let Some(until) = reserved {
+            out.summary = if until == u64::MAX {
+                format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)
+            } else {
+                let wait = until.saturating_sub(super::deciding::now_s());
+                format!("reserved by the starvation guard: starts within {wait} s at the latest (nodes drained for it); {}", out.summary)
+            };
+        }
         Ok(Response::new(out))
     }
 
@@ -289,7 +393,7 @@ impl Berth for Service {
         let agents = self.agents.as_ref().map(|h| h.node_states()).unwrap_or_default();
         for p in self.viewable(&id, &req.get_ref().partition)? {
             let part = &self.live.partitions[p];
-            let st = part.state.lock().unwrap();
+            let st = part.lock_state();
             nodes.extend(st.fleet.nodes().iter().map(|n| {
                 let agent = st.agent_ids.contains_key(&n.name).then(|| agents.get(&n.name).cloned().unwrap_or_default());
                 pb::NodeInfo {
@@ -319,7 +423,7 @@ impl Berth for Service {
         for p in self.viewable(&id, "")? {
             let part = &self.live.partitions[p];
             let candidate = part.candidate();
-            let st = part.state.lock().unwrap();
+            let st = part.lock_state();
             let running = st.jobs.values().filter(|j| j.state == JobState::Running).count() as u32;
             partitions.push(pb::PartitionInfo {
                 name: part.name.clone(),
@@ -340,6 +444,7 @@ impl Berth for Service {
                     _ => 0.0,
                 },
                 paused: st.paused,
+                guard: super::guard::describe(st.engine.config.guards.fleet),
             });
         }
         Ok(Response::new(pb::ListPartitionsResponse { partitions }))
@@ -358,7 +463,7 @@ impl Berth for Service {
         };
         for p in self.viewable(&id, &req.get_ref().partition)? {
             let part = &self.live.partitions[p];
-            let st = part.state.lock().unwrap();
+            let st = part.lock_state();
             let pending: Vec<PendingShape> = st
                 .pending
                 .iter()
@@ -391,6 +496,18 @@ impl Berth for Service {
         Ok(Response::new(pb::AccountingResponse { rows, stranded }))
     }
 
+    async fn set_guard(&self, req: Request<pb::SetGuardRequest>) -> Reply<pb::SetGuardResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        let p = self.live.partition_index(&r.partition)?;
+        let guard = super::guard::requested(r.off, r.reserve_after_s, r.aging_per_hour)?;
+        self.live.set_guard(p, guard)?;
+        let text = super::guard::describe(guard);
+        tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, guard = %text, "starvation guard set");
+        Ok(Response::new(pb::SetGuardResponse { guard: text }))
+    }
+
     async fn quote(&self, req: Request<pb::QuoteRequest>) -> Reply<pb::QuoteResponse> {
         let id = self.who(&req)?;
         let q = req.into_inner();
@@ -407,7 +524,7 @@ impl Berth for Service {
         if q.models.len() > 64 || q.models.iter().any(|m| m.len() > 256) {
             return Err(bad("at most 64 models of 256 bytes".into()));
         }
-        let st = self.live.partitions[p].state.lock().unwrap();
+        let st = self.live.partitions[p].lock_state();
         let models = q
             .models
             .iter()
@@ -440,8 +557,9 @@ impl Berth for Service {
             limit: usize::MAX,
         };
         let limit = if r.limit == 0 { 100 } else { r.limit as usize };
-        let decisions =
+        let mut decisions: Vec<pb::Decision> =
             self.live.decisions.query(&filter).into_iter().filter(|d| allowed.contains(&d.partition)).take(limit).map(decision_message).collect();
+        fit_reply(&mut decisions);
         Ok(Response::new(pb::QueryDecisionsResponse { decisions }))
     }
 
@@ -517,6 +635,16 @@ impl Berth for Service {
         let id = self.who(&req)?;
         let r = req.into_inner();
         self.require(&id, &r.partition, Role::Operator)?;
+        if super::control::PolicyHook::parse(&r.hook)? == super::control::PolicyHook::Rank {
+            let version = match pb::ShadowMode::try_from(r.mode) {
+                Ok(pb::ShadowMode::Off) => None,
+                Ok(pb::ShadowMode::Shadow) => Some(r.version),
+                _ => return Err(ServeError::Invalid("a rank candidate runs in shadow (or off); split is for placement".into()).into()),
+            };
+            let live = self.live.clone();
+            blocking(move || live.set_rank_shadow(&id.name, &r.partition, version)).await?;
+            return Ok(Response::new(pb::SetShadowResponse {}));
+        }
         let setting = match pb::ShadowMode::try_from(r.mode) {
             Ok(pb::ShadowMode::Off) => None,
             Ok(pb::ShadowMode::Shadow) => Some((r.version, Mode::Shadow)),
@@ -530,9 +658,32 @@ impl Berth for Service {
 
     async fn shadow_report(&self, req: Request<pb::ShadowReportRequest>) -> Reply<pb::ShadowReportResponse> {
         let id = self.who(&req)?;
-        let partition = req.into_inner().partition;
+        let r = req.into_inner();
+        let partition = r.partition;
         self.require(&id, &partition, Role::Viewer)?;
         let part = &self.live.partitions[self.live.partition_index(&partition)?];
+        if super::control::PolicyHook::parse(&r.hook)? == super::control::PolicyHook::Rank {
+            let candidate = part.rank_candidate.lock().unwrap().clone();
+            let s = part.rank_stats.lock().unwrap().clone();
+            return Ok(Response::new(pb::ShadowReportResponse {
+                mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
+                active: part.ranker().map(|a| policy_ref(&a.meta)),
+                candidate: candidate.map(|c| policy_ref(&c.meta)),
+                samples: s.samples,
+                agreement_rate: if s.samples == 0 { 0.0 } else { s.agreed as f64 / s.samples as f64 },
+                candidate_errors: s.candidate_errors,
+                rank: Some(pb::RankShadow {
+                    samples: s.samples,
+                    agreed: s.agreed,
+                    active_victims: s.active_victims,
+                    candidate_victims: s.candidate_victims,
+                    active_lost_gpu_s: s.active_lost_gpu_s,
+                    candidate_lost_gpu_s: s.candidate_lost_gpu_s,
+                    candidate_errors: s.candidate_errors,
+                }),
+                ..Default::default()
+            }));
+        }
         let active = part.active();
         let candidate = part.candidate();
         let s = part.stats.lock().unwrap().clone();
@@ -580,6 +731,7 @@ impl Berth for Service {
                 })
                 .collect(),
             arms: if split { vec![arm("active", &s.arms[0], active_meta), arm("candidate", &s.arms[1], candidate_meta)] } else { Vec::new() },
+            rank: None,
         }))
     }
 }

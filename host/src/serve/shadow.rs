@@ -190,3 +190,21 @@ mod tests {
         assert_eq!(score_gap(&first, 7, 8), None);
     }
 }
+
+/// A shadow rank candidate beside the active ranking: on every preemption
+/// the candidate ranks the same victims for the same demand, and the
+/// victims each would take are compared (never actuated).
+#[derive(Clone, Debug, Default)]
+pub struct RankStats {
+    pub samples: u64,
+    /// Both would take exactly the same victims (or both none).
+    pub agreed: u64,
+    /// Jobs each would interrupt, and the GPU-seconds of work each would
+    /// lose (since each victim's last checkpoint).
+    pub active_victims: u64,
+    pub candidate_victims: u64,
+    pub active_lost_gpu_s: f64,
+    pub candidate_lost_gpu_s: f64,
+    /// The candidate failed (trap, deadline, invalid answer).
+    pub candidate_errors: u64,
+}

@@ -11,5 +11,6 @@ mod cache;
 mod engine;
 mod policy;
 
-pub use engine::{Limits, PolicyEngine};
-pub use policy::{LoadedPolicy, WasmPolicy};
+pub use engine::{DeadlineClock, Limits, PolicyEngine};
+pub use policy::{check_info, LoadedPolicy, WasmPolicy, MAX_ERROR_BYTES, MAX_NAME_BYTES, MAX_VERSION_BYTES};
+pub use engine::{MAX_CORE_INSTANCES, MAX_LOG_BYTES, MAX_MEMORIES, MAX_TABLES};

@@ -10,7 +10,90 @@ use wasmtime::Store;
 
 use super::bindings::{v0_1_0 as v1, v0_2_0 as v2, v0_3_0 as v3};
 use super::cache;
-use super::engine::{GuestState, Limits, PolicyEngine, TICK};
+use super::engine::{thread_cpu_time, DeadlineClock, GuestState, Limits, PolicyEngine, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES, TABLE_ELEMENT_BYTES, TICK};
+
+/// Longest policy name a component may report, in bytes.
+pub const MAX_NAME_BYTES: usize = 64;
+/// Longest policy version a component may report, in bytes.
+pub const MAX_VERSION_BYTES: usize = 64;
+/// Longest guest error text kept, in bytes; the rest is cut. Bounds what a
+/// failing call puts into a decision record, a log line or a reply.
+pub const MAX_ERROR_BYTES: usize = 1024;
+
+/// What a component declares, read before it is compiled.
+#[derive(Debug, Default)]
+struct Declared {
+    memories: usize,
+    tables: usize,
+    core_instances: usize,
+    /// Sum of the memories' and tables' initial sizes, in bytes.
+    initial_bytes: u64,
+    /// The newest `berth:policy/policy@x.y.z` contract it exports, if any.
+    contract: Option<String>,
+}
+
+/// Reads what `bytes` declares: counts memories, tables and core instances
+/// over all its core modules, and finds the contract it exports.
+fn declared(bytes: &[u8]) -> Result<Declared, String> {
+    use wasmparser::{Parser, Payload};
+    let mut d = Declared::default();
+    for payload in Parser::new(0).parse_all(bytes) {
+        match payload.map_err(|e| format!("not a valid wasm component: {e}"))? {
+            Payload::MemorySection(r) => {
+                for m in r {
+                    let m = m.map_err(|e| e.to_string())?;
+                    d.memories += 1;
+                    d.initial_bytes = d.initial_bytes.saturating_add(m.initial.saturating_mul(1 << m.page_size_log2()));
+                }
+            }
+            Payload::TableSection(r) => {
+                for t in r {
+                    let t = t.map_err(|e| e.to_string())?;
+                    d.tables += 1;
+                    d.initial_bytes = d.initial_bytes.saturating_add(t.ty.initial.saturating_mul(TABLE_ELEMENT_BYTES));
+                }
+            }
+            Payload::InstanceSection(r) => d.core_instances += r.count() as usize,
+            Payload::ComponentExportSection(r) => {
+                for e in r {
+                    let name = e.map_err(|e| e.to_string())?.name.name;
+                    if let Some(v) = name.strip_prefix("berth:policy/policy@")
+                        && d.contract.as_deref().is_none_or(|c| c < v)
+                    {
+                        d.contract = Some(v.to_string());
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(d)
+}
+
+/// Refuses, before compiling it, a component that declares more memories,
+/// tables or core instances than an instance may create, or whose initial
+/// sizes alone exceed the memory cap.
+fn check_declared(d: &Declared, limits: &Limits) -> Result<(), PolicyError> {
+    let too_many = |what: &str, n: usize, max: usize| {
+        PolicyError::Load(format!("the component declares {n} {what}; a policy may have at most {max}"))
+    };
+    if d.memories > MAX_MEMORIES {
+        return Err(too_many("linear memories", d.memories, MAX_MEMORIES));
+    }
+    if d.tables > MAX_TABLES {
+        return Err(too_many("tables", d.tables, MAX_TABLES));
+    }
+    if d.core_instances > MAX_CORE_INSTANCES {
+        return Err(too_many("core instances", d.core_instances, MAX_CORE_INSTANCES));
+    }
+    if d.initial_bytes > limits.memory_bytes {
+        return Err(PolicyError::Load(format!(
+            "the component's memories and tables start at {} bytes together; the memory cap per instance is {}",
+            d.initial_bytes, limits.memory_bytes
+        )));
+    }
+    Ok(())
+}
 
 /// A pre-linked component of one contract version.
 enum Pre {
@@ -66,13 +149,19 @@ impl LoadedPolicy {
     /// `info` in a fresh instance under default limits to check it really
     /// is a Berth policy.
     pub fn from_bytes(engine: &PolicyEngine, bytes: &[u8]) -> Result<Arc<LoadedPolicy>, PolicyError> {
+        let declared = declared(bytes).map_err(PolicyError::Load)?;
+        check_declared(&declared, &Limits::default())?;
+        let contract_named = declared.contract.as_deref().map_or_else(
+            || "a component exporting no berth:policy/policy interface".to_string(),
+            |v| format!("a berth:policy@{v} component"),
+        );
         let hash = cache::content_hash(bytes);
         let component = cache::load_component(&engine.engine, engine.cache_dir.as_deref(), bytes, &hash)
             .map_err(|e| PolicyError::Load(format!("{e:#}")))?;
         let instance_pre = engine
             .linker
             .instantiate_pre(&component)
-            .map_err(|e| PolicyError::Load(format!("not a berth:policy@0.1.0 component: {e:#}")))?;
+            .map_err(|e| PolicyError::Load(format!("{contract_named} whose imports the host does not provide: {e:#}")))?;
         // Newest contract first; a component exports exactly one.
         let (pre, contract) = match v3::PlacementPolicyPre::new(instance_pre.clone()) {
             Ok(p) => (Pre::V3(p), "0.3.0"),
@@ -81,8 +170,14 @@ impl LoadedPolicy {
                 Err(e2) => match v1::PlacementPolicyPre::new(instance_pre) {
                     Ok(p) => (Pre::V1(p), "0.1.0"),
                     Err(e1) => {
+                        let why = match declared.contract.as_deref() {
+                            Some("0.3.0") => format!("{e3:#}"),
+                            Some("0.2.0") => format!("{e2:#}"),
+                            Some("0.1.0") => format!("{e1:#}"),
+                            _ => format!("@0.3.0: {e3:#}; @0.2.0: {e2:#}; @0.1.0: {e1:#}"),
+                        };
                         return Err(PolicyError::Load(format!(
-                            "exports none of berth:policy@0.3.0 ({e3:#}), @0.2.0 ({e2:#}), @0.1.0 ({e1:#})"
+                            "{contract_named}: its exports do not match a contract this host implements (0.1.0, 0.2.0, 0.3.0): {why}"
                         )));
                     }
                 },
@@ -92,12 +187,7 @@ impl LoadedPolicy {
             LoadedPolicy { pre, contract, hash, info: PolicyInfo { name: String::new(), version: String::new(), hooks: Hooks::NONE } };
         let mut probe = Instance::new(engine, &loaded, Limits::default(), "loading")?;
         let info = probe.call(engine, |b, s| each_version!(b, b, c => c::info(b.berth_policy_policy().call_info(s)?)))?;
-        if info.name.is_empty() || !info.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-') {
-            return Err(PolicyError::Load(format!("policy name {:?} is not lowercase-with-dashes", info.name)));
-        }
-        if !is_semver(&info.version) {
-            return Err(PolicyError::Load(format!("policy version {:?} is not semver (x.y.z)", info.version)));
-        }
+        check_info(&info)?;
         loaded.info = info;
         Ok(Arc::new(loaded))
     }
@@ -108,10 +198,45 @@ impl LoadedPolicy {
     }
 }
 
+/// A policy's name and version reach every decision record, log line and
+/// listing: bounded, and from a small alphabet, so none can carry escapes.
+pub fn check_info(info: &PolicyInfo) -> Result<(), PolicyError> {
+    let shown = |s: &str| crate::text::printable(s, 80).into_owned();
+    if info.name.len() > MAX_NAME_BYTES {
+        return Err(PolicyError::Load(format!(
+            "policy name of {} bytes (\"{}\"): at most {MAX_NAME_BYTES}",
+            info.name.len(),
+            shown(&info.name)
+        )));
+    }
+    if info.name.is_empty() || !info.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-') {
+        return Err(PolicyError::Load(format!("policy name \"{}\" is not lowercase-with-dashes", shown(&info.name))));
+    }
+    if info.version.len() > MAX_VERSION_BYTES {
+        return Err(PolicyError::Load(format!(
+            "policy version of {} bytes (\"{}\"): at most {MAX_VERSION_BYTES}",
+            info.version.len(),
+            shown(&info.version)
+        )));
+    }
+    if !is_semver(&info.version) {
+        return Err(PolicyError::Load(format!("policy version \"{}\" is not semver (x.y.z)", shown(&info.version))));
+    }
+    Ok(())
+}
+
+/// `x.y.z`, optionally with a pre-release and build of `[0-9A-Za-z.-]`.
 fn is_semver(v: &str) -> bool {
     let core = v.split(['-', '+']).next().unwrap_or("");
     let parts: Vec<&str> = core.split('.').collect();
-    parts.len() == 3 && parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
+    parts.len() == 3
+        && parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
+        && v[core.len()..].chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '+'))
+}
+
+/// A guest's error text, bounded and printable before it goes anywhere.
+fn guest_error(msg: String) -> PolicyError {
+    PolicyError::Guest(crate::text::bounded(msg, MAX_ERROR_BYTES))
 }
 
 /// A live instance and its store. Dropped after any trap: a trapped instance
@@ -124,17 +249,26 @@ struct Instance {
 
 impl Instance {
     fn new(engine: &PolicyEngine, loaded: &LoadedPolicy, limits: Limits, label: &str) -> Result<Instance, PolicyError> {
-        let state = GuestState {
-            policy: label.to_string(),
-            memory_cap: limits.memory_bytes,
-            memory_cap_hit: false,
-            log_budget: limits.log_lines_per_call,
-            logs_dropped: 0,
-        };
+        let state = GuestState::new(label.to_string(), limits.memory_bytes, limits.log_lines_per_call);
         let mut store = Store::new(&engine.engine, state);
         store.limiter(|s| s);
         store.set_epoch_deadline(deadline_ticks(&limits));
-        store.epoch_deadline_trap();
+        match limits.clock {
+            DeadlineClock::Wall => store.epoch_deadline_trap(),
+            DeadlineClock::ThreadCpu => {
+                // At each wall-clock deadline, charge only the CPU time the
+                // call used, and give it the rest of its budget.
+                let budget = limits.deadline;
+                store.epoch_deadline_callback(move |ctx| {
+                    let used = thread_cpu_time().saturating_sub(ctx.data().call_cpu_start);
+                    Ok(match budget.checked_sub(used) {
+                        Some(left) if left >= TICK => wasmtime::UpdateDeadline::Continue((left.as_nanos() / TICK.as_nanos()) as u64),
+                        _ => wasmtime::UpdateDeadline::Interrupt,
+                    })
+                });
+            }
+        }
+        store.data_mut().call_cpu_start = thread_cpu_time();
         let bindings = match &loaded.pre {
             Pre::V1(pre) => pre.instantiate(&mut store).map(Bindings::V1),
             Pre::V2(pre) => pre.instantiate(&mut store).map(Bindings::V2),
@@ -153,6 +287,7 @@ impl Instance {
     ) -> Result<R, PolicyError> {
         self.store.set_epoch_deadline(deadline_ticks(&self.limits));
         self.store.data_mut().log_budget = self.limits.log_lines_per_call;
+        self.store.data_mut().call_cpu_start = thread_cpu_time();
         f(&self.bindings, &mut self.store).map_err(|e| classify(e, &self.store, &self.limits))
     }
 }
@@ -169,7 +304,8 @@ fn classify(e: wasmtime::Error, store: &Store<GuestState>, limits: &Limits) -> P
     if let Some(wasmtime::Trap::Interrupt) = e.downcast_ref::<wasmtime::Trap>() {
         return PolicyError::Timeout { deadline_ms: limits.deadline.as_millis() as u64 };
     }
-    PolicyError::Trap(format!("{e:#}"))
+    // A trap's text can quote the guest (a custom error, a name section).
+    PolicyError::Trap(crate::text::bounded(format!("{e:#}"), MAX_ERROR_BYTES))
 }
 
 /// A policy component ready to decide: one instance, its configuration, its
@@ -201,6 +337,12 @@ impl WasmPolicy {
         self.limits
     }
 
+    /// Bytes the live instance holds in all its memories and tables (0
+    /// before the first call or after a trap).
+    pub fn memory_bytes(&self) -> u64 {
+        self.instance.as_ref().map_or(0, |i| i.store.data().memory_used)
+    }
+
     /// Instantiates now (so the first decision does not pay for it).
     pub fn warm(&mut self) -> Result<(), PolicyError> {
         self.instance().map(|_| ())
@@ -214,7 +356,7 @@ impl WasmPolicy {
             if !self.config.is_empty() {
                 let config = self.config.clone();
                 inst.call(&self.engine, |b, s| each_version!(b, b, _c => b.berth_policy_policy().call_configure(s, &config)))?
-                    .map_err(PolicyError::Guest)?;
+                    .map_err(guest_error)?;
             }
             self.instance = Some(inst);
         }
@@ -250,7 +392,7 @@ impl WasmPolicy {
             Err(msg) => {
                 // The guest may have half-applied it; restart from the old one.
                 self.instance = None;
-                Err(PolicyError::Guest(msg))
+                Err(guest_error(msg))
             }
         }
     }
@@ -267,7 +409,7 @@ impl WasmPolicy {
                 r.map(|answer| answer.map(|x| Scores { scores: x.scores, gpus: x.gpus }))
             })
         });
-        result?.map_err(PolicyError::Guest)
+        result?.map_err(guest_error)
     }
 
     /// Compaction planning, unchecked: the host validates every move.
@@ -283,7 +425,7 @@ impl WasmPolicy {
                 })
             })
         });
-        result?.map_err(PolicyError::Guest)
+        result?.map_err(guest_error)
     }
 
     /// Preemption ranking, checked: every index in range and at most once.
@@ -298,7 +440,7 @@ impl WasmPolicy {
                 r
             })
         });
-        let order = result?.map_err(PolicyError::Guest)?;
+        let order = result?.map_err(guest_error)?;
         let mut seen = vec![false; victims.len()];
         for &i in &order {
             let slot = seen
@@ -336,7 +478,7 @@ impl WasmPolicy {
                 r
             }
         });
-        let scores = result?.map_err(PolicyError::Guest)?;
+        let scores = result?.map_err(guest_error)?;
         if scores.len() != domains.len() {
             return Err(PolicyError::InvalidOutput(format!("{} domain scores for {} domains", scores.len(), domains.len())));
         }
@@ -641,7 +783,7 @@ impl berth_core::pool::PoolPolicy for WasmPolicy {
                 .map(|r| r.map(|p| PoolPlacement { executor: p.executor, model: p.model, weight: p.weight, pinned: p.pinned })),
             _ => Ok(Err("no pool hooks".to_string())),
         });
-        result?.map(Some).map_err(PolicyError::Guest)
+        result?.map(Some).map_err(guest_error)
     }
 
     fn pool_step(&mut self, executor: &PoolExecutor) -> Result<Option<PoolStep>, PolicyError> {
@@ -653,7 +795,7 @@ impl berth_core::pool::PoolPolicy for WasmPolicy {
             Bindings::V3(b) => b.berth_policy_policy().call_pool_step(s, &conv_v3::pool_executor(executor)).map(|r| r.map(conv_v3::pool_step)),
             _ => Ok(Err("no pool hooks".to_string())),
         });
-        result?.map(Some).map_err(PolicyError::Guest)
+        result?.map(Some).map_err(guest_error)
     }
 }
 

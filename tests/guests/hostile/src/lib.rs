@@ -6,7 +6,15 @@
 //! 2 memory bomb · 3 panic · 4 wrong number of scores · 5 NaN score ·
 //! 6 GPU mask naming a GPU the node lacks · 7 huge output ·
 //! 8 infinite score · 9 deep recursion (stack overflow) · 10 log flood
-//! then honest · 11 returns a guest error.
+//! then honest · 11 returns a guest error · 12 returns an 8 MiB guest
+//! error · 13 logs a line with newlines, ANSI escapes and bidi marks, then
+//! honest · 14 leaks 16 MiB (kept across calls), then honest.
+//! `configure("flaky")`: every odd job id fails with a guest error, every
+//! even one is honest (a version that fails every other call; the host's
+//! upload smoke test uses job 0).
+//! `configure("slow")`: every call spins for a while, then is honest.
+//! `configure("loud-errors")`: every call but job 0's (the upload smoke
+//! test) fails with an 8 MiB error text.
 //! `rank`: job 0 honest, 1 duplicate index, 2 out-of-range index.
 //! `score-domains`: job 0 honest (all 0), 1 wrong length, 2 NaN.
 //! `configure("reject")` fails; anything else is accepted.
@@ -14,7 +22,20 @@
 use berth_sdk::{Allocations, Domains, Hooks, Level, Nodes, Policy, Scores, Task};
 
 #[derive(Default)]
-struct Hostile;
+struct Hostile {
+    mode: Mode,
+    /// What job 14 leaks: kept, so memory grows call after call.
+    leaked: Vec<Vec<u8>>,
+}
+
+#[derive(Default, PartialEq)]
+enum Mode {
+    #[default]
+    ByJob,
+    Flaky,
+    Slow,
+    LoudErrors,
+}
 
 fn honest(nodes: &Nodes) -> Scores {
     Scores::from_scores(nodes.iter().map(|n| n.gpu_free_total() as f64).collect())
@@ -43,10 +64,32 @@ impl Policy for Hostile {
     }
 
     fn configure(&mut self, config: &str) -> Result<(), String> {
-        if config == "reject" { Err("configuration rejected on purpose".into()) } else { Ok(()) }
+        self.mode = match config {
+            "reject" => return Err("configuration rejected on purpose".into()),
+            "flaky" => Mode::Flaky,
+            "slow" => Mode::Slow,
+            "loud-errors" => Mode::LoudErrors,
+            _ => Mode::ByJob,
+        };
+        Ok(())
     }
 
     fn score(&mut self, task: &Task, nodes: &Nodes) -> Result<Scores, String> {
+        match self.mode {
+            Mode::Flaky if task.job_id % 2 == 1 => return Err(format!("flaky on odd job {}", task.job_id)),
+            Mode::Slow => {
+                // No clock in the sandbox: spin a fixed amount of work
+                // (tens of ms natively, far under any deadline).
+                let mut x: u64 = task.job_id;
+                for _ in 0..60_000_000u64 {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+                std::hint::black_box(x);
+                return Ok(honest(nodes));
+            }
+            Mode::LoudErrors if task.job_id != 0 => return Err("E".repeat(8 << 20)),
+            Mode::Flaky | Mode::ByJob | Mode::LoudErrors => {}
+        }
         match task.job_id {
             1 => {
                 let mut x: u64 = 1;
@@ -90,6 +133,16 @@ impl Policy for Hostile {
                 Ok(honest(nodes))
             }
             11 => Err("hostile guest declines to score".into()),
+            12 => Err("E".repeat(8 << 20)),
+            13 => {
+                berth_sdk::log(Level::Warn, &format!("forged\nINFO berth: all good \x1b[31mred\u{202e}desrever{}", "x".repeat(100_000)));
+                Ok(honest(nodes))
+            }
+            14 => {
+                self.leaked.push(vec![1u8; 16 << 20]);
+                std::hint::black_box(&self.leaked);
+                Ok(honest(nodes))
+            }
             _ => Ok(honest(nodes)),
         }
     }

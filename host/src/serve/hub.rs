@@ -97,8 +97,10 @@ impl Hub {
     }
 
     fn require(&self, id: &Identity, partition: &str, role: Role) -> Result<(), Status> {
+        // Permission before existence, as in the API.
+        id.require(partition, role)?;
         self.live.partition_index(partition)?;
-        Ok(id.require(partition, role)?)
+        Ok(())
     }
 
     /// Marks nodes whose heartbeats stopped as unreachable (logged once per
@@ -258,6 +260,60 @@ impl Hub {
     }
 }
 
+/// Longest text field an agent may send (model, UUID, PCI id, event kind
+/// and detail, source, version), in bytes.
+pub const MAX_AGENT_FIELD_BYTES: usize = 256;
+/// Most GPUs in a registration or a heartbeat.
+pub const MAX_AGENT_GPUS: usize = berth_core::MAX_GPUS_PER_NODE;
+/// Most NVLink peers of a GPU, health events per GPU in one heartbeat, and
+/// allocations reported running.
+pub const MAX_AGENT_LIST: usize = 4096;
+
+fn field(name: &str, value: &str) -> Result<(), Status> {
+    if value.len() > MAX_AGENT_FIELD_BYTES {
+        return Err(Status::invalid_argument(format!("{name} is {} bytes: at most {MAX_AGENT_FIELD_BYTES}", value.len())));
+    }
+    Ok(())
+}
+
+fn list(name: &str, len: usize, max: usize) -> Result<(), Status> {
+    if len > max {
+        return Err(Status::invalid_argument(format!("{name} has {len} entries: at most {max}")));
+    }
+    Ok(())
+}
+
+/// Size bounds of a registration: what the hub keeps per node.
+fn check_registration(r: &pb::RegisterAgentRequest) -> Result<(), Status> {
+    field("source", &r.source)?;
+    field("agent_version", &r.agent_version)?;
+    list("gpus", r.gpus.len(), MAX_AGENT_GPUS)?;
+    for g in &r.gpus {
+        field("gpus.uuid", &g.uuid)?;
+        field("gpus.model", &g.model)?;
+        field("gpus.pci_bus_id", &g.pci_bus_id)?;
+        list("gpus.nvlink_peers", g.nvlink_peers.len(), MAX_AGENT_GPUS)?;
+        for p in &g.nvlink_peers {
+            field("gpus.nvlink_peers", p)?;
+        }
+    }
+    Ok(())
+}
+
+/// Size bounds of a heartbeat: its telemetry is kept until the next one.
+fn check_heartbeat(r: &pb::HeartbeatRequest) -> Result<(), Status> {
+    list("gpus", r.gpus.len(), MAX_AGENT_GPUS)?;
+    list("running", r.running.len(), MAX_AGENT_LIST)?;
+    for g in &r.gpus {
+        list("gpus.events", g.events.len(), 64)?;
+        for e in &g.events {
+            field("gpus.events.kind", &e.kind)?;
+            field("gpus.events.detail", &e.detail)?;
+        }
+    }
+    Ok(())
+}
+
 type CommandStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCommand, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -269,6 +325,7 @@ impl AgentHub for Arc<Hub> {
         if r.node.is_empty() || r.node.len() > 253 {
             return Err(Status::invalid_argument("node name must be 1 to 253 characters"));
         }
+        check_registration(&r)?;
         let model = r.gpus.first().map_or("cpu-only", |g| g.model.as_str());
         if r.gpus.iter().any(|g| g.model != model) {
             return Err(Status::invalid_argument(format!("node {}: GPUs of more than one model", r.node)));
@@ -294,6 +351,7 @@ impl AgentHub for Arc<Hub> {
         let r = req.into_inner();
         let partition = self.agent_partition(&r.node)?;
         self.require(&id, &partition, Role::Operator)?;
+        check_heartbeat(&r)?;
         let (unhealthy, active, schedulable, expected) = self.heartbeat_locked(&r)?;
         // What the node runs against what the fleet holds there: adopt the
         // known, stop the orphans, end what is gone.
@@ -374,7 +432,10 @@ impl AgentHub for Arc<Hub> {
                 return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
             }
             tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
-            a.state = r.state.clone();
+            // A checkpoint report leaves the task's state as it was.
+            if r.state != "checkpointed" {
+                a.state = r.state.clone();
+            }
             if r.pid != 0 {
                 a.pid = r.pid;
             }

@@ -1,0 +1,75 @@
+//! The live host's engine forgets ended jobs: the table holds only work that
+//! may still run, a reused slot starts clean, and nothing busy is forgotten.
+
+use berth_core::engine::{Deciders, SimConfig, World};
+use berth_core::{Decision, Engine, Event, Fleet, Job, Node, PlacementPolicy, PolicyError, TaskShape};
+use berth_sdk::{Nodes, Scores, Task};
+
+struct FirstFit;
+
+impl PlacementPolicy for FirstFit {
+    fn describe(&self) -> String {
+        "first-fit".into()
+    }
+    fn score(&mut self, _task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        Ok(Scores::from_scores(nodes.iter().map(|_| 1.0).collect()))
+    }
+}
+
+fn job(id: u64, gpus: u32) -> Job {
+    let shape = TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, models: vec![] };
+    Job { id, arrival_s: 0, duration_s: 100, tasks: 1, shape, ..Job::default() }
+}
+
+fn pass(engine: &mut Engine, fleet: &mut Fleet, now: u64, events: Vec<Event>) -> Vec<Decision> {
+    let mut policy = FirstFit;
+    let mut deciders = Deciders { placement: &mut policy, preemption: None, compaction: None };
+    let p = engine.handle(fleet, now, events, &mut deciders, &mut World { eligible: None, observer: None });
+    assert!(p.error.is_none());
+    p.decisions
+}
+
+#[test]
+fn ended_jobs_are_forgotten_and_their_slots_reused_clean() {
+    let mut fleet = Fleet::new(vec!["A".into()], vec![Node::new("n0", Some(0), 8, 64_000, 256_000)]).unwrap();
+    let mut engine = Engine::new(SimConfig::default());
+    // Three jobs of 4 GPUs on one 8-GPU node: two run, one waits.
+    let slots: Vec<usize> = (1..=3).map(|id| engine.register(job(id, 4))).collect();
+    let placed = pass(&mut engine, &mut fleet, 10, slots.iter().map(|&s| Event::Arrive(s)).collect());
+    assert_eq!(placed.iter().filter(|d| matches!(d, Decision::Place { .. })).count(), 2);
+    // Running and pending jobs are never forgotten.
+    for &s in &slots {
+        assert!(!engine.forget(s), "slot {s} is busy");
+    }
+    // Job 1 ends: forgotten once, the waiting job 3 starts.
+    let placed = pass(&mut engine, &mut fleet, 20, vec![Event::End(slots[0])]);
+    assert!(placed.iter().any(|d| matches!(d, Decision::Place { job: 3, .. })), "{placed:?}");
+    assert!(engine.forget(slots[0]));
+    assert!(!engine.forget(slots[0]), "forgotten twice");
+    assert_eq!(engine.slots_in_use(), 2);
+    // A new job takes the slot, clean: nothing held, not running, and it
+    // is placed like a fresh job once there is room.
+    let reused = engine.register(job(4, 8));
+    assert_eq!(reused, slots[0]);
+    assert_eq!(engine.job(reused).id, 4);
+    assert!(engine.held(reused).is_empty() && engine.planned_end(reused).is_none());
+    let none = pass(&mut engine, &mut fleet, 30, vec![Event::Arrive(reused)]);
+    assert!(none.iter().all(|d| !matches!(d, Decision::Place { job: 4, .. })), "no room yet: {none:?}");
+    let placed = pass(&mut engine, &mut fleet, 40, vec![Event::End(slots[1]), Event::End(slots[2])]);
+    assert!(placed.iter().any(|d| matches!(d, Decision::Place { job: 4, .. })), "{placed:?}");
+    // 1,000 more short jobs through the same engine: the table stays small.
+    let mut now = 200;
+    let _ = pass(&mut engine, &mut fleet, now, vec![Event::End(reused)]);
+    assert!(engine.forget(reused) && engine.forget(slots[1]) && engine.forget(slots[2]));
+    for id in 100..1100 {
+        let s = engine.register(job(id, 8));
+        now += 1;
+        let placed = pass(&mut engine, &mut fleet, now, vec![Event::Arrive(s)]);
+        assert!(placed.iter().any(|d| matches!(d, Decision::Place { .. })));
+        now += 1;
+        let _ = pass(&mut engine, &mut fleet, now, vec![Event::End(s)]);
+        assert!(engine.forget(s));
+    }
+    assert!(engine.slots_in_use() == 0, "{}", engine.slots_in_use());
+    fleet.check_invariants().unwrap();
+}
