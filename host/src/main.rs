@@ -60,6 +60,9 @@ enum Command {
     /// Run inside a task started by `berth agent`: report that the task just
     /// saved a checkpoint, so preemption ranks it, and counts work lost, from now.
     Checkpointed,
+    /// Run inside a task started by `berth agent`: report that the task
+    /// serves, so its migrated copy takes over (jobs submitted with --wait-ready).
+    Ready,
     /// Node agents and allocations: list, start, stop, sleep, wake, checkpoint.
     Alloc {
         #[command(subcommand)]
@@ -380,7 +383,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Replay(args) => replay(engine()?, args)?,
-        Command::Compact(args) => berth::compact::cli::run(engine()?, args)?,
+        Command::Compact(args) => berth::compact::cli::run(|| Ok(engine()?), args)?,
         Command::Report(args) => {
             let fleet = args.fleet.clone().ok_or_else(|| anyhow::anyhow!("berth report needs --fleet (asi or a fleet TOML)"))?;
             event_replay(engine()?, &fleet, &args, true)?
@@ -463,6 +466,7 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => berth::serve::cli::serve(args)?,
         Command::Agent(args) => berth::agent::run::main(args)?,
         Command::Checkpointed => berth::agent::run::report_checkpoint()?,
+        Command::Ready => berth::agent::run::report_ready()?,
         Command::Alloc { what } => berth::agent::run::alloc(what)?,
         Command::Api(cmd) => berth::serve::cli::run(cmd)?,
         Command::Policy { what } => match what {

@@ -847,6 +847,45 @@ fn startable(fleet: &Fleet, nodes: &[NodeId], pending: &[Wanted]) -> Vec<bool> {
         .collect()
 }
 
+/// Walks selected moves chain by chain for an executor that learns each
+/// move's result at once (replay) or later (live agents): once a move of a
+/// chain fails, the rest of that chain is skipped, because later moves of an
+/// ejection chain rely on the room the earlier ones made.
+#[derive(Clone, Debug, Default)]
+pub struct Cursor {
+    moves: Vec<PlannedMove>,
+    next: usize,
+    abandoned: Option<u32>,
+}
+
+impl Cursor {
+    pub fn new(moves: Vec<PlannedMove>) -> Cursor {
+        Cursor { moves, next: 0, abandoned: None }
+    }
+    /// The next move to run, skipping what is left of an abandoned chain.
+    pub fn next_move(&mut self) -> Option<&PlannedMove> {
+        while self.next < self.moves.len() {
+            let i = self.next;
+            self.next += 1;
+            if self.abandoned != Some(self.moves[i].chain) {
+                return Some(&self.moves[i]);
+            }
+        }
+        None
+    }
+    /// The rest of `chain` does not run.
+    pub fn abandon(&mut self, chain: u32) {
+        self.abandoned = Some(chain);
+    }
+    /// Moves of `chain` not yet handed out (skipped when it is abandoned).
+    pub fn left_in_chain(&self, chain: u32) -> usize {
+        self.moves[self.next..].iter().take_while(|m| m.chain == chain).count()
+    }
+    pub fn is_done(&self) -> bool {
+        self.moves[self.next..].iter().all(|m| self.abandoned == Some(m.chain))
+    }
+}
+
 /// Runs `moves` (validated, selected) make-before-break on `fleet`: per
 /// move, allocate the destination, start it, and only when it is ready
 /// within the deadline release the source and update `running`. A failed or
@@ -865,21 +904,19 @@ pub fn execute(
     ledger: &mut Ledger,
 ) -> Result<Vec<AppliedMove>, CompactionError> {
     let mut applied = Vec::new();
-    let mut abandoned: Option<u32> = None;
-    for m in moves {
-        if abandoned == Some(m.chain) {
-            continue;
-        }
+    let mut cursor = Cursor::new(moves.to_vec());
+    while let Some(m) = cursor.next_move().cloned() {
+        let m = &m;
         let r = &running[m.index];
         let from = r.allocation();
         if from != m.from {
-            abandoned = Some(m.chain);
+            cursor.abandon(m.chain);
             ledger.chains_abandoned += 1;
             continue;
         }
         // Make: reserve the destination (checked; refuses over-commit).
         if fleet.allocate(&m.to).is_err() {
-            abandoned = Some(m.chain);
+            cursor.abandon(m.chain);
             ledger.chains_abandoned += 1;
             continue;
         }
@@ -923,7 +960,7 @@ pub fn execute(
                 fleet.release(&m.to).expect("the destination was just allocated");
                 ledger.moves_rolled_back += 1;
                 ledger.chains_abandoned += 1;
-                abandoned = Some(m.chain);
+                cursor.abandon(m.chain);
             }
         }
     }
@@ -960,6 +997,71 @@ pub enum CompactionError {
     Config(String),
 }
 
+/// A plan the core has validated and cut to the chains that pay back.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Planned {
+    /// The moves to run, chain by chain, in order.
+    pub moves: Vec<PlannedMove>,
+    /// What payback selection decided about every chain of the plan.
+    pub chains: Vec<ChainDecision>,
+    /// Moves in the policy's plan, before selection.
+    pub moves_planned: usize,
+    /// Why the policy's answer was not used (a failed call or an invalid
+    /// plan, naming the policy), if it was not.
+    pub rejected: Option<String>,
+    /// The failed call's error, when the call itself failed (an invalid
+    /// plan has `rejected` only).
+    #[serde(skip)]
+    pub failure: Option<PolicyError>,
+}
+
+/// Asks `policy` for a plan over the partition's `nodes` and checks it:
+/// snapshot, the policy's call, [`validate`] (one invalid move rejects the
+/// plan whole) and [`select`]. Nothing changes on `fleet`: replay runs the
+/// moves at once ([`execute`]), the live host one by one on its agents.
+/// `running` holds the allocations on `nodes`.
+pub fn plan(
+    fleet: &Fleet,
+    nodes: &[NodeId],
+    running: &[Running],
+    pending: &[Wanted],
+    policy: &mut dyn CompactionPolicy,
+    config: &CompactionConfig,
+    now: u64,
+) -> Planned {
+    let mut snap = snapshot(fleet, nodes, running, pending, config, now);
+    let answer = match policy.compact(&mut snap) {
+        Ok(p) => p,
+        Err(e) => return Planned { rejected: Some(format!("{}: {e}", policy.describe())), failure: Some(e), ..Planned::default() },
+    };
+    let moves = match validate(fleet, nodes, running, &answer, config, now) {
+        Ok(m) => m,
+        Err(e) => return Planned { rejected: Some(format!("{}: {e}", policy.describe())), ..Planned::default() },
+    };
+    let (chosen, chains) = select(fleet, nodes, running, pending, &moves, config);
+    Planned { moves: chosen, chains, moves_planned: moves.len(), rejected: None, failure: None }
+}
+
+/// Hysteresis: compaction turns on when at least `start_partial_pct` of the
+/// GPU nodes among `nodes` are partially occupied and stays on until fewer
+/// than `stop_partial_pct` are. Updates `active` and returns it.
+pub fn hysteresis(fleet: &Fleet, nodes: &[NodeId], config: &CompactionConfig, active: &mut bool) -> bool {
+    let (partial, _, gpu_nodes) = occupancy(fleet, nodes);
+    let pct = if gpu_nodes == 0 { 0.0 } else { 100.0 * partial as f64 / gpu_nodes as f64 };
+    if *active && pct < config.stop_partial_pct {
+        *active = false;
+    } else if !*active && pct >= config.start_partial_pct {
+        *active = true;
+    }
+    *active
+}
+
+/// How many of the `pending` shapes could start on `nodes` now (every task
+/// placed; whole-node shapes on idle nodes only).
+pub fn startable_count(fleet: &Fleet, nodes: &[NodeId], pending: &[Wanted]) -> u64 {
+    startable(fleet, nodes, pending).iter().filter(|&&b| b).count() as u64
+}
+
 /// One compaction step over one partition (`nodes`): hysteresis, snapshot,
 /// the policy's plan, validation (an invalid plan is rejected whole and
 /// recorded), payback selection, make-before-break execution and the
@@ -982,7 +1084,7 @@ pub fn step(
     let mut out = StepOutcome::default();
     let ledger = &mut out.ledger;
     ledger.steps = 1;
-    let (partial, idle, gpu_nodes) = occupancy(fleet, nodes);
+    let (partial, idle, _) = occupancy(fleet, nodes);
     ledger.partial_nodes_before = partial;
     ledger.idle_nodes_before = idle;
     ledger.partial_nodes_after = partial;
@@ -990,44 +1092,24 @@ pub fn step(
     let before = startable(fleet, nodes, pending);
     ledger.pending_startable_before = before.iter().filter(|&&b| b).count() as u64;
     ledger.pending_startable_after = ledger.pending_startable_before;
-    let pct = if gpu_nodes == 0 { 0.0 } else { 100.0 * partial as f64 / gpu_nodes as f64 };
-    if *active && pct < config.stop_partial_pct {
-        *active = false;
-    } else if !*active && pct >= config.start_partial_pct {
-        *active = true;
-    }
-    if !*active {
+    if !hysteresis(fleet, nodes, config, active) {
         ledger.steps_idle = 1;
         return Ok(out);
     }
     let inside: HashSet<NodeId> = nodes.iter().copied().collect();
-    let mut snap = snapshot(fleet, nodes, running, pending, config, now);
-    ledger.plans = 1;
-    let plan = match policy.compact(&mut snap) {
-        Ok(p) => p,
-        Err(e) => {
-            ledger.plans_rejected = 1;
-            let reason = format!("{}: {e}", policy.describe());
-            ledger.rejections.push(reason.clone());
-            out.rejected = Some(reason);
-            return Ok(out);
-        }
-    };
     // Only the partition's allocations may be named.
     let local: Vec<Running> = running.iter().filter(|r| inside.contains(&r.node)).cloned().collect();
     let positions: Vec<usize> = running.iter().enumerate().filter(|(_, r)| inside.contains(&r.node)).map(|(i, _)| i).collect();
-    let moves = match validate(fleet, nodes, &local, &plan, config, now) {
-        Ok(m) => m,
-        Err(e) => {
-            ledger.plans_rejected = 1;
-            let reason = format!("{}: {e}", policy.describe());
-            ledger.rejections.push(reason.clone());
-            out.rejected = Some(reason);
-            return Ok(out);
-        }
-    };
-    ledger.moves_planned = moves.len() as u64;
-    let (chosen, decisions) = select(fleet, nodes, &local, pending, &moves, config);
+    ledger.plans = 1;
+    let planned = plan(fleet, nodes, &local, pending, policy, config, now);
+    if let Some(reason) = planned.rejected {
+        ledger.plans_rejected = 1;
+        ledger.rejections.push(reason.clone());
+        out.rejected = Some(reason);
+        return Ok(out);
+    }
+    let (chosen, decisions) = (planned.moves, planned.chains);
+    ledger.moves_planned = planned.moves_planned as u64;
     ledger.chains_planned = decisions.len() as u64;
     ledger.chains_run = decisions.iter().filter(|d| d.run).count() as u64;
     ledger.chains_skipped = ledger.chains_planned - ledger.chains_run;

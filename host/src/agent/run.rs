@@ -16,6 +16,8 @@ use crate::proto as pb;
 
 /// Set in a task's environment: the file `berth checkpointed` writes.
 pub const CHECKPOINT_ENV: &str = "BERTH_CHECKPOINTED";
+/// Set in a task's environment: the file `berth ready` writes.
+pub const READY_ENV: &str = "BERTH_READY";
 /// How often the agent looks for a task's checkpoint report.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 
@@ -23,8 +25,19 @@ const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 /// the host) that the task just saved its work, so preemption counts work
 /// lost from now.
 pub fn report_checkpoint() -> anyhow::Result<()> {
-    let marker = std::env::var_os(CHECKPOINT_ENV)
-        .ok_or_else(|| anyhow::anyhow!("{CHECKPOINT_ENV} is not set: run `berth checkpointed` inside a task started by `berth agent`"))?;
+    touch_marker(CHECKPOINT_ENV, "checkpointed")
+}
+
+/// `berth ready`, run inside a task: tells the agent (and through it the
+/// host) that the task serves, so a migrated copy may take over from the
+/// old one (jobs submitted with --wait-ready).
+pub fn report_ready() -> anyhow::Result<()> {
+    touch_marker(READY_ENV, "ready")
+}
+
+/// Writes the marker file named by the task's environment variable `var`.
+fn touch_marker(var: &str, command: &str) -> anyhow::Result<()> {
+    let marker = std::env::var_os(var).ok_or_else(|| anyhow::anyhow!("{var} is not set: run `berth {command}` inside a task started by `berth agent`"))?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
     crate::util::write_atomic(std::path::Path::new(&marker), now.to_string().as_bytes())
         .with_context(|| format!("writing {}", std::path::Path::new(&marker).display()))?;
@@ -540,10 +553,21 @@ impl Agent {
 
     /// Relays a task's checkpoint reports while it runs (polled: a report
     /// reaches the host within a poll).
+    /// The file a task touches (through `berth ready`) to report that it
+    /// serves.
+    fn ready_marker(&self, id: u64) -> PathBuf {
+        self.state_dir.join(format!("alloc-{id}.ready"))
+    }
+
+    /// Relays a task's checkpoint and readiness reports while it runs
+    /// (polled: a report reaches the host within a poll). Readiness is
+    /// reported once.
     async fn watch_checkpoints(self: Arc<Self>, id: u64, base: pb::AllocationReport) {
-        let marker = self.checkpoint_marker(id);
+        let (marker, ready) = (self.checkpoint_marker(id), self.ready_marker(id));
         let _ = std::fs::remove_file(&marker);
+        let _ = std::fs::remove_file(&ready);
         let mut seen = None;
+        let mut told_ready = false;
         while self.children.lock().unwrap().contains_key(&id) {
             tokio::time::sleep(CHECKPOINT_POLL).await;
             let modified = std::fs::metadata(&marker).and_then(|m| m.modified()).ok();
@@ -551,8 +575,13 @@ impl Agent {
                 seen = modified;
                 self.report(pb::AllocationReport { state: "checkpointed".into(), ..base.clone() }).await;
             }
+            if !told_ready && ready.exists() {
+                told_ready = true;
+                self.report(pb::AllocationReport { state: "ready".into(), ..base.clone() }).await;
+            }
         }
         let _ = std::fs::remove_file(&marker);
+        let _ = std::fs::remove_file(&ready);
     }
 
     async fn report(&self, r: pb::AllocationReport) {
@@ -601,6 +630,7 @@ impl Agent {
                     .env("BERTH_ALLOCATION", id.to_string())
                     .env("BERTH_NODE", &self.node)
                     .env(CHECKPOINT_ENV, self.checkpoint_marker(id))
+                    .env(READY_ENV, self.ready_marker(id))
                     .stdin(std::process::Stdio::null())
                     .process_group(0)
                     .kill_on_drop(false);

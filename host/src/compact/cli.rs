@@ -13,12 +13,24 @@ use crate::wasm::PolicyEngine;
 
 /// `berth compact`: one compaction step per partition of a saved snapshot
 /// (hysteresis bypassed; validation, payback and make-before-break as in
-/// replay), before/after figures and the migration ledger.
+/// replay), before/after figures and the migration ledger; or, with
+/// `--live`, one step on a running `berth serve`.
 #[derive(clap::Args, Debug)]
 pub struct CompactArgs {
     /// Snapshot saved by `berth replay ... --save-snapshot FILE --at ...`.
-    #[arg(long)]
-    pub snapshot: PathBuf,
+    #[arg(long, required_unless_present = "live", conflicts_with = "live")]
+    pub snapshot: Option<PathBuf>,
+    /// Compact a partition of a running `berth serve` (operator): its
+    /// active compact policy plans, and the chains that pay back run
+    /// make-before-break on its agents.
+    #[arg(long, requires = "partition")]
+    pub live: bool,
+    /// With --live: print the plan, its payback and what it would free;
+    /// nothing moves.
+    #[arg(long, requires = "live")]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub conn: crate::serve::cli::Conn,
     /// Compaction policy: a bundled component name (`ipc`), a .wasm path,
     /// or `ipc-native` (the IPC policy compiled into berth, not sandboxed).
     #[arg(long, default_value = "ipc")]
@@ -31,9 +43,10 @@ pub struct CompactArgs {
     /// '{"payback_margin": 2.0}'); unknown fields are errors.
     #[arg(long)]
     pub config: Option<String>,
-    /// Only this partition.
+    /// Only this partition: its number in a snapshot, its name (e.g. p0)
+    /// with --live.
     #[arg(long)]
-    pub partition: Option<u32>,
+    pub partition: Option<String>,
     /// Deadline of one policy call, ms.
     #[arg(long, default_value_t = 60_000)]
     pub deadline_ms: u64,
@@ -49,7 +62,14 @@ pub struct CompactArgs {
     pub json: bool,
 }
 
-pub fn run(engine: Arc<PolicyEngine>, args: CompactArgs) -> anyhow::Result<()> {
+pub fn run(engine: impl FnOnce() -> anyhow::Result<Arc<PolicyEngine>>, args: CompactArgs) -> anyhow::Result<()> {
+    if args.live {
+        let partition = args.partition.clone().context("--live needs --partition")?;
+        return crate::serve::cli::compact_live(partition, args.dry_run, args.json, args.conn);
+    }
+    let engine = engine()?;
+    let snapshot = args.snapshot.clone().context("--snapshot (or --live)")?;
+    let partition = args.partition.as_deref().map(|p| p.parse::<u32>().with_context(|| format!("--partition {p:?}: a snapshot's partitions are numbers"))).transpose()?;
     let config: CompactionConfig = match &args.config {
         Some(text) => serde_json::from_str(text).context("--config")?,
         None => CompactionConfig::default(),
@@ -59,13 +79,13 @@ pub fn run(engine: Arc<PolicyEngine>, args: CompactArgs) -> anyhow::Result<()> {
     let opts = CompactOptions {
         policy: &args.policy,
         policy_config: &args.policy_config,
-        partition: args.partition,
+        partition,
         deadline: Duration::from_millis(args.deadline_ms.max(1)),
         exact: args.exact,
         exact_time_limit: Duration::from_secs_f64(args.exact_time_limit_s),
         config,
     };
-    let report = super::run(&engine, &args.snapshot, &opts)?;
+    let report = super::run(&engine, &snapshot, &opts)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

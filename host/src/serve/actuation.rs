@@ -223,17 +223,9 @@ impl Live {
         let runs: Vec<TaskRun> = job
             .allocations
             .iter()
-            .map(|a| TaskRun {
-                alloc_id: self.next_alloc.fetch_add(1, Ordering::SeqCst),
-                node: st.fleet.nodes()[a.node as usize].name.clone(),
-                gpus: gpus_of(a.gpus).map(|g| g as u32).collect(),
-                state: "starting".into(),
-                exit_code: 0,
-                signal: 0,
-                holds: true,
-                replaces: 0,
-                checkpoint_old: false,
-                checkpointed_unix_ms: 0,
+            .map(|a| {
+                let node = st.fleet.nodes()[a.node as usize].name.clone();
+                TaskRun::starting(self.next_alloc.fetch_add(1, Ordering::SeqCst), node, gpus_of(a.gpus).map(|g| g as u32).collect())
             })
             .collect();
         job.runs = runs.clone();
@@ -266,7 +258,8 @@ impl Live {
     /// (checked: no GPU has two owners) and stored before the new copy is
     /// started, with the job's argv and env plus BERTH_MIGRATED_FROM (the
     /// old allocation id); the job holds both until the old copy's exit.
-    /// When the new copy reports running, the old one gets its stop (after
+    /// When the new copy reports running (ready, for jobs submitted with
+    /// --wait-ready), the old one gets its stop (after
     /// a checkpoint notice with `checkpoint`); its exit frees its GPUs and
     /// the new copy takes its place. A new copy that fails to start is
     /// rolled back: its GPUs are freed, the old copy keeps running.
@@ -296,7 +289,6 @@ impl Live {
             let want = old.gpus.count_ones() as usize;
             let models: Vec<_> = job.spec.models.iter().filter_map(|m| st.fleet.model_id(m)).collect();
             let any_model = job.spec.models.is_empty();
-            let (argv, mut env) = (job.spec.argv.clone(), job.spec.env.clone());
             // The GPUs a node would give it, or why not.
             let fit = |name: &str, id: NodeId| -> Result<(u64, usize), String> {
                 let n = &st.fleet.nodes()[id as usize];
@@ -334,49 +326,52 @@ impl Live {
                 let (mask, _) = fit(to, id).map_err(|e| ServeError::FailedPrecondition(format!("node {to} cannot take allocation {alloc_id}: {e}")))?;
                 (to.to_string(), id, mask)
             };
-            let new = Allocation { node: dest_id, gpus: mask, ..old };
-            st.fleet.allocate(&new).map_err(|e| ServeError::FailedPrecondition(e.to_string()))?;
-            let new_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
-            let gpus: Vec<u32> = gpus_of(mask).map(|g| g as u32).collect();
-            let job = st.jobs.get_mut(&job_id).expect("found above");
-            job.allocations.push(new.clone());
-            job.runs.push(TaskRun {
-                alloc_id: new_id,
-                node: dest.clone(),
-                gpus: gpus.clone(),
-                state: "starting".into(),
-                exit_code: 0,
-                signal: 0,
-                holds: true,
-                replaces: alloc_id,
-                checkpoint_old: checkpoint,
-                checkpointed_unix_ms: 0,
-            });
-            st.by_alloc.insert(new_id, job_id);
-            // Stored before the start goes out, or not made at all.
-            if let Err(e) = self.persist(vec![st.job_op(&part.name, job_id)]) {
-                let job = st.jobs.get_mut(&job_id).expect("found above");
-                job.runs.pop();
-                job.allocations.pop();
-                st.by_alloc.remove(&new_id);
-                st.fleet.release(&new).expect("just allocated");
-                return Err(e);
-            }
-            env.insert("BERTH_MIGRATED_FROM".into(), alloc_id.to_string());
-            tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_id, node = %dest, gpus = ?gpus, "migration: starting the new copy");
-            let start = Start { alloc_id: new_id, job_id, node: &dest, gpus: &gpus, argv: &argv, env: &env };
-            let sent = match self.actuator() {
-                Some(a) => a.start(start),
-                None => Err("no agent hub".into()),
-            };
-            if let Err(e) = sent {
-                self.end_task(part, st, new_id, "failed", -1, 0, &format!("start not delivered: {e}"));
-                return Err(ServeError::FailedPrecondition(format!("migration of allocation {alloc_id} to {dest} rolled back: start not delivered: {e}")));
-            }
-            st.dirty = true;
-            return Ok(Migration { job_id, alloc_id: new_id, node: dest, gpus });
+            return self.start_copy(part, st, job_id, i, &dest, dest_id, mask, checkpoint);
         }
         Err(ServeError::FailedPrecondition(format!("no allocation {alloc_id}")))
+    }
+
+    /// Starts the new copy of task `i` of running job `job_id` on agent node
+    /// `dest` (fleet id `dest_id`), GPUs `mask`: allocated (checked: no GPU
+    /// has two owners) and stored before the start goes out. The old copy
+    /// stops once the new one runs (or reports ready, for --wait-ready
+    /// jobs); a new copy that fails is rolled back (see [`Live::end_task`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn start_copy(&self, part: &Partition, st: &mut PartitionState, job_id: u64, i: usize, dest: &str, dest_id: NodeId, mask: u64, checkpoint: bool) -> Result<Migration, ServeError> {
+        let job = st.jobs.get(&job_id).ok_or(ServeError::UnknownJob(job_id))?;
+        let (alloc_id, old) = (job.runs[i].alloc_id, job.allocations[i].clone());
+        let (argv, mut env) = (job.spec.argv.clone(), job.spec.env.clone());
+        let new = Allocation { node: dest_id, gpus: mask, ..old };
+        st.fleet.allocate(&new).map_err(|e| ServeError::FailedPrecondition(format!("node {dest}: {e}")))?;
+        let new_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
+        let gpus: Vec<u32> = gpus_of(mask).map(|g| g as u32).collect();
+        let dest = dest.to_string();
+        let job = st.jobs.get_mut(&job_id).expect("found above");
+        job.allocations.push(new.clone());
+        job.runs.push(TaskRun { replaces: alloc_id, checkpoint_old: checkpoint, ..TaskRun::starting(new_id, dest.clone(), gpus.clone()) });
+        st.by_alloc.insert(new_id, job_id);
+        // Stored before the start goes out, or not made at all.
+        if let Err(e) = self.persist(vec![st.job_op(&part.name, job_id)]) {
+            let job = st.jobs.get_mut(&job_id).expect("found above");
+            job.runs.pop();
+            job.allocations.pop();
+            st.by_alloc.remove(&new_id);
+            st.fleet.release(&new).expect("just allocated");
+            return Err(e);
+        }
+        env.insert("BERTH_MIGRATED_FROM".into(), alloc_id.to_string());
+        tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_id, node = %dest, gpus = ?gpus, "migration: starting the new copy");
+        let start = Start { alloc_id: new_id, job_id, node: &dest, gpus: &gpus, argv: &argv, env: &env };
+        let sent = match self.actuator() {
+            Some(a) => a.start(start),
+            None => Err("no agent hub".into()),
+        };
+        if let Err(e) = sent {
+            self.end_task(part, st, new_id, "failed", -1, 0, &format!("start not delivered: {e}"));
+            return Err(ServeError::FailedPrecondition(format!("migration of allocation {alloc_id} to {dest} rolled back: start not delivered: {e}")));
+        }
+        st.dirty = true;
+        Ok(Migration { job_id, alloc_id: new_id, node: dest, gpus })
     }
 
     /// Allocations the fleet expects on an agent node: tasks and operator
@@ -430,8 +425,34 @@ impl Live {
         let part = &self.partitions[p];
         let mut guard = part.lock_state();
         let st = &mut *guard;
-        let hit: Vec<u64> = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.runs.iter().any(|r| r.holds && r.node == node)).map(|(&id, _)| id).collect();
         let mut ops = Vec::new();
+        // A migration into the lost node is rolled back: the job keeps its
+        // old copy elsewhere; the new copy's GPUs stay fenced until the node
+        // returns and stops it.
+        let moving_in: Vec<(u64, usize)> = st
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.state == JobState::Running)
+            .flat_map(|(&id, j)| {
+                j.runs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.holds && r.node == node && r.replaces != 0 && j.runs.iter().any(|o| o.alloc_id == r.replaces && o.holds && o.node != node))
+                    .map(move |(i, _)| (id, i))
+            })
+            .collect();
+        for (id, i) in moving_in.into_iter().rev() {
+            let job = st.jobs.get_mut(&id).expect("listed above");
+            let (r, a) = (job.runs.remove(i), job.allocations.remove(i));
+            job.detail = format!("migration of allocation {} to {node} rolled back: {why}", r.replaces);
+            tracing::warn!(target: "berth::serve", job = id, allocation = r.alloc_id, "{}", job.detail);
+            st.manual.insert(r.alloc_id, a);
+            st.lost.insert(r.alloc_id);
+            st.by_alloc.insert(r.alloc_id, 0);
+            ops.push(st.held_op(&part.name, r.alloc_id));
+            ops.push(st.job_op(&part.name, id));
+        }
+        let hit: Vec<u64> = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.runs.iter().any(|r| r.holds && r.node == node)).map(|(&id, _)| id).collect();
         for &id in &hit {
             // The engine gives the job's GPUs back and queues it again; the
             // same GPUs are taken at once by the fenced allocations below.
@@ -471,7 +492,7 @@ impl Live {
             ops.extend(fenced.into_iter().map(|a| st.held_op(&part.name, a)));
             ops.push(st.job_op(&part.name, id));
         }
-        if !hit.is_empty() {
+        if !ops.is_empty() {
             self.persist_logged(ops);
             st.dirty = true;
             part.wake.notify_all();
@@ -521,9 +542,21 @@ impl Live {
                 }
                 _ => {
                     let Some(job) = st.jobs.get_mut(&job_id) else { return };
+                    let wait_ready = job.spec.wait_ready;
                     let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return };
-                    let was = std::mem::replace(&mut r.state, state.to_string());
-                    if r.replaces != 0 && was == "starting" && state == "running" {
+                    // Readiness is a flag beside the state, which stays "running".
+                    let took_over = if state == "ready" {
+                        let first = !r.ready;
+                        r.ready = true;
+                        if r.state == "starting" {
+                            r.state = "running".into();
+                        }
+                        first && wait_ready
+                    } else {
+                        let was = std::mem::replace(&mut r.state, state.to_string());
+                        was == "starting" && state == "running" && (!wait_ready || r.ready)
+                    };
+                    if r.replaces != 0 && took_over {
                         // Make-before-break: the new copy runs, now the old one stops.
                         let (old, checkpoint) = (r.replaces, r.checkpoint_old);
                         if let Some(o) = job.runs.iter().find(|o| o.alloc_id == old && o.holds)

@@ -122,6 +122,16 @@ pub struct ServeArgs {
     /// Priority contract: a job is preempted at most this often in any 24 h.
     #[arg(long, default_value_t = 3)]
     max_interruptions_per_day: u32,
+    /// Live compaction settings: a JSON object of `CompactionConfig` fields
+    /// (e.g. '{"period_s": 600, "destination_deadline_s": 120}'); unknown
+    /// fields are errors. Compaction runs in partitions with an active
+    /// compact policy (`berth policy upload --hook compact`).
+    #[arg(long)]
+    compaction: Option<String>,
+    /// Run compaction only on demand (`berth compact --live`), not every
+    /// period_s nor when a whole-node job is blocked.
+    #[arg(long)]
+    no_auto_compaction: bool,
 }
 
 impl ServeArgs {
@@ -163,6 +173,15 @@ impl ServeArgs {
                     max_interruptions_per_day: self.max_interruptions_per_day,
                     ..Default::default()
                 },
+                compaction: {
+                    let c: berth_core::compaction::CompactionConfig = match &self.compaction {
+                        Some(text) => serde_json::from_str(text).context("--compaction")?,
+                        None => Default::default(),
+                    };
+                    c.check().map_err(anyhow::Error::msg).context("--compaction")?;
+                    c
+                },
+                auto_compaction: !self.no_auto_compaction,
             },
             store: match &self.etcd {
                 None => StoreChoice::Embedded,
@@ -216,6 +235,73 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         handle.shutdown().await;
         anyhow::Ok(())
     })
+}
+
+/// `berth compact --live`: one step on a running host, its plan and what
+/// started.
+pub fn compact_live(partition: String, dry_run: bool, json: bool, conn: Conn) -> anyhow::Result<()> {
+    runtime()?.block_on(async move {
+        let r = client(&conn).await?.compact_live(pb::CompactLiveRequest { partition: partition.clone(), dry_run }).await.map_err(status)?.into_inner();
+        if json {
+            let chains: Vec<serde_json::Value> = r
+                .chains
+                .iter()
+                .map(|c| serde_json::json!({"chain": c.chain, "moves": c.moves, "nodes_freed": c.nodes_freed, "benefit_gpu_s": c.benefit_gpu_s, "cost_gpu_s": c.cost_gpu_s, "run": c.run, "skipped": c.skipped}))
+                .collect();
+            let moves: Vec<serde_json::Value> = r
+                .moves
+                .iter()
+                .map(|m| serde_json::json!({"chain": m.chain, "job": m.job_id, "allocation": m.allocation_id, "from": m.from_node, "to": m.to_node, "gpus": m.to_gpus, "tier": m.tier, "state_bytes": m.state_bytes}))
+                .collect();
+            let out = serde_json::json!({"partition": partition, "policy": r.policy, "rejected": r.rejected, "dry_run": dry_run, "idle_nodes": r.idle_nodes, "partial_nodes": r.partial_nodes, "chains": chains, "moves": moves, "chain_ids": r.chain_ids});
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            return Ok(());
+        }
+        println!("{partition}: {} idle and {} partly used GPU nodes; plan by {}", r.idle_nodes, r.partial_nodes, esc(&r.policy));
+        if !r.rejected.is_empty() {
+            println!("  plan not used: {}", esc(&r.rejected));
+            return Ok(());
+        }
+        for c in &r.chains {
+            let verdict = if c.run { "runs".to_string() } else { format!("skipped: {}", esc(&c.skipped)) };
+            println!("  chain {}: {} move(s), frees {} node(s), benefit {:.0} / cost {:.0} GPU-s: {verdict}", c.chain, c.moves, c.nodes_freed, c.benefit_gpu_s, c.cost_gpu_s);
+        }
+        for m in &r.moves {
+            println!("    job {} allocation {}: {} -> {} GPUs {:?} ({}, {:.1} GiB)", m.job_id, m.allocation_id, m.from_node, m.to_node, m.to_gpus, m.tier, m.state_bytes as f64 / f64::from(1u32 << 30));
+        }
+        if r.chains.is_empty() {
+            println!("  nothing to do: the policy planned no chain");
+        } else if dry_run {
+            println!("  dry run: nothing moved");
+        } else if r.chain_ids.is_empty() {
+            println!("  no chain pays back: nothing moved");
+        } else {
+            println!("  started: ledger chain(s) {:?} (berth compactions)", r.chain_ids);
+        }
+        Ok(())
+    })
+}
+
+fn chains_json(chains: &[pb::CompactionChain]) -> Vec<serde_json::Value> {
+    chains
+        .iter()
+        .map(|c| {
+            let moves: Vec<serde_json::Value> = c
+                .moves
+                .iter()
+                .map(|m| serde_json::json!({"job": m.job_id, "from_allocation": m.from_allocation, "to_allocation": m.to_allocation, "from": m.from_node, "to": m.to_node, "gpus": m.to_gpus, "tier": m.tier, "state_bytes": m.state_bytes, "state": m.state, "overlap_ms": m.overlap_ms, "takeover_ms": m.warmup_ms, "cause": m.cause}))
+                .collect();
+            serde_json::json!({
+                "id": c.id, "partition": c.partition, "policy": c.policy, "state": c.state, "cause": c.cause,
+                "started_unix_ms": c.started_unix_ms, "ended_unix_ms": c.ended_unix_ms,
+                "nodes_freed": c.nodes_freed, "benefit_gpu_s": c.benefit_gpu_s, "cost_gpu_s": c.cost_gpu_s,
+                "bytes": {"same_switch": c.bytes_same_switch, "same_aggregation": c.bytes_same_aggregation, "cross_aggregation": c.bytes_cross_aggregation},
+                "idle_nodes": [c.idle_nodes_before, c.idle_nodes_after],
+                "pending_startable": [c.pending_startable_before, c.pending_startable_after],
+                "moves": moves,
+            })
+        })
+        .collect()
 }
 
 /// How a client reaches the server.
@@ -317,6 +403,14 @@ pub enum ApiCommand {
         /// Environment for the command, NAME=VALUE (repeatable).
         #[arg(long = "env")]
         env: Vec<String>,
+        /// Live compaction may move its tasks to other agent nodes
+        /// (make-before-break) to free whole nodes.
+        #[arg(long)]
+        movable: bool,
+        /// A migrated copy takes over only once it reports ready (`berth
+        /// ready` inside the task), not as soon as its process runs.
+        #[arg(long)]
+        wait_ready: bool,
         #[command(flatten)]
         conn: Conn,
         /// After `--`: a command to run per task on agent nodes, with exactly
@@ -391,6 +485,21 @@ pub enum ApiCommand {
         /// Priority points a waiting job gains per hour.
         #[arg(long, default_value_t = 0.0)]
         aging_per_hour: f64,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// The live compaction ledger: chains with their moves, newest first
+    /// (`berth compact --live` runs a step).
+    Compactions {
+        /// Partition (empty: every partition you may view).
+        #[arg(long, default_value = "")]
+        partition: String,
+        /// At most this many chains.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Print the chains as JSON.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         conn: Conn,
     },
@@ -616,7 +725,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, conn, argv } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, conn, argv } => {
             let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
             let env = env
                 .iter()
@@ -635,6 +744,8 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 models,
                 priority,
                 duration_s,
+                movable,
+                wait_ready,
             };
             let r = client(&conn).await?.submit_job(pb::SubmitJobRequest { job: Some(job) }).await.map_err(status)?;
             println!("job {}", r.into_inner().job_id);
@@ -702,6 +813,52 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let req = pb::SetGuardRequest { partition: partition.clone(), off, reserve_after_s, aging_per_hour };
             let r = client(&conn).await?.set_guard(req).await.map_err(status)?.into_inner();
             println!("{partition}: starvation guard {}", r.guard);
+        }
+        ApiCommand::Compactions { partition, limit, json, conn } => {
+            let r = client(&conn).await?.list_compactions(pb::ListCompactionsRequest { partition, limit }).await.map_err(status)?.into_inner();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&chains_json(&r.chains))?);
+                return Ok(());
+            }
+            if r.chains.is_empty() {
+                println!("no compaction chains yet");
+            }
+            for c in &r.chains {
+                let bytes = c.bytes_same_switch + c.bytes_same_aggregation + c.bytes_cross_aggregation;
+                println!(
+                    "chain {} ({}): {}{} by {}; idle nodes {} -> {}, startable pending shapes {} -> {}; {:.1} GiB moved; planned {} node(s) freed, benefit {:.0} / cost {:.0} GPU-s",
+                    c.id,
+                    c.partition,
+                    c.state,
+                    if c.cause.is_empty() { String::new() } else { format!(" ({})", esc(&c.cause)) },
+                    esc(&c.policy),
+                    c.idle_nodes_before,
+                    c.idle_nodes_after,
+                    c.pending_startable_before,
+                    c.pending_startable_after,
+                    bytes as f64 / f64::from(1u32 << 30),
+                    c.nodes_freed,
+                    c.benefit_gpu_s,
+                    c.cost_gpu_s
+                );
+                for m in &c.moves {
+                    println!(
+                        "  job {} allocation {} {} -> {} GPUs {:?} -> allocation {}: {} ({}, {:.1} GiB; overlap {} ms, takeover {} ms){}",
+                        m.job_id,
+                        m.from_allocation,
+                        m.from_node,
+                        m.to_node,
+                        m.to_gpus,
+                        m.to_allocation,
+                        m.state,
+                        m.tier,
+                        m.state_bytes as f64 / f64::from(1u32 << 30),
+                        m.overlap_ms,
+                        m.warmup_ms,
+                        if m.cause.is_empty() { String::new() } else { format!(": {}", esc(&m.cause)) }
+                    );
+                }
+            }
         }
         ApiCommand::Explain { job, conn } => {
             let r = client(&conn).await?.explain_job(pb::ExplainJobRequest { job_id: job }).await.map_err(status)?.into_inner();

@@ -29,30 +29,49 @@ pub struct Swap {
 }
 
 /// The policy hooks a partition versions separately: placement scoring,
-/// and preemption ranking.
+/// preemption ranking and compaction planning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PolicyHook {
     Place,
     Rank,
+    Compact,
 }
 
 impl PolicyHook {
-    /// `place` (or empty) and `rank`.
+    /// `place` (or empty), `rank` and `compact`.
     pub fn parse(s: &str) -> Result<PolicyHook, ServeError> {
         match s {
             "" | "place" => Ok(PolicyHook::Place),
             "rank" => Ok(PolicyHook::Rank),
-            other => Err(ServeError::Invalid(format!("unknown hook {other:?}: place or rank"))),
+            "compact" => Ok(PolicyHook::Compact),
+            other => Err(ServeError::Invalid(format!("unknown hook \"{}\": place, rank or compact", crate::text::printable(other, 64)))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyHook::Place => "place",
+            PolicyHook::Rank => "rank",
+            PolicyHook::Compact => "compact",
+        }
+    }
+
+    /// What decides when the hook has no active version.
+    fn fallback(self) -> &'static str {
+        match self {
+            PolicyHook::Place => "the previous version",
+            PolicyHook::Rank => "the default ranking",
+            PolicyHook::Compact => "nothing (live compaction stops)",
         }
     }
 }
 
 /// The registry key of a partition's hook: its name for placement, and
-/// `<name>:rank` for ranking.
+/// `<name>:rank` or `<name>:compact` for the others.
 pub fn hook_key(partition: &str, hook: PolicyHook) -> String {
     match hook {
         PolicyHook::Place => partition.to_string(),
-        PolicyHook::Rank => format!("{partition}:rank"),
+        other => format!("{partition}:{}", other.as_str()),
     }
 }
 
@@ -124,6 +143,50 @@ impl Live {
         Ok(loaded)
     }
 
+    /// Checks a compact component: loads it, then plans once over a small
+    /// fragmented fleet (the core validates the plan as it would live).
+    fn smoke_compact(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
+        let loaded = LoadedPolicy::from_bytes(&self.engine, bytes).map_err(|e| ServeError::Rejected(e.to_string()))?;
+        if !loaded.info.hooks.contains(Hooks::COMPACT) {
+            return Err(ServeError::Rejected(format!("{} does not implement the compact hook", loaded.info.name)));
+        }
+        let mut policy = WasmPolicy::new(self.engine.clone(), loaded.clone(), self.limits);
+        if !config.is_empty() {
+            policy.configure(config).map_err(|e| ServeError::Rejected(format!("configure: {e}")))?;
+        }
+        let mut fleet = crate::synth::fleet(4, 1, false);
+        let nodes: Vec<u32> = (0..fleet.nodes().len() as u32).collect();
+        let cc = berth_core::compaction::CompactionConfig::default();
+        let mut running = Vec::new();
+        for &node in &nodes {
+            // One GPU busy on every node: fragmented.
+            let a = berth_core::Allocation { node, gpus: 1, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024 };
+            fleet.allocate(&a).map_err(|e| ServeError::Rejected(format!("compact smoke fleet: {e}")))?;
+            running.push(berth_core::compaction::Running {
+                id: node,
+                job_id: u64::from(node) + 1,
+                node,
+                gpus: 1,
+                gpu_milli: 1000,
+                cpu_milli: 1000,
+                memory_mib: 1024,
+                priority: 0,
+                movable: true,
+                gang_id: 0,
+                state_bytes: berth_core::compaction::estimate_state_bytes(&cc, 1, 1000, 1024),
+                remaining_s: 3600,
+                running_s: 600,
+                since_checkpoint_s: 60,
+                last_moved_s: None,
+            });
+        }
+        let planned = berth_core::compaction::plan(&fleet, &nodes, &running, &[], &mut policy, &cc, 0);
+        if let Some(e) = planned.rejected {
+            return Err(ServeError::Rejected(format!("smoke call (plan over 4 fragmented nodes) failed: {e}")));
+        }
+        Ok(loaded)
+    }
+
     /// Registers a component as the partition's next placement version (or
     /// returns the version that already has these bytes and config).
     pub fn upload(&self, by: &str, partition: &str, bytes: &[u8], config: &str, note: &str) -> Result<(VersionMeta, bool), ServeError> {
@@ -150,6 +213,7 @@ impl Live {
         let loaded = match hook {
             PolicyHook::Place => self.smoke(bytes, config)?,
             PolicyHook::Rank => self.smoke_rank(bytes, config)?,
+            PolicyHook::Compact => self.smoke_compact(bytes, config)?,
         };
         self.registry.put_component(&sha256, bytes)?;
         let meta = VersionMeta {
@@ -185,8 +249,8 @@ impl Live {
     /// [`Live::activate`] for any hook. A rank version decides the next
     /// preemption; it has no candidate.
     pub fn activate_hook(&self, by: &str, partition: &str, hook: PolicyHook, version: u32, kind: &str) -> Result<Swap, ServeError> {
-        if hook == PolicyHook::Rank {
-            return self.activate_rank(by, partition, version, kind);
+        if hook != PolicyHook::Place {
+            return self.activate_aux(by, partition, hook, version, kind);
         }
         let started = Instant::now();
         let p = self.partition_index(partition)?;
@@ -223,16 +287,19 @@ impl Live {
         Ok(Swap { active: meta, previous: previous.map(|a| a.meta.clone()), took })
     }
 
-    fn activate_rank(&self, by: &str, partition: &str, version: u32, kind: &str) -> Result<Swap, ServeError> {
+    /// Activation of a rank or compact version: it decides the next
+    /// preemption or compaction step; it has no split candidate.
+    fn activate_aux(&self, by: &str, partition: &str, hook: PolicyHook, version: u32, kind: &str) -> Result<Swap, ServeError> {
         let started = Instant::now();
         let p = self.partition_index(partition)?;
-        let key = hook_key(partition, PolicyHook::Rank);
+        let key = hook_key(partition, hook);
         let record = self.registry.record(&key)?;
         let meta = record.version(version).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version })?;
         let now = unix_ms();
         if meta.blocked_until_unix_ms > now {
             return Err(ServeError::FailedPrecondition(format!(
-                "rank version {version} tripped the circuit breaker; it may be activated again in {} s",
+                "{} version {version} tripped the circuit breaker; it may be activated again in {} s",
+                hook.as_str(),
                 (meta.blocked_until_unix_ms - now).div_ceil(1000)
             )));
         }
@@ -243,22 +310,25 @@ impl Live {
             Ok(())
         })?;
         let part = &self.partitions[p];
-        let previous = part.ranker.lock().unwrap().replace(arm);
+        let previous = part.aux(hook).lock().unwrap().replace(arm);
         part.poke(false);
         self.metrics.swaps.with_label_values(&[&key, kind]).inc();
-        tracing::info!(target: "berth::serve", partition, version, by, "rank policy {kind}: {}@{}", meta.name, meta.semver);
+        tracing::info!(target: "berth::serve", partition, version, by, "{} policy {kind}: {}@{}", hook.as_str(), meta.name, meta.semver);
         Ok(Swap { active: meta, previous: previous.map(|a| a.meta.clone()), took: started.elapsed() })
     }
 
-    /// Loads the partition's active rank version at startup, if it has one
-    /// (none: the documented default ranking).
-    pub fn restore_rank(&self, partition: &str) -> Result<(), ServeError> {
+    /// Loads the partition's active rank or compact version at startup, if
+    /// it has one (none: the hook's fallback).
+    pub fn restore_aux(&self, partition: &str, hook: PolicyHook) -> Result<(), ServeError> {
         let p = self.partition_index(partition)?;
-        let key = hook_key(partition, PolicyHook::Rank);
+        let key = hook_key(partition, hook);
         if let Some(v) = self.registry.record(&key)?.active {
             let record = self.registry.record(&key)?;
             let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version: v })?;
-            *self.partitions[p].ranker.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
+            *self.partitions[p].aux(hook).lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
+        }
+        if hook != PolicyHook::Rank {
+            return Ok(());
         }
         // A rank candidate in shadow comes back too.
         let record = self.registry.record(&key)?;
@@ -300,11 +370,11 @@ impl Live {
         Ok(())
     }
 
-    /// The rank breaker tripped: the version is blocked for the backoff and
-    /// the documented default ranking takes over.
-    pub(super) fn trip_rank(&self, p: usize, arm: &Arc<Arm>, reason: &str) {
+    /// A rank or compact breaker tripped: the version is blocked for the
+    /// backoff and the hook's fallback takes over.
+    pub(super) fn trip_aux(&self, p: usize, hook: PolicyHook, arm: &Arc<Arm>, reason: &str) {
         let part = &self.partitions[p];
-        let key = hook_key(&part.name, PolicyHook::Rank);
+        let key = hook_key(&part.name, hook);
         let version = arm.meta.version;
         let now = unix_ms();
         self.metrics.breaker_trips.with_label_values(&[&key, &version.to_string()]).inc();
@@ -314,11 +384,11 @@ impl Live {
                 meta.blocked_until_unix_ms = now + self.breaker.backoff_for(meta.trips).as_millis() as u64;
             }
             r.active = None;
-            r.events.push(Event { unix_ms: now, kind: "breaker".into(), version, by: "breaker".into(), detail: format!("default ranking takes over: {reason}") });
+            r.events.push(Event { unix_ms: now, kind: "breaker".into(), version, by: "breaker".into(), detail: format!("{} takes over: {reason}", hook.fallback()) });
             Ok(())
         });
-        *part.ranker.lock().unwrap() = None;
-        tracing::warn!(target: "berth::serve", partition = %part.name, version, "rank circuit breaker tripped: {reason}; the default ranking decides");
+        *part.aux(hook).lock().unwrap() = None;
+        tracing::warn!(target: "berth::serve", partition = %part.name, version, "{} circuit breaker tripped: {reason}; {} decides", hook.as_str(), hook.fallback());
     }
 
     /// Activates an earlier version: `version`, or the one active before

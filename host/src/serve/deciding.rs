@@ -371,12 +371,12 @@ impl Live {
         if !super::breaker::counts(e) {
             return Trip::None;
         }
-        // Bound first: trip_rank() does not take the lock, but keep it short.
+        // Bound first: trip_aux() does not take the lock, but keep it short.
         let tripped = part.rank_breaker.lock().unwrap().record(v, super::breaker::Call::Failed(e), &self.breaker);
         match tripped {
             None => Trip::None,
             Some(reason) => {
-                self.trip_rank(p, arm, &reason);
+                self.trip_aux(p, super::control::PolicyHook::Rank, arm, &reason);
                 Trip::Replaced
             }
         }

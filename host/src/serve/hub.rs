@@ -432,8 +432,8 @@ impl AgentHub for Arc<Hub> {
                 return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
             }
             tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
-            // A checkpoint report leaves the task's state as it was.
-            if r.state != "checkpointed" {
+            // A checkpoint or readiness report leaves the task's state as it was.
+            if r.state != "checkpointed" && r.state != "ready" {
                 a.state = r.state.clone();
             }
             if r.pid != 0 {

@@ -26,6 +26,11 @@ pub struct Metrics {
     /// GPU-seconds of work they lost (since the victims' last checkpoints).
     pub evictions: IntCounterVec,
     pub lost_gpu_seconds: prometheus::CounterVec,
+    /// Live compaction: chains by how they ended (done, rolled-back,
+    /// abandoned), moves by how they ended, whole nodes freed.
+    pub compaction_chains: IntCounterVec,
+    pub compaction_moves: IntCounterVec,
+    pub compaction_nodes_freed: IntCounterVec,
 }
 
 impl Metrics {
@@ -73,6 +78,9 @@ impl Metrics {
             jobs,
             api_denials: counter("berth_api_denials_total", "API calls refused by access control", &["code"]),
             evictions: counter("berth_evictions_total", "Running jobs preempted for higher-priority work", &["partition", "kind"]),
+            compaction_chains: counter("berth_compaction_chains_total", "Live compaction chains by how they ended", &["partition", "state"]),
+            compaction_moves: counter("berth_compaction_moves_total", "Live compaction moves by how they ended", &["partition", "state"]),
+            compaction_nodes_freed: counter("berth_compaction_nodes_freed_total", "Whole GPU nodes left idle by completed compaction chains", &["partition"]),
             lost_gpu_seconds: {
                 let c = prometheus::CounterVec::new(Opts::new("berth_lost_gpu_seconds_total", "GPU-seconds of work lost to preemption"), &["partition"]).expect("valid metric");
                 registry.register(Box::new(c.clone())).expect("registered once");

@@ -19,6 +19,7 @@ pub mod auth;
 pub mod breaker;
 pub mod cli;
 pub mod codec;
+pub mod compacting;
 pub mod console;
 pub mod control;
 pub mod deciding;

@@ -55,6 +55,10 @@ struct StoredJob {
     duration_ms: u64,
     argv: Vec<String>,
     env: BTreeMap<String, String>,
+    #[serde(default)]
+    movable: bool,
+    #[serde(default)]
+    wait_ready: bool,
     submitted_unix_ms: u64,
     started_unix_ms: u64,
     ended_unix_ms: u64,
@@ -145,6 +149,8 @@ pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: 
         duration_ms: s.duration.as_millis() as u64,
         argv: s.argv.clone(),
         env: s.env.clone(),
+        movable: s.movable,
+        wait_ready: s.wait_ready,
         submitted_unix_ms: j.submitted_unix_ms,
         started_unix_ms: j.started_unix_ms,
         ended_unix_ms: j.ended_unix_ms,
@@ -295,6 +301,8 @@ impl Live {
                             duration: Duration::from_millis(j.duration_ms),
                             argv: j.argv,
                             env: j.env,
+                            movable: j.movable,
+                            wait_ready: j.wait_ready,
                             job: Job { id: j.id, priority: j.priority, duration_s: j.duration_ms.div_ceil(1000), tasks: j.tasks, shape, ..Job::default() },
                         },
                         owner: j.owner,

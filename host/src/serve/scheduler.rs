@@ -102,6 +102,28 @@ pub struct TaskRun {
     /// Unix ms; 0: never.
     #[serde(default)]
     pub checkpointed_unix_ms: u64,
+    /// The task reported ready (`berth ready`).
+    #[serde(default)]
+    pub ready: bool,
+}
+
+impl TaskRun {
+    /// A task whose start is about to be sent.
+    pub fn starting(alloc_id: u64, node: String, gpus: Vec<u32>) -> TaskRun {
+        TaskRun {
+            alloc_id,
+            node,
+            gpus,
+            state: "starting".into(),
+            exit_code: 0,
+            signal: 0,
+            holds: true,
+            replaces: 0,
+            checkpoint_old: false,
+            checkpointed_unix_ms: 0,
+            ready: false,
+        }
+    }
 }
 
 /// What starts and stops processes on agent nodes (the agent hub), so the
@@ -135,6 +157,10 @@ pub struct JobSpec {
     /// Run on agent nodes, once per task (empty: a simulated job).
     pub argv: Vec<String>,
     pub env: BTreeMap<String, String>,
+    /// Live compaction may move its tasks.
+    pub movable: bool,
+    /// A migrated copy takes over once it reports ready, not once it runs.
+    pub wait_ready: bool,
     /// The core's view: id, priority, tasks, shape.
     pub job: Job,
 }
@@ -208,6 +234,8 @@ pub struct PartitionState {
     pub topology: BTreeMap<NodeId, super::actuation::AgentTopology>,
     /// When ended jobs are next taken out of the engine.
     forget_at: Option<Instant>,
+    /// Live compaction: settings, the chain being run, the ledger.
+    pub compaction: super::compacting::LiveCompaction,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -345,6 +373,10 @@ pub struct Partition {
     /// A rank version in shadow beside `ranker`, and what it would have done.
     pub rank_candidate: Mutex<Option<Arc<Arm>>>,
     pub rank_stats: Mutex<shadow::RankStats>,
+    /// The compact hook's active version (none: no live compaction), and
+    /// its breaker.
+    pub compactor: Mutex<Option<Arc<Arm>>>,
+    pub compact_breaker: Mutex<Breaker>,
     /// Jobs accepted and stored but not yet in `state`: a submission never
     /// waits for the state lock, which the deciding thread holds through its
     /// policy calls. Whoever takes the lock next moves them in.
@@ -378,6 +410,7 @@ impl Partition {
                 activity: HashMap::new(),
                 topology: BTreeMap::new(),
                 forget_at: None,
+                compaction: super::compacting::LiveCompaction::new(Default::default(), true),
             }),
             wake: Condvar::new(),
             active: Mutex::new(None),
@@ -388,6 +421,8 @@ impl Partition {
             rank_breaker: Mutex::new(Breaker::default()),
             rank_candidate: Mutex::new(None),
             rank_stats: Mutex::new(shadow::RankStats::default()),
+            compactor: Mutex::new(None),
+            compact_breaker: Mutex::new(Breaker::default()),
             inbox: Mutex::new(Vec::new()),
         }
     }
@@ -406,6 +441,15 @@ impl Partition {
     /// Whether accepted jobs wait to be moved into the state.
     fn inbox_waiting(&self) -> bool {
         !self.inbox.lock().unwrap().is_empty()
+    }
+
+    /// The active version of a hook other than placement.
+    pub fn aux(&self, hook: super::control::PolicyHook) -> &Mutex<Option<Arc<Arm>>> {
+        match hook {
+            super::control::PolicyHook::Place => &self.active,
+            super::control::PolicyHook::Rank => &self.ranker,
+            super::control::PolicyHook::Compact => &self.compactor,
+        }
     }
 
     pub fn ranker(&self) -> Option<Arc<Arm>> {
@@ -685,6 +729,7 @@ impl Live {
             if wakeup.is_some_and(|t| t <= now) {
                 st.dirty = true;
             }
+            self.compaction_tick(p, &mut st, now);
             let retry_due = st.retry_at.is_some_and(|t| t <= now);
             if part.inbox_waiting() {
                 // Taken in by lock_state.

@@ -85,13 +85,22 @@ pub struct ServeConfig {
 pub struct Scheduling {
     pub high_priority: u32,
     pub contract: berth_core::preemption::PriorityContract,
+    /// Live compaction's settings (the cost model, payback, hysteresis,
+    /// period, start deadline), and whether steps run on their own.
+    pub compaction: berth_core::compaction::CompactionConfig,
+    pub auto_compaction: bool,
 }
 
 impl Default for Scheduling {
     /// Priority 1 and above preempts priority 0; the core's default
     /// contract (30 s notice, at most 3 interruptions a day).
     fn default() -> Self {
-        Scheduling { high_priority: 1, contract: berth_core::preemption::PriorityContract::default() }
+        Scheduling {
+            high_priority: 1,
+            contract: berth_core::preemption::PriorityContract::default(),
+            compaction: Default::default(),
+            auto_compaction: true,
+        }
     }
 }
 
@@ -176,7 +185,9 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         .map(|(p, name)| {
             let nodes = fleet.nodes().iter().zip(&topo.partition).filter(|&(_, &q)| q as usize == p).map(|(n, _)| n.clone()).collect();
             let guard = guards.partitions.get(&(p as u32)).copied().unwrap_or(guards.fleet);
-            Ok(Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine(guard)))
+            let part = Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine(guard));
+            part.state.lock().unwrap().compaction = super::compacting::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
+            Ok(part)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
@@ -188,7 +199,8 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         }
     };
     // Each partition's placement versions, and its rank hook's.
-    let keys: Vec<String> = names.iter().flat_map(|n| [n.clone(), super::control::hook_key(n, super::control::PolicyHook::Rank)]).collect();
+    use super::control::{hook_key, PolicyHook};
+    let keys: Vec<String> = names.iter().flat_map(|n| [n.clone(), hook_key(n, PolicyHook::Rank), hook_key(n, PolicyHook::Compact)]).collect();
     let registry = Registry::open_in(&config.state_dir, &keys, store.clone())?;
     let engine = Arc::new(PolicyEngine::new(Some(registry.artifact_dir()))?);
     let decisions = DecisionLog::open(Some(&config.state_dir), 100_000)?;
@@ -205,12 +217,14 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     ));
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;
-        live.restore_rank(name).with_context(|| format!("partition {name}: rank hook"))?;
+        live.restore_aux(name, PolicyHook::Rank).with_context(|| format!("partition {name}: rank hook"))?;
+        live.restore_aux(name, PolicyHook::Compact).with_context(|| format!("partition {name}: compact hook"))?;
     }
     if let Some(store) = store {
         let started = std::time::Instant::now();
         let (jobs, running, held) = live.recover(&*store).with_context(|| format!("recovering state from {}", store.describe()))?;
         live.recover_guards(&*store).with_context(|| format!("recovering guards from {}", store.describe()))?;
+        live.recover_compactions(&*store).with_context(|| format!("recovering the compaction ledger from {}", store.describe()))?;
         tracing::info!(target: "berth::serve", store = %store.describe(), jobs, running, held, took_ms = started.elapsed().as_millis() as u64, "state recovered");
         let _ = live.store.set(store);
     }

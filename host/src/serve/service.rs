@@ -167,6 +167,8 @@ impl Service {
             duration: Duration::from_secs_f64(s.duration_s),
             argv: s.argv.clone(),
             env: s.env.clone().into_iter().collect(),
+            movable: s.movable && !s.argv.is_empty(),
+            wait_ready: s.wait_ready,
             job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, ..Job::default() },
         })
     }
@@ -217,6 +219,8 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             duration_s: s.duration.as_secs_f64(),
             argv: s.argv.clone(),
             env: if show_env { s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect() } else { Default::default() },
+            movable: s.movable,
+            wait_ready: s.wait_ready,
         }),
         owner: j.owner.clone(),
         state: j.state.as_str().into(),
@@ -508,6 +512,103 @@ impl Berth for Service {
         Ok(Response::new(pb::SetGuardResponse { guard: text }))
     }
 
+    async fn compact_live(&self, req: Request<pb::CompactLiveRequest>) -> Reply<pb::CompactLiveResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        let live = self.live.clone();
+        let by = id.name.clone();
+        let partition = r.partition.clone();
+        let step = blocking(move || live.compact_live(&by, &partition, r.dry_run)).await?;
+        tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, dry_run = r.dry_run, chains = ?step.chain_ids, "live compaction step");
+        Ok(Response::new(pb::CompactLiveResponse {
+            policy: step.policy,
+            rejected: step.rejected.unwrap_or_default(),
+            chains: step
+                .chains
+                .iter()
+                .map(|c| pb::ChainPlan {
+                    chain: c.chain,
+                    moves: c.moves as u32,
+                    nodes_freed: c.nodes_freed,
+                    benefit_gpu_s: c.benefit_gpu_s,
+                    cost_gpu_s: c.cost_gpu_s,
+                    run: c.run,
+                    skipped: c.skipped.clone().unwrap_or_default(),
+                })
+                .collect(),
+            moves: step
+                .moves
+                .iter()
+                .map(|(m, job, alloc, from, to, gpus)| pb::MovePlan {
+                    chain: m.chain,
+                    job_id: *job,
+                    allocation_id: *alloc,
+                    from_node: from.clone(),
+                    to_node: to.clone(),
+                    to_gpus: gpus.clone(),
+                    tier: super::compacting::tier_name(m.tier).into(),
+                    state_bytes: m.state_bytes,
+                })
+                .collect(),
+            chain_ids: step.chain_ids,
+            idle_nodes: step.idle_nodes as u32,
+            partial_nodes: step.partial_nodes as u32,
+        }))
+    }
+
+    async fn list_compactions(&self, req: Request<pb::ListCompactionsRequest>) -> Reply<pb::ListCompactionsResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let limit = if r.limit == 0 { 100 } else { (r.limit as usize).min(1000) };
+        let mut chains = Vec::new();
+        for p in self.viewable(&id, &r.partition)? {
+            let name = self.live.partitions[p].name.clone();
+            for c in self.live.compactions(&name, limit)? {
+                chains.push(pb::CompactionChain {
+                    id: c.id,
+                    partition: name.clone(),
+                    policy: c.policy,
+                    state: c.state,
+                    cause: c.cause,
+                    started_unix_ms: c.started_unix_ms,
+                    ended_unix_ms: c.ended_unix_ms,
+                    nodes_freed: c.nodes_freed,
+                    benefit_gpu_s: c.benefit_gpu_s,
+                    cost_gpu_s: c.cost_gpu_s,
+                    moves: c
+                        .moves
+                        .into_iter()
+                        .map(|m| pb::CompactionMove {
+                            job_id: m.job_id,
+                            from_allocation: m.from_allocation,
+                            to_allocation: m.to_allocation,
+                            from_node: m.from_node,
+                            to_node: m.to_node,
+                            to_gpus: m.to_gpus,
+                            tier: m.tier,
+                            state_bytes: m.state_bytes,
+                            state: m.state,
+                            overlap_ms: m.overlap_ms,
+                            warmup_ms: m.warmup_ms,
+                            cause: m.cause,
+                        })
+                        .collect(),
+                    bytes_same_switch: c.bytes_by_tier[0],
+                    bytes_same_aggregation: c.bytes_by_tier[1],
+                    bytes_cross_aggregation: c.bytes_by_tier[2],
+                    idle_nodes_before: c.idle_nodes_before,
+                    idle_nodes_after: c.idle_nodes_after,
+                    pending_startable_before: c.pending_startable_before,
+                    pending_startable_after: c.pending_startable_after,
+                });
+            }
+        }
+        chains.sort_by_key(|c| std::cmp::Reverse(c.started_unix_ms));
+        chains.truncate(limit);
+        Ok(Response::new(pb::ListCompactionsResponse { chains }))
+    }
+
     async fn quote(&self, req: Request<pb::QuoteRequest>) -> Reply<pb::QuoteResponse> {
         let id = self.who(&req)?;
         let q = req.into_inner();
@@ -635,7 +736,11 @@ impl Berth for Service {
         let id = self.who(&req)?;
         let r = req.into_inner();
         self.require(&id, &r.partition, Role::Operator)?;
-        if super::control::PolicyHook::parse(&r.hook)? == super::control::PolicyHook::Rank {
+        let hook = super::control::PolicyHook::parse(&r.hook)?;
+        if hook == super::control::PolicyHook::Compact {
+            return Err(ServeError::Invalid("a compact candidate cannot run in shadow yet: try it with `berth compact --live --dry-run` after activating it".into()).into());
+        }
+        if hook == super::control::PolicyHook::Rank {
             let version = match pb::ShadowMode::try_from(r.mode) {
                 Ok(pb::ShadowMode::Off) => None,
                 Ok(pb::ShadowMode::Shadow) => Some(r.version),
@@ -662,7 +767,11 @@ impl Berth for Service {
         let partition = r.partition;
         self.require(&id, &partition, Role::Viewer)?;
         let part = &self.live.partitions[self.live.partition_index(&partition)?];
-        if super::control::PolicyHook::parse(&r.hook)? == super::control::PolicyHook::Rank {
+        let hook = super::control::PolicyHook::parse(&r.hook)?;
+        if hook == super::control::PolicyHook::Compact {
+            return Err(ServeError::Invalid("compact hooks have no shadow report: see `berth compactions`".into()).into());
+        }
+        if hook == super::control::PolicyHook::Rank {
             let candidate = part.rank_candidate.lock().unwrap().clone();
             let s = part.rank_stats.lock().unwrap().clone();
             return Ok(Response::new(pb::ShadowReportResponse {

@@ -1,0 +1,620 @@
+//! Live compaction: ejection chains that free whole agent nodes, run
+//! make-before-break on real processes.
+//!
+//! The partition's compact policy (a wasm version in the registry, hook
+//! `compact`) plans over a snapshot of its agent nodes; the core checks the
+//! plan and keeps the chains that pay back ([`compaction::plan`], the same
+//! code replay runs). This module then runs the chosen moves one at a time
+//! through the migration machinery of [`super::actuation`]: the destination
+//! GPUs are allocated and stored, the new copy starts, the old copy gets
+//! its checkpoint notice and stop only once the new one runs (or reports
+//! ready, for jobs submitted with --wait-ready), and its exit frees the
+//! source. A move that fails (start failure, no takeover within
+//! `destination_deadline_s`, destination node lost) is rolled back: the new
+//! copy is stopped and freed, the job keeps running on its source, and the
+//! rest of its chain is skipped. Moves of the chain that already completed
+//! stay where they are (each left a valid placement; undoing them would be
+//! more moves).
+//!
+//! Steps run on demand (`berth compact --live`), every `period_s` under the
+//! hysteresis of replay, and when a pending job that needs whole nodes
+//! cannot start (at most every 30 s). Every chain is a [`ChainRecord`] in
+//! the store (`compactions/<partition>/<id>`): `berth compactions`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use berth_core::compaction::{self, ChainDecision, CompactionConfig, Cursor, PlannedMove, Running, Tier, Wanted};
+use berth_core::fleet::NodeId;
+use berth_core::PolicyError;
+use serde::{Deserialize, Serialize};
+
+use super::breaker::Call;
+use super::control::PolicyHook;
+use super::scheduler::{JobState, Live, Partition, PartitionState};
+use super::{unix_ms, ServeError};
+use crate::store::Op;
+
+/// How often a blocked whole-node job may trigger a step.
+const BLOCKED_RETRY: Duration = Duration::from_secs(30);
+/// Chains kept in memory per partition (the store keeps every one).
+const LEDGER_KEEP: usize = 1000;
+
+/// One move of a chain, as planned and as it went.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MoveRecord {
+    pub job_id: u64,
+    pub from_allocation: u64,
+    /// The new copy (0 until started).
+    pub to_allocation: u64,
+    pub from_node: String,
+    pub to_node: String,
+    pub to_gpus: Vec<u32>,
+    pub tier: String,
+    pub state_bytes: u64,
+    /// pending, moving, done, rolled-back, skipped
+    pub state: String,
+    /// Both copies held GPUs: from the new copy's start to the old one's exit.
+    pub overlap_ms: u64,
+    /// From the new copy's start to its takeover (running, or ready).
+    pub warmup_ms: u64,
+    pub cause: String,
+}
+
+/// One chain run live: the ledger entry.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ChainRecord {
+    pub id: u64,
+    pub policy: String,
+    /// running, done, rolled-back, abandoned
+    pub state: String,
+    pub cause: String,
+    pub started_unix_ms: u64,
+    pub ended_unix_ms: u64,
+    /// Planned by selection: nodes freed, benefit and cost in GPU-seconds.
+    pub nodes_freed: i64,
+    pub benefit_gpu_s: f64,
+    pub cost_gpu_s: f64,
+    pub moves: Vec<MoveRecord>,
+    /// Bytes moved by completed moves: same switch, same aggregation, across.
+    pub bytes_by_tier: [u64; 3],
+    pub idle_nodes_before: u32,
+    pub idle_nodes_after: u32,
+    pub pending_startable_before: u32,
+    pub pending_startable_after: u32,
+}
+
+/// Where a snapshot row came from: the job, its task and the allocation.
+#[derive(Clone, Copy, Debug)]
+struct Origin {
+    job_id: u64,
+    task: usize,
+    alloc_id: u64,
+}
+
+/// The move in flight.
+#[derive(Debug)]
+struct InFlight {
+    chain_id: u64,
+    index: usize,
+    job_id: u64,
+    old_alloc: u64,
+    new_alloc: u64,
+    started: Instant,
+    took_over: Option<Instant>,
+    /// Why the host stopped the new copy (a start timeout), if it did.
+    stopped_for: Option<String>,
+}
+
+/// A step's chosen moves being run.
+#[derive(Debug)]
+struct RunState {
+    cursor: Cursor,
+    origins: Vec<Origin>,
+    /// Plan chain number to ledger id, and each move's index in its record.
+    chain_ids: HashMap<u32, u64>,
+    next_in_chain: HashMap<u64, usize>,
+    current: Option<InFlight>,
+    nodes: Vec<NodeId>,
+    pending: Vec<Wanted>,
+}
+
+/// A partition's live compaction: settings, the run in progress, the ledger.
+#[derive(Debug, Default)]
+pub struct LiveCompaction {
+    pub config: CompactionConfig,
+    /// Steps on their own (periodic, blocked whole-node jobs); off: on demand only.
+    pub auto: bool,
+    /// Hysteresis of the periodic step.
+    active: bool,
+    run: Option<RunState>,
+    /// Newest last.
+    pub records: Vec<ChainRecord>,
+    next_id: u64,
+    next_periodic: Option<Instant>,
+    next_blocked: Option<Instant>,
+    /// Allocation id of a moved-in copy -> Unix s of the move (minimum residence).
+    moved_at: HashMap<u64, u64>,
+}
+
+impl LiveCompaction {
+    pub fn new(config: CompactionConfig, auto: bool) -> LiveCompaction {
+        LiveCompaction { config, auto, next_id: 1, ..LiveCompaction::default() }
+    }
+
+    fn record_mut(&mut self, id: u64) -> Option<&mut ChainRecord> {
+        self.records.iter_mut().rev().find(|r| r.id == id)
+    }
+
+    /// Takes back the ledger from the store; a chain left running by a
+    /// host that stopped is abandoned (its move in flight, if any, is an
+    /// ordinary migration the recovered jobs finish or roll back).
+    pub(crate) fn restore(&mut self, mut records: Vec<ChainRecord>) -> Vec<ChainRecord> {
+        records.sort_by_key(|r| r.id);
+        let mut changed = Vec::new();
+        for r in records.iter_mut().filter(|r| r.state == "running") {
+            r.state = "abandoned".into();
+            r.cause = "the host restarted during the chain".into();
+            r.ended_unix_ms = unix_ms();
+            changed.push(r.clone());
+        }
+        self.next_id = records.last().map_or(1, |r| r.id + 1);
+        let skip = records.len().saturating_sub(LEDGER_KEEP);
+        self.records = records.into_iter().skip(skip).collect();
+        changed
+    }
+}
+
+pub(crate) fn chain_key(partition: &str, id: u64) -> String {
+    format!("compactions/{partition}/{id:020}")
+}
+
+pub(crate) fn tier_name(t: Tier) -> &'static str {
+    match t {
+        Tier::SameSwitch => "same-switch",
+        Tier::SameAggregation => "same-aggregation",
+        Tier::CrossAggregation => "cross-aggregation",
+    }
+}
+
+/// What a step planned (and, unless a dry run, started).
+#[derive(Clone, Debug, Default)]
+pub struct StepReport {
+    pub policy: String,
+    pub rejected: Option<String>,
+    pub chains: Vec<ChainDecision>,
+    /// (move, job, allocation, from node, to node, to GPUs)
+    pub moves: Vec<(PlannedMove, u64, u64, String, String, Vec<u32>)>,
+    pub chain_ids: Vec<u64>,
+    pub idle_nodes: u64,
+    pub partial_nodes: u64,
+}
+
+impl PartitionState {
+    fn agent_node_ids(&self) -> Vec<NodeId> {
+        let mut v: Vec<NodeId> = self.agent_ids.values().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The running tasks on agent nodes as compaction sees them, and where
+    /// each row came from. A task moves only when its job was submitted
+    /// movable, every task of it runs and none is migrating.
+    fn compaction_rows(&self, config: &CompactionConfig, now_s: u64) -> (Vec<Running>, Vec<Origin>) {
+        let (mut rows, mut origins) = (Vec::new(), Vec::new());
+        for (&job_id, j) in &self.jobs {
+            if j.state != JobState::Running || j.evicting || j.runs.is_empty() {
+                continue;
+            }
+            let movable = j.spec.movable && j.runs.iter().all(|r| r.holds && r.state == "running" && r.replaces == 0);
+            let started_s = j.started_unix_ms / 1000;
+            let remaining_s = j.ends_at.map_or(0, |t| t.saturating_duration_since(Instant::now()).as_secs());
+            for (task, (a, r)) in j.allocations.iter().zip(&j.runs).enumerate().filter(|(_, (_, r))| r.holds) {
+                let checkpoint_s = (r.checkpointed_unix_ms / 1000).max(started_s);
+                rows.push(Running {
+                    id: rows.len() as u32,
+                    job_id,
+                    node: a.node,
+                    gpus: a.gpus,
+                    gpu_milli: a.gpu_milli,
+                    cpu_milli: a.cpu_milli,
+                    memory_mib: a.memory_mib,
+                    priority: j.spec.job.priority,
+                    movable,
+                    gang_id: if j.spec.job.tasks > 1 { job_id } else { 0 },
+                    state_bytes: compaction::estimate_state_bytes(config, a.gpus.count_ones(), a.gpu_milli, a.memory_mib),
+                    remaining_s,
+                    running_s: now_s.saturating_sub(started_s),
+                    since_checkpoint_s: now_s.saturating_sub(checkpoint_s),
+                    last_moved_s: self.compaction.moved_at.get(&r.alloc_id).copied(),
+                });
+                origins.push(Origin { job_id, task, alloc_id: r.alloc_id });
+            }
+        }
+        (rows, origins)
+    }
+
+    /// Pending jobs with a command (they run on agent nodes), as shapes.
+    fn compaction_pending(&self, nodes: &[NodeId]) -> Vec<Wanted> {
+        let mut wanted: Vec<Wanted> = self
+            .pending
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .filter(|j| !j.spec.argv.is_empty())
+            .map(|j| Wanted::from_job(&self.fleet, nodes, &j.spec.job))
+            .collect();
+        wanted.sort_by_key(|w| std::cmp::Reverse((w.whole_nodes, u64::from(w.gpu_count) * u64::from(w.tasks))));
+        wanted.truncate(self.compaction.config.max_pending);
+        wanted
+    }
+
+    /// Whether a pending whole-node job cannot start now.
+    fn whole_node_job_blocked(&self) -> bool {
+        let nodes = self.agent_node_ids();
+        let pending = self.compaction_pending(&nodes);
+        let blocked: Vec<Wanted> = pending.into_iter().filter(|w| w.whole_nodes > 0).collect();
+        !blocked.is_empty() && compaction::startable_count(&self.fleet, &nodes, &blocked) < blocked.len() as u64
+    }
+
+    fn chain_op(&self, partition: &str, id: u64) -> Option<Op> {
+        let r = self.compaction.records.iter().rev().find(|r| r.id == id)?;
+        Some(Op::Put(chain_key(partition, id), serde_json::to_vec(r).expect("a chain record serializes")))
+    }
+}
+
+impl Live {
+    /// Reads every partition's compaction ledger back from the store.
+    pub(crate) fn recover_compactions(&self, store: &dyn crate::store::Store) -> anyhow::Result<usize> {
+        let mut total = 0;
+        for part in &self.partitions {
+            let prefix = format!("compactions/{}/", part.name);
+            let mut records = Vec::new();
+            for (key, value) in store.list(&prefix)? {
+                records.push(serde_json::from_slice::<ChainRecord>(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?);
+            }
+            total += records.len();
+            let mut st = part.lock_state();
+            let changed = st.compaction.restore(records);
+            let ops: Vec<Op> = changed.iter().map(|r| Op::Put(chain_key(&part.name, r.id), serde_json::to_vec(r).expect("a chain record serializes"))).collect();
+            if !ops.is_empty() {
+                store.apply(ops)?;
+            }
+        }
+        Ok(total)
+    }
+
+    /// One compaction step on partition `partition` now (hysteresis
+    /// bypassed): plan, check, and unless `dry_run` start the chosen chains.
+    pub fn compact_live(&self, by: &str, partition: &str, dry_run: bool) -> Result<StepReport, ServeError> {
+        let p = self.partition_index(partition)?;
+        let part = &self.partitions[p];
+        if part.aux(PolicyHook::Compact).lock().unwrap().is_none() {
+            return Err(ServeError::FailedPrecondition(format!(
+                "partition {partition} has no active compact policy: upload and activate one with --hook compact (e.g. ipc)"
+            )));
+        }
+        let mut guard = part.lock_state();
+        let st = &mut *guard;
+        if let Some(run) = &st.compaction.run {
+            let chain = run.current.as_ref().map_or(String::new(), |c| format!(" (chain {})", c.chain_id));
+            return Err(ServeError::FailedPrecondition(format!("a compaction step is running in {partition}{chain}: see berth compactions")));
+        }
+        tracing::info!(target: "berth::serve", partition, by, dry_run, "compaction step on demand");
+        self.compaction_step(p, part, st, dry_run)
+    }
+
+    /// The ledger of a partition, newest first.
+    pub fn compactions(&self, partition: &str, limit: usize) -> Result<Vec<ChainRecord>, ServeError> {
+        let p = self.partition_index(partition)?;
+        let st = self.partitions[p].lock_state();
+        Ok(st.compaction.records.iter().rev().take(limit).cloned().collect())
+    }
+
+    /// Plans over the partition's agent nodes and, unless `dry_run`,
+    /// starts the chosen chains.
+    fn compaction_step(&self, p: usize, part: &Partition, st: &mut PartitionState, dry_run: bool) -> Result<StepReport, ServeError> {
+        let Some(arm) = part.aux(PolicyHook::Compact).lock().unwrap().clone() else {
+            return Err(ServeError::FailedPrecondition(format!("partition {} has no active compact policy", part.name)));
+        };
+        let now_s = super::deciding::now_s();
+        let config = st.compaction.config.clone();
+        let nodes = st.agent_node_ids();
+        let (rows, origins) = st.compaction_rows(&config, now_s);
+        let pending = st.compaction_pending(&nodes);
+        let started = Instant::now();
+        let planned = {
+            let mut policy = arm.policy.lock().unwrap();
+            compaction::plan(&st.fleet, &nodes, &rows, &pending, &mut *policy, &config, now_s)
+        };
+        let took = started.elapsed();
+        let policy = format!("{}@{} (compact version {})", arm.meta.name, arm.meta.semver, arm.meta.version);
+        let (partial, idle, _) = compaction::occupancy(&st.fleet, &nodes);
+        let mut report = StepReport { policy: policy.clone(), rejected: planned.rejected.clone(), chains: planned.chains.clone(), idle_nodes: idle, partial_nodes: partial, ..StepReport::default() };
+        // The breaker sees every call: a failed call or an invalid plan
+        // counts against the version; nothing moves on either.
+        let version = arm.meta.version;
+        if let Some(reason) = &planned.rejected {
+            let error = planned.failure.clone().unwrap_or_else(|| PolicyError::InvalidOutput(reason.clone()));
+            self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &version.to_string(), super::breaker::kind(&error)]).inc();
+            tracing::warn!(target: "berth::serve", partition = %part.name, version, "compaction plan not used: {reason}");
+            if super::breaker::counts(&error) {
+                let tripped = part.compact_breaker.lock().unwrap().record(version, Call::Failed(&error), &self.breaker);
+                if let Some(why) = tripped {
+                    self.trip_aux(p, PolicyHook::Compact, &arm, &why);
+                }
+            }
+            return Ok(report);
+        }
+        part.compact_breaker.lock().unwrap().record(version, Call::Answered(took), &self.breaker);
+        for m in &planned.moves {
+            let o = origins[m.index];
+            let node = |id: NodeId| st.fleet.nodes()[id as usize].name.clone();
+            let gpus = berth_core::fleet::gpus_of(m.to.gpus).map(|g| g as u32).collect();
+            report.moves.push((m.clone(), o.job_id, o.alloc_id, node(m.from_node), node(m.to_node), gpus));
+        }
+        if dry_run || planned.moves.is_empty() {
+            return Ok(report);
+        }
+        // A ledger entry per chain that runs, stored before anything moves.
+        let startable = compaction::startable_count(&st.fleet, &nodes, &pending) as u32;
+        let mut chain_ids = HashMap::new();
+        let mut ops = Vec::new();
+        for d in planned.chains.iter().filter(|d| d.run) {
+            let id = st.compaction.next_id;
+            st.compaction.next_id += 1;
+            chain_ids.insert(d.chain, id);
+            let moves = report
+                .moves
+                .iter()
+                .filter(|(m, ..)| m.chain == d.chain)
+                .map(|(m, job, alloc, from, to, gpus)| MoveRecord {
+                    job_id: *job,
+                    from_allocation: *alloc,
+                    from_node: from.clone(),
+                    to_node: to.clone(),
+                    to_gpus: gpus.clone(),
+                    tier: tier_name(m.tier).into(),
+                    state_bytes: m.state_bytes,
+                    state: "pending".into(),
+                    ..MoveRecord::default()
+                })
+                .collect();
+            st.compaction.records.push(ChainRecord {
+                id,
+                policy: policy.clone(),
+                state: "running".into(),
+                started_unix_ms: unix_ms(),
+                nodes_freed: d.nodes_freed,
+                benefit_gpu_s: d.benefit_gpu_s,
+                cost_gpu_s: d.cost_gpu_s,
+                moves,
+                idle_nodes_before: idle as u32,
+                pending_startable_before: startable,
+                ..ChainRecord::default()
+            });
+            report.chain_ids.push(id);
+            ops.extend(st.chain_op(&part.name, id));
+        }
+        let keep = st.compaction.records.len().saturating_sub(LEDGER_KEEP);
+        st.compaction.records.drain(..keep);
+        self.persist(ops)?;
+        tracing::info!(target: "berth::serve", partition = %part.name, chains = ?report.chain_ids, moves = planned.moves.len(), "compaction: chains start");
+        st.compaction.run = Some(RunState {
+            cursor: Cursor::new(planned.moves),
+            origins,
+            chain_ids,
+            next_in_chain: HashMap::new(),
+            current: None,
+            nodes,
+            pending,
+        });
+        self.advance_compaction(part, st);
+        Ok(report)
+    }
+
+    /// Starts the next move of the run (skipping what cannot start, which
+    /// rolls its chain back), or ends the run when none is left.
+    fn advance_compaction(&self, part: &Partition, st: &mut PartitionState) {
+        loop {
+            let Some(run) = st.compaction.run.as_mut() else { return };
+            if run.current.is_some() {
+                return;
+            }
+            let Some(m) = run.cursor.next_move().cloned() else {
+                let run = st.compaction.run.take().expect("checked above");
+                let ids: Vec<u64> = run.chain_ids.values().copied().collect();
+                for id in ids {
+                    self.end_chain(part, st, id, None, &run.nodes, &run.pending);
+                }
+                return;
+            };
+            let chain_id = run.chain_ids[&m.chain];
+            let index = *run.next_in_chain.entry(chain_id).and_modify(|i| *i += 1).or_insert(0);
+            let origin = run.origins[m.index];
+            // Earlier chains are over once a later one starts.
+            let finished: Vec<u64> = run.chain_ids.iter().filter(|&(&c, _)| c < m.chain).map(|(_, &id)| id).collect();
+            let (nodes, pending) = (run.nodes.clone(), run.pending.clone());
+            for id in finished {
+                self.end_chain(part, st, id, None, &nodes, &pending);
+            }
+            match self.start_move(part, st, &m, origin) {
+                Ok(new_alloc) => {
+                    if let Some(r) = st.compaction.record_mut(chain_id) {
+                        r.moves[index].state = "moving".into();
+                        r.moves[index].to_allocation = new_alloc;
+                    }
+                    self.persist_logged(st.chain_op(&part.name, chain_id).into_iter().collect());
+                    let run = st.compaction.run.as_mut().expect("checked above");
+                    run.current = Some(InFlight {
+                        chain_id,
+                        index,
+                        job_id: origin.job_id,
+                        old_alloc: origin.alloc_id,
+                        new_alloc,
+                        started: Instant::now(),
+                        took_over: None,
+                        stopped_for: None,
+                    });
+                    return;
+                }
+                Err(cause) => {
+                    let run = st.compaction.run.as_mut().expect("checked above");
+                    run.cursor.abandon(m.chain);
+                    self.move_failed(part, st, chain_id, index, &cause, 0);
+                }
+            }
+        }
+    }
+
+    /// Starts one planned move on the agents; its new copy's allocation.
+    fn start_move(&self, part: &Partition, st: &mut PartitionState, m: &PlannedMove, o: Origin) -> Result<u64, String> {
+        let job = st.jobs.get(&o.job_id).ok_or_else(|| format!("job {} is gone", o.job_id))?;
+        let run = job.runs.get(o.task).filter(|r| r.alloc_id == o.alloc_id && r.holds).ok_or_else(|| format!("allocation {} of job {} has ended or moved", o.alloc_id, o.job_id))?;
+        if job.state != JobState::Running || job.evicting || run.state != "running" || job.runs.iter().any(|r| r.replaces != 0) {
+            return Err(format!("job {} changed since the plan ({}, task {})", o.job_id, job.state.as_str(), run.state));
+        }
+        if job.allocations[o.task] != m.from {
+            return Err(format!("allocation {} no longer holds what the plan moved", o.alloc_id));
+        }
+        let dest = st.fleet.nodes()[m.to_node as usize].name.clone();
+        let moved = self.start_copy(part, st, o.job_id, o.task, &dest, m.to_node, m.to.gpus, true).map_err(|e| e.to_string())?;
+        Ok(moved.alloc_id)
+    }
+
+    /// A move ended without taking over: the chain rolls back (the rest of
+    /// it is skipped).
+    fn move_failed(&self, part: &Partition, st: &mut PartitionState, chain_id: u64, index: usize, cause: &str, overlap_ms: u64) {
+        tracing::warn!(target: "berth::serve", partition = %part.name, chain = chain_id, "compaction move rolled back: {cause}");
+        self.metrics.compaction_moves.with_label_values(&[&part.name, "rolled-back"]).inc();
+        if let Some(r) = st.compaction.record_mut(chain_id) {
+            let mv = &mut r.moves[index];
+            mv.state = "rolled-back".into();
+            mv.cause = cause.to_string();
+            mv.overlap_ms = overlap_ms;
+            for later in r.moves.iter_mut().skip(index + 1) {
+                later.state = "skipped".into();
+            }
+        }
+        let (nodes, pending) = st.compaction.run.as_ref().map(|r| (r.nodes.clone(), r.pending.clone())).unwrap_or_default();
+        self.end_chain(part, st, chain_id, Some(cause), &nodes, &pending);
+    }
+
+    /// Closes a chain's ledger entry (once): done, or rolled back with its cause.
+    fn end_chain(&self, part: &Partition, st: &mut PartitionState, chain_id: u64, cause: Option<&str>, nodes: &[NodeId], pending: &[Wanted]) {
+        let (_, idle, _) = compaction::occupancy(&st.fleet, nodes);
+        let startable = compaction::startable_count(&st.fleet, nodes, pending) as u32;
+        let Some(r) = st.compaction.record_mut(chain_id).filter(|r| r.state == "running") else { return };
+        r.state = if cause.is_some() { "rolled-back".into() } else { "done".into() };
+        r.cause = cause.unwrap_or_default().to_string();
+        r.ended_unix_ms = unix_ms();
+        r.idle_nodes_after = idle as u32;
+        r.pending_startable_after = startable;
+        let gained = i64::from(r.idle_nodes_after) - i64::from(r.idle_nodes_before);
+        let state = r.state.clone();
+        self.metrics.compaction_chains.with_label_values(&[&part.name, &state]).inc();
+        if cause.is_none() && gained > 0 {
+            self.metrics.compaction_nodes_freed.with_label_values(&[&part.name]).inc_by(gained as u64);
+        }
+        tracing::info!(target: "berth::serve", partition = %part.name, chain = chain_id, state, idle_nodes_gained = gained, "compaction chain ended");
+        self.persist_logged(st.chain_op(&part.name, chain_id).into_iter().collect());
+    }
+
+    /// Follows the move in flight (called by the partition's scheduler on
+    /// every wake-up): done once the old copy is gone and the new one took
+    /// its place; rolled back once the new copy is gone; the new copy is
+    /// stopped when it has not taken over within the deadline. Then the
+    /// next move; with no run, the automatic triggers.
+    pub(super) fn compaction_tick(&self, p: usize, st: &mut PartitionState, now: Instant) {
+        let part = &self.partitions[p];
+        if let Some(run) = st.compaction.run.as_mut()
+            && let Some(c) = run.current.as_mut()
+        {
+            let job = st.jobs.get(&c.job_id);
+            let wait_ready = job.is_some_and(|j| j.spec.wait_ready);
+            let copy = job.and_then(|j| j.runs.iter().find(|r| r.alloc_id == c.new_alloc && r.holds));
+            let elapsed_ms = now.saturating_duration_since(c.started).as_millis() as u64;
+            match copy {
+                Some(r) if r.replaces == 0 => {
+                    // The old copy is gone and the new one is the task.
+                    let c = run.current.take().expect("matched above");
+                    let warmup_ms = c.took_over.map_or(elapsed_ms, |t| t.saturating_duration_since(c.started).as_millis() as u64);
+                    st.compaction.moved_at.insert(c.new_alloc, super::deciding::now_s());
+                    self.metrics.compaction_moves.with_label_values(&[&part.name, "done"]).inc();
+                    if let Some(rec) = st.compaction.record_mut(c.chain_id) {
+                        let mv = &mut rec.moves[c.index];
+                        mv.state = "done".into();
+                        mv.overlap_ms = elapsed_ms;
+                        mv.warmup_ms = warmup_ms;
+                        let tier = match mv.tier.as_str() {
+                            "same-switch" => 0,
+                            "same-aggregation" => 1,
+                            _ => 2,
+                        };
+                        rec.bytes_by_tier[tier] += mv.state_bytes;
+                    }
+                    tracing::info!(target: "berth::serve", partition = %part.name, chain = c.chain_id, job = c.job_id, from = c.old_alloc, to = c.new_alloc, overlap_ms = elapsed_ms, "compaction move done");
+                    self.persist_logged(st.chain_op(&part.name, c.chain_id).into_iter().collect());
+                }
+                Some(r) => {
+                    if c.took_over.is_none() && r.state == "running" && (!wait_ready || r.ready) {
+                        c.took_over = Some(now);
+                    }
+                    let deadline = Duration::from_secs_f64(st.compaction.config.destination_deadline_s);
+                    if c.took_over.is_none() && c.stopped_for.is_none() && now.saturating_duration_since(c.started) > deadline {
+                        let why = format!("the new copy did not take over within {} s", deadline.as_secs_f64());
+                        tracing::warn!(target: "berth::serve", partition = %part.name, allocation = c.new_alloc, "compaction: {why}: stopping it");
+                        c.stopped_for = Some(why);
+                        if let Some(act) = self.actuator() {
+                            act.stop(c.new_alloc, &r.node);
+                        }
+                    }
+                }
+                None => {
+                    // The new copy is gone: rolled back (its start failed, it
+                    // exited, its node was lost, or the job ended).
+                    let c = run.current.take().expect("matched above");
+                    let chain = run.chain_ids.iter().find(|&(_, &id)| id == c.chain_id).map(|(&k, _)| k);
+                    if let Some(k) = chain {
+                        run.cursor.abandon(k);
+                    }
+                    let cause = c.stopped_for.clone().unwrap_or_else(|| match st.jobs.get(&c.job_id) {
+                        Some(j) if !j.detail.is_empty() => j.detail.clone(),
+                        Some(j) => format!("the new copy ended; job {} is {}", c.job_id, j.state.as_str()),
+                        None => format!("job {} is gone", c.job_id),
+                    });
+                    self.move_failed(part, st, c.chain_id, c.index, &cause, elapsed_ms);
+                }
+            }
+        }
+        if st.compaction.run.as_ref().is_some_and(|r| r.current.is_none()) {
+            self.advance_compaction(part, st);
+        }
+        if st.compaction.run.is_some() || !st.compaction.auto || part.aux(PolicyHook::Compact).lock().unwrap().is_none() {
+            return;
+        }
+        // Automatic steps: every period_s under hysteresis, and when a job
+        // that needs whole nodes is blocked.
+        let period = Duration::from_secs(st.compaction.config.period_s);
+        let periodic_due = *st.compaction.next_periodic.get_or_insert(now + period) <= now;
+        let blocked_due = st.compaction.next_blocked.is_none_or(|t| t <= now) && st.whole_node_job_blocked();
+        if periodic_due {
+            st.compaction.next_periodic = Some(now + period);
+            let nodes = st.agent_node_ids();
+            let config = st.compaction.config.clone();
+            let mut active = st.compaction.active;
+            let on = compaction::hysteresis(&st.fleet, &nodes, &config, &mut active);
+            st.compaction.active = active;
+            if !on && !blocked_due {
+                return;
+            }
+        } else if !blocked_due {
+            return;
+        }
+        if blocked_due {
+            st.compaction.next_blocked = Some(now + BLOCKED_RETRY);
+        }
+        if let Err(e) = self.compaction_step(p, part, st, false) {
+            tracing::warn!(target: "berth::serve", partition = %part.name, "compaction step: {e}");
+        }
+    }
+}
