@@ -13,6 +13,7 @@ mod guard;
 mod ha;
 mod html_report;
 mod languages;
+mod live_compaction;
 mod loading;
 mod partition;
 mod pool;

@@ -628,6 +628,8 @@ impl Live {
                 tracing::warn!(target: "berth::serve", job = job_id, allocation = alloc_id, "{}", job.detail);
                 st.by_alloc.remove(&alloc_id);
                 st.apply_holds(a.node);
+                // GPUs freed outside the engine: waiting jobs are tried again.
+                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
                 self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 st.dirty = true;
                 part.wake.notify_all();
@@ -650,6 +652,9 @@ impl Live {
                 job.allocations[i] = new_alloc;
                 st.by_alloc.remove(&alloc_id);
                 st.apply_holds(node);
+                // The source's GPUs are free outside the engine (it holds
+                // the new allocation now): waiting jobs are tried again.
+                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
                 self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 st.dirty = true;
                 part.wake.notify_all();

@@ -1,0 +1,268 @@
+//! Live compaction on real agents: a real `berth serve`, synthetic agents
+//! whose tasks are real child processes, and the `ipc` ejection-chain
+//! policy (wasm) as the partition's compact version. A fragmented
+//! partition is compacted make-before-break so that a whole-node job
+//! starts; a move whose new copy never takes over, and a move whose
+//! destination agent is SIGKILLed, roll back with the job still running
+//! on its source; the ledger records all of it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use berth::serve::pb;
+
+use crate::agent::{agent, assert_one_owner, dir, jobs, kill9, serve, until};
+use crate::common::policy_path;
+
+/// A movable task: writes `start-<allocation>` (ns) when it starts; a
+/// migrated copy (BERTH_MIGRATED_FROM set) reports ready only once
+/// `ready-ok` exists, an original at once; a checkpoint notice (SIGUSR1)
+/// writes `ckpt-<allocation>`; on SIGTERM it lists the live
+/// processes started as its migrated copy (`copies-at-term-<allocation>`)
+/// and exits 0; it exits on `release` (99 after two minutes).
+fn movable_argv(d: &Path) -> Vec<String> {
+    let d = d.display();
+    let script = format!(
+        "date +%s%N > {d}/start-$BERTH_ALLOCATION.tmp && mv {d}/start-$BERTH_ALLOCATION.tmp {d}/start-$BERTH_ALLOCATION; \
+         trap 'touch {d}/ckpt-$BERTH_ALLOCATION' USR1; \
+         trap 'grep -lasz \"^BERTH_MIGRATED_FROM=$BERTH_ALLOCATION$\" /proc/[0-9]*/environ > {d}/copies-at-term-$BERTH_ALLOCATION; exit 0' TERM; \
+         i=0; while [ ! -f {d}/release ] && [ $i -lt 2400 ]; do \
+           if [ -z \"$BERTH_MIGRATED_FROM\" ] || [ -f {d}/ready-ok ]; then touch \"$BERTH_READY\"; fi; \
+           sleep 0.05; i=$((i+1)); done; \
+         [ -f {d}/release ] || exit 99; exit 0"
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+fn spec(d: &Path, gpus: u32, movable: bool) -> pb::JobSpec {
+    pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, cpu_milli: 1000, memory_mib: 1024, argv: movable_argv(d), movable, wait_ready: movable, ..Default::default() }
+}
+
+async fn until_running(api: &berth::serve::cli::Client, id: u64) -> pb::Job {
+    until(&format!("job {id} running"), Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == id && j.state == "running" && j.runs.len() == 1 && j.runs[0].state == "running") }
+    })
+    .await
+}
+
+async fn schedulable(api: &berth::serve::cli::Client, names: &[&str]) {
+    until("agent nodes schedulable", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move {
+            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
+            names.iter().all(|n| nodes.iter().any(|x| x.name == *n && x.schedulable)).then_some(())
+        }
+    })
+    .await;
+}
+
+/// Holds every GPU of `node` with an operator allocation; returns its id.
+async fn hold(hub: &mut berth::agent::HubClient, node: &str, gpus: Vec<u32>) -> u64 {
+    let r = hub.start_allocation(pb::StartAllocationRequest { node: node.into(), gpus, argv: vec!["sleep".into(), "600".into()], ..Default::default() }).await.unwrap();
+    r.into_inner().allocation_id
+}
+
+async fn release(hub: &mut berth::agent::HubClient, api: &berth::serve::cli::Client, alloc: u64, node: &str, gpus: u32) {
+    hub.control_allocation(pb::ControlAllocationRequest { allocation_id: alloc, action: "stop".into() }).await.unwrap();
+    until(&format!("{node} has {gpus} idle GPUs"), Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { crate::agent::node_info(&api, node).await.filter(|n| n.gpus_idle >= gpus).map(|_| ()) }
+    })
+    .await;
+}
+
+/// Two 4-GPU agent nodes, each half used by a movable 2-GPU job (operator
+/// holds steer the placements); returns the jobs (on n1, on n2).
+async fn fragment(d: &Path, api: &mut berth::serve::cli::Client, hub: &mut berth::agent::HubClient) -> (pb::Job, pb::Job) {
+    let h2 = hold(hub, "n2", vec![0, 1, 2, 3]).await;
+    let a = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)) }).await.unwrap().into_inner().job_id;
+    let a = until_running(api, a).await;
+    assert_eq!(a.runs[0].node, "n1");
+    let free: Vec<u32> = (0..4).filter(|g| !a.runs[0].gpus.contains(g)).collect();
+    let h1 = hold(hub, "n1", free).await;
+    release(hub, api, h2, "n2", 4).await;
+    let b = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)) }).await.unwrap().into_inner().job_id;
+    let b = until_running(api, b).await;
+    assert_eq!(b.runs[0].node, "n2");
+    release(hub, api, h1, "n1", 2).await;
+    (a, b)
+}
+
+async fn upload_ipc(api: &mut berth::serve::cli::Client) {
+    let component = std::fs::read(policy_path("ipc")).unwrap();
+    let up = api.upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "compact".into(), ..Default::default() }).await.expect("upload ipc as compact").into_inner().policy.unwrap();
+    api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.version, hook: "compact".into() }).await.expect("activate compact");
+}
+
+async fn ledger(api: &berth::serve::cli::Client) -> Vec<pb::CompactionChain> {
+    api.clone().list_compactions(pb::ListCompactionsRequest { partition: "p0".into(), limit: 0 }).await.unwrap().into_inner().chains
+}
+
+fn stamp(path: PathBuf) -> u128 {
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).trim().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_job_starts() {
+    let d = dir("live-compaction");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "60000", "--no-auto-compaction"]).await;
+    let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
+    let _n2 = agent(&d, &url, "n2", "4xH20", &[]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    schedulable(&api, &["n1", "n2"]).await;
+
+    // No compact policy yet: the step is refused, naming what is missing.
+    let e = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: true }).await.unwrap_err();
+    assert!(e.message().contains("--hook compact"), "{e:?}");
+    upload_ipc(&mut api).await;
+    std::fs::write(d.join("ready-ok"), "").unwrap();
+    let (a, b) = fragment(&d, &mut api, &mut hub).await;
+    let whole = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 4, false)) }).await.unwrap().into_inner().job_id;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(jobs(&api).await.iter().find(|j| j.id == whole).unwrap().state, "pending");
+
+    // A dry run plans and moves nothing.
+    let plan = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: true }).await.unwrap().into_inner();
+    assert!(plan.rejected.is_empty(), "{plan:?}");
+    assert!(plan.chains.iter().any(|c| c.run && c.nodes_freed >= 1), "{plan:?}");
+    assert_eq!(plan.moves.len(), 1, "one 2-GPU job moves onto the other half-used node: {plan:?}");
+    assert!(plan.chain_ids.is_empty() && ledger(&api).await.is_empty(), "a dry run started something: {plan:?}");
+    assert_eq!(plan.partial_nodes, 2);
+    let moved = plan.moves[0].clone();
+    let (mover, stayer) = if moved.job_id == a.id { (a, b) } else { (b, a) };
+    assert_eq!(moved.allocation_id, mover.runs[0].allocation_id);
+    assert_eq!(moved.to_node, stayer.runs[0].node);
+
+    // Ownership is sampled through the API for the whole move.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let (api, stop) = (api.clone(), stop.clone());
+        async move {
+            let (mut samples, mut both) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let js = jobs(&api).await;
+                assert_one_owner(&js, &[]);
+                if js.iter().any(|j| j.runs.iter().filter(|r| r.state == "running").count() == 2) {
+                    both += 1;
+                }
+                samples += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (samples, both)
+        }
+    });
+    let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner();
+    assert_eq!(step.chain_ids.len(), 1, "{step:?}");
+    let started = until("the whole-node job running", Duration::from_secs(90), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == whole && j.state == "running") }
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (samples, both) = watcher.await.unwrap();
+    // It starts on the node the move emptied.
+    assert_eq!(started.runs[0].node, mover.runs[0].node, "{started:?}");
+    assert_eq!(started.runs[0].gpus.len(), 4);
+    let now = jobs(&api).await;
+    let m = now.iter().find(|j| j.id == mover.id).unwrap();
+    assert_eq!((m.state.as_str(), m.runs.len(), m.runs[0].node.as_str()), ("running", 1, stayer.runs[0].node.as_str()), "{m:?}");
+    assert_one_owner(&now, &[]);
+
+    // Make-before-break: the new copy started before the old one was
+    // stopped, and was running when it was.
+    let chain = until("the chain closed in the ledger", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { ledger(&api).await.into_iter().find(|c| c.state != "running") }
+    })
+    .await;
+    assert_eq!((chain.id, chain.state.as_str(), chain.moves.len()), (step.chain_ids[0], "done", 1), "{chain:?}");
+    let mv = &chain.moves[0];
+    assert_eq!((mv.state.as_str(), mv.from_allocation, mv.to_allocation), ("done", mover.runs[0].allocation_id, m.runs[0].allocation_id), "{mv:?}");
+    let new_start = stamp(d.join(format!("start-{}", mv.to_allocation)));
+    let old_start = stamp(d.join(format!("start-{}", mv.from_allocation)));
+    assert!(new_start > old_start);
+    let copies = std::fs::read_to_string(d.join(format!("copies-at-term-{}", mv.from_allocation))).unwrap();
+    assert!(!copies.trim().is_empty(), "no new copy was running when the old one got its stop");
+    assert!(d.join(format!("ckpt-{}", mv.from_allocation)).exists(), "the old copy got no checkpoint notice");
+    assert!(mv.overlap_ms > 0 && mv.warmup_ms <= mv.overlap_ms, "{mv:?}");
+    assert_eq!((chain.idle_nodes_before, chain.idle_nodes_after), (0, 1), "{chain:?}");
+    assert!(chain.pending_startable_after > chain.pending_startable_before, "{chain:?}");
+    assert!(chain.bytes_cross_aggregation + chain.bytes_same_aggregation + chain.bytes_same_switch > 0, "{chain:?}");
+    println!(
+        "live compaction: chain {} moved job {} {} -> {} (overlap {} ms, takeover {} ms); {both} of {samples} API samples saw both copies running",
+        chain.id, mv.job_id, mv.from_node, mv.to_node, mv.overlap_ms, mv.warmup_ms
+    );
+    std::fs::write(d.join("release"), "0").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_that_never_takes_over_or_loses_its_destination_rolls_back_and_the_job_keeps_running() {
+    let d = dir("live-compaction-rollback");
+    let args = ["--agent-timeout-ms", "1500", "--reschedule-after-ms", "500", "--no-auto-compaction", "--compaction", r#"{"destination_deadline_s": 6}"#];
+    let (mut host, url) = serve(&d, "serve", &d.join("state"), &args).await;
+    let mut n1 = agent(&d, &url, "n1", "4xH20", &[]);
+    let mut n2 = agent(&d, &url, "n2", "4xH20", &[]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    schedulable(&api, &["n1", "n2"]).await;
+    upload_ipc(&mut api).await;
+    let (a, b) = fragment(&d, &mut api, &mut hub).await;
+
+    // (1) The new copy never reports ready (no `ready-ok`): stopped after
+    // the deadline, rolled back; the job runs on its source throughout.
+    let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner();
+    assert_eq!(step.chain_ids.len(), 1, "{step:?}");
+    let first_id = step.chain_ids[0];
+    let first = until("the first chain rolled back", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { ledger(&api).await.into_iter().find(|c| c.id == first_id && c.state != "running") }
+    })
+    .await;
+    assert_eq!(first.state, "rolled-back", "{first:?}");
+    assert!(first.cause.contains("did not take over within 6 s"), "{first:?}");
+    assert_eq!(first.moves[0].state, "rolled-back");
+    let js = jobs(&api).await;
+    for j in [&a, &b] {
+        let now = js.iter().find(|x| x.id == j.id).unwrap();
+        assert_eq!((now.state.as_str(), now.runs.len(), now.runs[0].allocation_id), ("running", 1, j.runs[0].allocation_id), "{now:?}");
+    }
+    assert_one_owner(&js, &[]);
+    assert!(!d.join(format!("copies-at-term-{}", first.moves[0].from_allocation)).exists(), "the source copy was stopped");
+
+    // (2) Again, and the destination's agent is killed mid-move: the move
+    // rolls back when the node is given up; the moving job keeps running
+    // on its source.
+    let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner();
+    let chain_id = step.chain_ids[0];
+    let moving = until("the move under way", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { ledger(&api).await.into_iter().find(|c| c.id == chain_id && c.moves[0].state == "moving") }
+    })
+    .await;
+    let mv = moving.moves[0].clone();
+    kill9(if mv.to_node == "n1" { &mut n1 } else { &mut n2 });
+    let second = until("the second chain rolled back", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { ledger(&api).await.into_iter().find(|c| c.id == chain_id && c.state != "running") }
+    })
+    .await;
+    assert_eq!(second.state, "rolled-back", "{second:?}");
+    assert!(second.cause.contains("rolled back") && second.cause.contains(&mv.to_node), "{second:?}");
+    let js = jobs(&api).await;
+    let kept = js.iter().find(|j| j.id == mv.job_id).unwrap();
+    assert_eq!((kept.state.as_str(), kept.runs.len(), kept.runs[0].allocation_id, kept.runs[0].node.as_str()), ("running", 1, mv.from_allocation, mv.from_node.as_str()), "{kept:?}");
+    assert_one_owner(&js, &[]);
+    assert!(!d.join(format!("copies-at-term-{}", mv.from_allocation)).exists(), "the source copy was stopped");
+    println!("rollbacks: {:?} / {:?}", first.cause, second.cause);
+
+    // The ledger is in the store: a host killed and started again on it
+    // lists the same chains.
+    let before = ledger(&api).await;
+    kill9(&mut host);
+    let (_host, url) = serve(&d, "serve-again", &d.join("state"), &args).await;
+    let api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    assert_eq!(ledger(&api).await, before);
+    std::fs::write(d.join("release"), "0").unwrap();
+}
