@@ -81,17 +81,24 @@ fn activations(events: &[Event]) -> impl DoubleEndedIterator<Item = &Event> {
 }
 
 impl Live {
-    /// Checks a component the way a decision would use it: loads it, then
-    /// places one task and one two-task gang on a small synthetic fleet.
-    fn smoke(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
+    /// Loads an uploaded component for its smoke call: it must implement
+    /// `hook` (named `name` in the error) and accept `config`.
+    fn smoke_policy(&self, bytes: &[u8], config: &str, hook: Hooks, name: &str) -> Result<(Arc<LoadedPolicy>, WasmPolicy), ServeError> {
         let loaded = LoadedPolicy::from_bytes(&self.engine, bytes).map_err(|e| ServeError::Rejected(e.to_string()))?;
-        if !loaded.info.hooks.contains(Hooks::SCORE) {
-            return Err(ServeError::Rejected(format!("{} does not implement the score hook", loaded.info.name)));
+        if !loaded.info.hooks.contains(hook) {
+            return Err(ServeError::Rejected(format!("{} does not implement the {name} hook", loaded.info.name)));
         }
         let mut policy = WasmPolicy::new(self.engine.clone(), loaded.clone(), self.limits);
         if !config.is_empty() {
             policy.configure(config).map_err(|e| ServeError::Rejected(format!("configure: {e}")))?;
         }
+        Ok((loaded, policy))
+    }
+
+    /// Checks a component the way a decision would use it: loads it, then
+    /// places one task and one two-task gang on a small synthetic fleet.
+    fn smoke(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
+        let (loaded, mut policy) = self.smoke_policy(bytes, config, Hooks::SCORE, "score")?;
         let mut fleet = crate::synth::fleet(40, 3, true);
         let shape = TaskShape { gpu_count: 1, gpu_milli: 500, cpu_milli: 1000, memory_mib: 1024, models: vec![] };
         for tasks in [1, 2] {
@@ -106,14 +113,7 @@ impl Live {
     /// Checks a rank component: loads it, then ranks three victims for a
     /// demand (the core validates the answer as it would live).
     fn smoke_rank(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
-        let loaded = LoadedPolicy::from_bytes(&self.engine, bytes).map_err(|e| ServeError::Rejected(e.to_string()))?;
-        if !loaded.info.hooks.contains(Hooks::RANK) {
-            return Err(ServeError::Rejected(format!("{} does not implement the rank hook", loaded.info.name)));
-        }
-        let mut policy = WasmPolicy::new(self.engine.clone(), loaded.clone(), self.limits);
-        if !config.is_empty() {
-            policy.configure(config).map_err(|e| ServeError::Rejected(format!("configure: {e}")))?;
-        }
+        let (loaded, mut policy) = self.smoke_policy(bytes, config, Hooks::RANK, "rank")?;
         let mut fleet = crate::synth::fleet(3, 1, false);
         let gpus = fleet.nodes().iter().map(|n| n.gpus.len()).min().unwrap_or(0) as u32;
         let shape = TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, models: vec![] };
@@ -146,14 +146,7 @@ impl Live {
     /// Checks a compact component: loads it, then plans once over a small
     /// fragmented fleet (the core validates the plan as it would live).
     fn smoke_compact(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
-        let loaded = LoadedPolicy::from_bytes(&self.engine, bytes).map_err(|e| ServeError::Rejected(e.to_string()))?;
-        if !loaded.info.hooks.contains(Hooks::COMPACT) {
-            return Err(ServeError::Rejected(format!("{} does not implement the compact hook", loaded.info.name)));
-        }
-        let mut policy = WasmPolicy::new(self.engine.clone(), loaded.clone(), self.limits);
-        if !config.is_empty() {
-            policy.configure(config).map_err(|e| ServeError::Rejected(format!("configure: {e}")))?;
-        }
+        let (loaded, mut policy) = self.smoke_policy(bytes, config, Hooks::COMPACT, "compact")?;
         let mut fleet = crate::synth::fleet(4, 1, false);
         let nodes: Vec<u32> = (0..fleet.nodes().len() as u32).collect();
         let cc = berth_core::compaction::CompactionConfig::default();
