@@ -266,3 +266,39 @@ async fn a_move_that_never_takes_over_or_loses_its_destination_rolls_back_and_th
     assert_eq!(ledger(&api).await, before);
     std::fs::write(d.join("release"), "0").unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_compact_policy_trips_its_breaker_and_nothing_moves() {
+    let d = dir("live-compaction-hostile");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--no-auto-compaction", "--breaker-failures", "2"]).await;
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    // A job with a command and no agent node: pending, so the policy sees a
+    // pending shape and misbehaves.
+    let job = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 2, true)) }).await.unwrap().into_inner().job_id;
+    let component = std::fs::read(crate::common::guest_path("hostile")).unwrap();
+    for mode in ["compact-invalid", "compact-loop"] {
+        // The upload smoke plan (nothing pending) is honest: accepted.
+        let up = api
+            .upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component: component.clone(), hook: "compact".into(), config: mode.into(), ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner()
+            .policy
+            .unwrap();
+        api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.version, hook: "compact".into() }).await.unwrap();
+        for _ in 0..2 {
+            let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner();
+            let want = if mode == "compact-invalid" { "unknown allocation" } else { "deadline" };
+            assert!(step.rejected.contains(want), "{mode}: {step:?}");
+            assert!(step.moves.is_empty() && step.chain_ids.is_empty(), "{mode}: {step:?}");
+        }
+        // Two failures trip it: no compact version is active any more.
+        let e = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: true }).await.unwrap_err();
+        assert!(e.message().contains("no active compact policy"), "{mode}: {e:?}");
+        let history = api.policy_history(pb::PolicyHistoryRequest { partition: "p0".into(), hook: "compact".into() }).await.unwrap().into_inner();
+        assert_eq!(history.active_version, 0, "{history:?}");
+        assert!(history.events.iter().any(|e| e.kind == "breaker" && e.version == up.version), "{history:?}");
+    }
+    assert!(ledger(&api).await.is_empty());
+    assert_eq!(jobs(&api).await.iter().find(|j| j.id == job).unwrap().state, "pending");
+}

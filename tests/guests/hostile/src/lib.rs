@@ -17,9 +17,13 @@
 //! test) fails with an 8 MiB error text.
 //! `rank`: job 0 honest, 1 duplicate index, 2 out-of-range index.
 //! `score-domains`: job 0 honest (all 0), 1 wrong length, 2 NaN.
+//! `compact`: an empty plan when nothing is pending (the upload smoke
+//! test); with pending shapes, `configure("compact-invalid")` plans a move
+//! of an allocation that does not exist and `configure("compact-loop")`
+//! never returns.
 //! `configure("reject")` fails; anything else is accepted.
 
-use berth_sdk::{Allocations, Domains, Hooks, Level, Nodes, Policy, Scores, Task};
+use berth_sdk::{Allocations, Domains, Hooks, Level, Nodes, Plan, Policy, Scores, Snapshot, Task};
 
 #[derive(Default)]
 struct Hostile {
@@ -35,6 +39,8 @@ enum Mode {
     Flaky,
     Slow,
     LoudErrors,
+    CompactInvalid,
+    CompactLoop,
 }
 
 fn honest(nodes: &Nodes) -> Scores {
@@ -53,7 +59,23 @@ fn recurse(depth: u64, sink: &mut [u64; 64]) -> u64 {
 impl Policy for Hostile {
     const NAME: &'static str = "hostile";
     const VERSION: &'static str = "0.0.1";
-    const HOOKS: Hooks = Hooks::SCORE.union(Hooks::RANK).union(Hooks::DOMAINS);
+    const HOOKS: Hooks = Hooks::SCORE.union(Hooks::RANK).union(Hooks::DOMAINS).union(Hooks::COMPACT);
+
+    fn compact(&mut self, snapshot: &Snapshot) -> Result<Plan, String> {
+        if snapshot.pending.gpu_count.is_empty() {
+            return Ok(Plan::default());
+        }
+        match self.mode {
+            Mode::CompactInvalid => Ok(Plan { chain: vec![0], allocation: vec![u32::MAX], dest_node: vec![0], dest_gpus: vec![0] }),
+            Mode::CompactLoop => {
+                let mut x = 0u64;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }
+            _ => Ok(Plan::default()),
+        }
+    }
 
     fn score_domains(&mut self, task: &Task, domains: &Domains) -> Result<Vec<f64>, String> {
         Ok(match task.job_id {
@@ -69,6 +91,8 @@ impl Policy for Hostile {
             "flaky" => Mode::Flaky,
             "slow" => Mode::Slow,
             "loud-errors" => Mode::LoudErrors,
+            "compact-invalid" => Mode::CompactInvalid,
+            "compact-loop" => Mode::CompactLoop,
             _ => Mode::ByJob,
         };
         Ok(())
