@@ -139,3 +139,216 @@ pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize) -> anyhow:
     let _ = std::fs::remove_dir_all(&state_dir);
     result
 }
+
+/// What `berth bench compact-live` measured.
+#[derive(Debug, Serialize)]
+pub struct CompactBench {
+    pub nodes: u32,
+    pub compact: String,
+    /// Running one-GPU tasks when the steps were planned, and partly used nodes.
+    pub tasks: usize,
+    pub partial_nodes: u32,
+    /// Wall time of a dry-run step through the API (lock, snapshot, the
+    /// wasm policy's call, validation, payback selection), ms.
+    pub plan_runs: usize,
+    pub plan_p50_ms: f64,
+    pub plan_max_ms: f64,
+    /// The chains and moves of the plan that ran.
+    pub chains_run: usize,
+    pub moves: usize,
+    /// The live run: every move make-before-break through the agent protocol.
+    pub run_s: f64,
+    pub chains_done: usize,
+    pub chains_rolled_back: usize,
+    pub moves_done: usize,
+    pub idle_nodes_before: u32,
+    pub idle_nodes_after: u32,
+    pub bytes_moved: u64,
+    /// Whole-node jobs waiting before the step, and running after it.
+    pub whole_node_jobs: u32,
+    pub whole_node_jobs_started: usize,
+}
+
+/// One agent node of the benchmark: registered through the hub's API, it
+/// reports every start as running and every stop as exited at once (no
+/// processes: the benchmark measures the host).
+async fn fake_agent(url: String, node: String, index: u32) -> anyhow::Result<()> {
+    let mut hub = crate::agent::connect_hub(&url, Some(TOKEN), None).await?;
+    let gpus = (0..8).map(|g| pb::GpuInfo { index: g, uuid: format!("GPU-bench-{node}-{g}"), model: "H800".into(), memory_total_mib: 81_920, ..Default::default() }).collect();
+    let reg = pb::RegisterAgentRequest {
+        node: node.clone(),
+        partition: "p0".into(),
+        gpus,
+        source: "bench".into(),
+        agent_version: env!("CARGO_PKG_VERSION").into(),
+        cpu_milli: 128_000,
+        memory_mib: 2 << 20,
+        switch_domain: Some(index / 32),
+        aggregation: Some(0),
+    };
+    let session = hub.register(reg).await?.into_inner().session;
+    let mut stream = hub.commands(pb::CommandsRequest { node: node.clone(), session }).await?.into_inner();
+    hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, ..Default::default() }).await?;
+    while let Some(cmd) = stream.message().await? {
+        let state = match cmd.action.as_str() {
+            "start" => "running",
+            "stop" => "exited",
+            _ => continue,
+        };
+        hub.report_allocation(pb::AllocationReport { node: node.clone(), allocation_id: cmd.allocation_id, state: state.into(), ..Default::default() }).await?;
+    }
+    Ok(())
+}
+
+/// `berth bench compact-live`: a live host whose partition has `nodes`
+/// eight-GPU agent nodes (in-process agents over the real agent API),
+/// filled with movable one-GPU tasks of which every other one then ends,
+/// and whole-node jobs waiting. Times `plan_runs` dry-run compaction steps
+/// with the `compact` policy, then runs one step and waits for its ledger.
+pub fn compact_live(compact: &str, nodes: u32, plan_runs: usize) -> anyhow::Result<CompactBench> {
+    anyhow::ensure!((2..=5_000).contains(&nodes), "--nodes must be in 2..=5000");
+    anyhow::ensure!((1..=1_000).contains(&plan_runs), "--plan-runs must be in 1..=1000");
+    // One tiny simulated node makes partition p0; the agents join it.
+    let fleet = "seed = 1\nnodes_per_switch = 32\nnodes_per_partition = 1\n\n[[shapes]]\nmodel = \"H800\"\ncount = 1\ngpus = 8\ncpu_cores = 128\nmemory_gib = 2048\n";
+    let state_dir = std::env::temp_dir().join(format!("berth-bench-compact-{}", std::process::id()));
+    let config = ServeConfig {
+        listen: "127.0.0.1:0".parse()?,
+        metrics_listen: None,
+        state_dir: state_dir.clone(),
+        fleet: crate::asi::fleet::FleetConfig::parse(fleet, "bench")?,
+        access: Access::parse(&format!("[[identities]]\nname = \"bench\"\ntoken = \"{TOKEN}\"\nroles = {{ \"*\" = \"operator\" }}\n"))?,
+        tls: None,
+        default_policy: std::fs::read(catalog::resolve("binpack")?)?,
+        limits: crate::wasm::Limits { deadline: Duration::from_secs(10), ..crate::wasm::Limits::default() },
+        breaker: Default::default(),
+        max_upload_bytes: 16 << 20,
+        store: StoreChoice::Memory,
+        scheduling: Scheduling { auto_compaction: false, ..Scheduling::default() },
+    };
+    let compact_component = std::fs::read(catalog::resolve(compact)?)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let agents = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(3600), reschedule_after: None, ..Default::default() };
+    let result = runtime.block_on(async move {
+        let host = crate::serve::server::start_with_agents(config, agents).await?;
+        let url = format!("http://{}", host.addr);
+        let mut api = crate::serve::cli::connect(&url, Some(TOKEN), None, None).await?;
+        let mut agents = Vec::with_capacity(nodes as usize);
+        for i in 0..nodes {
+            let (url, node) = (url.clone(), format!("bench-{i:05}"));
+            agents.push(tokio::spawn(async move {
+                if let Err(e) = fake_agent(url, node.clone(), i).await {
+                    eprintln!("bench agent {node}: {e}");
+                }
+            }));
+        }
+        let waited = Instant::now();
+        loop {
+            let listed = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await?.into_inner().nodes;
+            if listed.iter().filter(|n| n.name.starts_with("bench-") && n.schedulable).count() == nodes as usize {
+                break;
+            }
+            anyhow::ensure!(waited.elapsed() < Duration::from_secs(120), "the agents did not register in 2 minutes");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let up = api.upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component: compact_component, hook: "compact".into(), ..Default::default() }).await?.into_inner();
+        api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.policy.map_or(0, |p| p.version), hook: "compact".into() }).await?;
+
+        // Fill every agent GPU with a movable one-GPU task.
+        let task = |gpus: u32, movable: bool| pb::SubmitJobRequest {
+            job: Some(pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, cpu_milli: 1000, memory_mib: 8192, argv: vec!["true".into()], movable, ..Default::default() }),
+        };
+        let total = nodes as usize * 8;
+        for _ in 0..total {
+            api.submit_job(task(1, true)).await?;
+        }
+        let running = |api: crate::serve::cli::Client| async move {
+            let mut api = api;
+            let jobs = api.list_jobs(pb::ListJobsRequest { partition: "p0".into(), state: "running".into(), limit: 100_000 }).await?.into_inner().jobs;
+            anyhow::Ok(jobs)
+        };
+        let filled = loop {
+            let jobs = running(api.clone()).await?;
+            if jobs.len() == total && jobs.iter().all(|j| j.runs.iter().all(|r| r.state == "running")) {
+                break jobs;
+            }
+            anyhow::ensure!(waited.elapsed() < Duration::from_secs(600), "the agent nodes did not fill in 10 minutes");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // Every other task ends (its agent reports the exit): half-used nodes.
+        let mut hub = crate::agent::connect_hub(&url, Some(TOKEN), None).await?;
+        for j in filled.iter().filter(|j| j.id % 2 == 0) {
+            let r = &j.runs[0];
+            hub.report_allocation(pb::AllocationReport { node: r.node.clone(), allocation_id: r.allocation_id, state: "exited".into(), ..Default::default() }).await?;
+        }
+        let tasks = loop {
+            let jobs = running(api.clone()).await?;
+            if jobs.len() == total - filled.iter().filter(|j| j.id % 2 == 0).count() {
+                break jobs.len();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let whole_node_jobs = nodes.div_ceil(10);
+        for _ in 0..whole_node_jobs {
+            api.submit_job(task(8, false)).await?;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        let mut plan_ms = Vec::with_capacity(plan_runs);
+        let mut last = None;
+        for _ in 0..plan_runs {
+            let started = Instant::now();
+            let r = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: true }).await?.into_inner();
+            plan_ms.push(started.elapsed().as_secs_f64() * 1e3);
+            anyhow::ensure!(r.rejected.is_empty(), "the plan was rejected: {}", r.rejected);
+            last = Some(r);
+        }
+        let plan = last.expect("at least one run");
+        plan_ms.sort_by(f64::total_cmp);
+
+        // One step for real, and its ledger once every chain has ended.
+        let started = Instant::now();
+        let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await?.into_inner();
+        let chains = loop {
+            let listed = api.list_compactions(pb::ListCompactionsRequest { partition: "p0".into(), limit: 1000 }).await?.into_inner().chains;
+            let ours: Vec<pb::CompactionChain> = listed.into_iter().filter(|c| step.chain_ids.contains(&c.id)).collect();
+            if ours.len() == step.chain_ids.len() && ours.iter().all(|c| c.state != "running") {
+                break ours;
+            }
+            anyhow::ensure!(started.elapsed() < Duration::from_secs(600), "the compaction run did not end in 10 minutes");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let run_s = started.elapsed().as_secs_f64();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let whole_node_jobs_started = running(api.clone()).await?.iter().filter(|j| j.spec.as_ref().is_some_and(|s| s.gpus == 8)).count();
+        // The agents' command streams would hold the server's shutdown open.
+        for a in agents {
+            a.abort();
+        }
+        host.shutdown().await;
+        let first = chains.iter().min_by_key(|c| c.id);
+        let final_chain = chains.iter().max_by_key(|c| c.id);
+        Ok::<_, anyhow::Error>(CompactBench {
+            nodes,
+            compact: compact.to_string(),
+            tasks,
+            partial_nodes: plan.partial_nodes,
+            plan_runs,
+            plan_p50_ms: plan_ms[plan_ms.len() / 2],
+            plan_max_ms: *plan_ms.last().expect("at least one run"),
+            chains_run: step.chain_ids.len(),
+            moves: step.moves.len(),
+            run_s,
+            chains_done: chains.iter().filter(|c| c.state == "done").count(),
+            chains_rolled_back: chains.iter().filter(|c| c.state != "done").count(),
+            moves_done: chains.iter().flat_map(|c| &c.moves).filter(|m| m.state == "done").count(),
+            idle_nodes_before: first.map_or(0, |c| c.idle_nodes_before),
+            idle_nodes_after: final_chain.map_or(0, |c| c.idle_nodes_after),
+            bytes_moved: chains.iter().map(|c| c.bytes_same_switch + c.bytes_same_aggregation + c.bytes_cross_aggregation).sum(),
+            whole_node_jobs,
+            whole_node_jobs_started,
+        })
+    });
+    let _ = std::fs::remove_dir_all(&state_dir);
+    result
+}
+

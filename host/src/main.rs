@@ -293,6 +293,24 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Live compaction at scale: `berth serve` with N eight-GPU agent nodes
+    /// (in-process agents over the real agent API) half filled with movable
+    /// one-GPU tasks and whole-node jobs waiting; times dry-run steps, then
+    /// runs one step make-before-break and reads its ledger.
+    CompactLive {
+        /// Eight-GPU agent nodes in the partition.
+        #[arg(long, default_value_t = 500)]
+        nodes: u32,
+        /// Compact policy (bundled name or .wasm path).
+        #[arg(long, default_value = "ipc")]
+        compact: String,
+        /// Dry-run steps to time.
+        #[arg(long, default_value_t = 10)]
+        plan_runs: usize,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Time one placement-scoring call in wasm and natively.
     Score {
         /// Policy to time (bundled name or .wasm path).
@@ -418,6 +436,34 @@ fn main() -> anyhow::Result<()> {
                     r.pass_max_us as f64 / 1e3,
                     r.submit_to_decision_p50_ms,
                     r.submit_to_decision_p99_ms
+                );
+            }
+        }
+        Command::Bench { what: BenchCommand::CompactLive { nodes, compact, plan_runs, json } } => {
+            let r = berth::bench_live::compact_live(&compact, nodes, plan_runs)?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "live compaction, {} agent nodes, {} running one-GPU tasks ({} partly used nodes), {}: plan (dry-run step through the API) p50 {:.1} ms, max {:.1} ms over {} runs; one step ran {} chains ({} moves) make-before-break in {:.2} s: {} chains done, {} rolled back, {} moves done, idle nodes {} -> {}, {:.1} GiB of state moved; {} of {} waiting whole-node jobs started",
+                    r.nodes,
+                    r.tasks,
+                    r.partial_nodes,
+                    r.compact,
+                    r.plan_p50_ms,
+                    r.plan_max_ms,
+                    r.plan_runs,
+                    r.chains_run,
+                    r.moves,
+                    r.run_s,
+                    r.chains_done,
+                    r.chains_rolled_back,
+                    r.moves_done,
+                    r.idle_nodes_before,
+                    r.idle_nodes_after,
+                    r.bytes_moved as f64 / f64::from(1u32 << 30),
+                    r.whole_node_jobs_started,
+                    r.whole_node_jobs
                 );
             }
         }
