@@ -253,8 +253,8 @@ impl Live {
     }
 
     /// Make-before-break migration of a job's running task to another
-    /// agent node (`to`, or when empty the schedulable agent node with the
-    /// fewest free GPUs that fit it). The destination GPUs are allocated
+    /// agent node (`to`, or when empty the one the partition's placement
+    /// policy chooses among the other schedulable agent nodes). The destination GPUs are allocated
     /// (checked: no GPU has two owners) and stored before the new copy is
     /// started, with the job's argv and env plus BERTH_MIGRATED_FROM (the
     /// old allocation id); the job holds both until the old copy's exit.
@@ -305,19 +305,22 @@ impl Live {
                 Ok((free[..want].iter().fold(0u64, |m, &g| m | 1 << g), free.len()))
             };
             let (dest, dest_id, mask) = if to.is_empty() {
-                let mut best: Option<(usize, String, NodeId, u64)> = None;
-                for (name, &id) in &st.agent_ids {
-                    if *name == src {
-                        continue;
-                    }
-                    if let Ok((mask, free)) = fit(name, id)
-                        && best.as_ref().is_none_or(|b| (free, name) < (b.0, &b.1))
-                    {
-                        best = Some((free, name.clone(), id, mask));
-                    }
-                }
-                let (_, name, id, mask) = best.ok_or_else(|| ServeError::FailedPrecondition(format!("no other agent node has room for allocation {alloc_id}")))?;
-                (name, id, mask)
+                // The partition's placement policy chooses, among the other
+                // schedulable agent nodes, on a scratch copy of the fleet.
+                let arm = part.active().ok_or_else(|| ServeError::FailedPrecondition(format!("partition {} has no active placement policy to choose a destination", part.name)))?;
+                let agents: std::collections::BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
+                let src_id = old.node;
+                let keep = |id: NodeId, n: &Node| id != src_id && n.schedulable && agents.contains(&id);
+                let task = berth_core::Job { id: job_id, tasks: 1, shape: job.spec.job.shape.clone(), priority: job.spec.job.priority, ..berth_core::Job::default() };
+                let mut scratch = st.fleet.clone();
+                let run = super::scheduler::run_arm(&arm, &mut scratch, &mut berth_core::Placer::new(), &task, &keep);
+                let chosen = match run.result {
+                    Ok(Some((allocations, _))) => allocations.into_iter().next(),
+                    Ok(None) => None,
+                    Err(e) => return Err(ServeError::FailedPrecondition(format!("the placement policy (version {}) failed to choose a destination: {e}", arm.meta.version))),
+                };
+                let a = chosen.ok_or_else(|| ServeError::FailedPrecondition(format!("no other agent node has room for allocation {alloc_id}")))?;
+                (st.fleet.nodes()[a.node as usize].name.clone(), a.node, a.gpus)
             } else {
                 if to == src {
                     return Err(ServeError::Invalid(format!("allocation {alloc_id} already runs on {to}")));

@@ -424,8 +424,8 @@ pub enum ApiCommand {
     Migrate {
         /// The task's allocation id (see `berth jobs`).
         allocation: u64,
-        /// Destination agent node (default: the one with the fewest free
-        /// GPUs that fit).
+        /// Destination agent node (default: the one the partition's
+        /// placement policy chooses).
         #[arg(long, default_value = "")]
         to: String,
         /// Send the old copy a checkpoint notice before its stop.
