@@ -123,8 +123,27 @@ async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(jobs(&api).await.iter().find(|j| j.id == whole).unwrap().state, "pending");
 
+    // A second compact version (one ejection round) in shadow, through the
+    // CLI: it plans on the same snapshot; its plans are tallied, never run.
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(crate::agent::BERTH).args(args).args(["--server", &url, "--token", "ops-test-token"]).output().unwrap();
+        assert!(out.status.success(), "berth {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let ipc = policy_path("ipc");
+    cli(&["policy", "upload", "--partition", "p0", "--hook", "compact", "--config", r#"{"rounds": 1}"#, ipc.to_str().unwrap()]);
+    cli(&["policy", "shadow", "--partition", "p0", "--hook", "compact", "shadow", "2"]);
+
     // A dry run plans and moves nothing.
     let plan = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: true }).await.unwrap().into_inner();
+    let report = api.shadow_report(pb::ShadowReportRequest { partition: "p0".into(), hook: "compact".into() }).await.unwrap().into_inner();
+    let k = report.compact.clone().unwrap();
+    let (active, candidate) = (k.active.unwrap(), k.candidate.unwrap());
+    assert_eq!((k.steps, k.candidate_errors), (1, 0), "{report:?}");
+    assert_eq!(active.moves, plan.moves.len() as u64, "{report:?}");
+    assert!(active.nodes_freed >= 1 && candidate.nodes_freed >= 1 && candidate.moves >= 1, "{report:?}");
+    let text = cli(&["policy", "report", "--partition", "p0", "--hook", "compact"]);
+    assert!(text.contains("compaction steps planned by both: 1"), "{text}");
     assert!(plan.rejected.is_empty(), "{plan:?}");
     assert!(plan.chains.iter().any(|c| c.run && c.nodes_freed >= 1), "{plan:?}");
     assert_eq!(plan.moves.len(), 1, "one 2-GPU job moves onto the other half-used node: {plan:?}");

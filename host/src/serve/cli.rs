@@ -596,8 +596,9 @@ pub enum PolicyApiCommand {
         /// A note kept with the version in the registry history.
         #[arg(long, default_value = "")]
         note: String,
-        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
+        /// or `compact` (compaction planning).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -609,8 +610,9 @@ pub enum PolicyApiCommand {
         partition: String,
         /// The registry version (see `berth policy history`).
         version: u32,
-        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
+        /// or `compact` (compaction planning).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -622,8 +624,9 @@ pub enum PolicyApiCommand {
         partition: String,
         /// The version to go back to (default: the one before the current).
         version: Option<u32>,
-        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
+        /// or `compact` (compaction planning).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -633,8 +636,9 @@ pub enum PolicyApiCommand {
         /// The partition (e.g. p0).
         #[arg(long)]
         partition: String,
-        /// The hook: `place` (placement scoring) or `rank` (preemption ranking).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
+        /// or `compact` (compaction planning).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -655,8 +659,9 @@ pub enum PolicyApiCommand {
         /// candidate decides.
         #[arg(long, default_value_t = 0.5)]
         fraction: f64,
-        /// The hook: `place`, or `rank` (a rank candidate runs in shadow only).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        /// The hook: `place`, `rank` or `compact` (rank and compact
+        /// candidates run in shadow only).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -666,8 +671,9 @@ pub enum PolicyApiCommand {
         /// The partition (e.g. p0).
         #[arg(long)]
         partition: String,
-        /// The hook: `place`, or `rank` (victims and work lost per ranking).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank"])]
+        /// The hook: `place`, `rank` (victims and work lost per ranking) or
+        /// `compact` (chains, moves, nodes freed and payback per plan).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
         hook: String,
         /// Also write the report as one self-contained HTML page (tables, and
         /// SVG plots of agreement over time and latency per arm; opens offline).
@@ -983,13 +989,29 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
             let mut c = client(&conn).await?;
             let r = c.shadow_report(pb::ShadowReportRequest { partition: partition.clone(), hook }).await.map_err(status)?.into_inner();
             if let Some(path) = &html {
-                anyhow::ensure!(r.rank.is_none(), "--html reports placement A/B; the rank report is text");
+                anyhow::ensure!(r.rank.is_none() && r.compact.is_none(), "--html reports placement A/B; the rank and compact reports are text");
                 let req = pb::QueryDecisionsRequest { partition: partition.clone(), limit: 20_000, include_shadow: true, ..Default::default() };
                 let log = c.query_decisions(req).await.map_err(status)?.into_inner().decisions;
                 std::fs::write(path, super::console::report_html(&partition, &r, &log)).with_context(|| format!("writing {}", path.display()))?;
                 eprintln!("wrote {}", path.display());
             }
             println!("{partition}: mode {}; active {}; candidate {}", r.mode, policy(&r.active), policy(&r.candidate));
+            if let Some(k) = &r.compact {
+                println!("  compaction steps planned by both: {}, candidate errors {}", k.steps, k.candidate_errors);
+                for (arm, t) in [("active", &k.active), ("candidate", &k.candidate)] {
+                    let t = t.clone().unwrap_or_default();
+                    println!(
+                        "  {arm:<9}: {} chains, {} moves, {} nodes freed, {:.1} GiB of state, benefit {:.0} / cost {:.0} GPU-s",
+                        t.chains,
+                        t.moves,
+                        t.nodes_freed,
+                        t.state_bytes as f64 / f64::from(1u32 << 30),
+                        t.benefit_gpu_s,
+                        t.cost_gpu_s
+                    );
+                }
+                return Ok(());
+            }
             if let Some(k) = &r.rank {
                 println!("  preemptions ranked by both: {}, same victims: {}, candidate errors {}", k.samples, k.agreed, k.candidate_errors);
                 println!("  jobs interrupted: active {}, candidate {}", k.active_victims, k.candidate_victims);

@@ -327,6 +327,23 @@ impl Live {
             compaction::plan(&st.fleet, &nodes, &rows, &pending, &mut *policy, &config, now_s)
         };
         let took = started.elapsed();
+        // A candidate in shadow plans on the same snapshot; never run.
+        if let Some(cand) = part.compact_candidate.lock().unwrap().clone() {
+            let shadow = {
+                let mut policy = cand.policy.lock().unwrap();
+                compaction::plan(&st.fleet, &nodes, &rows, &pending, &mut *policy, &config, now_s)
+            };
+            let mut stats = part.compact_stats.lock().unwrap();
+            stats.steps += 1;
+            stats.active.add(&planned);
+            match &shadow.rejected {
+                Some(reason) => {
+                    stats.candidate_errors += 1;
+                    tracing::warn!(target: "berth::serve", partition = %part.name, version = cand.meta.version, "compact candidate's plan not used: {reason}");
+                }
+                None => stats.candidate.add(&shadow),
+            }
+        }
         let policy = format!("{}@{} (compact version {})", arm.meta.name, arm.meta.semver, arm.meta.version);
         let (partial, idle, _) = compaction::occupancy(&st.fleet, &nodes);
         let mut report = StepReport { policy: policy.clone(), rejected: planned.rejected.clone(), chains: planned.chains.clone(), idle_nodes: idle, partial_nodes: partial, ..StepReport::default() };

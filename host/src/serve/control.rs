@@ -320,26 +320,24 @@ impl Live {
             let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version: v })?;
             *self.partitions[p].aux(hook).lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
         }
-        if hook != PolicyHook::Rank {
-            return Ok(());
-        }
-        // A rank candidate in shadow comes back too.
+        // A candidate in shadow comes back too.
         let record = self.registry.record(&key)?;
         if let Some(shadow) = &record.shadow
             && let Some(meta) = record.version(shadow.version).cloned()
         {
-            *self.partitions[p].rank_candidate.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
+            *self.partitions[p].aux_candidate(hook).lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
         }
         Ok(())
     }
 
-    /// Puts a rank version in shadow beside the partition's ranking (or
-    /// takes it out with `None`): it ranks every preemption's victims too,
-    /// never actuated, and its choices are tallied (`rank_stats`).
-    pub fn set_rank_shadow(&self, by: &str, partition: &str, version: Option<u32>) -> Result<(), ServeError> {
+    /// Puts a rank or compact version in shadow beside the partition's
+    /// active one (or takes it out with `None`): it ranks every
+    /// preemption's victims, or plans on every compaction step's snapshot,
+    /// too, never actuated, and its choices are tallied.
+    pub fn set_aux_shadow(&self, by: &str, partition: &str, hook: PolicyHook, version: Option<u32>) -> Result<(), ServeError> {
         let p = self.partition_index(partition)?;
         let part = &self.partitions[p];
-        let key = hook_key(partition, PolicyHook::Rank);
+        let key = hook_key(partition, hook);
         let now = unix_ms();
         let arm = match version {
             None => None,
@@ -347,7 +345,7 @@ impl Live {
                 let record = self.registry.record(&key)?;
                 let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: key.clone(), version: v })?;
                 if record.active == Some(v) {
-                    return Err(ServeError::FailedPrecondition(format!("rank version {v} is already active in {partition}")));
+                    return Err(ServeError::FailedPrecondition(format!("{} version {v} is already active in {partition}", hook.as_str())));
                 }
                 Some(Arc::new(self.load_arm(&meta)?))
             }
@@ -359,7 +357,8 @@ impl Live {
             Ok(())
         })?;
         *part.rank_stats.lock().unwrap() = shadow::RankStats::default();
-        *part.rank_candidate.lock().unwrap() = arm;
+        *part.compact_stats.lock().unwrap() = shadow::CompactStats::default();
+        *part.aux_candidate(hook).lock().unwrap() = arm;
         Ok(())
     }
 

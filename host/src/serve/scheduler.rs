@@ -377,6 +377,10 @@ pub struct Partition {
     /// its breaker.
     pub compactor: Mutex<Option<Arc<Arm>>>,
     pub compact_breaker: Mutex<Breaker>,
+    /// A compact version in shadow: it plans on every step's snapshot too
+    /// (never run), and the plans are tallied.
+    pub compact_candidate: Mutex<Option<Arc<Arm>>>,
+    pub compact_stats: Mutex<shadow::CompactStats>,
     /// Jobs accepted and stored but not yet in `state`: a submission never
     /// waits for the state lock, which the deciding thread holds through its
     /// policy calls. Whoever takes the lock next moves them in.
@@ -423,6 +427,8 @@ impl Partition {
             rank_stats: Mutex::new(shadow::RankStats::default()),
             compactor: Mutex::new(None),
             compact_breaker: Mutex::new(Breaker::default()),
+            compact_candidate: Mutex::new(None),
+            compact_stats: Mutex::new(shadow::CompactStats::default()),
             inbox: Mutex::new(Vec::new()),
         }
     }
@@ -449,6 +455,14 @@ impl Partition {
             super::control::PolicyHook::Place => &self.active,
             super::control::PolicyHook::Rank => &self.ranker,
             super::control::PolicyHook::Compact => &self.compactor,
+        }
+    }
+
+    /// The candidate in shadow of the rank or compact hook.
+    pub fn aux_candidate(&self, hook: super::control::PolicyHook) -> &Mutex<Option<Arc<Arm>>> {
+        match hook {
+            super::control::PolicyHook::Compact => &self.compact_candidate,
+            _ => &self.rank_candidate,
         }
     }
 

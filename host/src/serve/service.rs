@@ -737,17 +737,14 @@ impl Berth for Service {
         let r = req.into_inner();
         self.require(&id, &r.partition, Role::Operator)?;
         let hook = super::control::PolicyHook::parse(&r.hook)?;
-        if hook == super::control::PolicyHook::Compact {
-            return Err(ServeError::Invalid("a compact candidate cannot run in shadow yet: try it with `berth compact --live --dry-run` after activating it".into()).into());
-        }
-        if hook == super::control::PolicyHook::Rank {
+        if hook != super::control::PolicyHook::Place {
             let version = match pb::ShadowMode::try_from(r.mode) {
                 Ok(pb::ShadowMode::Off) => None,
                 Ok(pb::ShadowMode::Shadow) => Some(r.version),
-                _ => return Err(ServeError::Invalid("a rank candidate runs in shadow (or off); split is for placement".into()).into()),
+                _ => return Err(ServeError::Invalid(format!("a {} candidate runs in shadow (or off); split is for placement", hook.as_str())).into()),
             };
             let live = self.live.clone();
-            blocking(move || live.set_rank_shadow(&id.name, &r.partition, version)).await?;
+            blocking(move || live.set_aux_shadow(&id.name, &r.partition, hook, version)).await?;
             return Ok(Response::new(pb::SetShadowResponse {}));
         }
         let setting = match pb::ShadowMode::try_from(r.mode) {
@@ -769,7 +766,26 @@ impl Berth for Service {
         let part = &self.live.partitions[self.live.partition_index(&partition)?];
         let hook = super::control::PolicyHook::parse(&r.hook)?;
         if hook == super::control::PolicyHook::Compact {
-            return Err(ServeError::Invalid("compact hooks have no shadow report: see `berth compactions`".into()).into());
+            let candidate = part.compact_candidate.lock().unwrap().clone();
+            let active = part.compactor.lock().unwrap().clone();
+            let s = part.compact_stats.lock().unwrap().clone();
+            let tally = |t: &super::shadow::CompactTally| pb::CompactTally {
+                chains: t.chains,
+                moves: t.moves,
+                nodes_freed: t.nodes_freed,
+                state_bytes: t.state_bytes,
+                benefit_gpu_s: t.benefit_gpu_s,
+                cost_gpu_s: t.cost_gpu_s,
+            };
+            return Ok(Response::new(pb::ShadowReportResponse {
+                mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
+                active: active.map(|a| policy_ref(&a.meta)),
+                candidate: candidate.map(|c| policy_ref(&c.meta)),
+                samples: s.steps,
+                candidate_errors: s.candidate_errors,
+                compact: Some(pb::CompactShadow { steps: s.steps, active: Some(tally(&s.active)), candidate: Some(tally(&s.candidate)), candidate_errors: s.candidate_errors }),
+                ..Default::default()
+            }));
         }
         if hook == super::control::PolicyHook::Rank {
             let candidate = part.rank_candidate.lock().unwrap().clone();

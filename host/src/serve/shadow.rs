@@ -208,3 +208,38 @@ pub struct RankStats {
     /// The candidate failed (trap, deadline, invalid answer).
     pub candidate_errors: u64,
 }
+
+/// One arm's compaction plans, summed over steps.
+#[derive(Clone, Debug, Default)]
+pub struct CompactTally {
+    pub chains: u64,
+    pub moves: u64,
+    pub nodes_freed: i64,
+    pub state_bytes: u64,
+    pub benefit_gpu_s: f64,
+    pub cost_gpu_s: f64,
+}
+
+impl CompactTally {
+    /// Adds a checked plan: the chains selection keeps, and their moves.
+    pub fn add(&mut self, planned: &berth_core::compaction::Planned) {
+        for c in planned.chains.iter().filter(|c| c.run) {
+            self.chains += 1;
+            self.nodes_freed += c.nodes_freed;
+            self.benefit_gpu_s += c.benefit_gpu_s;
+            self.cost_gpu_s += c.cost_gpu_s;
+        }
+        self.moves += planned.moves.len() as u64;
+        self.state_bytes += planned.moves.iter().map(|m| m.state_bytes).sum::<u64>();
+    }
+}
+
+/// A compact candidate in shadow: what each arm planned on the same
+/// snapshots (the candidate's plans are never run).
+#[derive(Clone, Debug, Default)]
+pub struct CompactStats {
+    pub steps: u64,
+    pub active: CompactTally,
+    pub candidate: CompactTally,
+    pub candidate_errors: u64,
+}
