@@ -857,6 +857,7 @@ impl Berth for Service {
                 .collect(),
             arms: if split { vec![arm("active", &s.arms[0], active_meta), arm("candidate", &s.arms[1], candidate_meta)] } else { Vec::new() },
             rank: None,
+            compact: None,
         }))
     }
 }
