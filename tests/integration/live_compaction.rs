@@ -22,14 +22,17 @@ use crate::common::policy_path;
 /// and exits 0; it exits on `release` (99 after two minutes).
 fn movable_argv(d: &Path) -> Vec<String> {
     let d = d.display();
+    // The traps only mark what arrived and the loop acts on it, lingering
+    // a moment after a stop, so a notice sent with the stop is recorded
+    // whichever the agent delivers first.
     let script = format!(
         "date +%s%N > {d}/start-$BERTH_ALLOCATION.tmp && mv {d}/start-$BERTH_ALLOCATION.tmp {d}/start-$BERTH_ALLOCATION; \
          trap 'touch {d}/ckpt-$BERTH_ALLOCATION' USR1; \
-         trap 'grep -lasz \"^BERTH_MIGRATED_FROM=$BERTH_ALLOCATION$\" /proc/[0-9]*/environ > {d}/copies-at-term-$BERTH_ALLOCATION; exit 0' TERM; \
-         i=0; while [ ! -f {d}/release ] && [ $i -lt 2400 ]; do \
+         trap 'grep -lasz \"^BERTH_MIGRATED_FROM=$BERTH_ALLOCATION$\" /proc/[0-9]*/environ > {d}/copies-at-term-$BERTH_ALLOCATION; stop=1' TERM; \
+         i=0; while [ -z \"$stop\" ] && [ ! -f {d}/release ] && [ $i -lt 2400 ]; do \
            if [ -z \"$BERTH_MIGRATED_FROM\" ] || [ -f {d}/ready-ok ]; then touch \"$BERTH_READY\"; fi; \
            sleep 0.05; i=$((i+1)); done; \
-         [ -f {d}/release ] || exit 99; exit 0"
+         [ -n \"$stop\" ] && {{ sleep 0.3; exit 0; }}; [ -f {d}/release ] || exit 99; exit 0"
     );
     vec!["sh".into(), "-c".into(), script]
 }
