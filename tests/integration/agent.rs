@@ -410,7 +410,13 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
         let r = &j.runs[0];
         let want: Vec<String> = r.gpus.iter().map(|g| format!("GPU-synthetic-{}-{g}", r.node)).collect();
         let want = want.join(",");
-        let seen = std::fs::read_to_string(d.join(format!("vis-{}-{}", j.id, r.allocation_id))).unwrap();
+        // Written by the process once it runs (after its start was reported).
+        let vis = d.join(format!("vis-{}-{}", j.id, r.allocation_id));
+        let seen = until(&format!("{}", vis.display()), Duration::from_secs(30), || {
+            let text = std::fs::read_to_string(&vis).ok().filter(|t| t.ends_with('\n'));
+            async move { text }
+        })
+        .await;
         assert_eq!(seen.trim(), format!("{want}|{want}"), "job {}", j.id);
         assert_eq!(r.gpus.len() as u32, j.spec.as_ref().unwrap().gpus);
     }
