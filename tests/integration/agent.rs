@@ -411,12 +411,7 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
         let want: Vec<String> = r.gpus.iter().map(|g| format!("GPU-synthetic-{}-{g}", r.node)).collect();
         let want = want.join(",");
         // Written by the process once it runs (after its start was reported).
-        let vis = d.join(format!("vis-{}-{}", j.id, r.allocation_id));
-        let seen = until(&format!("{}", vis.display()), Duration::from_secs(30), || {
-            let text = std::fs::read_to_string(&vis).ok().filter(|t| t.ends_with('\n'));
-            async move { text }
-        })
-        .await;
+        let seen = written(d.join(format!("vis-{}-{}", j.id, r.allocation_id))).await;
         assert_eq!(seen.trim(), format!("{want}|{want}"), "job {}", j.id);
         assert_eq!(r.gpus.len() as u32, j.spec.as_ref().unwrap().gpus);
     }
@@ -562,7 +557,12 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
     })
     .await;
     assert_eq!(before.iter().find(|j| j.id == sims[2]).unwrap().state, "pending");
-    assert!(std::fs::read_dir(&d).unwrap().filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with(&format!("vis-{held}-"))), "the task wrote its GPUs");
+    // The task writes its GPUs once it runs (its start is reported first).
+    until("the task wrote its GPUs", Duration::from_secs(30), || {
+        let wrote = std::fs::read_dir(&d).unwrap().filter_map(|e| e.ok()).any(|e| e.file_name().to_string_lossy().starts_with(&format!("vis-{held}-")));
+        async move { wrote.then_some(()) }
+    })
+    .await;
 
     // kill -9, then a new process on the same state directory and address.
     kill9(&mut host);
@@ -761,6 +761,15 @@ async fn stamp(path: PathBuf) -> u128 {
     .await
 }
 
+/// A line file a task writes once it runs, once it is there.
+async fn written(path: PathBuf) -> String {
+    until(&format!("{}", path.display()), Duration::from_secs(30), || {
+        let text = std::fs::read_to_string(&path).ok().filter(|t| t.ends_with('\n'));
+        async move { text }
+    })
+    .await
+}
+
 async fn idle_gpus(api: &berth::serve::cli::Client, node: &str) -> u32 {
     node_info(api, node).await.map_or(u32::MAX, |n| n.gpus_idle)
 }
@@ -844,11 +853,11 @@ async fn a_running_task_migrates_make_before_break_and_a_failed_start_rolls_back
     );
     // (b) The new copy saw exactly its new GPUs, and where it came from.
     let want = |node: &str, gpus: &[u32]| gpus.iter().map(|g| format!("GPU-synthetic-{node}-{g}")).collect::<Vec<_>>().join(",");
-    let seen = std::fs::read_to_string(d.join(format!("vis-{}", m.allocation_id))).unwrap();
+    let seen = written(d.join(format!("vis-{}", m.allocation_id))).await;
     let w = want(dst, &m.gpus);
     assert_eq!(seen.trim(), format!("{w}|{w}|{old}"));
     let w = want(&src, &first.gpus);
-    assert_eq!(std::fs::read_to_string(d.join(format!("vis-{old}"))).unwrap().trim(), format!("{w}|{w}|"));
+    assert_eq!(written(d.join(format!("vis-{old}"))).await.trim(), format!("{w}|{w}|"));
     // (d) The job still runs, on the destination; the source GPUs are free.
     assert_eq!(moved.state, "running", "{moved:?}");
     assert_eq!((moved.runs[0].node.as_str(), moved.runs[0].state.as_str(), &moved.runs[0].gpus), (dst, "running", &m.gpus));
