@@ -877,13 +877,6 @@ impl Cursor {
     pub fn abandon(&mut self, chain: u32) {
         self.abandoned = Some(chain);
     }
-    /// Moves of `chain` not yet handed out (skipped when it is abandoned).
-    pub fn left_in_chain(&self, chain: u32) -> usize {
-        self.moves[self.next..].iter().take_while(|m| m.chain == chain).count()
-    }
-    pub fn is_done(&self) -> bool {
-        self.moves[self.next..].iter().all(|m| self.abandoned == Some(m.chain))
-    }
 }
 
 /// Runs `moves` (validated, selected) make-before-break on `fleet`: per

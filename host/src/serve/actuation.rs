@@ -557,7 +557,7 @@ impl Live {
                         first && wait_ready
                     } else {
                         let was = std::mem::replace(&mut r.state, state.to_string());
-                        was == "starting" && state == "running" && (!wait_ready || r.ready)
+                        was == "starting" && r.serves(wait_ready)
                     };
                     if r.replaces != 0 && took_over {
                         // Make-before-break: the new copy runs, now the old one stops.

@@ -95,6 +95,8 @@ struct Origin {
 /// The move in flight.
 #[derive(Debug)]
 struct InFlight {
+    /// The plan's chain number, and its ledger id.
+    chain: u32,
     chain_id: u64,
     index: usize,
     job_id: u64,
@@ -114,6 +116,8 @@ struct RunState {
     /// Plan chain number to ledger id, and each move's index in its record.
     chain_ids: HashMap<u32, u64>,
     next_in_chain: HashMap<u64, usize>,
+    /// The plan chain whose moves are being handed out.
+    chain: Option<u32>,
     current: Option<InFlight>,
     nodes: Vec<NodeId>,
     pending: Vec<Wanted>,
@@ -421,6 +425,7 @@ impl Live {
             origins,
             chain_ids,
             next_in_chain: HashMap::new(),
+            chain: None,
             current: None,
             nodes,
             pending,
@@ -448,11 +453,11 @@ impl Live {
             let chain_id = run.chain_ids[&m.chain];
             let index = *run.next_in_chain.entry(chain_id).and_modify(|i| *i += 1).or_insert(0);
             let origin = run.origins[m.index];
-            // Earlier chains are over once a later one starts.
-            let finished: Vec<u64> = run.chain_ids.iter().filter(|&(&c, _)| c < m.chain).map(|(_, &id)| id).collect();
-            let (nodes, pending) = (run.nodes.clone(), run.pending.clone());
-            for id in finished {
-                self.end_chain(part, st, id, None, &nodes, &pending);
+            // The previous chain is over once the next one starts.
+            if let Some(previous) = run.chain.replace(m.chain).filter(|&c| c != m.chain) {
+                let previous_id = run.chain_ids[&previous];
+                let (nodes, pending) = (run.nodes.clone(), run.pending.clone());
+                self.end_chain(part, st, previous_id, None, &nodes, &pending);
             }
             match self.start_move(part, st, &m, origin) {
                 Ok(new_alloc) => {
@@ -463,6 +468,7 @@ impl Live {
                     self.persist_logged(st.chain_op(&part.name, chain_id).into_iter().collect());
                     let run = st.compaction.run.as_mut().expect("checked above");
                     run.current = Some(InFlight {
+                        chain: m.chain,
                         chain_id,
                         index,
                         job_id: origin.job_id,
@@ -518,6 +524,9 @@ impl Live {
 
     /// Closes a chain's ledger entry (once): done, or rolled back with its cause.
     fn end_chain(&self, part: &Partition, st: &mut PartitionState, chain_id: u64, cause: Option<&str>, nodes: &[NodeId], pending: &[Wanted]) {
+        if st.compaction.record_mut(chain_id).is_none_or(|r| r.state != "running") {
+            return;
+        }
         let (_, idle, _) = compaction::occupancy(&st.fleet, nodes);
         let startable = compaction::startable_count(&st.fleet, nodes, pending) as u32;
         let Some(r) = st.compaction.record_mut(chain_id).filter(|r| r.state == "running") else { return };
@@ -573,7 +582,7 @@ impl Live {
                     self.persist_logged(st.chain_op(&part.name, c.chain_id).into_iter().collect());
                 }
                 Some(r) => {
-                    if c.took_over.is_none() && r.state == "running" && (!wait_ready || r.ready) {
+                    if c.took_over.is_none() && r.serves(wait_ready) {
                         c.took_over = Some(now);
                     }
                     let deadline = Duration::from_secs_f64(st.compaction.config.destination_deadline_s);
@@ -590,10 +599,7 @@ impl Live {
                     // The new copy is gone: rolled back (its start failed, it
                     // exited, its node was lost, or the job ended).
                     let c = run.current.take().expect("matched above");
-                    let chain = run.chain_ids.iter().find(|&(_, &id)| id == c.chain_id).map(|(&k, _)| k);
-                    if let Some(k) = chain {
-                        run.cursor.abandon(k);
-                    }
+                    run.cursor.abandon(c.chain);
                     let cause = c.stopped_for.clone().unwrap_or_else(|| match st.jobs.get(&c.job_id) {
                         Some(j) if !j.detail.is_empty() => j.detail.clone(),
                         Some(j) => format!("the new copy ended; job {} is {}", c.job_id, j.state.as_str()),

@@ -108,6 +108,12 @@ pub struct TaskRun {
 }
 
 impl TaskRun {
+    /// Whether this copy serves: it runs, and has reported ready when its
+    /// job waits for that (a migrated copy then takes over).
+    pub fn serves(&self, wait_ready: bool) -> bool {
+        self.state == "running" && (!wait_ready || self.ready)
+    }
+
     /// A task whose start is about to be sent.
     pub fn starting(alloc_id: u64, node: String, gpus: Vec<u32>) -> TaskRun {
         TaskRun {
