@@ -10,6 +10,7 @@ mod containment;
 mod docs;
 mod equivalence;
 mod guard;
+mod harvest;
 mod ha;
 mod html_report;
 mod languages;

@@ -214,6 +214,13 @@ pub enum Event {
     /// Harvest boundaries: replicas sleep and lend their GPUs, or wake.
     Sleep,
     Wake,
+    /// One running whole-GPU job sleeps now (an operator's or a schedule's
+    /// choice, its processes confirmed asleep): its GPUs are lent to
+    /// low-priority work until it wakes.
+    SleepJob(Slot),
+    /// One sleeping job wakes: borrowers on its GPUs are evicted under
+    /// their contracts and it gets its GPUs back.
+    WakeJob(Slot),
     /// Run a compaction step before this pass.
     Compact,
 }
@@ -226,10 +233,17 @@ pub enum Decision {
     Place { slot: Slot, job: u64, allocations: Vec<Allocation>, domains: u32, start_s: u64, victims: Vec<u64> },
     /// Take a running job back for `for_job` under its priority contract:
     /// notice now, stopped by `stop_by_s` at the latest.
-    Evict { slot: Slot, job: u64, for_job: u64, ranker: String, stop_by_s: u64, lost_gpu_s: f64, forced: bool },
+    /// `wake`: taken back for a sleeping job waking on its GPUs, not ranked.
+    Evict { slot: Slot, job: u64, for_job: u64, ranker: String, stop_by_s: u64, lost_gpu_s: f64, forced: bool, wake: bool },
     /// The starvation guard reserves capacity for a job: it starts by
     /// `until_s` at the latest; these nodes are drained for it.
     Reserve { slot: Slot, job: u64, until_s: u64, nodes: Vec<NodeId> },
+    /// A running job sleeps: `gpus` of its GPUs are lent to low-priority work.
+    Sleep { slot: Slot, job: u64, gpus: u32 },
+    /// A sleeping job wakes on its GPUs once the borrowers evicted for it
+    /// (`victims`) have vacated; `requeued`: it could not get them back (a
+    /// hold or an operator took one) and waits in the queue again.
+    Wake { slot: Slot, job: u64, victims: Vec<u64>, requeued: bool },
 }
 
 /// One call's result: what was decided, and the policy error that stopped
@@ -294,6 +308,9 @@ pub struct Engine {
     /// ended jobs so the table does not grow with every job ever seen).
     free_slots: Vec<Slot>,
     compact_due: bool,
+    /// Decisions made while applying events (sleep, wake and the evictions
+    /// a wake makes): the next pass reports them first.
+    announced: Vec<Decision>,
 }
 
 impl Engine {
@@ -321,6 +338,7 @@ impl Engine {
             touched: HashSet::new(),
             free_slots: Vec::new(),
             compact_due: false,
+            announced: Vec::new(),
         }
     }
 
@@ -486,6 +504,7 @@ impl Engine {
         for event in events {
             self.apply(fleet, now, event);
         }
+        pass.decisions.append(&mut self.announced);
         if let Err((slot, hook, e)) = self.pass(fleet, now, deciders, world, &mut pass.decisions) {
             if let Some(slot) = slot {
                 self.fresh[slot] = true; // tried again next time
@@ -535,6 +554,10 @@ impl Engine {
             Event::FleetChanged => self.freed = true,
             Event::Sleep => self.sleep(fleet, now),
             Event::Wake => self.wake(fleet, now),
+            Event::SleepJob(j) => {
+                self.sleep_job(fleet, j);
+            }
+            Event::WakeJob(j) => self.wake_job(fleet, now, j),
             Event::Compact => self.compact_due = true,
         }
     }
@@ -563,6 +586,30 @@ impl Engine {
         Ok(())
     }
 
+    /// A sleeping job recovered from durable state: it keeps its claim on
+    /// `allocations` (not allocated: lent, and borrowers may hold them).
+    pub fn restore_sleeping(&mut self, slot: Slot, allocations: Vec<Allocation>, started_s: u64) {
+        let job = &self.jobs[slot];
+        for a in &allocations {
+            *self.lent.entry(a.node).or_default() |= a.gpus;
+            self.sleeping_milli += a.gpu_milli_total();
+        }
+        self.sleeping.insert(slot, allocations.clone());
+        self.runs.held[slot] = allocations;
+        self.runs.run_start[slot] = started_s;
+        self.runs.planned_end[slot] = Some(started_s.saturating_add(job.duration_s.max(1)));
+        self.outcome.jobs[slot].start_s = Some(started_s);
+        if job.priority >= self.config.high_priority {
+            self.high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
+        }
+    }
+
+    /// Decisions made by events applied outside [`Engine::handle`] (a
+    /// sleep, a wake and its evictions), in order; the caller actuates them.
+    pub fn take_announced(&mut self) -> Vec<Decision> {
+        std::mem::take(&mut self.announced)
+    }
+
     /// A job recovered while its evicted run was still stopping: it waits
     /// in the queue for [`Event::Vacated`].
     pub fn restore_evicting(&mut self, slot: Slot) {
@@ -585,6 +632,13 @@ impl Engine {
     /// Releases a run's allocations (its planned end already cleared).
     fn stop_run(&mut self, fleet: &mut Fleet, j: Slot) {
         self.runs.running_low.remove(&j);
+        if let Some(allocs) = self.sleeping.remove(&j) {
+            // Its GPUs were released when it fell asleep (borrowers may
+            // hold them now): only the loan ends.
+            self.unlend(&allocs);
+            self.runs.held[j].clear();
+            self.touched.extend(allocs.iter().map(|a| a.node));
+        }
         for alloc in self.runs.held[j].drain(..) {
             fleet.release(&alloc).expect("a running job's allocations are held");
             self.touched.insert(alloc.node);
@@ -603,78 +657,139 @@ impl Engine {
         let running_now: Vec<(usize, u64)> = self.runs.planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (j, e))).collect();
         for (j, end) in running_now {
             let job = &self.jobs[j];
-            // Whole-GPU replicas that will still run when it wakes.
-            if job.class != h.class || job.shape.gpu_milli < crate::MILLI_PER_GPU || end <= now + h.trough_s() || !h.sleeps(job.id, now / 86_400) {
+            // Replicas that will still run when it wakes.
+            if job.class != h.class || end <= now + h.trough_s() || !h.sleeps(job.id, now / 86_400) {
                 continue;
             }
-            for a in &self.runs.held[j] {
-                fleet.release(a).expect("a running job's allocations are held");
-                *self.lent.entry(a.node).or_default() |= a.gpus;
-                self.sleeping_milli += a.gpu_milli_total();
-            }
-            self.sleeping.insert(j, self.runs.held[j].clone());
-            self.outcome.sleeps += 1;
+            self.sleep_job(fleet, j);
         }
     }
 
-    /// Wakes every sleeping replica on its own GPUs: low-priority borrowers
-    /// in the way are evicted under their contracts (on a node, those
-    /// holding the replica's GPUs first). A replica that still cannot fit (a
-    /// borrower's CPU or memory is not enough to explain it) counts as a
-    /// wake failure and queues again.
+    /// Whether running job `j` can sleep and lend its GPUs: it runs, is
+    /// not asleep, and holds whole GPUs (a share of one cannot be lent).
+    pub fn can_sleep(&self, j: Slot) -> bool {
+        self.runs.planned_end[j].is_some() && !self.sleeping.contains_key(&j) && self.jobs[j].shape.gpu_milli >= crate::MILLI_PER_GPU && !self.runs.held[j].is_empty()
+    }
+
+    /// Whether job `j` is asleep, its GPUs lent.
+    pub fn is_sleeping(&self, j: Slot) -> bool {
+        self.sleeping.contains_key(&j)
+    }
+
+    /// GPUs lent by sleeping jobs, as a bitmask per node.
+    pub fn lent(&self) -> &HashMap<NodeId, u64> {
+        &self.lent
+    }
+
+    /// Puts running job `j` to sleep: its GPUs are released and lent to
+    /// low-priority work; it keeps its claim on them. False (and nothing
+    /// changes) when it cannot sleep.
+    fn sleep_job(&mut self, fleet: &mut Fleet, j: Slot) -> bool {
+        if !self.can_sleep(j) {
+            return false;
+        }
+        let mut gpus = 0;
+        for a in &self.runs.held[j] {
+            fleet.release(a).expect("a running job's allocations are held");
+            *self.lent.entry(a.node).or_default() |= a.gpus;
+            self.sleeping_milli += a.gpu_milli_total();
+            gpus += a.gpus.count_ones();
+            self.touched.insert(a.node);
+        }
+        // Asleep, it is nobody's victim: it holds nothing to take back.
+        self.runs.running_low.remove(&j);
+        self.sleeping.insert(j, self.runs.held[j].clone());
+        self.outcome.sleeps += 1;
+        self.freed = true;
+        self.announced.push(Decision::Sleep { slot: j, job: self.jobs[j].id, gpus });
+        true
+    }
+
+    /// Ends the loan of a sleeping job's GPUs.
+    fn unlend(&mut self, allocs: &[Allocation]) {
+        for a in allocs {
+            if let Some(mask) = self.lent.get_mut(&a.node) {
+                *mask &= !a.gpus;
+                if *mask == 0 {
+                    self.lent.remove(&a.node);
+                }
+            }
+            self.sleeping_milli -= a.gpu_milli_total();
+        }
+    }
+
+    /// Wakes every sleeping replica on its own GPUs (see [`Engine::wake_job`]).
     fn wake(&mut self, fleet: &mut Fleet, now: u64) {
         if self.config.harvest.is_none() {
             return;
         }
+        let asleep: Vec<Slot> = self.sleeping.keys().copied().collect();
+        for r in asleep {
+            self.wake_job(fleet, now, r);
+        }
+    }
+
+    /// Wakes sleeping job `r` on its own GPUs: low-priority borrowers in
+    /// the way are evicted under their contracts (on a node, those holding
+    /// its GPUs first). If it still cannot fit (a hold, or CPU or memory
+    /// no borrower explains) it counts as a wake failure and queues again.
+    fn wake_job(&mut self, fleet: &mut Fleet, now: u64, r: Slot) {
+        let Some(allocs) = self.sleeping.remove(&r) else { return };
         self.freed = true;
-        let mut queue = Vec::new();
-        let mut failed = Vec::new();
-        for (r, allocs) in std::mem::take(&mut self.sleeping) {
-            let mut done = Vec::new();
-            let mut ok = true;
-            for a in &allocs {
-                while fleet.allocate(a).is_err() {
-                    // The borrower to evict: one on this node holding these
-                    // GPUs, else any on this node.
-                    let held = &self.runs.held;
-                    let on_node = |v: &usize| held[*v].iter().any(|b| b.node == a.node);
-                    let overlaps = |v: &usize| held[*v].iter().any(|b| b.node == a.node && b.gpus & a.gpus != 0);
-                    let Some(v) = self.runs.running_low.iter().copied().find(overlaps).or_else(|| self.runs.running_low.iter().copied().find(on_node))
-                    else {
-                        ok = false;
-                        break;
-                    };
-                    for b in self.runs.held[v].drain(..) {
-                        fleet.release(&b).expect("a running job's allocations are held");
-                    }
-                    self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
-                    self.outcome.wake_evictions += 1;
-                    if self.runs.ready_at[v] > now {
-                        queue.push(v);
-                    }
-                }
-                if !ok {
+        self.unlend(&allocs);
+        let mut done = Vec::new();
+        let mut victims = Vec::new();
+        let mut ok = true;
+        for a in &allocs {
+            while fleet.allocate(a).is_err() {
+                // The borrower to evict: one on this node holding these
+                // GPUs, else any on this node.
+                let held = &self.runs.held;
+                let on_node = |v: &usize| held[*v].iter().any(|b| b.node == a.node);
+                let overlaps = |v: &usize| held[*v].iter().any(|b| b.node == a.node && b.gpus & a.gpus != 0);
+                let Some(v) = self.runs.running_low.iter().copied().find(overlaps).or_else(|| self.runs.running_low.iter().copied().find(on_node)) else {
+                    ok = false;
                     break;
+                };
+                for b in self.runs.held[v].drain(..) {
+                    fleet.release(&b).expect("a running job's allocations are held");
                 }
-                done.push(a.clone());
+                let (vacate, lost, forced) = self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
+                self.outcome.wake_evictions += 1;
+                if self.runs.ready_at[v] > now {
+                    self.pending.push(v);
+                }
+                victims.push(self.jobs[v].id);
+                let job = self.jobs[v].id;
+                self.announced.push(Decision::Evict { slot: v, job, for_job: self.jobs[r].id, ranker: "wake".into(), stop_by_s: now + vacate, lost_gpu_s: lost, forced, wake: true });
             }
             if !ok {
-                // Give back what it re-took and start it again from the queue.
-                for a in &done {
-                    fleet.release(a).expect("just allocated");
-                }
-                self.runs.held[r].clear();
-                self.runs.planned_end[r] = None;
-                self.outcome.wake_failures += 1;
-                failed.push(r);
+                break;
             }
+            done.push(a.clone());
         }
-        for &r in &failed {
-            self.high_milli -= self.jobs[r].gpus() * u64::from(self.jobs[r].shape.gpu_milli);
+        if ok {
+            if self.low(r) {
+                self.runs.running_low.insert(r);
+            }
+        } else {
+            // Give back what it re-took and start it again from the queue
+            // (a job that reports its exit once its processes are gone).
+            for a in &done {
+                fleet.release(a).expect("just allocated");
+            }
+            self.runs.held[r].clear();
+            self.runs.planned_end[r] = None;
+            self.outcome.wake_failures += 1;
+            if !self.low(r) {
+                self.high_milli -= self.jobs[r].gpus() * u64::from(self.jobs[r].shape.gpu_milli);
+            }
+            if self.jobs[r].reports_exit {
+                self.runs.ready_at[r] = u64::MAX;
+            }
+            self.pending.push(r);
         }
-        self.pending.extend(queue.into_iter().chain(failed));
-        self.lent.clear();
-        self.sleeping_milli = 0;
+        self.announced.push(Decision::Wake { slot: r, job: self.jobs[r].id, victims, requeued: !ok });
     }
 
     /// One walk of the queue in (effective priority desc, arrival, id)
@@ -851,6 +966,7 @@ impl Engine {
                                     stop_by_s: now + vacate,
                                     lost_gpu_s: lost,
                                     forced,
+                                    wake: false,
                                 });
                             }
                             placed = Some((allocs, domains, delay, victims));

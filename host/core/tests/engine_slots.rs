@@ -73,3 +73,48 @@ fn ended_jobs_are_forgotten_and_their_slots_reused_clean() {
     assert!(engine.slots_in_use() == 0, "{}", engine.slots_in_use());
     fleet.check_invariants().unwrap();
 }
+
+/// Per-job harvesting, as the live host drives it: a sleeping job lends its
+/// GPUs to low-priority work only; its wake evicts the borrower (announced
+/// as decisions) and gives it its GPUs back; a sleeping job that ends
+/// leaves the borrower where it is.
+#[test]
+fn a_sleeping_job_lends_its_gpus_to_low_priority_work_until_it_wakes() {
+    let mut fleet = Fleet::new(vec!["A".into()], vec![Node::new("n0", Some(0), 4, 64_000, 256_000)]).unwrap();
+    let mut engine = Engine::new(SimConfig { high_priority: 5, ..SimConfig::default() });
+    let high = |id, gpus| Job { priority: 5, ..job(id, gpus) };
+    let replica = engine.register(high(1, 4));
+    let placed = pass(&mut engine, &mut fleet, 0, vec![Event::Arrive(replica)]);
+    assert!(matches!(placed[..], [Decision::Place { job: 1, .. }]), "{placed:?}");
+    let (borrower, other_high) = (engine.register(job(2, 2)), engine.register(high(3, 1)));
+    assert!(pass(&mut engine, &mut fleet, 1, vec![Event::Arrive(borrower), Event::Arrive(other_high)]).is_empty());
+
+    // Asleep: its 4 GPUs are lent; the low-priority job runs on them, the
+    // high-priority one may not.
+    let d = pass(&mut engine, &mut fleet, 2, vec![Event::SleepJob(replica)]);
+    assert!(matches!(d[0], Decision::Sleep { job: 1, gpus: 4, .. }), "{d:?}");
+    assert!(d.iter().any(|d| matches!(d, Decision::Place { job: 2, .. })), "{d:?}");
+    assert!(!d.iter().any(|d| matches!(d, Decision::Place { job: 3, .. })), "{d:?}");
+    assert!(engine.is_sleeping(replica) && !engine.can_sleep(replica));
+    assert_eq!(engine.lent().get(&0), Some(&0b1111));
+    fleet.check_invariants().unwrap();
+
+    // Awake: the borrower is evicted for it, not ranked; the replica holds
+    // its GPUs again and nothing is lent.
+    engine.apply(&mut fleet, 3, Event::WakeJob(replica));
+    let d = engine.take_announced();
+    assert!(matches!(&d[..], [Decision::Evict { job: 2, for_job: 1, wake: true, .. }, Decision::Wake { job: 1, victims, requeued: false, .. }] if victims == &vec![2]), "{d:?}");
+    assert!(!engine.is_sleeping(replica) && engine.lent().is_empty());
+    assert_eq!(fleet.nodes()[0].gpu_free_milli(), 0);
+    assert!(engine.is_pending(borrower));
+    fleet.check_invariants().unwrap();
+
+    // Asleep again with the borrower back on its GPUs, then it ends: the
+    // borrower keeps running, and nothing is lent any more.
+    let d = pass(&mut engine, &mut fleet, 4, vec![Event::SleepJob(replica)]);
+    assert!(d.iter().any(|d| matches!(d, Decision::Place { job: 2, .. })), "{d:?}");
+    let _ = pass(&mut engine, &mut fleet, 5, vec![Event::End(replica)]);
+    assert!(engine.lent().is_empty() && engine.planned_end(borrower).is_some());
+    assert!(engine.forget(replica));
+    fleet.check_invariants().unwrap();
+}

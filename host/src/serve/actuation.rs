@@ -275,6 +275,9 @@ impl Live {
             if job.state != JobState::Running {
                 return Err(ServeError::FailedPrecondition(format!("job {job_id} is {}", job.state.as_str())));
             }
+            if job.sleep != super::scheduler::SleepState::Awake {
+                return Err(ServeError::FailedPrecondition(format!("job {job_id} is {}: only an awake job migrates", job.sleep.as_str())));
+            }
             if let Some(m) = job.runs.iter().find(|r| r.replaces != 0) {
                 return Err(ServeError::FailedPrecondition(format!("job {job_id} is migrating allocation {} already", m.replaces)));
             }
@@ -459,10 +462,26 @@ impl Live {
         for &id in &hit {
             // The engine gives the job's GPUs back and queues it again; the
             // same GPUs are taken at once by the fenced allocations below.
+            // An asleep job's GPUs are lent, not its: its sleeping processes
+            // are orphans to stop when the node returns, holding nothing.
+            let asleep = st.jobs[&id].sleep == super::scheduler::SleepState::Asleep;
             if let Some(&slot) = st.slots.get(&id) {
                 st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::Requeue(slot));
             }
             let job = st.jobs.get_mut(&id).expect("listed above");
+            job.sleep = super::scheduler::SleepState::Awake;
+            if asleep {
+                for r in job.runs.iter_mut().filter(|r| r.holds) {
+                    st.by_alloc.remove(&r.alloc_id);
+                    r.holds = false;
+                    r.state = "lost".into();
+                    if r.node != node
+                        && let Some(act) = self.actuator()
+                    {
+                        act.stop(r.alloc_id, &r.node);
+                    }
+                }
+            }
             for (a, _) in job.allocations.iter().zip(job.runs.iter()).filter(|(_, r)| r.holds) {
                 st.fleet.allocate(a).expect("the GPUs the engine just released");
             }
@@ -559,6 +578,10 @@ impl Live {
                         let was = std::mem::replace(&mut r.state, state.to_string());
                         was == "starting" && r.serves(wait_ready)
                     };
+                    if state == "sleeping" {
+                        self.task_slept(part, st, job_id);
+                        return;
+                    }
                     if r.replaces != 0 && took_over {
                         // Make-before-break: the new copy runs, now the old one stops.
                         let (old, checkpoint) = (r.replaces, r.checkpoint_old);

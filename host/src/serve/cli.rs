@@ -434,6 +434,22 @@ pub enum ApiCommand {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Put a running job to sleep (operator): once its tasks report asleep
+    /// (the agents' sleep hook), its GPUs are lent to low-priority work.
+    Sleep {
+        /// The job id (see `berth jobs`).
+        job: u64,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Wake a sleeping job (operator): borrowers of its GPUs are evicted
+    /// under their contracts, then its tasks are woken.
+    Wake {
+        /// The job id (see `berth jobs`).
+        job: u64,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Cancel a job.
     Cancel {
         /// The job id (see `berth jobs`).
@@ -760,6 +776,14 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.migrate_task(pb::MigrateTaskRequest { allocation_id: allocation, node: to, checkpoint }).await.map_err(status)?.into_inner();
             println!("job {}: allocation {allocation} migrating to allocation {} on {} GPUs {:?}; the old copy stops once the new one runs", r.job_id, r.allocation_id, r.node, r.gpus);
         }
+        ApiCommand::Sleep { job, conn } => {
+            let r = client(&conn).await?.sleep_job(pb::SleepJobRequest { job_id: job }).await.map_err(status)?.into_inner();
+            println!("job {job}: {} ({})", r.sleep, crate::text::printable(&r.detail, 500));
+        }
+        ApiCommand::Wake { job, conn } => {
+            let r = client(&conn).await?.wake_job(pb::SleepJobRequest { job_id: job }).await.map_err(status)?.into_inner();
+            println!("job {job}: {} ({})", r.sleep, crate::text::printable(&r.detail, 500));
+        }
         ApiCommand::Cancel { job, conn } => {
             let r = client(&conn).await?.cancel_job(pb::CancelJobRequest { job_id: job }).await.map_err(status)?;
             println!("job {job} cancelled (was {})", r.into_inner().previous_state);
@@ -771,7 +795,8 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 let s = j.spec.unwrap_or_default();
                 let decided = if j.decision_id == 0 { "-".to_string() } else { format!("#{}", j.decision_id) };
                 let ver = if j.policy_version == 0 { "-".to_string() } else { format!("v{}", j.policy_version) };
-                println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}", j.id, s.partition, j.owner, j.state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
+                let state = if j.sleep.is_empty() || j.sleep == "awake" { j.state } else { j.sleep };
+                println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}", j.id, s.partition, j.owner, state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
             }
         }
         ApiCommand::Nodes { partition, conn } => {

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use super::breaker::Call;
 use super::control::PolicyHook;
-use super::scheduler::{JobState, Live, Partition, PartitionState};
+use super::scheduler::{JobState, Live, Partition, PartitionState, SleepState};
 use super::{unix_ms, ServeError};
 use crate::store::Op;
 
@@ -207,10 +207,11 @@ impl PartitionState {
     fn compaction_rows(&self, config: &CompactionConfig, now_s: u64) -> (Vec<Running>, Vec<Origin>) {
         let (mut rows, mut origins) = (Vec::new(), Vec::new());
         for (&job_id, j) in &self.jobs {
-            if j.state != JobState::Running || j.evicting || j.runs.is_empty() {
+            // An asleep job's GPUs are lent: it holds nothing to plan with.
+            if j.state != JobState::Running || j.evicting || j.runs.is_empty() || j.sleep == SleepState::Asleep {
                 continue;
             }
-            let movable = j.spec.movable && j.runs.iter().all(|r| r.holds && r.state == "running" && r.replaces == 0);
+            let movable = j.spec.movable && j.sleep == SleepState::Awake && j.runs.iter().all(|r| r.holds && r.state == "running" && r.replaces == 0);
             let started_s = j.started_unix_ms / 1000;
             let remaining_s = j.ends_at.map_or(0, |t| t.saturating_duration_since(Instant::now()).as_secs());
             for (task, (a, r)) in j.allocations.iter().zip(&j.runs).enumerate().filter(|(_, (_, r))| r.holds) {
@@ -493,7 +494,7 @@ impl Live {
     fn start_move(&self, part: &Partition, st: &mut PartitionState, m: &PlannedMove, o: Origin) -> Result<u64, String> {
         let job = st.jobs.get(&o.job_id).ok_or_else(|| format!("job {} is gone", o.job_id))?;
         let run = job.runs.get(o.task).filter(|r| r.alloc_id == o.alloc_id && r.holds).ok_or_else(|| format!("allocation {} of job {} has ended or moved", o.alloc_id, o.job_id))?;
-        if job.state != JobState::Running || job.evicting || run.state != "running" || job.runs.iter().any(|r| r.replaces != 0) {
+        if job.state != JobState::Running || job.evicting || job.sleep != SleepState::Awake || run.state != "running" || job.runs.iter().any(|r| r.replaces != 0) {
             return Err(format!("job {} changed since the plan ({}, task {})", o.job_id, job.state.as_str(), run.state));
         }
         if job.allocations[o.task] != m.from {

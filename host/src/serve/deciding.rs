@@ -323,7 +323,7 @@ impl Live {
             last.insert(job, (note, decision, version));
         }
         if let Some(arm) = ranker.as_ref()
-            && pass.decisions.iter().any(|d| matches!(d, Decision::Evict { .. }))
+            && pass.decisions.iter().any(|d| matches!(d, Decision::Evict { wake: false, .. }))
         {
             // The rank version answered (its answer was used).
             part.rank_breaker.lock().unwrap().record(arm.meta.version, super::breaker::Call::Answered(Duration::ZERO), &self.breaker);
@@ -383,7 +383,7 @@ impl Live {
     }
 
     /// Records one engine decision and actuates it.
-    fn apply_decision(&self, part: &Partition, st: &mut PartitionState, d: Decision, last: &HashMap<u64, (String, u64, u32)>, ranker: Option<&Arm>, pass_us: u64) {
+    pub(super) fn apply_decision(&self, part: &Partition, st: &mut PartitionState, d: Decision, last: &HashMap<u64, (String, u64, u32)>, ranker: Option<&Arm>, pass_us: u64) {
         match d {
             Decision::Place { job: id, allocations, victims, .. } => {
                 let fleet_names = super::scheduler::placed(&st.fleet, &allocations);
@@ -415,7 +415,7 @@ impl Live {
                     self.persist_logged(vec![st.job_op(&part.name, id)]);
                 }
             }
-            Decision::Evict { job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, forced, .. } => {
+            Decision::Evict { job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, forced, wake, .. } => {
                 let contract = st.engine.config.contract;
                 let Some(record) = st.jobs.get_mut(&id) else { return };
                 if let Some(t) = record.ends_at.take() {
@@ -442,7 +442,11 @@ impl Live {
                 record.allocations.clear();
                 record.placements.clear();
                 record.interruptions += 1;
-                record.detail = format!("preempted for job {for_job} (ranked by {ranked_by}); {lost_gpu_s:.0} GPU-s of work lost");
+                record.detail = if wake {
+                    format!("taken back from lent GPUs: job {for_job} wakes on them; {lost_gpu_s:.0} GPU-s of work lost")
+                } else {
+                    format!("preempted for job {for_job} (ranked by {ranked_by}); {lost_gpu_s:.0} GPU-s of work lost")
+                };
                 record.last_decision = record.detail.clone();
                 let agent_job = !record.spec.argv.is_empty();
                 if agent_job {
@@ -468,8 +472,13 @@ impl Live {
                 self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
                 self.metrics.evictions.with_label_values(&[part.name.as_str(), if forced { "forced" } else { "notice" }]).inc();
                 self.metrics.lost_gpu_seconds.with_label_values(&[&part.name]).inc_by(lost_gpu_s);
-                // The rank decision, with the version that ranked.
+                if wake {
+                    self.metrics.harvest.with_label_values(&[&part.name, "wake_eviction"]).inc();
+                }
+                // The rank decision, with the version that ranked (a wake
+                // takes back the borrowers on its GPUs: no ranking).
                 let (policy, semver, version, sha) = match ranker {
+                    _ if wake => ("wake".to_string(), String::new(), 0, String::new()),
                     Some(a) => (a.meta.name.clone(), a.meta.semver.clone(), a.meta.version, a.meta.sha256.clone()),
                     None => ("default-rank".to_string(), String::new(), 0, String::new()),
                 };
@@ -478,8 +487,8 @@ impl Live {
                     unix_ms: unix_ms(),
                     partition: part.name.clone(),
                     job_id: id,
-                    actor: "rank".into(),
-                    arm: "rank".into(),
+                    actor: if wake { "harvest" } else { "rank" }.into(),
+                    arm: if wake { "harvest" } else { "rank" }.into(),
                     actuated: true,
                     policy,
                     policy_semver: semver,
@@ -505,6 +514,8 @@ impl Live {
                     record.reserved_until_s = until_s;
                 }
             }
+            Decision::Sleep { job: id, gpus, .. } => self.fell_asleep(part, st, id, gpus),
+            Decision::Wake { job: id, victims, requeued, .. } => self.woke(part, st, id, victims, requeued),
         }
     }
 
@@ -528,8 +539,13 @@ impl Live {
             })
             .collect();
         for jid in ready {
-            tracing::info!(target: "berth::serve", job = jid, "preempted work is gone: starting");
-            self.actuate(part, st, jid);
+            if st.jobs[&jid].sleep == super::scheduler::SleepState::Waking {
+                tracing::info!(target: "berth::serve", job = jid, "borrowers are gone: waking");
+                self.finish_wake(part, st, jid);
+            } else {
+                tracing::info!(target: "berth::serve", job = jid, "preempted work is gone: starting");
+                self.actuate(part, st, jid);
+            }
         }
         st.dirty = true;
         part.wake.notify_all();

@@ -619,4 +619,11 @@ impl Actuator for Hub {
             tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "checkpoint notice not delivered: {}", e.message());
         }
     }
+
+    fn sleep(&self, alloc_id: u64, node: &str, wake: bool) {
+        let action = if wake { "wake" } else { "sleep" };
+        if let Err(e) = self.send(node, pb::AgentCommand { allocation_id: alloc_id, action: action.into(), ..Default::default() }) {
+            tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "{action} not delivered: {}", e.message());
+        }
+    }
 }

@@ -31,6 +31,9 @@ pub struct Metrics {
     pub compaction_chains: IntCounterVec,
     pub compaction_moves: IntCounterVec,
     pub compaction_nodes_freed: IntCounterVec,
+    /// Sleep-state harvesting: jobs put to sleep, woken, borrowers evicted
+    /// for a wake, wakes that could not get their GPUs back.
+    pub harvest: IntCounterVec,
 }
 
 impl Metrics {
@@ -81,6 +84,7 @@ impl Metrics {
             compaction_chains: counter("berth_compaction_chains_total", "Live compaction chains by how they ended", &["partition", "state"]),
             compaction_moves: counter("berth_compaction_moves_total", "Live compaction moves by how they ended", &["partition", "state"]),
             compaction_nodes_freed: counter("berth_compaction_nodes_freed_total", "Whole GPU nodes left idle by completed compaction chains", &["partition"]),
+            harvest: counter("berth_harvest_events_total", "Sleep-state harvesting: sleep, wake, wake_eviction, wake_failure", &["partition", "event"]),
             lost_gpu_seconds: {
                 let c = prometheus::CounterVec::new(Opts::new("berth_lost_gpu_seconds_total", "GPU-seconds of work lost to preemption"), &["partition"]).expect("valid metric");
                 registry.register(Box::new(c.clone())).expect("registered once");

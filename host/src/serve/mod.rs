@@ -25,6 +25,7 @@ pub mod control;
 pub mod deciding;
 pub mod decisions;
 pub mod guard;
+pub mod harvesting;
 pub mod hub;
 pub mod metrics;
 pub mod persist;

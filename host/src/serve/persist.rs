@@ -79,6 +79,9 @@ struct StoredJob {
     waiting_on: Vec<u64>,
     #[serde(default)]
     interruptions: u32,
+    /// Sleep-state harvesting (absent: awake).
+    #[serde(default)]
+    sleep: super::scheduler::SleepState,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -165,6 +168,7 @@ pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: 
         evicting: j.evicting,
         waiting_on: j.waiting_on.clone(),
         interruptions: j.interruptions,
+        sleep: j.sleep,
     };
     Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
 }
@@ -285,7 +289,7 @@ impl Live {
                 if state == JobState::Pending {
                     st.pending.push(j.id);
                 }
-                let (evicting, waiting_on, interruptions, started_unix_ms) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms);
+                let (evicting, waiting_on, interruptions, started_unix_ms, sleep) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms, j.sleep);
                 running += usize::from(state == JobState::Running);
                 jobs += 1;
                 max_job = max_job.max(j.id);
@@ -323,6 +327,7 @@ impl Live {
                         waiting_on,
                         interruptions,
                         reserved_until_s: 0,
+                        sleep,
                     },
                 );
                 // Live jobs go back into the engine: waiting, stopping after
@@ -332,6 +337,9 @@ impl Live {
                     let now = super::deciding::now_s();
                     if evicting {
                         st.engine.restore_evicting(slot);
+                    } else if state == JobState::Running && sleep == super::scheduler::SleepState::Asleep {
+                        // Its GPUs are lent (borrowers may hold them): a claim, not an allocation.
+                        st.engine.restore_sleeping(slot, holding, started_unix_ms / 1000);
                     } else if state == JobState::Pending {
                         st.engine.apply(&mut st.fleet, now, berth_core::Event::Arrive(slot));
                     } else {

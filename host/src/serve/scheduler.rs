@@ -77,6 +77,31 @@ impl JobState {
     }
 }
 
+/// Where a running job is in sleep-state harvesting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SleepState {
+    #[default]
+    Awake,
+    /// Told to sleep; its GPUs are lent once every task reports asleep.
+    Asked,
+    /// Asleep: its GPUs are lent to low-priority work.
+    Asleep,
+    /// Waking: its tasks are woken once the borrowers evicted for it are gone.
+    Waking,
+}
+
+impl SleepState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SleepState::Awake => "awake",
+            SleepState::Asked => "asked to sleep",
+            SleepState::Asleep => "asleep",
+            SleepState::Waking => "waking",
+        }
+    }
+}
+
 /// One task of a job with argv: a process on an agent node.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct TaskRun {
@@ -142,6 +167,9 @@ pub trait Actuator: Send + Sync {
     fn stop(&self, alloc_id: u64, node: &str);
     /// Sends a checkpoint notice to an allocation (best effort).
     fn checkpoint(&self, alloc_id: u64, node: &str);
+    /// Puts an allocation's processes to sleep, or wakes them (the agent's
+    /// hooks; best effort: the agent reports "sleeping" or "running").
+    fn sleep(&self, alloc_id: u64, node: &str, wake: bool);
 }
 
 pub struct Start<'a> {
@@ -201,6 +229,8 @@ pub struct JobRecord {
     pub interruptions: u32,
     /// The starvation guard's latest start for it (Unix seconds; 0: none).
     pub reserved_until_s: u64,
+    /// Sleep-state harvesting.
+    pub sleep: SleepState,
 }
 
 pub struct PartitionState {
@@ -655,6 +685,7 @@ impl Live {
             waiting_on: Vec::new(),
             interruptions: 0,
             reserved_until_s: 0,
+            sleep: SleepState::Awake,
         };
         // The id is a receipt only once the job is stored. A pending job
         // holds no allocations, so its record names no node.

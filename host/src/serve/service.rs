@@ -109,6 +109,18 @@ impl Service {
         Ok(p)
     }
 
+    /// SleepJob and WakeJob: operators of the job's partition.
+    fn set_sleep(&self, req: Request<pb::SleepJobRequest>, wake: bool) -> Reply<pb::SleepJobResponse> {
+        let id = self.who(&req)?;
+        let job_id = req.get_ref().job_id;
+        let p = self.job_partition(&id, job_id)?;
+        self.require(&id, &self.live.partitions[p].name, Role::Operator)?;
+        let now = if wake { self.live.wake_job(p, job_id)? } else { self.live.sleep_job(p, job_id)? };
+        tracing::info!(target: "berth::serve", job = job_id, by = %id.name, "{}: now {}", if wake { "wake" } else { "sleep" }, now.as_str());
+        let detail = self.live.partitions[p].lock_state().jobs.get(&job_id).map(|j| j.last_decision.clone()).unwrap_or_default();
+        Ok(Response::new(pb::SleepJobResponse { sleep: now.as_str().into(), detail }))
+    }
+
     /// Partitions the caller may view: `partition`, or all they can see.
     fn viewable(&self, id: &Identity, partition: &str) -> Result<Vec<usize>, Status> {
         if partition.is_empty() {
@@ -236,6 +248,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.clone(), exit_code: r.exit_code, signal: r.signal, replaces: r.replaces, checkpointed_unix_ms: r.checkpointed_unix_ms })
             .collect(),
         detail: j.detail.clone(),
+        sleep: j.sleep.as_str().into(),
     }
 }
 
@@ -305,6 +318,14 @@ impl Berth for Service {
         let m = self.live.migrate(r.allocation_id, &r.node, r.checkpoint)?;
         tracing::info!(target: "berth::serve", job = m.job_id, from = r.allocation_id, to = m.alloc_id, node = %m.node, by = %id.name, "task migration started");
         Ok(Response::new(pb::MigrateTaskResponse { job_id: m.job_id, allocation_id: m.alloc_id, node: m.node, gpus: m.gpus }))
+    }
+
+    async fn sleep_job(&self, req: Request<pb::SleepJobRequest>) -> Reply<pb::SleepJobResponse> {
+        self.set_sleep(req, false)
+    }
+
+    async fn wake_job(&self, req: Request<pb::SleepJobRequest>) -> Reply<pb::SleepJobResponse> {
+        self.set_sleep(req, true)
     }
 
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::ListJobsResponse> {

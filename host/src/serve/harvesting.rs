@@ -1,0 +1,216 @@
+//! Sleep-state harvesting, live. An operator puts a running job (an
+//! inference replica in a demand trough, say) to sleep; its agents run the
+//! sleep hook (SIGSTOP by default; e.g. an inference server's own sleep
+//! endpoint) and report its tasks asleep, and only then does the engine
+//! lend its GPUs to low-priority work. On wake the engine takes the
+//! borrowers back under their priority contracts; the job's tasks are
+//! woken once the borrowers' processes are gone, so a GPU never has two
+//! users. The engine's sleep and wake are replay's (`Event::SleepJob`,
+//! `Event::WakeJob`); this module turns them into agent commands.
+
+use std::collections::HashMap;
+
+use berth_core::engine::Event;
+
+use super::decisions::DecisionRecord;
+use super::scheduler::{JobState, Live, Partition, PartitionState, SleepState};
+use super::{unix_ms, ServeError};
+
+impl Live {
+    /// Asks running job `id` of partition `p` to sleep; returns where it is
+    /// now (a job without processes sleeps at once).
+    pub fn sleep_job(&self, p: usize, id: u64) -> Result<SleepState, ServeError> {
+        let part = &self.partitions[p];
+        let mut guard = part.lock_state();
+        let st = &mut *guard;
+        let job = st.jobs.get(&id).ok_or(ServeError::UnknownJob(id))?;
+        let refuse = |why: String| Err(ServeError::FailedPrecondition(format!("job {id} cannot sleep: {why}")));
+        if job.state != JobState::Running {
+            return refuse(format!("it is {}", job.state.as_str()));
+        }
+        if job.sleep != SleepState::Awake {
+            return refuse(format!("it is {} already", job.sleep.as_str()));
+        }
+        if job.evicting || !job.waiting_on.is_empty() {
+            return refuse("it waits for preempted work to stop".into());
+        }
+        if job.runs.iter().any(|r| r.replaces != 0) {
+            return refuse("a task of it is being migrated".into());
+        }
+        if let Some(r) = job.runs.iter().find(|r| r.holds && r.state != "running") {
+            return refuse(format!("its task on {} is {}", r.node, r.state));
+        }
+        let Some(&slot) = st.slots.get(&id) else { return refuse("it is not in the engine".into()) };
+        if !st.engine.can_sleep(slot) {
+            return refuse("it holds a share of a GPU; only whole GPUs are lent".into());
+        }
+        if job.runs.is_empty() {
+            // No processes to tell: it sleeps now.
+            self.fall_asleep(part, st, id);
+            return Ok(st.jobs[&id].sleep);
+        }
+        let act = self.actuator().ok_or_else(|| ServeError::FailedPrecondition("no agent hub".into()))?;
+        let job = st.jobs.get_mut(&id).expect("found above");
+        for r in job.runs.iter().filter(|r| r.holds) {
+            act.sleep(r.alloc_id, &r.node, false);
+        }
+        job.sleep = SleepState::Asked;
+        job.last_decision = "asked to sleep: its GPUs are lent once every task reports asleep".into();
+        tracing::info!(target: "berth::serve", job = id, "asked to sleep");
+        self.persist_logged(vec![st.job_op(&part.name, id)]);
+        Ok(SleepState::Asked)
+    }
+
+    /// Wakes job `id`: a sleep not yet confirmed is called off; an asleep
+    /// job gets its GPUs back (borrowers evicted under their contracts)
+    /// and its tasks are woken once the borrowers are gone.
+    pub fn wake_job(&self, p: usize, id: u64) -> Result<SleepState, ServeError> {
+        let part = &self.partitions[p];
+        let mut guard = part.lock_state();
+        let st = &mut *guard;
+        let job = st.jobs.get_mut(&id).ok_or(ServeError::UnknownJob(id))?;
+        match job.sleep {
+            SleepState::Awake => Err(ServeError::FailedPrecondition(format!("job {id} is not asleep"))),
+            SleepState::Waking => Ok(SleepState::Waking),
+            SleepState::Asked => {
+                // Its GPUs were never lent: wake what fell asleep.
+                job.sleep = SleepState::Awake;
+                job.last_decision = "sleep called off".into();
+                if let Some(act) = self.actuator() {
+                    for r in job.runs.iter().filter(|r| r.holds) {
+                        act.sleep(r.alloc_id, &r.node, true);
+                    }
+                }
+                self.persist_logged(vec![st.job_op(&part.name, id)]);
+                Ok(SleepState::Awake)
+            }
+            SleepState::Asleep => {
+                let Some(&slot) = st.slots.get(&id) else { return Err(ServeError::FailedPrecondition(format!("job {id} is not in the engine"))) };
+                st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::WakeJob(slot));
+                self.apply_announced(part, st);
+                st.dirty = true;
+                part.wake.notify_all();
+                Ok(st.jobs.get(&id).map_or(SleepState::Awake, |j| j.sleep))
+            }
+        }
+    }
+
+    /// An agent reported a task asleep: once all of them are, the job's
+    /// GPUs are lent.
+    pub(crate) fn task_slept(&self, part: &Partition, st: &mut PartitionState, id: u64) {
+        let Some(job) = st.jobs.get(&id) else { return };
+        if job.sleep == SleepState::Asked && job.runs.iter().filter(|r| r.holds).all(|r| r.state == "sleeping") {
+            self.fall_asleep(part, st, id);
+        }
+    }
+
+    fn fall_asleep(&self, part: &Partition, st: &mut PartitionState, id: u64) {
+        let Some(&slot) = st.slots.get(&id) else { return };
+        st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::SleepJob(slot));
+        self.apply_announced(part, st);
+        st.dirty = true;
+        part.wake.notify_all();
+    }
+
+    /// Actuates what the engine decided while applying an event outside a
+    /// pass (a sleep, a wake and the evictions it made).
+    fn apply_announced(&self, part: &Partition, st: &mut PartitionState) {
+        for d in st.engine.take_announced() {
+            self.apply_decision(part, st, d, &HashMap::new(), None, 0);
+        }
+    }
+
+    /// The engine lent a job's GPUs.
+    pub(super) fn fell_asleep(&self, part: &Partition, st: &mut PartitionState, id: u64, gpus: u32) {
+        let Some(job) = st.jobs.get_mut(&id) else { return };
+        job.sleep = SleepState::Asleep;
+        job.last_decision = format!("asleep: {gpus} GPU(s) lent to low-priority work until it wakes");
+        self.metrics.harvest.with_label_values(&[&part.name, "sleep"]).inc();
+        self.log_harvest(part, id, "asleep", job.last_decision.clone());
+        tracing::info!(target: "berth::serve", job = id, gpus, "asleep: GPUs lent");
+        self.persist_logged(vec![st.job_op(&part.name, id)]);
+    }
+
+    /// The engine gave a waking job its GPUs back (or could not).
+    pub(super) fn woke(&self, part: &Partition, st: &mut PartitionState, id: u64, victims: Vec<u64>, requeued: bool) {
+        self.metrics.harvest.with_label_values(&[part.name.as_str(), if requeued { "wake_failure" } else { "wake" }]).inc();
+        let waiting_on: Vec<u64> = victims.iter().copied().filter(|v| st.jobs.get(v).is_some_and(|j| j.evicting)).collect();
+        let Some(job) = st.jobs.get_mut(&id) else { return };
+        if requeued {
+            // A hold or an operator's allocation took one of its GPUs: its
+            // processes stop and it runs again from the queue, like a
+            // preempted job (once they are gone).
+            job.sleep = SleepState::Awake;
+            job.state = JobState::Pending;
+            job.allocations.clear();
+            job.placements.clear();
+            job.interruptions += 1;
+            job.detail = "woke without its GPUs (held or taken while lent): requeued".into();
+            job.last_decision = job.detail.clone();
+            if let Some(t) = job.ends_at.take() {
+                st.running.remove(&(t, id));
+            }
+            if job.runs.iter().any(|r| r.holds) {
+                job.evicting = true;
+                if let Some(act) = self.actuator() {
+                    for r in job.runs.iter().filter(|r| r.holds) {
+                        act.stop(r.alloc_id, &r.node);
+                    }
+                }
+            } else {
+                job.runs.clear();
+            }
+            st.pending.push(id);
+            self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
+            self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+            self.log_harvest(part, id, "wake-failed", st.jobs[&id].detail.clone());
+            tracing::warn!(target: "berth::serve", job = id, "{}", st.jobs[&id].detail);
+            self.persist_logged(vec![st.job_op(&part.name, id)]);
+            return;
+        }
+        job.sleep = SleepState::Waking;
+        job.last_decision = format!("waking: its GPUs back once {} borrower(s) are gone", waiting_on.len());
+        job.waiting_on = waiting_on;
+        self.log_harvest(part, id, "waking", format!("borrowers evicted: {victims:?}"));
+        if job.waiting_on.is_empty() {
+            self.finish_wake(part, st, id);
+        } else {
+            self.persist_logged(vec![st.job_op(&part.name, id)]);
+        }
+    }
+
+    /// Nothing else runs on a waking job's GPUs any more: its tasks wake.
+    pub(super) fn finish_wake(&self, part: &Partition, st: &mut PartitionState, id: u64) {
+        let Some(job) = st.jobs.get_mut(&id) else { return };
+        if let Some(act) = self.actuator() {
+            for r in job.runs.iter().filter(|r| r.holds) {
+                act.sleep(r.alloc_id, &r.node, true);
+            }
+        }
+        job.sleep = SleepState::Awake;
+        job.last_decision = "awake on its own GPUs".into();
+        tracing::info!(target: "berth::serve", job = id, "woken on its GPUs");
+        self.persist_logged(vec![st.job_op(&part.name, id)]);
+    }
+
+    fn log_harvest(&self, part: &Partition, job_id: u64, outcome: &str, detail: String) {
+        self.decisions.append(DecisionRecord {
+            id: 0,
+            unix_ms: unix_ms(),
+            partition: part.name.clone(),
+            job_id,
+            actor: "harvest".into(),
+            arm: "harvest".into(),
+            actuated: true,
+            policy: "harvest".into(),
+            policy_semver: String::new(),
+            policy_version: 0,
+            sha256: String::new(),
+            input_digest: String::new(),
+            outcome: outcome.into(),
+            detail,
+            placements: Vec::new(),
+            latency_us: 0,
+        });
+    }
+}

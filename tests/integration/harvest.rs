@@ -1,0 +1,167 @@
+//! Sleep-state harvesting, live: a real `berth serve`, a real synthetic
+//! agent, real child processes. An operator puts a high-priority replica to
+//! sleep through the CLI; once the agent reports it asleep (SIGSTOP, the
+//! default sleep hook) a waiting low-priority job runs on its GPUs, and a
+//! high-priority job may not. The loan survives a host killed with SIGKILL.
+//! On wake the borrower gets its checkpoint notice and stops, and only then
+//! is the replica woken: no sample ever sees both running on a GPU.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use berth::serve::pb;
+
+use crate::agent::{agent, agent_job, dir, free_port, jobs, kill9, serve, until, BERTH};
+
+/// The state letter of a process in /proc (T: stopped).
+fn proc_state(pid: u32) -> String {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("gone").to_string()
+}
+
+/// `berth sleep|wake JOB` through the CLI as the operator.
+fn cli(url: &str, action: &str, job: u64) -> String {
+    let out = Command::new(BERTH).args([action, &job.to_string(), "--server", url, "--token", "ops-test-token"]).output().unwrap();
+    assert!(out.status.success(), "berth {action}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn job(js: &[pb::Job], id: u64) -> pb::Job {
+    js.iter().find(|j| j.id == id).cloned().unwrap_or_else(|| panic!("no job {id} in {js:?}"))
+}
+
+/// GPUs used by two processes that run (a sleeping one uses none).
+fn shared_gpus(js: &[pb::Job]) -> Option<String> {
+    let mut owners: std::collections::BTreeMap<(String, u32), u64> = Default::default();
+    for j in js {
+        for r in j.runs.iter().filter(|r| matches!(r.state.as_str(), "starting" | "running")) {
+            for &g in &r.gpus {
+                if let Some(other) = owners.insert((r.node.clone(), g), j.id) {
+                    return Some(format!("GPU {g} of {} run by jobs {other} and {}", r.node, j.id));
+                }
+            }
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_back_on_wake() {
+    let d = dir("harvest");
+    let state = d.join("state");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let extra = ["--listen", listen.as_str(), "--agent-timeout-ms", "3000", "--notice-s", "1"];
+    let (mut host, url) = serve(&d, "serve1", &state, &extra).await;
+    let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
+    let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let schedulable = |api: &berth::serve::cli::Client| {
+        let api = api.clone();
+        until("n1 schedulable", Duration::from_secs(60), move || {
+            let mut api = api.clone();
+            async move { api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes.into_iter().find(|n| n.name == "n1" && n.schedulable) }
+        })
+    };
+    schedulable(&api).await;
+
+    // The replica: high priority, the whole node.
+    let mut replica = agent_job(&d, 4, 1);
+    replica.priority = 5;
+    let r = api.submit_job(pb::SubmitJobRequest { job: Some(replica) }).await.unwrap().into_inner().job_id;
+    let up = |api: &berth::serve::cli::Client, what: &'static str, f: fn(&pb::Job) -> bool, id: u64| {
+        let api = api.clone();
+        until(what, Duration::from_secs(60), move || {
+            let api = api.clone();
+            async move { jobs(&api).await.into_iter().find(|j| j.id == id && f(j)) }
+        })
+    };
+    let awake = |j: &pb::Job| j.state == "running" && j.sleep == "awake" && !j.runs.is_empty() && j.runs.iter().all(|r| r.state == "running");
+    let rj = up(&api, "the replica running", awake, r).await;
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    let allocs = hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner().allocations;
+    let pid = allocs.iter().find(|a| a.id == rj.runs[0].allocation_id).expect("the replica's allocation").pid;
+
+    // Low-priority work waits: no GPU is free.
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(job(&jobs(&api).await, low).state, "pending");
+
+    // Asleep (the agent stopped its processes), its GPUs lent: the
+    // low-priority job runs on them.
+    let said = cli(&url, "sleep", r);
+    assert!(said.contains(&format!("job {r}: ")) && (said.contains("asked to sleep") || said.contains("asleep")), "{said}");
+    let asleep = |j: &pb::Job| j.sleep == "asleep" && j.runs.iter().all(|r| r.state == "sleeping");
+    up(&api, "the replica asleep", asleep, r).await;
+    assert_eq!(proc_state(pid), "T", "the replica's process is not stopped");
+    let borrower = up(&api, "the borrower running on lent GPUs", awake, low).await;
+    assert!(borrower.runs[0].gpus.iter().all(|g| rj.runs[0].gpus.contains(g)), "{borrower:?}");
+    assert_eq!(shared_gpus(&jobs(&api).await), None);
+
+    // Lent GPUs are for low-priority work only: a high-priority job waits
+    // (and takes nothing back from the borrower either).
+    let mut high = agent_job(&d, 1, 1);
+    high.priority = 5;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let js = jobs(&api).await;
+    assert_eq!(job(&js, h).state, "pending", "{:?}", job(&js, h));
+    assert_eq!(job(&js, low).state, "running");
+    api.cancel_job(pb::CancelJobRequest { job_id: h }).await.unwrap();
+
+    // The loan is durable: a host killed with SIGKILL comes back on its
+    // store with the replica asleep and the borrower on its GPUs.
+    kill9(&mut host);
+    let (mut _host, url2) = serve(&d, "serve2", &state, &extra).await;
+    assert_eq!(url2, url);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let js = jobs(&api).await;
+    assert_eq!(job(&js, r).sleep, "asleep", "{:?}", job(&js, r));
+    assert_eq!(job(&js, low).state, "running");
+    schedulable(&api).await;
+
+    // Wake: the borrower gets its checkpoint notice and stops; the replica
+    // is woken once its process is gone. A watcher samples the jobs all along.
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let watcher = {
+        let (api, stop, seen) = (api.clone(), stop.clone(), seen.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                if let Some(clash) = shared_gpus(&jobs(&api).await) {
+                    seen.lock().unwrap().push(clash);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let said = cli(&url, "wake", r);
+    assert!(said.contains(&format!("job {r}: waking")), "{said}");
+    up(&api, "the replica awake again", awake, r).await;
+    stop.store(true, Ordering::SeqCst);
+    watcher.await.unwrap();
+    assert_eq!(*seen.lock().unwrap(), Vec::<String>::new(), "a GPU had two running users during the wake");
+    assert_ne!(proc_state(pid), "T", "the replica's process is still stopped");
+    let js = jobs(&api).await;
+    let l = job(&js, low);
+    assert_eq!(l.state, "pending", "{l:?}");
+    assert!(l.detail.contains(&format!("job {r} wakes")), "{l:?}");
+    let alloc = borrower.runs[0].allocation_id;
+    let noted = std::fs::read_to_string(d.join(format!("ckpt-{alloc}"))).unwrap_or_default();
+    assert_eq!(noted.trim(), alloc.to_string(), "no checkpoint notice for the borrower");
+
+    // The decision log has the harvest: asleep, waking, the borrower taken back.
+    let log = api.query_decisions(pb::QueryDecisionsRequest { partition: "p0".into(), limit: 1000, ..Default::default() }).await.unwrap().into_inner().decisions;
+    let harvest: Vec<(u64, String)> = log.iter().filter(|d| d.arm == "harvest").map(|d| (d.job_id, d.outcome.clone())).collect();
+    for want in [(r, "asleep"), (r, "waking"), (low, "evicted")] {
+        assert!(harvest.iter().any(|(j, o)| *j == want.0 && o == want.1), "no {want:?} in {harvest:?}");
+    }
+
+    // A replica that is not asleep cannot be woken; nothing is left running.
+    let e = api.wake_job(pb::SleepJobRequest { job_id: r }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    api.cancel_job(pb::CancelJobRequest { job_id: low }).await.unwrap();
+    std::fs::write(d.join(format!("release-{r}")), "0").unwrap();
+    up(&api, "the replica finished", |j| j.state == "finished", r).await;
+}
