@@ -108,6 +108,8 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     let js = jobs(&api).await;
     assert_eq!(job(&js, h).state, "pending", "{:?}", job(&js, h));
     assert_eq!(job(&js, low).state, "running");
+    let why = api.explain_job(pb::ExplainJobRequest { job_id: h }).await.unwrap().into_inner();
+    assert!(why.summary.contains("1 nodes: GPUs lent by a sleeping job"), "{why:?}");
     api.cancel_job(pb::CancelJobRequest { job_id: h }).await.unwrap();
 
     // The loan is durable: a host killed with SIGKILL comes back on its

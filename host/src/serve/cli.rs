@@ -952,7 +952,8 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                     d.job_id,
                     d.actor,
                     d.arm,
-                    format!("v{} {}@{}", d.policy_version, esc(&d.policy), esc(&d.policy_semver)),
+                    // Version 0: no registry version (the default ranking, harvesting).
+                    if d.policy_version == 0 { esc(&d.policy).into_owned() } else { format!("v{} {}@{}", d.policy_version, esc(&d.policy), esc(&d.policy_semver)) },
                     d.input_digest,
                     d.outcome,
                     d.latency_us,

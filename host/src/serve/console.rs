@@ -424,7 +424,8 @@ pub fn ab_series(log: &[pb::Decision], candidate: Option<u32>) -> Value {
     }
     let mut latency: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for d in &sorted {
-        if d.arm == "rank" {
+        // Not placement decisions: no latency of their own.
+        if d.arm == "rank" || d.arm == "harvest" {
             continue;
         }
         let counts = latency.entry(d.arm.clone()).or_insert_with(|| vec![0; LATENCY_BUCKETS_US.len() + 1]);

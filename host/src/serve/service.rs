@@ -372,29 +372,53 @@ impl Berth for Service {
             return Ok(Response::new(out));
         }
         let shape = &job.spec.job.shape;
+        // Where it may run, as the engine decides: jobs with a command on
+        // agent nodes only (simulated ones never), and a high-priority job
+        // not on nodes with GPUs lent by a sleeping job.
+        let agent_nodes: std::collections::BTreeSet<u32> = st.agent_ids.values().copied().collect();
+        let agent_job = !job.spec.argv.is_empty();
+        let high = job.spec.job.priority >= st.engine.config.high_priority;
+        let lent = st.engine.lent();
+        let may_run = |id: u32| agent_nodes.contains(&id) == agent_job && !(high && lent.contains_key(&id));
         let mut reasons: BTreeMap<berth_core::Unfit, u32> = BTreeMap::new();
-        for node in st.fleet.nodes() {
+        let mut lent_nodes = 0;
+        for (id, node) in st.fleet.nodes().iter().enumerate() {
+            let id = id as u32;
+            if agent_nodes.contains(&id) != agent_job {
+                continue;
+            }
+            if !may_run(id) {
+                lent_nodes += 1;
+                continue;
+            }
             match predicate::check(node, shape) {
                 Ok(()) => out.fitting_nodes += 1,
                 Err(why) => *reasons.entry(why).or_insert(0) += 1,
             }
         }
-        out.fitting_tasks = berth_core::sim::fitting_tasks(&st.fleet, shape, u32::MAX);
+        out.fitting_tasks = berth_core::sim::fitting_tasks_among(&st.fleet, shape, u32::MAX, &|id, _| may_run(id));
+        let candidates = st.fleet.nodes().iter().enumerate().filter(|(id, _)| agent_nodes.contains(&(*id as u32)) == agent_job).count();
         let mut ranked: Vec<(berth_core::Unfit, u32)> = reasons.into_iter().collect();
         ranked.sort_by_key(|&(why, n)| (std::cmp::Reverse(n), why));
         out.reasons = ranked.iter().map(|(why, n)| pb::UnfitCount { reason: why.to_string(), nodes: *n }).collect();
         let me = (std::cmp::Reverse(job.spec.job.priority), job_id);
         out.queue_position = st.pending.iter().filter(|j| (std::cmp::Reverse(st.jobs[j].spec.job.priority), **j) < me).count() as u32;
-        let reasons_text =
+        let mut reasons_text =
             ranked.iter().enumerate().map(|(i, (why, n))| if i == 0 { format!("{n} nodes: {why}") } else { format!("{n}: {why}") }).collect::<Vec<_>>().join("; ");
+        if lent_nodes > 0 {
+            let lent_text = format!("{lent_nodes} nodes: GPUs lent by a sleeping job (for low-priority work only)");
+            reasons_text = if reasons_text.is_empty() { lent_text } else { format!("{lent_text}; {reasons_text}") };
+        }
         let tasks = job.spec.job.tasks;
         // The guard's reservation, if this job holds it.
         let reserved = st.slots.get(&job_id).and_then(|&slot| st.engine.reservation(None).filter(|&(s, _)| s == slot)).map(|(_, until)| until);
         out.reserved_until_unix_s = reserved.unwrap_or(0);
         out.summary = if st.paused {
             "decisions paused: the circuit breaker found no good policy version; an operator must activate one".into()
+        } else if candidates == 0 {
+            if agent_job { "no agent node in the partition: a job with a command runs on agent nodes" } else { "no simulated node in the partition: a job without a command runs on simulated nodes" }.into()
         } else if out.fitting_tasks >= tasks {
-            format!("fits now ({} of {} nodes); {} job(s) ahead in the queue", out.fitting_nodes, st.fleet.nodes().len(), out.queue_position)
+            format!("fits now ({} of {candidates} nodes); {} job(s) ahead in the queue", out.fitting_nodes, out.queue_position)
         } else if tasks > 1 && out.fitting_nodes > 0 {
             format!("gang of {tasks} tasks, {} fit now; {reasons_text}", out.fitting_tasks)
         } else {
