@@ -279,7 +279,10 @@ pub(crate) async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) ->
     let access = d.join("access.toml");
     std::fs::write(&access, ACCESS).unwrap();
     let log = d.join(format!("{name}.log"));
-    let mut args = vec!["serve", "--metrics-listen", "off", "--state-dir", state.to_str().unwrap(), "--access", access.to_str().unwrap()];
+    let mut args = vec!["serve", "--state-dir", state.to_str().unwrap(), "--access", access.to_str().unwrap()];
+    if !extra.contains(&"--metrics-listen") {
+        args.extend(["--metrics-listen", "off"]);
+    }
     if !extra.contains(&"--listen") {
         args.extend(["--listen", "127.0.0.1:0"]);
     }

@@ -34,7 +34,7 @@ const MARKUP: &str = "<img src=x onerror=\"document.title='pwned'\">";
 /// The W3C WebDriver key of an element reference.
 const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
 
-fn http(method: &str, url: &str, token: Option<&str>, body: Option<Value>) -> (u16, String, Option<String>) {
+pub(crate) fn http(method: &str, url: &str, token: Option<&str>, body: Option<Value>) -> (u16, String, Option<String>) {
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(30))).build().into();
     let auth = token.map(|t| format!("Bearer {t}"));
     let r = match method {
@@ -185,6 +185,7 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     assert_eq!(state["identity"]["roles"]["p0"], "viewer");
     assert_eq!(state["fleet"].as_array().unwrap().len(), 96);
     assert!(state["jobs"].as_array().unwrap().iter().any(|j| j["id"] == first && j["state"] == "running" && j["spec"]["name"] == MARKUP));
+    assert_eq!(state["compactions"], json!([]), "no compaction has run");
 
     let (Some(chromedriver), Some(chromium)) =
         (find_tool(&["/usr/bin/chromedriver"]), find_tool(&["/usr/lib/chromium/chromium", "/usr/bin/chromium"]))
@@ -231,6 +232,7 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
             domains: document.querySelectorAll('#fleet-grid .domain').length,
             partitions: document.querySelectorAll('#partitions tbody tr').length,
             preemptions: document.querySelectorAll('#preemptions tbody tr').length,
+            ledger: document.querySelector('#compactions tbody').textContent,
             total: document.querySelector('#acct tr[data-group=\"total\"]').textContent,
          }};"
     ));
@@ -239,8 +241,9 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     assert_eq!(seen["title"], "Berth console");
     assert_eq!(seen["nodeUsed"], 2, "the job's two GPUs on its node: {seen}");
     assert_eq!(seen["domains"], 6, "3 partitions of 32 nodes, 16 per switch: {seen}");
-    assert_eq!(seen["partitions"], 6, "place and rank hooks of 3 partitions: {seen}");
+    assert_eq!(seen["partitions"], 9, "place, rank and compact hooks of 3 partitions: {seen}");
     assert_eq!(seen["preemptions"], 0, "nothing preempted: {seen}");
+    assert_eq!(seen["ledger"], "no compaction chain has run", "{seen}");
     assert!(seen["total"].as_str().unwrap().contains("768.0"), "{seen}");
 
     // The viewer tries to switch the shadow on: the server refuses it.
@@ -285,6 +288,8 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
             plot: document.querySelector('#ab-agreement').getBoundingClientRect().width,
             samples: [...document.querySelectorAll('#ab-summary tr')].find(r => r.textContent.startsWith('Shadow samples')).querySelector('td').textContent,
             bars: [...document.querySelectorAll('#ab-latency rect.bar')].map(r => r.getBBox().height),
+            gaps: [...document.querySelectorAll('#ab-gap polyline.series')].map(l => l.dataset.series),
+            partial: [...document.querySelectorAll('#ab-partial polyline.series')].map(l => [l.dataset.series, l.points.numberOfItems]),
          };",
     );
     let shot = b.screenshot("operator");
@@ -293,6 +298,26 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     assert!(seen["line"].as_f64().unwrap() > 100.0 && seen["plot"].as_f64().unwrap() > 400.0, "the agreement plot laid out: {seen}");
     assert!(seen["samples"].as_str().unwrap().parse::<u64>().unwrap() >= 8, "{seen}");
     assert!(seen["bars"].as_array().unwrap().iter().all(|h| h.as_f64().unwrap() > 0.0), "{seen}");
+    // Score gaps and partly used nodes per sample, a line per arm.
+    assert!(!seen["gaps"].as_array().unwrap().is_empty(), "{seen}");
+    let partial = seen["partial"].as_array().unwrap();
+    assert_eq!(partial.len(), 2, "{seen}");
+    assert!(partial.iter().all(|p| p[1].as_u64().unwrap() >= 8), "a point per shadow sample: {seen}");
+
+    // The first job sleeps (a simulated job: at once): its two GPUs show
+    // as lent on the fleet, idle or borrowed by low-priority work.
+    let slept = rt.block_on(ops.sleep_job(pb::SleepJobRequest { job_id: first })).unwrap().into_inner();
+    assert_eq!(slept.sleep, "asleep", "{slept:?}");
+    b.wait(
+        "the sleeping job's GPUs",
+        &format!(
+            "const row = document.querySelector('#jobs tr[data-job=\"{first}\"]');
+             return !!row && row.querySelector('.state').textContent === 'asleep'
+                 && document.querySelectorAll('#fleet-grid .gpu.sleeping, #fleet-grid .gpu.borrowed').length === 2"
+        ),
+        "return document.querySelector('#fleet-summary').textContent",
+    );
+    b.screenshot("harvest");
 
     // `berth policy report --html` from the real binary: one page that
     // opens offline with the same plots.
@@ -325,5 +350,30 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     drop(b);
     rt.block_on(h.shutdown());
     let _ = std::fs::remove_dir_all(&profile);
+    let _ = std::fs::remove_dir_all(Path::new(&dir));
+}
+
+/// The console's API answers only on a loopback listener: a bearer token
+/// must not cross a network in plaintext. The page itself is served.
+#[test]
+fn the_console_api_refuses_to_answer_off_loopback() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = state_dir("console-wildcard");
+    let mut cfg = config(&dir, ACCESS);
+    cfg.metrics_listen = Some("0.0.0.0:0".parse().unwrap());
+    let h = rt.block_on(berth::serve::start(cfg)).unwrap();
+    let base = format!("http://127.0.0.1:{}", h.metrics_addr.unwrap().port());
+    assert_eq!(http("GET", &format!("{base}/console"), None, None).0, 200);
+    let (status, body, _) = http("GET", &format!("{base}/console/api/state"), Some("ops-console-token"), None);
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("only on a loopback"), "{body}");
+    let mut ops = rt.block_on(client(&h, "ops-console-token"));
+    let v2 = rt.block_on(upload(&mut ops, "p0", policy_path("spread")));
+    let shadow = json!({"partition": "p0", "hook": "place", "action": "shadow", "version": v2});
+    let (status, body, _) = http("POST", &format!("{base}/console/api/action"), Some("ops-console-token"), Some(shadow));
+    assert_eq!(status, 403, "{body}");
+    let parts = rt.block_on(ops.list_partitions(pb::ListPartitionsRequest {})).unwrap().into_inner().partitions;
+    assert_eq!(parts.iter().find(|p| p.name == "p0").unwrap().shadow_mode, "off", "the refused action changed nothing");
+    rt.block_on(h.shutdown());
     let _ = std::fs::remove_dir_all(Path::new(&dir));
 }

@@ -109,7 +109,8 @@ fn stamp(path: PathBuf) -> u128 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_job_starts() {
     let d = dir("live-compaction");
-    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "60000", "--no-auto-compaction"]).await;
+    let extra = ["--agent-timeout-ms", "60000", "--no-auto-compaction", "--metrics-listen", "127.0.0.1:0"];
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &extra).await;
     let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
     let _n2 = agent(&d, &url, "n2", "4xH20", &[]);
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
@@ -212,6 +213,14 @@ async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_
     assert_eq!((chain.idle_nodes_before, chain.idle_nodes_after), (0, 1), "{chain:?}");
     assert!(chain.pending_startable_after > chain.pending_startable_before, "{chain:?}");
     assert!(chain.bytes_cross_aggregation + chain.bytes_same_aggregation + chain.bytes_same_switch > 0, "{chain:?}");
+    // The console's ledger view reads the same chain.
+    let log = std::fs::read_to_string(d.join("serve.log")).unwrap();
+    let console = log.lines().find_map(|l| l.split("console on ").nth(1)).expect("the console's address in the log").trim().to_string();
+    let (status, body, _) = crate::console::http("GET", &format!("{console}/api/state"), Some("ops-test-token"), None);
+    assert_eq!(status, 200, "{body}");
+    let state: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let shown = &state["compactions"][0];
+    assert_eq!((shown["id"].as_u64(), shown["state"].as_str(), shown["moves"][0]["state"].as_str()), (Some(chain.id), Some("done"), Some("done")), "{shown}");
     println!(
         "live compaction: chain {} moved job {} {} -> {} (overlap {} ms, takeover {} ms); {both} of {samples} API samples saw both copies running",
         chain.id, mv.job_id, mv.from_node, mv.to_node, mv.overlap_ms, mv.warmup_ms

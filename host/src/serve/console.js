@@ -99,6 +99,8 @@ function signOut(message) {
   $('#fleet-grid').replaceChildren();
   $('#ab-agreement').replaceChildren();
   $('#ab-latency').replaceChildren();
+  $('#ab-gap').replaceChildren();
+  $('#ab-partial').replaceChildren();
   $('#whoami').textContent = '';
   $('#updated').textContent = '';
   $('#main').hidden = true;
@@ -208,6 +210,7 @@ function render(s) {
   renderFleet(s.fleet || []);
   renderJobs(s.jobs || []);
   renderAccounting(s.accounting || {});
+  renderCompactions(s.compactions || []);
   for (const sel of [$('#ab-partition'), $('#f-partition')]) {
     const keep = sel.value;
     const names = (s.partitions || []).map((p) => p.name);
@@ -233,7 +236,7 @@ function renderPartitions(parts) {
   const rows = [];
   for (const p of parts) {
     const operator = p.role === 'operator';
-    for (const hook of ['place', 'rank']) {
+    for (const hook of ['place', 'rank', 'compact']) {
       const h = p[hook] || {};
       const versions = (h.versions || []).map((v) => v.policy);
       const active = hook === 'place' ? p.active : versions.find((v) => v.version === h.active_version);
@@ -264,7 +267,7 @@ function renderPartitions(parts) {
         el('td', {}, hook === 'place' ? `${p.name} (${p.nodes} nodes, ${p.gpus} GPUs)` : p.name),
         el('td', {}, p.role || 'none'),
         el('td', {}, hook),
-        el('td', { class: 'active' }, hook === 'rank' && !active ? 'default ranking' : ref(active)),
+        el('td', { class: 'active' }, !active && hook === 'rank' ? 'default ranking' : (!active && hook === 'compact' ? 'none (no compaction)' : ref(active))),
         el('td', { class: 'candidate' }, candidate),
         el('td', { class: 'breaker' }, breakerText(p, h)),
         el('td', {}, history),
@@ -309,7 +312,7 @@ function renderJobs(jobs) {
     }
     return el('tr', { class: j.state, 'data-job': j.id },
       el('td', { class: 'num' }, j.id), el('td', {}, s.partition), el('td', {}, j.owner), el('td', { class: 'name' }, s.name || ''),
-      el('td', { class: 'state' }, j.state), el('td', { class: 'num' }, s.tasks), el('td', { class: 'num' }, s.gpus),
+      el('td', { class: 'state' }, j.state === 'running' && j.sleep && j.sleep !== 'awake' ? j.sleep : j.state), el('td', { class: 'num' }, s.tasks), el('td', { class: 'num' }, s.gpus),
       el('td', { class: 'num' }, s.priority), el('td', { class: 'placement' }, placement(j.placements)),
       el('td', { class: 'num' }, j.policy_version || ''), el('td', { class: 'why' }, why));
   }));
@@ -331,6 +334,23 @@ function renderDecisions(ds) {
     el('td', { class: 'num' }, d.id), el('td', {}, time(d.unix_ms)), el('td', {}, d.partition), el('td', { class: 'num' }, d.job_id),
     el('td', {}, d.arm + (d.actuated ? '' : ' (not actuated)')), el('td', {}, `${d.policy}@${d.policy_semver} v${d.policy_version}`),
     el('td', {}, d.outcome), el('td', {}, placement(d.placements)), el('td', { class: 'num' }, d.latency_us), el('td', {}, d.detail))));
+}
+
+function renderCompactions(chains) {
+  const bytes = (c) => Number(c.bytes_same_switch || 0) + Number(c.bytes_same_aggregation || 0) + Number(c.bytes_cross_aggregation || 0);
+  const gib = (b) => (b / 2 ** 30).toFixed(1) + ' GiB';
+  const rows = chains.map((c) => {
+    const moves = c.moves || [];
+    const done = moves.filter((m) => m.state === 'done').length;
+    const list = el('details', {}, el('summary', {}, `${moves.length} planned`),
+      el('ul', {}, ...moves.map((m) => el('li', {}, `job ${m.job_id}: ${m.from_node} → ${m.to_node} (${m.state}${m.cause ? ': ' + m.cause : ''})`))));
+    return el('tr', { 'data-chain': c.id, 'data-state': c.state },
+      el('td', { class: 'num' }, c.id), el('td', {}, c.partition), el('td', {}, c.policy), el('td', { class: 'state' }, c.state),
+      el('td', {}, time(c.started_unix_ms)), el('td', { class: 'num' }, done), el('td', { class: 'num' }, c.nodes_freed || 0),
+      el('td', { class: 'num' }, `${c.idle_nodes_before || 0} → ${c.idle_nodes_after || 0}`), el('td', { class: 'num' }, gib(bytes(c))),
+      el('td', {}, list), el('td', {}, c.cause || ''));
+  });
+  fill($('#compactions tbody'), rows.length ? rows : [el('tr', {}, el('td', { colspan: 11, class: 'muted' }, 'no compaction chain has run'))]);
 }
 
 function renderPreemptions(ds) {
@@ -359,6 +379,38 @@ function renderAb(r) {
   const s = r.series || {};
   plotAgreement(s.agreement || []);
   plotLatency(s.latency_buckets_us || [], s.latency || {});
+  const points = r.points || [];
+  plotLines('#ab-gap', 'score gap', points, [
+    { name: 'candidate', colour: ARM_COLOURS.shadow, value: (p) => p.candidate_gap },
+    { name: 'active', colour: ARM_COLOURS.active, value: (p) => p.active_gap }]);
+  plotLines('#ab-partial', 'partly used nodes', points, [
+    { name: 'candidate', colour: ARM_COLOURS.shadow, value: (p) => p.partial_candidate },
+    { name: 'active', colour: ARM_COLOURS.active, value: (p) => p.partial_active }]);
+}
+
+// One line per series over the shadow samples (a sample a series has no
+// value for is skipped).
+function plotLines(id, yLabel, points, series) {
+  const svg = $(id);
+  svg.replaceChildren();
+  const values = series.map((s) => points.map((p) => { const v = s.value(p); return v === null || v === undefined ? null : Number(v); }));
+  const max = Math.max(1e-9, ...values.flat().filter((v) => v !== null));
+  const h = PLOT.bottom - PLOT.top;
+  const fmt = (v) => max >= 10 ? Math.round(v) : v.toFixed(2);
+  axes(svg, yLabel, [0, 0.5, 1].map((v) => [PLOT.bottom - v * h, fmt(v * max)]));
+  svg.append(svgEl('text', { x: PLOT.right, y: 200, 'text-anchor': 'end' }, `shadow samples (${points.length})`));
+  if (!points.length) {
+    svg.append(svgEl('text', { x: 200, y: 100, class: 'empty' }, 'no shadow samples yet'));
+    return;
+  }
+  const w = PLOT.right - PLOT.left;
+  const x = (i) => PLOT.left + (points.length === 1 ? w / 2 : (i * w) / (points.length - 1));
+  series.forEach((s, k) => {
+    const line = values[k].map((v, i) => v === null ? null : `${x(i).toFixed(1)},${(PLOT.bottom - (v / max) * h).toFixed(1)}`).filter((p) => p).join(' ');
+    if (line) svg.append(svgEl('polyline', { class: 'series', 'data-series': s.name, points: line, fill: 'none', stroke: s.colour, 'stroke-width': 2 }));
+    svg.append(svgEl('rect', { x: PLOT.left + 10 + k * 110, y: 204, width: 10, height: 10, fill: s.colour }));
+    svg.append(svgEl('text', { x: PLOT.left + 24 + k * 110, y: 213, class: 'legend' }, s.name));
+  });
 }
 
 // Plot area of both plots, in the SVG's own units.

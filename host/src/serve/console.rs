@@ -38,6 +38,8 @@ const MAX_TEXT: usize = 4096;
 const EXPLAINED: usize = 20;
 /// Jobs listed per poll.
 const JOBS: u32 = 200;
+/// Compaction chains listed per poll (newest first).
+const COMPACTIONS: u32 = 50;
 
 /// Shared by the handlers.
 struct Console {
@@ -205,7 +207,7 @@ impl Console {
         for p in &partitions {
             let mut row = to_json(p);
             row["role"] = json!(id.role_in(&p.name).map(|r| format!("{r:?}").to_lowercase()));
-            for hook in ["place", "rank"] {
+            for hook in ["place", "rank", "compact"] {
                 let req = pb::PolicyHistoryRequest { partition: p.name.clone(), hook: hook.into() };
                 let history = svc.policy_history(self.request(h, req)).await.map_err(refused)?.into_inner();
                 let mut history = to_json(&history);
@@ -238,6 +240,8 @@ impl Console {
             job_rows.push(row);
         }
         let accounting = svc.accounting(self.request(h, pb::AccountingRequest::default())).await.map_err(refused)?.into_inner();
+        let req = pb::ListCompactionsRequest { partition: String::new(), limit: COMPACTIONS };
+        let compactions = svc.list_compactions(self.request(h, req)).await.map_err(refused)?.into_inner().chains;
         let fleet = self.fleet(&id, partitions.iter().map(|p| p.name.as_str()));
         ok(json!({
             "identity": {
@@ -247,14 +251,16 @@ impl Console {
             "partitions": parts,
             "jobs": job_rows,
             "accounting": to_json(&accounting),
+            "compactions": compactions.iter().map(to_json).collect::<Vec<_>>(),
             "fleet": fleet,
         }))
     }
 
     /// Each node of the partitions `names` (those ListPartitions gave the
     /// caller) with each GPU's state: free, used, shared (partly used),
-    /// held (an operator's allocation or fenced off a lost node) or
-    /// unhealthy.
+    /// held (an operator's allocation or fenced off a lost node),
+    /// unhealthy, sleeping (lent by a sleeping job, idle) or borrowed (lent
+    /// and used by low-priority work).
     fn fleet<'a>(&self, id: &Identity, names: impl Iterator<Item = &'a str>) -> Value {
         let live = &self.service.live;
         let agents = self.service.agents.as_ref().map(|h| h.node_states()).unwrap_or_default();
@@ -265,6 +271,7 @@ impl Console {
                 continue;
             }
             let st = live.partitions[p].lock_state();
+            let lent = st.engine.lent();
             let mut held: BTreeMap<u32, u64> = BTreeMap::new();
             for a in st.manual.values() {
                 *held.entry(a.node).or_default() |= a.gpus;
@@ -280,6 +287,9 @@ impl Console {
                             "unhealthy"
                         } else if held.get(&i).is_some_and(|m| m & (1 << g) != 0) {
                             "held"
+                        } else if lent.get(&i).is_some_and(|m| m & (1 << g) != 0) {
+                            // A sleeping job's GPU: idle, or borrowed by low-priority work.
+                            if free == berth_core::MILLI_PER_GPU { "sleeping" } else { "borrowed" }
                         } else if free == berth_core::MILLI_PER_GPU {
                             "free"
                         } else if free == 0 {

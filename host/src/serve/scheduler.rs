@@ -868,6 +868,7 @@ impl Live {
         };
         let picks = a.as_ref().zip(c.as_ref()).map(|((x, _), (y, _))| (x[0].node, y[0].node));
         let sample = shadow::Sample {
+            job_id: job.id,
             agree,
             candidate_gap: picks.and_then(|(ap, cp)| shadow::score_gap(&cand.first, cp, ap)),
             active_gap: picks.and_then(|(ap, cp)| shadow::score_gap(&active.first, ap, cp)),

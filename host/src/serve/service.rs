@@ -903,6 +903,19 @@ impl Berth for Service {
             arms: if split { vec![arm("active", &s.arms[0], active_meta), arm("candidate", &s.arms[1], candidate_meta)] } else { Vec::new() },
             rank: None,
             compact: None,
+            points: s
+                .points
+                .iter()
+                .map(|p| pb::ShadowPoint {
+                    unix_ms: p.unix_ms,
+                    job_id: p.job_id,
+                    agree: p.agree,
+                    candidate_gap: p.candidate_gap,
+                    active_gap: p.active_gap,
+                    partial_active: p.partial_after.0,
+                    partial_candidate: p.partial_after.1,
+                })
+                .collect(),
         }))
     }
 }

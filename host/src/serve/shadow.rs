@@ -124,12 +124,29 @@ pub struct Stats {
     pub partial_candidate: u64,
     pub candidate_errors: u64,
     pub recent_diffs: VecDeque<Diff>,
+    /// The latest samples, for plots over time (at most [`POINTS`]).
+    pub points: VecDeque<Point>,
     /// Split mode: [active, candidate].
     pub arms: [ArmStats; 2],
 }
 
+/// Shadow samples kept for plots over time.
+pub const POINTS: usize = 400;
+
+/// One shadow sample as the plots show it.
+#[derive(Clone, Debug)]
+pub struct Point {
+    pub unix_ms: u64,
+    pub job_id: u64,
+    pub agree: bool,
+    pub candidate_gap: Option<f64>,
+    pub active_gap: Option<f64>,
+    pub partial_after: (u64, u64),
+}
+
 /// One shadow comparison's inputs.
 pub struct Sample {
+    pub job_id: u64,
     pub agree: bool,
     pub candidate_gap: Option<f64>,
     pub active_gap: Option<f64>,
@@ -142,6 +159,17 @@ impl Stats {
     pub fn add_sample(&mut self, s: Sample, diff: Option<Diff>) {
         self.samples += 1;
         self.agree += u64::from(s.agree);
+        self.points.push_back(Point {
+            unix_ms: super::unix_ms(),
+            job_id: s.job_id,
+            agree: s.agree,
+            candidate_gap: s.candidate_gap,
+            active_gap: s.active_gap,
+            partial_after: s.partial_after,
+        });
+        if self.points.len() > POINTS {
+            self.points.pop_front();
+        }
         if let Some(g) = s.candidate_gap {
             self.candidate_gap.0 += g;
             self.candidate_gap.1 += 1;
