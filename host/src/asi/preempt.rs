@@ -139,8 +139,16 @@ pub fn compare(
 fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s: u64) -> PreemptRow {
     let total = fleet.gpu_total_milli() as f64;
     let secs = out.utilisation.seconds.max(1.0);
-    let mut high_waits: Vec<u64> =
-        jobs.iter().zip(&out.jobs).filter(|(j, _)| j.priority >= HIGH_PRIORITY).filter_map(|(j, o)| o.start_s.map(|s| s - j.arrival_s)).collect();
+    // A job still waiting at the horizon has waited at least until then:
+    // counted so, not dropped (dropping it makes a run that starves high
+    // priority look faster).
+    let end = out.end_s.max(1);
+    let mut high_waits: Vec<u64> = jobs
+        .iter()
+        .zip(&out.jobs)
+        .filter(|(j, _)| j.priority >= HIGH_PRIORITY && j.arrival_s < end)
+        .map(|(j, o)| o.start_s.unwrap_or(end).saturating_sub(j.arrival_s))
+        .collect();
     high_waits.sort_unstable();
     let low: Vec<(&Job, &berth_core::sim::JobOutcome)> = jobs.iter().zip(&out.jobs).filter(|(j, _)| j.priority < HIGH_PRIORITY).collect();
     let completion: f64 = low.iter().map(|(j, o)| (o.end_s.unwrap_or(horizon_s.max(j.arrival_s)) - j.arrival_s) as f64 / 3600.0).sum();
