@@ -15,6 +15,7 @@ mod ha;
 mod html_report;
 mod languages;
 mod live_compaction;
+mod live_replay;
 mod loading;
 mod partition;
 mod pool;

@@ -15,7 +15,7 @@ use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 
 use super::decisions::Placed;
 use super::scheduler::{JobState, Live, Partition, PartitionState, Start, TaskRun};
-use super::{unix_ms, ServeError};
+use super::ServeError;
 
 /// Agent nodes get switch domains of their own, apart from simulated ones:
 /// one per node unless the agent declares its access switch (and
@@ -155,7 +155,7 @@ impl Live {
         if st.fleet.nodes()[id as usize].schedulable != on {
             st.fleet.set_schedulable(id, on).expect("agent node ids are in the fleet");
             // Outside the engine: jobs that did not fit are tried again.
-            st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
+            st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::FleetChanged);
             st.dirty = true;
             part.wake.notify_all();
         }
@@ -466,7 +466,7 @@ impl Live {
             // are orphans to stop when the node returns, holding nothing.
             let asleep = st.jobs[&id].sleep == super::scheduler::SleepState::Asleep;
             if let Some(&slot) = st.slots.get(&id) {
-                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::Requeue(slot));
+                st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Requeue(slot));
             }
             let job = st.jobs.get_mut(&id).expect("listed above");
             job.sleep = super::scheduler::SleepState::Awake;
@@ -555,9 +555,9 @@ impl Live {
                     // The task saved its work: preemption ranks it, and
                     // counts work lost, from now.
                     let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) else { return };
-                    r.checkpointed_unix_ms = unix_ms();
+                    r.checkpointed_unix_ms = self.now_ms();
                     if let Some(&slot) = st.slots.get(&job_id) {
-                        st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::engine::Event::Checkpoint(slot));
+                        st.engine.apply(&mut st.fleet, self.now_s(), berth_core::engine::Event::Checkpoint(slot));
                     }
                     tracing::info!(target: "berth::serve", job = job_id, allocation = alloc_id, "task reported a checkpoint");
                     self.persist_logged(vec![st.job_op(&part.name, job_id)]);
@@ -613,7 +613,7 @@ impl Live {
                 st.apply_holds(a.node);
                 // GPUs freed outside the engine (a fenced or operator
                 // allocation): jobs that did not fit are tried again.
-                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
+                st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::FleetChanged);
                 if st.lost.remove(&alloc_id) {
                     tracing::info!(target: "berth::serve", allocation = alloc_id, "fenced GPUs of a lost node released: {state}");
                 }
@@ -655,7 +655,7 @@ impl Live {
                 st.by_alloc.remove(&alloc_id);
                 st.apply_holds(a.node);
                 // GPUs freed outside the engine: waiting jobs are tried again.
-                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
+                st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::FleetChanged);
                 self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 st.dirty = true;
                 part.wake.notify_all();
@@ -680,7 +680,7 @@ impl Live {
                 st.apply_holds(node);
                 // The source's GPUs are free outside the engine (it holds
                 // the new allocation now): waiting jobs are tried again.
-                st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::FleetChanged);
+                st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::FleetChanged);
                 self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 st.dirty = true;
                 part.wake.notify_all();
@@ -708,7 +708,7 @@ impl Live {
                 if job.state == JobState::Running {
                     let ok = job.runs.iter().all(|r| !failed(&r.state, r.exit_code, r.signal));
                     job.state = if ok { JobState::Finished } else { JobState::Failed };
-                    job.ended_unix_ms = unix_ms();
+                    job.ended_unix_ms = self.now_ms();
                     self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
                     self.metrics.jobs.with_label_values(&[&part.name, job.state.as_str()]).inc();
                     tracing::info!(target: "berth::serve", job = job_id, state = job.state.as_str(), "job ended");
@@ -717,7 +717,7 @@ impl Live {
                     st.running.remove(&(t, job_id));
                 }
                 if let Some(&slot) = st.slots.get(&job_id) {
-                    st.engine.apply(&mut st.fleet, super::deciding::now_s(), berth_core::Event::End(slot));
+                    st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::End(slot));
                 }
             }
             if let Some(node) = node {

@@ -182,6 +182,7 @@ impl ServeArgs {
                     c
                 },
                 auto_compaction: !self.no_auto_compaction,
+                ..Default::default()
             },
             store: match &self.etcd {
                 None => StoreChoice::Embedded,

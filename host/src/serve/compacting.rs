@@ -213,7 +213,7 @@ impl PartitionState {
             }
             let movable = j.spec.movable && j.sleep == SleepState::Awake && j.runs.iter().all(|r| r.holds && r.state == "running" && r.replaces == 0);
             let started_s = j.started_unix_ms / 1000;
-            let remaining_s = j.ends_at.map_or(0, |t| t.saturating_duration_since(Instant::now()).as_secs());
+            let remaining_s = j.ends_at.map_or(0, |t| t.saturating_duration_since(self.clock.now()).as_secs());
             for (task, (a, r)) in j.allocations.iter().zip(&j.runs).enumerate().filter(|(_, (_, r))| r.holds) {
                 let checkpoint_s = (r.checkpointed_unix_ms / 1000).max(started_s);
                 rows.push(Running {
@@ -321,7 +321,7 @@ impl Live {
         let Some(arm) = part.aux(PolicyHook::Compact).lock().unwrap().clone() else {
             return Err(ServeError::FailedPrecondition(format!("partition {} has no active compact policy", part.name)));
         };
-        let now_s = super::deciding::now_s();
+        let now_s = self.now_s();
         let config = st.compaction.config.clone();
         let nodes = st.agent_node_ids();
         let (rows, origins) = st.compaction_rows(&config, now_s);
@@ -475,7 +475,7 @@ impl Live {
                         job_id: origin.job_id,
                         old_alloc: origin.alloc_id,
                         new_alloc,
-                        started: Instant::now(),
+                        started: self.clock.now(),
                         took_over: None,
                         stopped_for: None,
                     });
@@ -565,7 +565,7 @@ impl Live {
                     // The old copy is gone and the new one is the task.
                     let c = run.current.take().expect("matched above");
                     let warmup_ms = c.took_over.map_or(elapsed_ms, |t| t.saturating_duration_since(c.started).as_millis() as u64);
-                    st.compaction.moved_at.insert(c.new_alloc, super::deciding::now_s());
+                    st.compaction.moved_at.insert(c.new_alloc, self.now_s());
                     self.metrics.compaction_moves.with_label_values(&[&part.name, "done"]).inc();
                     if let Some(rec) = st.compaction.record_mut(c.chain_id) {
                         let mv = &mut rec.moves[c.index];

@@ -23,12 +23,7 @@ use berth_sdk::{Allocations, Domains, Nodes, Scores, Task};
 use super::decisions::DecisionRecord;
 use super::scheduler::{input_digest, partly_used, run_arm, Arm, ArmRun, Candidate, JobState, Live, Partition, PartitionState, Trip};
 use super::shadow::{self, Mode};
-use super::unix_ms;
 
-/// Seconds on the engine's clock: the live host's is Unix time.
-pub fn now_s() -> u64 {
-    unix_ms() / 1000
-}
 
 /// What the deciding arms did for the job being placed: shared by the
 /// chooser (which calls them) and the observer (which logs).
@@ -151,7 +146,7 @@ impl LiveObserver<'_> {
     fn base(&self, job: &Job) -> DecisionRecord {
         DecisionRecord {
             id: 0,
-            unix_ms: unix_ms(),
+            unix_ms: self.live.now_ms(),
             partition: self.part.name.clone(),
             job_id: job.id,
             actor: self.owners.get(&job.id).map(|o| o.0.clone()).unwrap_or_default(),
@@ -306,7 +301,7 @@ impl Live {
         // Jobs with a command run on agent nodes only; simulated jobs never do.
         let agent_nodes: BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
         let eligible = |job: &Job, id: NodeId, _: &Node| agent_nodes.contains(&id) == job.reports_exit;
-        let now = now_s();
+        let now = self.now_s();
         let started = Instant::now();
         let pass = {
             let mut deciders = Deciders { placement: &mut chooser, preemption: Some(&mut rank), compaction: None };
@@ -353,7 +348,7 @@ impl Live {
             }
             // Try again shortly, on whatever version is active by then.
             let soon = if trip == Trip::None { 50 } else { 1 };
-            st.retry_at = Some(Instant::now() + Duration::from_millis(soon));
+            st.retry_at = Some(self.clock.now() + Duration::from_millis(soon));
         }
         if trip == Trip::Paused {
             st.paused = true;
@@ -385,17 +380,27 @@ impl Live {
     /// Records one engine decision and actuates it.
     pub(super) fn apply_decision(&self, part: &Partition, st: &mut PartitionState, d: Decision, last: &HashMap<u64, (String, u64, u32)>, ranker: Option<&Arm>, pass_us: u64) {
         match d {
-            Decision::Place { job: id, allocations, victims, .. } => {
+            Decision::Place { slot, job: id, allocations, victims, start_s, .. } => {
                 let fleet_names = super::scheduler::placed(&st.fleet, &allocations);
+                // A simulated job starts once its victims have vacated (the
+                // engine's start) and runs for what it has left (the work
+                // it kept before a preemption taken off).
+                let clock_now = self.clock.now();
+                let delay = Duration::from_secs(start_s.saturating_sub(self.now_s()));
+                let left = st.engine.planned_end(slot).map(|end| Duration::from_secs(end.saturating_sub(start_s)));
                 // Preempted jobs whose processes still run: the new tasks
                 // start when they are gone.
                 let waiting_on: Vec<u64> = victims.iter().copied().filter(|v| st.jobs.get(v).is_some_and(|j| j.evicting)).collect();
                 let Some(record) = st.jobs.get_mut(&id) else { return };
                 let agent_job = !record.spec.argv.is_empty();
-                let ends_at = (!agent_job || !record.spec.duration.is_zero()).then(|| Instant::now() + record.spec.duration);
+                let ends_at = if agent_job {
+                    (!record.spec.duration.is_zero()).then(|| clock_now + record.spec.duration)
+                } else {
+                    Some(clock_now + delay + left.map_or(record.spec.duration, |l| l.min(record.spec.duration)))
+                };
                 let (note, decision, version) = last.get(&id).cloned().unwrap_or_default();
                 record.state = JobState::Running;
-                record.started_unix_ms = unix_ms();
+                record.started_unix_ms = self.now_ms();
                 record.ends_at = ends_at;
                 record.allocations = allocations;
                 record.placements = fleet_names;
@@ -455,7 +460,7 @@ impl Live {
                     // its stop grace. The GPUs are the preemptor's once the
                     // processes are gone.
                     record.evicting = true;
-                    let stop_at = Instant::now() + Duration::from_secs(contract.notice_s);
+                    let stop_at = self.clock.now() + Duration::from_secs(contract.notice_s);
                     if let Some(act) = self.actuator() {
                         for r in record.runs.iter().filter(|r| r.holds) {
                             act.checkpoint(r.alloc_id, &r.node);
@@ -484,7 +489,7 @@ impl Live {
                 };
                 self.decisions.append(DecisionRecord {
                     id: 0,
-                    unix_ms: unix_ms(),
+                    unix_ms: self.now_ms(),
                     partition: part.name.clone(),
                     job_id: id,
                     actor: if wake { "harvest" } else { "rank" }.into(),
@@ -505,7 +510,7 @@ impl Live {
             }
             Decision::Reserve { job: id, until_s, nodes, .. } => {
                 if let Some(record) = st.jobs.get_mut(&id) {
-                    let when = until_s.saturating_sub(now_s());
+                    let when = until_s.saturating_sub(self.now_s());
                     record.last_decision = if until_s == u64::MAX {
                         format!("reserved {} node(s); no running work ends on plan to make room", nodes.len())
                     } else {
@@ -523,7 +528,7 @@ impl Live {
     /// jobs that waited for its GPUs start.
     pub(crate) fn vacated(&self, part: &Partition, st: &mut PartitionState, id: u64) {
         let Some(&slot) = st.slots.get(&id) else { return };
-        st.engine.apply(&mut st.fleet, now_s(), berth_core::Event::Vacated(slot));
+        st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Vacated(slot));
         if let Some(r) = st.jobs.get_mut(&id) {
             r.evicting = false;
             r.runs.clear();

@@ -14,7 +14,7 @@ use berth_core::engine::Event;
 
 use super::decisions::DecisionRecord;
 use super::scheduler::{JobState, Live, Partition, PartitionState, SleepState};
-use super::{unix_ms, ServeError};
+use super::ServeError;
 
 impl Live {
     /// Asks running job `id` of partition `p` to sleep; returns where it is
@@ -86,7 +86,7 @@ impl Live {
             }
             SleepState::Asleep => {
                 let Some(&slot) = st.slots.get(&id) else { return Err(ServeError::FailedPrecondition(format!("job {id} is not in the engine"))) };
-                st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::WakeJob(slot));
+                st.engine.apply(&mut st.fleet, self.now_s(), Event::WakeJob(slot));
                 self.apply_announced(part, st);
                 st.dirty = true;
                 part.wake.notify_all();
@@ -106,7 +106,7 @@ impl Live {
 
     fn fall_asleep(&self, part: &Partition, st: &mut PartitionState, id: u64) {
         let Some(&slot) = st.slots.get(&id) else { return };
-        st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::SleepJob(slot));
+        st.engine.apply(&mut st.fleet, self.now_s(), Event::SleepJob(slot));
         self.apply_announced(part, st);
         st.dirty = true;
         part.wake.notify_all();
@@ -196,7 +196,7 @@ impl Live {
     fn log_harvest(&self, part: &Partition, job_id: u64, outcome: &str, detail: String) {
         self.decisions.append(DecisionRecord {
             id: 0,
-            unix_ms: unix_ms(),
+            unix_ms: self.now_ms(),
             partition: part.name.clone(),
             job_id,
             actor: "harvest".into(),

@@ -18,6 +18,7 @@ pub mod actuation;
 pub mod auth;
 pub mod breaker;
 pub mod cli;
+pub mod clock;
 pub mod codec;
 pub mod compacting;
 pub mod console;

@@ -334,7 +334,7 @@ impl Live {
                 // a preemption, or running on what they hold.
                 if matches!(state, JobState::Pending | JobState::Running) || evicting {
                     let slot = st.register(j.id);
-                    let now = super::deciding::now_s();
+                    let now = self.now_s();
                     if evicting {
                         st.engine.restore_evicting(slot);
                     } else if state == JobState::Running && sleep == super::scheduler::SleepState::Asleep {

@@ -4,7 +4,6 @@
 //! planned time (a job's duration or time limit; work without one is never
 //! counted as ending).
 
-use std::time::Instant;
 
 use berth_core::accounting::{self, PendingShape, Quote};
 use berth_core::Allocation;
@@ -24,7 +23,7 @@ impl PartitionState {
                 fleet.set_schedulable(i as u32, false).expect("a node of this fleet");
             }
         }
-        let now = Instant::now();
+        let now = self.clock.now();
         let running: Vec<(u64, Vec<Allocation>)> = self
             .jobs
             .values()

@@ -21,7 +21,7 @@ use super::metrics::Metrics;
 use super::persist::job_record_op;
 use super::registry::{Registry, VersionMeta};
 use super::shadow::{self, Mode, Recording};
-use super::{unix_ms, ServeError};
+use super::ServeError;
 use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
 
 /// One loaded policy version with its instance, ready to decide.
@@ -272,6 +272,12 @@ pub struct PartitionState {
     forget_at: Option<Instant>,
     /// Live compaction: settings, the chain being run, the ledger.
     pub compaction: super::compacting::LiveCompaction,
+    /// The host's clock (see [`super::clock`]).
+    pub clock: Arc<dyn super::clock::Clock>,
+    /// Held: no decisions are made (submissions and ends are taken in).
+    pub(crate) held: bool,
+    /// A pass is running outside the lock.
+    in_pass: bool,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -303,11 +309,17 @@ impl PartitionState {
         }
     }
 
+    /// Seconds on the host's clock: the engine's `now`.
+    pub fn now_s(&self) -> u64 {
+        self.clock.unix_ms() / 1000
+    }
+
     /// Takes in a newly accepted job: recorded, in the engine, queued.
     fn admit(&mut self, id: u64, record: JobRecord) {
         self.jobs.insert(id, record);
         let slot = self.register(id);
-        self.engine.apply(&mut self.fleet, super::deciding::now_s(), Event::Arrive(slot));
+        let now = self.now_s();
+        self.engine.apply(&mut self.fleet, now, Event::Arrive(slot));
         self.pending.push(id);
         self.dirty = true;
     }
@@ -451,6 +463,9 @@ impl Partition {
                 topology: BTreeMap::new(),
                 forget_at: None,
                 compaction: super::compacting::LiveCompaction::new(Default::default(), true),
+                clock: Arc::new(super::clock::SystemClock),
+                held: false,
+                in_pass: false,
             }),
             wake: Condvar::new(),
             active: Mutex::new(None),
@@ -527,6 +542,8 @@ impl Partition {
 
 /// Everything the live host shares between the API and the schedulers.
 pub struct Live {
+    /// What the host decides by (see [`super::clock`]).
+    pub clock: Arc<dyn super::clock::Clock>,
     pub partitions: Vec<Partition>,
     pub models: Vec<String>,
     pub registry: Registry,
@@ -621,8 +638,10 @@ impl Live {
         limits: Limits,
         breaker: BreakerConfig,
         max_upload_bytes: usize,
+        clock: Arc<dyn super::clock::Clock>,
     ) -> Live {
         Live {
+            clock,
             next_job: AtomicU64::new(decisions.max_job_id() + 1),
             next_alloc: AtomicU64::new(1),
             actuator: std::sync::OnceLock::new(),
@@ -640,6 +659,16 @@ impl Live {
             max_upload_bytes,
             shutdown: AtomicBool::new(false),
         }
+    }
+
+    /// Seconds on the host's clock: the engine's `now`.
+    pub fn now_s(&self) -> u64 {
+        self.clock.unix_ms() / 1000
+    }
+
+    /// Milliseconds on the host's clock (job times in records).
+    pub fn now_ms(&self) -> u64 {
+        self.clock.unix_ms()
     }
 
     pub fn actuator(&self) -> Option<Arc<dyn Actuator>> {
@@ -669,8 +698,8 @@ impl Live {
             spec,
             owner: owner.to_string(),
             state: JobState::Pending,
-            submitted_at: Instant::now(),
-            submitted_unix_ms: unix_ms(),
+            submitted_at: self.clock.now(),
+            submitted_unix_ms: self.now_ms(),
             started_unix_ms: 0,
             ended_unix_ms: 0,
             ends_at: None,
@@ -717,7 +746,7 @@ impl Live {
             JobState::Pending => {
                 st.pending.retain(|&j| j != id);
                 if let Some(slot) = slot {
-                    st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Cancel(slot));
+                    st.engine.apply(&mut st.fleet, self.now_s(), Event::Cancel(slot));
                 }
                 // A preempted job's processes may still be stopping: their
                 // exits end it.
@@ -731,7 +760,7 @@ impl Live {
                     // Waiting for preempted work to stop: nothing started.
                     job.waiting_on.clear();
                     if let Some(slot) = slot {
-                        st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Cancel(slot));
+                        st.engine.apply(&mut st.fleet, self.now_s(), Event::Cancel(slot));
                     }
                 } else if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
@@ -745,7 +774,7 @@ impl Live {
                     st.running.remove(&(t, id));
                 }
                 if let Some(slot) = slot {
-                    st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::Cancel(slot));
+                    st.engine.apply(&mut st.fleet, self.now_s(), Event::Cancel(slot));
                 }
             }
             JobState::Finished | JobState::Failed | JobState::Cancelled => {
@@ -754,7 +783,7 @@ impl Live {
         }
         let job = st.jobs.get_mut(&id).expect("found above");
         job.state = JobState::Cancelled;
-        job.ended_unix_ms = unix_ms();
+        job.ended_unix_ms = self.now_ms();
         self.persist_logged(vec![st.job_op(&part.name, id)]);
         self.metrics.jobs.with_label_values(&[&part.name, before.as_str()]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, "cancelled"]).inc();
@@ -768,7 +797,7 @@ impl Live {
         let part = &self.partitions[p];
         let mut st = part.lock_state();
         while !self.shutdown.load(Ordering::SeqCst) {
-            let now = Instant::now();
+            let now = self.clock.now();
             self.release_ended(&part.name, &mut st, now);
             self.due_stops(&mut st, now);
             if st.forget_at.is_none_or(|t| t <= now) {
@@ -776,7 +805,7 @@ impl Live {
                 st.forget_at = Some(now + FORGET_EVERY);
             }
             // An evicted simulated job is ready again at its modelled time.
-            let wakeup = st.engine.next_wakeup().map(|t| now + Duration::from_millis((t * 1000).saturating_sub(unix_ms())));
+            let wakeup = st.engine.next_wakeup().map(|t| now + Duration::from_millis((t * 1000).saturating_sub(self.now_ms())));
             if wakeup.is_some_and(|t| t <= now) {
                 st.dirty = true;
             }
@@ -788,12 +817,14 @@ impl Live {
                 st = part.lock_state();
                 continue;
             }
-            if (st.dirty || retry_due) && !st.pending.is_empty() && !st.paused {
+            if (st.dirty || retry_due) && !st.pending.is_empty() && !st.paused && !st.held {
                 st.dirty = false;
                 st.retry_at = None;
+                st.in_pass = true;
                 drop(st);
                 self.pass(p);
                 st = part.lock_state();
+                st.in_pass = false;
                 continue;
             }
             let next_end = st.running.first().map(|(t, _)| *t);
@@ -802,6 +833,40 @@ impl Live {
             let wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
             st = part.wake.wait_timeout(st, wait).unwrap().0;
         }
+    }
+
+    /// Holds partition `p`'s decisions (or lets them go on): while held,
+    /// submissions, ends and reports are taken in and nothing is decided.
+    /// A host driven by a [`super::clock::ManualClock`] holds while it
+    /// feeds the events of one moment, so they meet one pass, as in replay.
+    pub fn hold(&self, p: usize, held: bool) {
+        let part = &self.partitions[p];
+        part.lock_state().held = held;
+        part.wake.notify_all();
+    }
+
+    /// Whether partition `p` has taken in and decided everything due at
+    /// its clock's now (nothing waits in the inbox, no pass is running or
+    /// wanted, no end or modelled vacate time is due).
+    pub fn settled(&self, p: usize) -> bool {
+        let part = &self.partitions[p];
+        if part.inbox_waiting() {
+            return false;
+        }
+        let st = part.lock_state();
+        let now = self.clock.now();
+        let wanted = (st.dirty || st.retry_at.is_some()) && !st.pending.is_empty() && !st.paused && !st.held;
+        !st.in_pass && !wanted && st.running.first().is_none_or(|(t, _)| *t > now) && st.engine.next_wakeup().is_none_or(|t| t > self.now_s())
+    }
+
+    /// The next moment something is due in partition `p` on its own (a
+    /// run's planned end, an evicted job's modelled vacate time), in
+    /// seconds on the host's clock.
+    pub fn next_due_s(&self, p: usize) -> Option<u64> {
+        let st = self.partitions[p].lock_state();
+        let now = self.clock.now();
+        let end = st.running.first().map(|(t, _)| self.now_s() + t.saturating_duration_since(now).as_millis().div_ceil(1000) as u64);
+        [end, st.engine.next_wakeup()].into_iter().flatten().min()
     }
 
     /// Stops preempted processes whose notice ran out.
@@ -840,9 +905,9 @@ impl Live {
             job.allocations.clear();
             job.state = JobState::Finished;
             job.ends_at = None;
-            job.ended_unix_ms = unix_ms();
+            job.ended_unix_ms = self.now_ms();
             if let Some(&slot) = st.slots.get(&id) {
-                st.engine.apply(&mut st.fleet, super::deciding::now_s(), Event::End(slot));
+                st.engine.apply(&mut st.fleet, self.now_s(), Event::End(slot));
             }
             self.persist_logged(vec![st.job_op(partition, id)]);
             self.metrics.jobs.with_label_values(&[partition, "running"]).dec();

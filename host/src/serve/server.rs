@@ -89,6 +89,8 @@ pub struct Scheduling {
     /// period, start deadline), and whether steps run on their own.
     pub compaction: berth_core::compaction::CompactionConfig,
     pub auto_compaction: bool,
+    /// What the host decides by: the system's clock, or a test's.
+    pub clock: std::sync::Arc<dyn super::clock::Clock>,
 }
 
 impl Default for Scheduling {
@@ -100,6 +102,7 @@ impl Default for Scheduling {
             contract: berth_core::preemption::PriorityContract::default(),
             compaction: Default::default(),
             auto_compaction: true,
+            clock: std::sync::Arc::new(super::clock::SystemClock),
         }
     }
 }
@@ -186,7 +189,11 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
             let nodes = fleet.nodes().iter().zip(&topo.partition).filter(|&(_, &q)| q as usize == p).map(|(n, _)| n.clone()).collect();
             let guard = guards.partitions.get(&(p as u32)).copied().unwrap_or(guards.fleet);
             let part = Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine(guard));
-            part.state.lock().unwrap().compaction = super::compacting::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
+            {
+                let mut st = part.state.lock().unwrap();
+                st.compaction = super::compacting::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
+                st.clock = config.scheduling.clock.clone();
+            }
             Ok(part)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -214,6 +221,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         config.limits,
         config.breaker,
         config.max_upload_bytes,
+        config.scheduling.clock.clone(),
     ));
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;

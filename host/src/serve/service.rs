@@ -428,7 +428,7 @@ impl Berth for Service {
             out.summary = if until == u64::MAX {
                 format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)
             } else {
-                let wait = until.saturating_sub(super::deciding::now_s());
+                let wait = until.saturating_sub(self.live.now_s());
                 format!("reserved by the starvation guard: starts within {wait} s at the latest (nodes drained for it); {}", out.summary)
             };
         }
