@@ -666,9 +666,15 @@ impl Engine {
     }
 
     /// Whether running job `j` can sleep and lend its GPUs: it runs, is
-    /// not asleep, and holds whole GPUs (a share of one cannot be lent).
+    /// not asleep, holds whole GPUs (a share of one cannot be lent) and
+    /// none of them is lent to it (a borrower has nothing of its own to lend).
     pub fn can_sleep(&self, j: Slot) -> bool {
-        self.runs.planned_end[j].is_some() && !self.sleeping.contains_key(&j) && self.jobs[j].shape.gpu_milli >= crate::MILLI_PER_GPU && !self.runs.held[j].is_empty()
+        let held = &self.runs.held[j];
+        self.runs.planned_end[j].is_some()
+            && !self.sleeping.contains_key(&j)
+            && self.jobs[j].shape.gpu_milli >= crate::MILLI_PER_GPU
+            && !held.is_empty()
+            && held.iter().all(|a| self.lent.get(&a.node).is_none_or(|m| m & a.gpus == 0))
     }
 
     /// Whether job `j` is asleep, its GPUs lent.
@@ -747,7 +753,11 @@ impl Engine {
                 let held = &self.runs.held;
                 let on_node = |v: &usize| held[*v].iter().any(|b| b.node == a.node);
                 let overlaps = |v: &usize| held[*v].iter().any(|b| b.node == a.node && b.gpus & a.gpus != 0);
-                let Some(v) = self.runs.running_low.iter().copied().find(overlaps).or_else(|| self.runs.running_low.iter().copied().find(on_node)) else {
+                // Any borrower on the node only once its GPUs are free (CPU
+                // or memory is what is short): a GPU held by something that
+                // cannot be taken back fails the wake at once.
+                let gpus_free = || crate::fleet::gpus_of(a.gpus).all(|g| fleet.nodes()[a.node as usize].gpus[g] == crate::MILLI_PER_GPU);
+                let Some(v) = self.runs.running_low.iter().copied().find(overlaps).or_else(|| if gpus_free() { self.runs.running_low.iter().copied().find(on_node) } else { None }) else {
                     ok = false;
                     break;
                 };

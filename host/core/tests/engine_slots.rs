@@ -97,6 +97,8 @@ fn a_sleeping_job_lends_its_gpus_to_low_priority_work_until_it_wakes() {
     assert!(!d.iter().any(|d| matches!(d, Decision::Place { job: 3, .. })), "{d:?}");
     assert!(engine.is_sleeping(replica) && !engine.can_sleep(replica));
     assert_eq!(engine.lent().get(&0), Some(&0b1111));
+    // A borrower has nothing of its own to lend.
+    assert!(!engine.can_sleep(borrower));
     fleet.check_invariants().unwrap();
 
     // Awake: the borrower is evicted for it, not ranked; the replica holds

@@ -348,6 +348,9 @@ impl Live {
         let (alloc_id, old) = (job.runs[i].alloc_id, job.allocations[i].clone());
         let (argv, mut env) = (job.spec.argv.clone(), job.spec.env.clone());
         let new = Allocation { node: dest_id, gpus: mask, ..old };
+        if st.engine.lent().get(&dest_id).is_some_and(|m| m & mask != 0) {
+            return Err(ServeError::FailedPrecondition(format!("node {dest}: GPUs lent by a sleeping job (its wake needs them back)")));
+        }
         st.fleet.allocate(&new).map_err(|e| ServeError::FailedPrecondition(format!("node {dest}: {e}")))?;
         let new_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
         let gpus: Vec<u32> = gpus_of(mask).map(|g| g as u32).collect();
@@ -567,6 +570,7 @@ impl Live {
                     let wait_ready = job.spec.wait_ready;
                     let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return };
                     // Readiness is a flag beside the state, which stays "running".
+                    let mut woke = false;
                     let took_over = if state == "ready" {
                         let first = !r.ready;
                         r.ready = true;
@@ -576,10 +580,16 @@ impl Live {
                         first && wait_ready
                     } else {
                         let was = std::mem::replace(&mut r.state, state.to_string());
+                        woke = was == "sleeping" && state == "running";
                         was == "starting" && r.serves(wait_ready)
                     };
-                    if state == "sleeping" {
-                        self.task_slept(part, st, job_id);
+                    if state == "sleeping" || woke {
+                        // Asleep and awake again are kept: a restarted host
+                        // knows where its tasks are.
+                        self.persist_logged(vec![st.job_op(&part.name, job_id)]);
+                        if state == "sleeping" {
+                            self.task_slept(part, st, job_id);
+                        }
                         return;
                     }
                     if r.replaces != 0 && took_over {
@@ -708,6 +718,7 @@ impl Live {
                 if job.state == JobState::Running {
                     let ok = job.runs.iter().all(|r| !failed(&r.state, r.exit_code, r.signal));
                     job.state = if ok { JobState::Finished } else { JobState::Failed };
+                    job.sleep = super::scheduler::SleepState::Awake;
                     job.ended_unix_ms = self.now_ms();
                     self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
                     self.metrics.jobs.with_label_values(&[&part.name, job.state.as_str()]).inc();

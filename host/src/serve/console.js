@@ -392,19 +392,12 @@ function renderAb(r) {
 // value for is skipped).
 function plotLines(id, yLabel, points, series) {
   const svg = $(id);
-  svg.replaceChildren();
   const values = series.map((s) => points.map((p) => { const v = s.value(p); return v === null || v === undefined ? null : Number(v); }));
   const max = Math.max(1e-9, ...values.flat().filter((v) => v !== null));
   const h = PLOT.bottom - PLOT.top;
   const fmt = (v) => max >= 10 ? Math.round(v) : v.toFixed(2);
-  axes(svg, yLabel, [0, 0.5, 1].map((v) => [PLOT.bottom - v * h, fmt(v * max)]));
-  svg.append(svgEl('text', { x: PLOT.right, y: 200, 'text-anchor': 'end' }, `shadow samples (${points.length})`));
-  if (!points.length) {
-    svg.append(svgEl('text', { x: 200, y: 100, class: 'empty' }, 'no shadow samples yet'));
-    return;
-  }
-  const w = PLOT.right - PLOT.left;
-  const x = (i) => PLOT.left + (points.length === 1 ? w / 2 : (i * w) / (points.length - 1));
+  const x = sampleAxes(svg, yLabel, [0, 0.5, 1].map((v) => [PLOT.bottom - v * h, fmt(v * max)]), points.length);
+  if (!x) return;
   series.forEach((s, k) => {
     const line = values[k].map((v, i) => v === null ? null : `${x(i).toFixed(1)},${(PLOT.bottom - (v / max) * h).toFixed(1)}`).filter((p) => p).join(' ');
     if (line) svg.append(svgEl('polyline', { class: 'series', 'data-series': s.name, points: line, fill: 'none', stroke: s.colour, 'stroke-width': 2 }));
@@ -426,18 +419,25 @@ function axes(svg, yLabel, ticks) {
   svg.append(svgEl('text', { x: 4, y: 12 }, yLabel));
 }
 
-function plotAgreement(points) {
-  const svg = $('#ab-agreement');
+// Clears `svg` and draws axes over `n` shadow samples; returns the x of
+// sample i, or null (and says so in the plot) when there are none.
+function sampleAxes(svg, yLabel, ticks, n) {
   svg.replaceChildren();
-  const h = PLOT.bottom - PLOT.top;
-  axes(svg, 'agree', [0, 0.5, 1].map((v) => [PLOT.bottom - v * h, v.toFixed(1)]));
-  svg.append(svgEl('text', { x: PLOT.right, y: 200, 'text-anchor': 'end' }, `shadow samples (${points.length})`));
-  if (!points.length) {
+  axes(svg, yLabel, ticks);
+  svg.append(svgEl('text', { x: PLOT.right, y: 200, 'text-anchor': 'end' }, `shadow samples (${n})`));
+  if (!n) {
     svg.append(svgEl('text', { x: 200, y: 100, class: 'empty' }, 'no shadow samples yet'));
-    return;
+    return null;
   }
   const w = PLOT.right - PLOT.left;
-  const x = (i) => PLOT.left + (points.length === 1 ? w / 2 : (i * w) / (points.length - 1));
+  return (i) => PLOT.left + (n === 1 ? w / 2 : (i * w) / (n - 1));
+}
+
+function plotAgreement(points) {
+  const svg = $('#ab-agreement');
+  const h = PLOT.bottom - PLOT.top;
+  const x = sampleAxes(svg, 'agree', [0, 0.5, 1].map((v) => [PLOT.bottom - v * h, v.toFixed(1)]), points.length);
+  if (!x) return;
   const y = (r) => PLOT.bottom - r * h;
   const line = points.map((p, i) => `${x(i).toFixed(1)},${y(p.rate).toFixed(1)}`).join(' ');
   svg.append(svgEl('polyline', { id: 'ab-agree-line', points: line, fill: 'none', stroke: '#2563eb', 'stroke-width': 2 }));

@@ -390,8 +390,14 @@ impl Live {
                 let left = st.engine.planned_end(slot).map(|end| Duration::from_secs(end.saturating_sub(start_s)));
                 // Preempted jobs whose processes still run: the new tasks
                 // start when they are gone.
-                let waiting_on: Vec<u64> = victims.iter().copied().filter(|v| st.jobs.get(v).is_some_and(|j| j.evicting)).collect();
+                // (And what an evicted victim itself still waited for: the
+                // borrowers of a waking job it was, handed over at its eviction.)
+                let inherited = st.jobs.get(&id).map(|j| j.waiting_on.clone()).unwrap_or_default();
+                let mut waiting_on: Vec<u64> = victims.iter().chain(&inherited).copied().filter(|v| st.jobs.get(v).is_some_and(|j| j.evicting)).collect();
+                waiting_on.sort_unstable();
+                waiting_on.dedup();
                 let Some(record) = st.jobs.get_mut(&id) else { return };
+                record.sleep = super::scheduler::SleepState::Awake;
                 let agent_job = !record.spec.argv.is_empty();
                 let ends_at = if agent_job {
                     (!record.spec.duration.is_zero()).then(|| clock_now + record.spec.duration)
@@ -447,6 +453,11 @@ impl Live {
                 record.allocations.clear();
                 record.placements.clear();
                 record.interruptions += 1;
+                // Evicted while asked to sleep or waking: it runs again
+                // awake; the borrowers it waited for are its preemptor's to
+                // wait for now (their processes may still hold its GPUs).
+                record.sleep = super::scheduler::SleepState::Awake;
+                let handed_over = std::mem::take(&mut record.waiting_on);
                 record.detail = if wake {
                     format!("taken back from lent GPUs: job {for_job} wakes on them; {lost_gpu_s:.0} GPU-s of work lost")
                 } else {
@@ -473,6 +484,9 @@ impl Live {
                     record.runs.clear();
                 }
                 st.pending.push(id);
+                if let Some(preemptor) = st.jobs.get_mut(&for_job) {
+                    preemptor.waiting_on.extend(handed_over);
+                }
                 self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
                 self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
                 self.metrics.evictions.with_label_values(&[part.name.as_str(), if forced { "forced" } else { "notice" }]).inc();
@@ -544,7 +558,8 @@ impl Live {
             })
             .collect();
         for jid in ready {
-            if st.jobs[&jid].sleep == super::scheduler::SleepState::Waking {
+            let j = &st.jobs[&jid];
+            if j.sleep == super::scheduler::SleepState::Waking && !j.runs.is_empty() {
                 tracing::info!(target: "berth::serve", job = jid, "borrowers are gone: waking");
                 self.finish_wake(part, st, jid);
             } else {

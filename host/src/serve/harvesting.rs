@@ -49,11 +49,11 @@ impl Live {
             self.fall_asleep(part, st, id);
             return Ok(st.jobs[&id].sleep);
         }
-        let act = self.actuator().ok_or_else(|| ServeError::FailedPrecondition("no agent hub".into()))?;
-        let job = st.jobs.get_mut(&id).expect("found above");
-        for r in job.runs.iter().filter(|r| r.holds) {
-            act.sleep(r.alloc_id, &r.node, false);
+        if self.actuator().is_none() {
+            return Err(ServeError::FailedPrecondition("no agent hub".into()));
         }
+        let job = st.jobs.get_mut(&id).expect("found above");
+        self.tell_tasks(job, false);
         job.sleep = SleepState::Asked;
         job.last_decision = "asked to sleep: its GPUs are lent once every task reports asleep".into();
         tracing::info!(target: "berth::serve", job = id, "asked to sleep");
@@ -69,6 +69,9 @@ impl Live {
         let mut guard = part.lock_state();
         let st = &mut *guard;
         let job = st.jobs.get_mut(&id).ok_or(ServeError::UnknownJob(id))?;
+        if job.state != JobState::Running {
+            return Err(ServeError::FailedPrecondition(format!("job {id} is {}", job.state.as_str())));
+        }
         match job.sleep {
             SleepState::Awake => Err(ServeError::FailedPrecondition(format!("job {id} is not asleep"))),
             SleepState::Waking => Ok(SleepState::Waking),
@@ -76,11 +79,7 @@ impl Live {
                 // Its GPUs were never lent: wake what fell asleep.
                 job.sleep = SleepState::Awake;
                 job.last_decision = "sleep called off".into();
-                if let Some(act) = self.actuator() {
-                    for r in job.runs.iter().filter(|r| r.holds) {
-                        act.sleep(r.alloc_id, &r.node, true);
-                    }
-                }
+                self.tell_tasks(job, true);
                 self.persist_logged(vec![st.job_op(&part.name, id)]);
                 Ok(SleepState::Awake)
             }
@@ -99,7 +98,7 @@ impl Live {
     /// GPUs are lent.
     pub(crate) fn task_slept(&self, part: &Partition, st: &mut PartitionState, id: u64) {
         let Some(job) = st.jobs.get(&id) else { return };
-        if job.sleep == SleepState::Asked && job.runs.iter().filter(|r| r.holds).all(|r| r.state == "sleeping") {
+        if job.state == JobState::Running && job.sleep == SleepState::Asked && job.runs.iter().filter(|r| r.holds).all(|r| r.state == "sleeping") {
             self.fall_asleep(part, st, id);
         }
     }
@@ -170,7 +169,9 @@ impl Live {
         }
         job.sleep = SleepState::Waking;
         job.last_decision = format!("waking: its GPUs back once {} borrower(s) are gone", waiting_on.len());
-        job.waiting_on = waiting_on;
+        job.waiting_on.extend(waiting_on);
+        job.waiting_on.sort_unstable();
+        job.waiting_on.dedup();
         self.log_harvest(part, id, "waking", format!("borrowers evicted: {victims:?}"));
         if job.waiting_on.is_empty() {
             self.finish_wake(part, st, id);
@@ -182,15 +183,21 @@ impl Live {
     /// Nothing else runs on a waking job's GPUs any more: its tasks wake.
     pub(super) fn finish_wake(&self, part: &Partition, st: &mut PartitionState, id: u64) {
         let Some(job) = st.jobs.get_mut(&id) else { return };
-        if let Some(act) = self.actuator() {
-            for r in job.runs.iter().filter(|r| r.holds) {
-                act.sleep(r.alloc_id, &r.node, true);
-            }
-        }
+        self.tell_tasks(job, true);
         job.sleep = SleepState::Awake;
         job.last_decision = "awake on its own GPUs".into();
         tracing::info!(target: "berth::serve", job = id, "woken on its GPUs");
         self.persist_logged(vec![st.job_op(&part.name, id)]);
+    }
+
+    /// Sends each task of `job` that holds its GPUs the agent's sleep or
+    /// wake command.
+    fn tell_tasks(&self, job: &super::scheduler::JobRecord, wake: bool) {
+        if let Some(act) = self.actuator() {
+            for r in job.runs.iter().filter(|r| r.holds) {
+                act.sleep(r.alloc_id, &r.node, wake);
+            }
+        }
     }
 
     fn log_harvest(&self, part: &Partition, job_id: u64, outcome: &str, detail: String) {

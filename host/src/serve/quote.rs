@@ -27,7 +27,8 @@ impl PartitionState {
         let running: Vec<(u64, Vec<Allocation>)> = self
             .jobs
             .values()
-            .filter(|j| j.state == JobState::Running)
+            // An asleep job holds nothing: its GPUs are lent.
+            .filter(|j| j.state == JobState::Running && j.sleep != super::scheduler::SleepState::Asleep)
             .filter_map(|j| {
                 let end = j.ends_at?;
                 // What the job still holds (tasks seen to end hold nothing).

@@ -783,6 +783,7 @@ impl Live {
         }
         let job = st.jobs.get_mut(&id).expect("found above");
         job.state = JobState::Cancelled;
+        job.sleep = SleepState::Awake;
         job.ended_unix_ms = self.now_ms();
         self.persist_logged(vec![st.job_op(&part.name, id)]);
         self.metrics.jobs.with_label_values(&[&part.name, before.as_str()]).dec();
@@ -855,7 +856,7 @@ impl Live {
         }
         let st = part.lock_state();
         let now = self.clock.now();
-        let wanted = (st.dirty || st.retry_at.is_some()) && !st.pending.is_empty() && !st.paused && !st.held;
+        let wanted = (st.dirty || st.retry_at.is_some_and(|t| t <= now)) && !st.pending.is_empty() && !st.paused && !st.held;
         !st.in_pass && !wanted && st.running.first().is_none_or(|(t, _)| *t > now) && st.engine.next_wakeup().is_none_or(|t| t > self.now_s())
     }
 
@@ -865,8 +866,10 @@ impl Live {
     pub fn next_due_s(&self, p: usize) -> Option<u64> {
         let st = self.partitions[p].lock_state();
         let now = self.clock.now();
-        let end = st.running.first().map(|(t, _)| self.now_s() + t.saturating_duration_since(now).as_millis().div_ceil(1000) as u64);
-        [end, st.engine.next_wakeup()].into_iter().flatten().min()
+        let at = |t: Instant| self.now_s() + t.saturating_duration_since(now).as_millis().div_ceil(1000) as u64;
+        let end = st.running.first().map(|(t, _)| at(*t));
+        let stop = st.stops.iter().map(|s| at(s.0)).min();
+        [end, stop, st.retry_at.map(at), st.engine.next_wakeup()].into_iter().flatten().min()
     }
 
     /// Stops preempted processes whose notice ran out.
@@ -904,6 +907,7 @@ impl Live {
             }
             job.allocations.clear();
             job.state = JobState::Finished;
+            job.sleep = SleepState::Awake;
             job.ends_at = None;
             job.ended_unix_ms = self.now_ms();
             if let Some(&slot) = st.slots.get(&id) {
