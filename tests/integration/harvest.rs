@@ -167,3 +167,56 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     std::fs::write(d.join(format!("release-{r}")), "0").unwrap();
     up(&api, "the replica finished", |j| j.state == "finished", r).await;
 }
+
+/// The harvest schedule of `berth serve --harvest 2-3:1`, on a clock moved
+/// by hand: at 02:00 the running `sleepable` job sleeps (a job without
+/// processes sleeps at once) and a waiting low-priority job takes its GPUs;
+/// a job not marked sleepable stays awake; at 03:00 it wakes and the
+/// borrower is taken back.
+#[test]
+fn the_harvest_schedule_puts_sleepable_jobs_to_sleep_in_the_trough_and_wakes_them() {
+    use berth::serve::clock::ManualClock;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = crate::serve::state_dir("harvest-schedule");
+    let day = 20_000 * 86_400u64;
+    let clock = Arc::new(ManualClock::at((day + 2 * 3600 - 10) * 1000));
+    let mut cfg = crate::serve::config(&dir, crate::agent::ACCESS);
+    cfg.scheduling.clock = clock.clone();
+    cfg.scheduling.harvest = Some(berth::asi::preempt::parse_harvest("2-3:1").unwrap());
+    let h = rt.block_on(berth::serve::start(cfg)).unwrap();
+    let api = rt.block_on(crate::serve::client(&h, "ops-test-token"));
+    let submit = |gpus: u32, priority: u32, sleepable: bool| {
+        // One partition of 32 eight-GPU nodes: 32 whole-node jobs fill it.
+        let spec = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, priority, duration_s: 36_000.0, sleepable, ..Default::default() };
+        rt.block_on(api.clone().submit_job(pb::SubmitJobRequest { job: Some(spec) })).unwrap().into_inner().job_id
+    };
+    let replica = submit(8, 5, true);
+    let others: Vec<u64> = (0..31).map(|_| submit(8, 5, false)).collect();
+    let low = submit(8, 0, false);
+    let state = |id: u64| {
+        let js = rt.block_on(jobs(&api));
+        let j = job(&js, id);
+        (j.state, j.sleep)
+    };
+    let wait_for = |what: &str, f: &dyn Fn() -> bool| {
+        let started = std::time::Instant::now();
+        while !f() {
+            assert!(started.elapsed() < Duration::from_secs(30), "{what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_for("the partition full", &|| state(replica).0 == "running" && others.iter().all(|&o| state(o).0 == "running"));
+    assert_eq!(state(low).0, "pending");
+    clock.set((day + 2 * 3600 + 1) * 1000);
+    wait_for("the replica asleep at 02:00", &|| state(replica).1 == "asleep");
+    wait_for("the low-priority job on its GPUs", &|| state(low).0 == "running");
+    assert!(others.iter().all(|&o| state(o).1 == "awake"), "a job not marked sleepable slept");
+    clock.set((day + 3 * 3600 + 1) * 1000);
+    wait_for("the replica awake at 03:00", &|| state(replica).1 == "awake");
+    let js = rt.block_on(jobs(&api));
+    let l = job(&js, low);
+    assert_eq!(l.state, "pending", "{l:?}");
+    assert!(l.detail.contains(&format!("job {replica} wakes")), "{l:?}");
+    rt.block_on(h.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+}

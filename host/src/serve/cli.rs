@@ -132,6 +132,12 @@ pub struct ServeArgs {
     /// period_s nor when a whole-node job is blocked.
     #[arg(long)]
     no_auto_compaction: bool,
+    /// Sleep-state harvesting on a schedule, "SLEEP_H-WAKE_H[:SHARE]" in
+    /// hours of the UTC day (e.g. 1-7:0.5): at SLEEP_H that share of the
+    /// running `--sleepable` jobs sleeps and lends its GPUs to low-priority
+    /// work; at WAKE_H every sleeping `--sleepable` job wakes.
+    #[arg(long)]
+    harvest: Option<String>,
 }
 
 impl ServeArgs {
@@ -182,6 +188,7 @@ impl ServeArgs {
                     c
                 },
                 auto_compaction: !self.no_auto_compaction,
+                harvest: self.harvest.as_deref().map(crate::asi::preempt::parse_harvest).transpose().context("--harvest")?,
                 ..Default::default()
             },
             store: match &self.etcd {
@@ -412,6 +419,10 @@ pub enum ApiCommand {
         /// ready` inside the task), not as soon as its process runs.
         #[arg(long)]
         wait_ready: bool,
+        /// The partition's harvest schedule (`berth serve --harvest`) may put
+        /// it to sleep in the daily trough, lending its GPUs.
+        #[arg(long)]
+        sleepable: bool,
         #[command(flatten)]
         conn: Conn,
         /// After `--`: a command to run per task on agent nodes, with exactly
@@ -748,7 +759,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, conn, argv } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, conn, argv } => {
             let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
             let env = env
                 .iter()
@@ -769,6 +780,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 duration_s,
                 movable,
                 wait_ready,
+                sleepable,
             };
             let r = client(&conn).await?.submit_job(pb::SubmitJobRequest { job: Some(job) }).await.map_err(status)?;
             println!("job {}", r.into_inner().job_id);

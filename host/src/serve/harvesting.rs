@@ -21,8 +21,10 @@ impl Live {
     /// now (a job without processes sleeps at once).
     pub fn sleep_job(&self, p: usize, id: u64) -> Result<SleepState, ServeError> {
         let part = &self.partitions[p];
-        let mut guard = part.lock_state();
-        let st = &mut *guard;
+        self.sleep_locked(part, &mut part.lock_state(), id)
+    }
+
+    fn sleep_locked(&self, part: &Partition, st: &mut PartitionState, id: u64) -> Result<SleepState, ServeError> {
         let job = st.jobs.get(&id).ok_or(ServeError::UnknownJob(id))?;
         let refuse = |why: String| Err(ServeError::FailedPrecondition(format!("job {id} cannot sleep: {why}")));
         if job.state != JobState::Running {
@@ -66,8 +68,10 @@ impl Live {
     /// and its tasks are woken once the borrowers are gone.
     pub fn wake_job(&self, p: usize, id: u64) -> Result<SleepState, ServeError> {
         let part = &self.partitions[p];
-        let mut guard = part.lock_state();
-        let st = &mut *guard;
+        self.wake_locked(part, &mut part.lock_state(), id)
+    }
+
+    fn wake_locked(&self, part: &Partition, st: &mut PartitionState, id: u64) -> Result<SleepState, ServeError> {
         let job = st.jobs.get_mut(&id).ok_or(ServeError::UnknownJob(id))?;
         if job.state != JobState::Running {
             return Err(ServeError::FailedPrecondition(format!("job {id} is {}", job.state.as_str())));
@@ -90,6 +94,34 @@ impl Live {
                 st.dirty = true;
                 part.wake.notify_all();
                 Ok(st.jobs.get(&id).map_or(SleepState::Awake, |j| j.sleep))
+            }
+        }
+    }
+
+    /// The partition's harvest schedule: at the trough's start its share of
+    /// the running `sleepable` jobs (a stable draw per job and day, as in
+    /// replay) is asked to sleep; at its end every sleeping `sleepable` job
+    /// wakes. Boundaries are seen once, when the clock passes them.
+    pub(super) fn harvest_tick(&self, part: &Partition, st: &mut PartitionState) {
+        let Some(h) = st.harvest else { return };
+        let now = st.now_s();
+        let Some(last) = st.harvest_seen_s.replace(now) else { return };
+        let (at, wake) = h.next_boundary(Some(last));
+        if at > now {
+            return;
+        }
+        let ids: Vec<u64> = st
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.state == JobState::Running && j.spec.sleepable)
+            .filter(|(id, j)| if wake { matches!(j.sleep, SleepState::Asleep | SleepState::Asked) } else { j.sleep == SleepState::Awake && h.sleeps(**id, at / 86_400) })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let r = if wake { self.wake_locked(part, st, id) } else { self.sleep_locked(part, st, id) };
+            match r {
+                Ok(now) => tracing::info!(target: "berth::serve", partition = %part.name, job = id, "harvest schedule: {}", now.as_str()),
+                Err(e) => tracing::info!(target: "berth::serve", partition = %part.name, job = id, "harvest schedule: {e}"),
             }
         }
     }

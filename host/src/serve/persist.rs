@@ -59,6 +59,8 @@ struct StoredJob {
     movable: bool,
     #[serde(default)]
     wait_ready: bool,
+    #[serde(default)]
+    sleepable: bool,
     submitted_unix_ms: u64,
     started_unix_ms: u64,
     ended_unix_ms: u64,
@@ -154,6 +156,7 @@ pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: 
         env: s.env.clone(),
         movable: s.movable,
         wait_ready: s.wait_ready,
+        sleepable: s.sleepable,
         submitted_unix_ms: j.submitted_unix_ms,
         started_unix_ms: j.started_unix_ms,
         ended_unix_ms: j.ended_unix_ms,
@@ -307,6 +310,7 @@ impl Live {
                             env: j.env,
                             movable: j.movable,
                             wait_ready: j.wait_ready,
+                            sleepable: j.sleepable,
                             job: Job { id: j.id, priority: j.priority, duration_s: j.duration_ms.div_ceil(1000), tasks: j.tasks, shape, ..Job::default() },
                         },
                         owner: j.owner,

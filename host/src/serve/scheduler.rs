@@ -195,6 +195,8 @@ pub struct JobSpec {
     pub movable: bool,
     /// A migrated copy takes over once it reports ready, not once it runs.
     pub wait_ready: bool,
+    /// The harvest schedule may put it to sleep in the trough.
+    pub sleepable: bool,
     /// The core's view: id, priority, tasks, shape.
     pub job: Job,
 }
@@ -274,6 +276,9 @@ pub struct PartitionState {
     pub compaction: super::compacting::LiveCompaction,
     /// The host's clock (see [`super::clock`]).
     pub clock: Arc<dyn super::clock::Clock>,
+    /// The harvest schedule, and when it last looked (seconds on the clock).
+    pub(crate) harvest: Option<berth_core::harvest::Harvest>,
+    pub(crate) harvest_seen_s: Option<u64>,
     /// Held: no decisions are made (submissions and ends are taken in).
     pub(crate) held: bool,
     /// A pass is running outside the lock.
@@ -464,6 +469,8 @@ impl Partition {
                 forget_at: None,
                 compaction: super::compacting::LiveCompaction::new(Default::default(), true),
                 clock: Arc::new(super::clock::SystemClock),
+                harvest: None,
+                harvest_seen_s: None,
                 held: false,
                 in_pass: false,
             }),
@@ -811,6 +818,7 @@ impl Live {
                 st.dirty = true;
             }
             self.compaction_tick(p, &mut st, now);
+            self.harvest_tick(part, &mut st);
             let retry_due = st.retry_at.is_some_and(|t| t <= now);
             if part.inbox_waiting() {
                 // Taken in by lock_state.

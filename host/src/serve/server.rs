@@ -89,6 +89,9 @@ pub struct Scheduling {
     /// period, start deadline), and whether steps run on their own.
     pub compaction: berth_core::compaction::CompactionConfig,
     pub auto_compaction: bool,
+    /// Sleep-state harvesting on a daily schedule (hours of the UTC day):
+    /// `sleepable` jobs sleep in the trough and wake after.
+    pub harvest: Option<berth_core::harvest::Harvest>,
     /// What the host decides by: the system's clock, or a test's.
     pub clock: std::sync::Arc<dyn super::clock::Clock>,
 }
@@ -102,6 +105,7 @@ impl Default for Scheduling {
             contract: berth_core::preemption::PriorityContract::default(),
             compaction: Default::default(),
             auto_compaction: true,
+            harvest: None,
             clock: std::sync::Arc::new(super::clock::SystemClock),
         }
     }
@@ -193,6 +197,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
                 let mut st = part.state.lock().unwrap();
                 st.compaction = super::compacting::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
                 st.clock = config.scheduling.clock.clone();
+                st.harvest = config.scheduling.harvest;
             }
             Ok(part)
         })

@@ -181,6 +181,7 @@ impl Service {
             env: s.env.clone().into_iter().collect(),
             movable: s.movable && !s.argv.is_empty(),
             wait_ready: s.wait_ready,
+            sleepable: s.sleepable,
             job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, ..Job::default() },
         })
     }
@@ -233,6 +234,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             env: if show_env { s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect() } else { Default::default() },
             movable: s.movable,
             wait_ready: s.wait_ready,
+            sleepable: s.sleepable,
         }),
         owner: j.owner.clone(),
         state: j.state.as_str().into(),
