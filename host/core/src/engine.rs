@@ -589,11 +589,8 @@ impl Engine {
     /// A sleeping job recovered from durable state: it keeps its claim on
     /// `allocations` (not allocated: lent, and borrowers may hold them).
     pub fn restore_sleeping(&mut self, slot: Slot, allocations: Vec<Allocation>, started_s: u64) {
+        self.lend(&allocations);
         let job = &self.jobs[slot];
-        for a in &allocations {
-            *self.lent.entry(a.node).or_default() |= a.gpus;
-            self.sleeping_milli += a.gpu_milli_total();
-        }
         self.sleeping.insert(slot, allocations.clone());
         self.runs.held[slot] = allocations;
         self.runs.run_start[slot] = started_s;
@@ -694,21 +691,28 @@ impl Engine {
         if !self.can_sleep(j) {
             return false;
         }
-        let mut gpus = 0;
-        for a in &self.runs.held[j] {
+        let held = self.runs.held[j].clone();
+        for a in &held {
             fleet.release(a).expect("a running job's allocations are held");
-            *self.lent.entry(a.node).or_default() |= a.gpus;
-            self.sleeping_milli += a.gpu_milli_total();
-            gpus += a.gpus.count_ones();
             self.touched.insert(a.node);
         }
+        self.lend(&held);
+        let gpus = held.iter().map(|a| a.gpus.count_ones()).sum();
         // Asleep, it is nobody's victim: it holds nothing to take back.
         self.runs.running_low.remove(&j);
-        self.sleeping.insert(j, self.runs.held[j].clone());
+        self.sleeping.insert(j, held);
         self.outcome.sleeps += 1;
         self.freed = true;
         self.announced.push(Decision::Sleep { slot: j, job: self.jobs[j].id, gpus });
         true
+    }
+
+    /// Lends a sleeping job's GPUs.
+    fn lend(&mut self, allocs: &[Allocation]) {
+        for a in allocs {
+            *self.lent.entry(a.node).or_default() |= a.gpus;
+            self.sleeping_milli += a.gpu_milli_total();
+        }
     }
 
     /// Ends the loan of a sleeping job's GPUs.

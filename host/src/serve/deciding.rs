@@ -429,9 +429,6 @@ impl Live {
             Decision::Evict { job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, forced, wake, .. } => {
                 let contract = st.engine.config.contract;
                 let Some(record) = st.jobs.get_mut(&id) else { return };
-                if let Some(t) = record.ends_at.take() {
-                    st.running.remove(&(t, id));
-                }
                 // A copy being migrated in holds GPUs the engine never gave:
                 // they stay fenced (an allocation of no job) until its exit
                 // frees them, and it is stopped now.
@@ -449,46 +446,22 @@ impl Live {
                         k += 1;
                     }
                 }
-                record.state = JobState::Pending;
-                record.allocations.clear();
-                record.placements.clear();
-                record.interruptions += 1;
-                // Evicted while asked to sleep or waking: it runs again
-                // awake; the borrowers it waited for are its preemptor's to
-                // wait for now (their processes may still hold its GPUs).
-                record.sleep = super::scheduler::SleepState::Awake;
+                // Evicted while waking: the borrowers it waited for are its
+                // preemptor's to wait for now (their processes may still
+                // hold its GPUs).
                 let handed_over = std::mem::take(&mut record.waiting_on);
-                record.detail = if wake {
+                let detail = if wake {
                     format!("taken back from lent GPUs: job {for_job} wakes on them; {lost_gpu_s:.0} GPU-s of work lost")
                 } else {
                     format!("preempted for job {for_job} (ranked by {ranked_by}); {lost_gpu_s:.0} GPU-s of work lost")
                 };
-                record.last_decision = record.detail.clone();
-                let agent_job = !record.spec.argv.is_empty();
-                if agent_job {
-                    // The contract: a checkpoint notice now, the stop after
-                    // the notice period; the agent kills what is left after
-                    // its stop grace. The GPUs are the preemptor's once the
-                    // processes are gone.
-                    record.evicting = true;
-                    let stop_at = self.clock.now() + Duration::from_secs(contract.notice_s);
-                    if let Some(act) = self.actuator() {
-                        for r in record.runs.iter().filter(|r| r.holds) {
-                            act.checkpoint(r.alloc_id, &r.node);
-                        }
-                    }
-                    for r in record.runs.iter().filter(|r| r.holds) {
-                        st.stops.push((stop_at, r.alloc_id, r.node.clone()));
-                    }
-                } else {
-                    record.runs.clear();
-                }
-                st.pending.push(id);
+                // The contract: a checkpoint notice now, the stop after the
+                // notice period; the agent kills what is left after its stop
+                // grace. The GPUs are the preemptor's once the processes are gone.
+                self.send_back(part, st, id, detail, Some(Duration::from_secs(contract.notice_s)));
                 if let Some(preemptor) = st.jobs.get_mut(&for_job) {
                     preemptor.waiting_on.extend(handed_over);
                 }
-                self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
-                self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
                 self.metrics.evictions.with_label_values(&[part.name.as_str(), if forced { "forced" } else { "notice" }]).inc();
                 self.metrics.lost_gpu_seconds.with_label_values(&[&part.name]).inc_by(lost_gpu_s);
                 if wake {
@@ -536,6 +509,44 @@ impl Live {
             Decision::Sleep { job: id, gpus, .. } => self.fell_asleep(part, st, id, gpus),
             Decision::Wake { job: id, victims, requeued, .. } => self.woke(part, st, id, victims, requeued),
         }
+    }
+
+    /// Sends running job `id` back to the queue with `detail`, to run again
+    /// awake once its processes are gone: with a `notice`, a checkpoint
+    /// notice now and the stop when it runs out (the priority contract);
+    /// without, the stop now (a wake that could not get its GPUs back).
+    pub(super) fn send_back(&self, part: &Partition, st: &mut PartitionState, id: u64, detail: String, notice: Option<Duration>) {
+        let stop_at = self.clock.now() + notice.unwrap_or_default();
+        let Some(record) = st.jobs.get_mut(&id) else { return };
+        if let Some(t) = record.ends_at.take() {
+            st.running.remove(&(t, id));
+        }
+        record.state = JobState::Pending;
+        record.allocations.clear();
+        record.placements.clear();
+        record.interruptions += 1;
+        record.sleep = super::scheduler::SleepState::Awake;
+        record.last_decision = detail.clone();
+        record.detail = detail;
+        if record.spec.argv.is_empty() {
+            record.runs.clear();
+        } else {
+            record.evicting = true;
+            let act = self.actuator();
+            for r in record.runs.iter().filter(|r| r.holds) {
+                match (&act, notice) {
+                    (Some(act), Some(_)) => act.checkpoint(r.alloc_id, &r.node),
+                    (Some(act), None) => act.stop(r.alloc_id, &r.node),
+                    (None, _) => {}
+                }
+                if notice.is_some() {
+                    st.stops.push((stop_at, r.alloc_id, r.node.clone()));
+                }
+            }
+        }
+        st.pending.push(id);
+        self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
+        self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
     }
 
     /// Every task of an evicted job has stopped: it may run again, and the

@@ -166,39 +166,20 @@ impl Live {
     pub(super) fn woke(&self, part: &Partition, st: &mut PartitionState, id: u64, victims: Vec<u64>, requeued: bool) {
         self.metrics.harvest.with_label_values(&[part.name.as_str(), if requeued { "wake_failure" } else { "wake" }]).inc();
         let waiting_on: Vec<u64> = victims.iter().copied().filter(|v| st.jobs.get(v).is_some_and(|j| j.evicting)).collect();
-        let Some(job) = st.jobs.get_mut(&id) else { return };
+        if !st.jobs.contains_key(&id) {
+            return;
+        }
         if requeued {
             // A hold or an operator's allocation took one of its GPUs: its
             // processes stop and it runs again from the queue, like a
             // preempted job (once they are gone).
-            job.sleep = SleepState::Awake;
-            job.state = JobState::Pending;
-            job.allocations.clear();
-            job.placements.clear();
-            job.interruptions += 1;
-            job.detail = "woke without its GPUs (held or taken while lent): requeued".into();
-            job.last_decision = job.detail.clone();
-            if let Some(t) = job.ends_at.take() {
-                st.running.remove(&(t, id));
-            }
-            if job.runs.iter().any(|r| r.holds) {
-                job.evicting = true;
-                if let Some(act) = self.actuator() {
-                    for r in job.runs.iter().filter(|r| r.holds) {
-                        act.stop(r.alloc_id, &r.node);
-                    }
-                }
-            } else {
-                job.runs.clear();
-            }
-            st.pending.push(id);
-            self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
-            self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+            self.send_back(part, st, id, "woke without its GPUs (held or taken while lent): requeued".into(), None);
             self.log_harvest(part, id, "wake-failed", st.jobs[&id].detail.clone());
             tracing::warn!(target: "berth::serve", job = id, "{}", st.jobs[&id].detail);
             self.persist_logged(vec![st.job_op(&part.name, id)]);
             return;
         }
+        let Some(job) = st.jobs.get_mut(&id) else { return };
         job.sleep = SleepState::Waking;
         job.last_decision = format!("waking: its GPUs back once {} borrower(s) are gone", waiting_on.len());
         job.waiting_on.extend(waiting_on);

@@ -319,6 +319,27 @@ impl PartitionState {
         self.clock.unix_ms() / 1000
     }
 
+    /// Whether a pass is due at `now`: something changed or a failed pass
+    /// is to be retried, jobs wait, and decisions are neither paused by the
+    /// breaker nor held.
+    fn wants_pass(&self, now: Instant) -> bool {
+        (self.dirty || self.retry_at.is_some_and(|t| t <= now)) && !self.pending.is_empty() && !self.paused && !self.held
+    }
+
+    /// An evicted simulated job's modelled vacate time, as an instant.
+    fn wakeup(&self, now: Instant) -> Option<Instant> {
+        let now_ms = self.clock.unix_ms();
+        self.engine.next_wakeup().map(|t| now + Duration::from_millis((t * 1000).saturating_sub(now_ms)))
+    }
+
+    /// When something is next due here on its own: a run's planned end, a
+    /// retry of a failed pass, a stop after a notice, a modelled vacate time.
+    fn next_due(&self, now: Instant) -> Option<Instant> {
+        let next_end = self.running.first().map(|(t, _)| *t);
+        let next_stop = self.stops.iter().map(|s| s.0).min();
+        [next_end, self.retry_at, next_stop, self.wakeup(now)].into_iter().flatten().min()
+    }
+
     /// Takes in a newly accepted job: recorded, in the engine, queued.
     fn admit(&mut self, id: u64, record: JobRecord) {
         self.jobs.insert(id, record);
@@ -813,20 +834,18 @@ impl Live {
                 st.forget_at = Some(now + FORGET_EVERY);
             }
             // An evicted simulated job is ready again at its modelled time.
-            let wakeup = st.engine.next_wakeup().map(|t| now + Duration::from_millis((t * 1000).saturating_sub(self.now_ms())));
-            if wakeup.is_some_and(|t| t <= now) {
+            if st.wakeup(now).is_some_and(|t| t <= now) {
                 st.dirty = true;
             }
             self.compaction_tick(p, &mut st, now);
             self.harvest_tick(part, &mut st);
-            let retry_due = st.retry_at.is_some_and(|t| t <= now);
             if part.inbox_waiting() {
                 // Taken in by lock_state.
                 drop(st);
                 st = part.lock_state();
                 continue;
             }
-            if (st.dirty || retry_due) && !st.pending.is_empty() && !st.paused && !st.held {
+            if st.wants_pass(now) {
                 st.dirty = false;
                 st.retry_at = None;
                 st.in_pass = true;
@@ -836,9 +855,7 @@ impl Live {
                 st.in_pass = false;
                 continue;
             }
-            let next_end = st.running.first().map(|(t, _)| *t);
-            let next_stop = st.stops.iter().map(|s| s.0).min();
-            let until = [next_end, st.retry_at, next_stop, wakeup].into_iter().flatten().min().unwrap_or(now + Duration::from_secs(1));
+            let until = st.next_due(now).unwrap_or(now + Duration::from_secs(1));
             let wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
             st = part.wake.wait_timeout(st, wait).unwrap().0;
         }
@@ -864,8 +881,7 @@ impl Live {
         }
         let st = part.lock_state();
         let now = self.clock.now();
-        let wanted = (st.dirty || st.retry_at.is_some_and(|t| t <= now)) && !st.pending.is_empty() && !st.paused && !st.held;
-        !st.in_pass && !wanted && st.running.first().is_none_or(|(t, _)| *t > now) && st.engine.next_wakeup().is_none_or(|t| t > self.now_s())
+        !st.in_pass && !st.wants_pass(now) && st.running.first().is_none_or(|(t, _)| *t > now) && st.engine.next_wakeup().is_none_or(|t| t > self.now_s())
     }
 
     /// The next moment something is due in partition `p` on its own (a
@@ -874,10 +890,7 @@ impl Live {
     pub fn next_due_s(&self, p: usize) -> Option<u64> {
         let st = self.partitions[p].lock_state();
         let now = self.clock.now();
-        let at = |t: Instant| self.now_s() + t.saturating_duration_since(now).as_millis().div_ceil(1000) as u64;
-        let end = st.running.first().map(|(t, _)| at(*t));
-        let stop = st.stops.iter().map(|s| at(s.0)).min();
-        [end, stop, st.retry_at.map(at), st.engine.next_wakeup()].into_iter().flatten().min()
+        st.next_due(now).map(|t| self.now_s() + t.saturating_duration_since(now).as_millis().div_ceil(1000) as u64)
     }
 
     /// Stops preempted processes whose notice ran out.
