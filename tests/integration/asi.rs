@@ -309,8 +309,10 @@ fn workload_csv_reads_jobs_and_names_bad_rows() {
 
 /// SpotGPU (least work to recompute first) loses fewer GPU-hours to
 /// preemption than smallest-first and newest-first on the same seeded
-/// workloads, and preemption shortens high-priority waits without touching
-/// high-priority work. Summed over three seeds: one seed is a small sample.
+/// workloads, and with preemption high priority does as well as with no
+/// low-priority work at all (allocation and p99 wait within 5%), whatever
+/// the ranking. Lost work summed over three seeds: one seed is a small
+/// sample.
 #[test]
 fn spot_gpu_loses_less_work_than_both_baselines() {
     let (fleet, _) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.02).build().unwrap();
@@ -328,7 +330,20 @@ fn spot_gpu_loses_less_work_than_both_baselines() {
         assert_eq!(fill.evictions, 0);
         for (k, r) in rows[2..].iter().enumerate() {
             assert!(r.evictions > 0, "{}: no evictions", r.run);
-            assert!(r.high_wait_p99_s <= fill.high_wait_p99_s + 3600, "{}: high p99 {} vs {}", r.run, r.high_wait_p99_s, fill.high_wait_p99_s);
+            assert!(
+                r.high_wait_p99_s as f64 <= alone.high_wait_p99_s as f64 * 1.05,
+                "seed {seed}, {}: high p99 {} s vs {} s alone",
+                r.run,
+                r.high_wait_p99_s,
+                alone.high_wait_p99_s
+            );
+            assert!(
+                r.high_priority_allocation_pct >= alone.high_priority_allocation_pct * 0.95,
+                "seed {seed}, {}: high allocation {:.1}% vs {:.1}% alone",
+                r.run,
+                r.high_priority_allocation_pct,
+                alone.high_priority_allocation_pct
+            );
             assert!(r.forced_terminations <= r.evictions);
             lost[k] += r.lost_gpu_h;
         }

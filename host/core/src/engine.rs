@@ -18,7 +18,7 @@ use crate::compaction::{CompactionConfig, CompactionPolicy, CompactionState, Led
 use crate::fleet::{Allocation, Fleet, Node, NodeId};
 use crate::harvest::Harvest;
 use crate::job::Job;
-use crate::placement::{place_fitting_gang, Placer};
+use crate::placement::{place_fitting_gang_ranked, Placer};
 use crate::policy::{PlacementPolicy, PolicyError};
 use crate::preemption::{evict, select_victims, Candidate, EvictionLatency, PreemptionPolicy, PriorityContract};
 use crate::task::TaskShape;
@@ -415,6 +415,18 @@ impl Engine {
         self.pending.contains(&slot)
     }
 
+    /// When an evicted job may run again, if later than `now`: after it
+    /// vacates, or, taken back as often as its contract allows in 24 hours,
+    /// once the oldest of those interruptions is a day old. With the number
+    /// of interruptions in the 24 hours before `now`, and whether that is
+    /// the contract's limit.
+    pub fn held_back(&self, slot: Slot, now: u64) -> Option<(u64, usize, bool)> {
+        let at = self.runs.ready_at[slot];
+        let recent = self.runs.interrupted_at.get(&slot).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
+        let limit = self.jobs[slot].contract.unwrap_or(self.config.contract).max_interruptions_per_day as usize;
+        (at != u64::MAX && at > now).then_some((at, recent, recent >= limit))
+    }
+
     /// The earliest time an evicted job (vacating on the modelled latency)
     /// may run again, if any is due.
     pub fn next_wakeup(&self) -> Option<u64> {
@@ -546,8 +558,14 @@ impl Engine {
             }
             Event::Vacated(j) => {
                 if self.runs.ready_at[j] == u64::MAX {
-                    self.runs.ready_at[j] = now;
-                    self.fresh[j] = true;
+                    let contract = self.jobs[j].contract.unwrap_or(self.config.contract);
+                    let at = self.runs.resume_at(j, now, &contract);
+                    self.runs.ready_at[j] = at;
+                    if at > now {
+                        self.runs.wakeups.push(Reverse(at));
+                    } else {
+                        self.fresh[j] = true;
+                    }
                 }
             }
             Event::Checkpoint(j) => self.runs.checkpoint_at[j] = Some(now),
@@ -864,6 +882,9 @@ impl Engine {
         // Shapes that did not fit this pass under the same constraints: not
         // retried until the next event.
         let mut failed: HashSet<ShapeKey> = HashSet::new();
+        // The fleet as high priority sees it (no low-priority work), made
+        // when the first job that may preempt is tried.
+        let mut view: Option<Fleet> = None;
         let pending = std::mem::take(&mut self.pending);
         let mut still_pending = Vec::with_capacity(pending.len());
         let mut evicted = Vec::new();
@@ -928,11 +949,122 @@ impl Engine {
                     hopeless = true;
                 }
             }
+            // With preemption, a high-priority job goes where it would go
+            // if no low-priority work ran (low work is invisible to it, so
+            // it cannot scatter high work and starve gangs), and takes back
+            // the low work in the way there, chosen by the ranker.
+            let mut placed = None;
+            let mut settled = false;
+            if may_preempt {
+                let view = view.get_or_insert_with(|| self.runs.without_low(fleet));
+                if job.tasks > 1 && fitting_tasks_among(view, &job.shape, job.tasks, &keep) < job.tasks {
+                    settled = true; // does not fit even with no low work
+                } else {
+                    // Equal scores go to the node with the least low-priority
+                    // work in the way: fewer evictions, the same layout.
+                    let in_the_way: Vec<u32> = view.nodes().iter().zip(fleet.nodes()).map(|(v, f)| (v.gpu_free_milli() - f.gpu_free_milli()) as u32).collect();
+                    let mut planned = 0;
+                    match attempt(view, &mut self.placer, &mut **policy, job, &mut planned, &keep, &mut None, Some(&in_the_way)) {
+                        Ok(None) => settled = true,
+                        Ok(Some((plan, _))) => {
+                            // The plan fixes the kind of node the job takes:
+                            // any node in the same state in the view (same
+                            // switch domain, model and free resources) is as
+                            // good for high priority, so the ranker chooses
+                            // among all of them whose low work makes room.
+                            for a in &plan {
+                                view.release(a).expect("just planned");
+                            }
+                            let state = |id: NodeId| {
+                                let n = &view.nodes()[id as usize];
+                                let mut gpus = n.gpus.clone();
+                                gpus.sort_unstable();
+                                (n.switch_domain, n.model, n.partition, n.cpu_free_milli, n.memory_free_mib, gpus)
+                            };
+                            let kinds: HashSet<_> = plan.iter().map(|a| state(a.node)).collect();
+                            let like: HashSet<NodeId> =
+                                (0..view.nodes().len() as NodeId).filter(|&id| keep(id, &view.nodes()[id as usize]) && kinds.contains(&state(id))).collect();
+                            let there = |id: NodeId, n: &Node| like.contains(&id) && keep(id, n);
+                            let picked = if fitting_tasks_among(fleet, &job.shape, job.tasks, &there) >= job.tasks {
+                                Some(Vec::new())
+                            } else {
+                                let ranker = preemption.as_deref_mut().expect("may preempt");
+                                match self.choose_victims(fleet, ranker, j, now, &there, observer) {
+                                    Ok(p) => p,
+                                    Err(e) => {
+                                        error = Some((at, j, Hook::Rank, e));
+                                        break;
+                                    }
+                                }
+                            };
+                            let ranker = preemption.as_deref_mut().expect("may preempt");
+                            if let Some(chosen) = picked {
+                                for &v in &chosen {
+                                    for alloc in &self.runs.held[v] {
+                                        fleet.release(alloc).expect("a running job's allocations are held");
+                                        touched.insert(alloc.node);
+                                    }
+                                }
+                                match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &there, observer, None) {
+                                    Ok(Some((allocs, domains))) => {
+                                        if !chosen.is_empty() {
+                                            self.gang_bounds.clear();
+                                        }
+                                        let ranker_name = ranker.describe();
+                                        let (delay, victims) = self.runs.take_victims(&chosen, j, now, &self.jobs, &self.config, &mut self.outcome, &ranker_name, out, &mut evicted);
+                                        for a in &allocs {
+                                            view.allocate(a).expect("the view holds less than the fleet");
+                                        }
+                                        placed = Some((allocs, domains, delay, victims));
+                                        settled = true;
+                                    }
+                                    other => {
+                                        // Room was counted, so this cannot
+                                        // happen; never lose the victims'
+                                        // places if it does.
+                                        for &v in &chosen {
+                                            for alloc in &self.runs.held[v] {
+                                                fleet.allocate(alloc).expect("was runs.held a moment ago");
+                                            }
+                                        }
+                                        if let Err(e) = other {
+                                            error = Some((at, j, Hook::Place, e));
+                                            break;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            error = Some((at, j, Hook::Place, e));
+                            break;
+                        }
+                    }
+                }
+            }
+            // Low-priority work goes first where high priority holds
+            // nothing (it is least in the way there), then anywhere.
+            if is_low && !hopeless && preemption.is_some() {
+                let view = view.get_or_insert_with(|| self.runs.without_low(fleet));
+                let away = |id: NodeId, n: &Node| keep(id, n) && view.nodes()[id as usize].is_idle();
+                match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &away, observer, None) {
+                    Ok(p) => {
+                        if p.is_some() {
+                            settled = true;
+                        }
+                        placed = p.map(|(a, d)| (a, d, 0, Vec::new()));
+                    }
+                    Err(e) => {
+                        error = Some((at, j, Hook::Place, e));
+                        break;
+                    }
+                }
+            }
             // (A single task, or a gang counted above: no second count.)
-            let mut placed = if hopeless {
-                None
+            let mut placed = if hopeless || settled {
+                placed
             } else {
-                match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer) {
+                match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer, None) {
                     Ok(p) => p.map(|(a, d)| (a, d, 0, Vec::new())),
                     Err(e) => {
                         error = Some((at, j, Hook::Place, e));
@@ -942,6 +1074,7 @@ impl Engine {
             };
             if placed.is_none()
                 && !is_low
+                && !settled
                 && let Some(ranker) = preemption.as_deref_mut()
             {
                 let chosen = match self.choose_victims(fleet, ranker, j, now, &keep, observer) {
@@ -959,30 +1092,10 @@ impl Engine {
                             touched.insert(alloc.node);
                         }
                     }
-                    match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer) {
+                    match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer, None) {
                         Ok(Some((allocs, domains))) => {
-                            let mut delay = 0;
-                            let mut victims = Vec::new();
                             let ranker_name = ranker.describe();
-                            for v in chosen {
-                                self.runs.held[v].clear(); // released above
-                                let (vacate, lost, forced) = self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
-                                delay = delay.max(vacate);
-                                if self.runs.ready_at[v] > now {
-                                    evicted.push(v);
-                                }
-                                victims.push(self.jobs[v].id);
-                                out.push(Decision::Evict {
-                                    slot: v,
-                                    job: self.jobs[v].id,
-                                    for_job: self.jobs[j].id,
-                                    ranker: ranker_name.clone(),
-                                    stop_by_s: now + vacate,
-                                    lost_gpu_s: lost,
-                                    forced,
-                                    wake: false,
-                                });
-                            }
+                            let (delay, victims) = self.runs.take_victims(&chosen, j, now, &self.jobs, &self.config, &mut self.outcome, &ranker_name, out, &mut evicted);
                             placed = Some((allocs, domains, delay, victims));
                         }
                         other => {
@@ -1004,6 +1117,14 @@ impl Engine {
             let job = &self.jobs[j];
             match placed {
                 Some((allocs, domains, delay, victims)) => {
+                    if !settled
+                        && !is_low
+                        && let Some(view) = view.as_mut()
+                    {
+                        for a in &allocs {
+                            view.allocate(a).expect("the view holds less than the fleet");
+                        }
+                    }
                     let start = now + delay;
                     out.push(Decision::Place { slot: j, job: job.id, allocations: allocs.clone(), domains, start_s: start, victims });
                     self.runs.held[j] = allocs;
@@ -1070,10 +1191,30 @@ impl Engine {
         observer: &mut Option<&mut dyn Observer>,
     ) -> Result<Option<Vec<Slot>>, PolicyError> {
         let job = &self.jobs[j];
+        let usable = |id: NodeId| {
+            let node = &fleet.nodes()[id as usize];
+            keep(id, node) && (job.shape.gpu_count == 0 || job.shape.accepts(node.model))
+        };
+        let (slots, candidates) = self.victim_candidates(fleet, j, now, &usable);
+        let picked = select_victims(fleet, ranker, job, &candidates, keep)?;
+        if let Some(o) = observer.as_deref_mut()
+            && !candidates.is_empty()
+        {
+            o.after_rank(fleet, job, &candidates, keep, picked.as_deref());
+        }
+        Ok(picked.map(|picked| picked.into_iter().map(|k| slots[k]).collect()))
+    }
+
+    /// The running low-priority jobs job `j` may take back, with what the
+    /// ranker sees of them: below `j`'s priority, under their daily
+    /// interruption limit, holding something on a schedulable node outside
+    /// the protected partitions that `usable` accepts.
+    fn victim_candidates<'a>(&'a self, fleet: &Fleet, j: Slot, now: u64, usable: &dyn Fn(NodeId) -> bool) -> (Vec<Slot>, Vec<Candidate<'a>>) {
+        let job = &self.jobs[j];
         let config = &self.config;
         let usable = |id: NodeId| {
             let node = &fleet.nodes()[id as usize];
-            node.schedulable && !config.protected_partitions.contains(&node.partition) && keep(id, node) && (job.shape.gpu_count == 0 || job.shape.accepts(node.model))
+            node.schedulable && !config.protected_partitions.contains(&node.partition) && usable(id)
         };
         let mut slots = Vec::new();
         let mut candidates = Vec::new();
@@ -1094,13 +1235,7 @@ impl Engine {
             });
             slots.push(v);
         }
-        let picked = select_victims(fleet, ranker, job, &candidates, keep)?;
-        if let Some(o) = observer.as_deref_mut()
-            && !candidates.is_empty()
-        {
-            o.after_rank(fleet, job, &candidates, keep, picked.as_deref());
-        }
-        Ok(picked.map(|picked| picked.into_iter().map(|k| slots[k]).collect()))
+        (slots, candidates)
     }
 }
 
@@ -1113,11 +1248,12 @@ fn attempt(
     placements: &mut u64,
     keep: &dyn Fn(NodeId, &Node) -> bool,
     observer: &mut Option<&mut dyn Observer>,
+    tie_rank: Option<&[u32]>,
 ) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
     if let Some(o) = observer.as_deref_mut() {
         o.before_place(fleet, job, keep);
     }
-    let result = place_fitting_gang(fleet, placer, policy, job, placements, keep);
+    let result = place_fitting_gang_ranked(fleet, placer, policy, job, placements, keep, tie_rank);
     if let Some(o) = observer.as_deref_mut() {
         o.after_place(fleet, job, &result);
     }
@@ -1231,6 +1367,71 @@ impl Runs {
         }
     }
 
+    /// The fleet without the running low-priority work.
+    fn without_low(&self, fleet: &Fleet) -> Fleet {
+        let mut view = fleet.clone();
+        for &v in &self.running_low {
+            for a in &self.held[v] {
+                view.release(a).expect("a running job's allocations are held");
+            }
+        }
+        view
+    }
+
+    /// Takes back `chosen` (their allocations already released) for job
+    /// `j` and announces each eviction. Returns how long the slowest takes
+    /// to vacate, and the victims' job ids.
+    #[allow(clippy::too_many_arguments)]
+    fn take_victims(
+        &mut self,
+        chosen: &[Slot],
+        j: Slot,
+        now: u64,
+        jobs: &[Job],
+        config: &SimConfig,
+        outcome: &mut SimOutcome,
+        ranker: &str,
+        out: &mut Vec<Decision>,
+        vacating: &mut Vec<Slot>,
+    ) -> (u64, Vec<u64>) {
+        let mut delay = 0;
+        let mut victims = Vec::new();
+        for &v in chosen {
+            self.held[v].clear(); // released by the caller
+            let (vacate, lost, forced) = self.take_back(v, now, jobs, config, outcome);
+            delay = delay.max(vacate);
+            if self.ready_at[v] > now {
+                vacating.push(v);
+            }
+            victims.push(jobs[v].id);
+            out.push(Decision::Evict {
+                slot: v,
+                job: jobs[v].id,
+                for_job: jobs[j].id,
+                ranker: ranker.to_string(),
+                stop_by_s: now + vacate,
+                lost_gpu_s: lost,
+                forced,
+                wake: false,
+            });
+        }
+        (delay, victims)
+    }
+
+    /// When job `v`, vacated at `vacated_s`, may run again: at once, unless
+    /// it has used its interruptions for the day; then once the oldest of
+    /// them leaves the 24-hour window. Running only work that may still be
+    /// taken back keeps every low-priority allocation preemptible, so low
+    /// work never blocks high priority for a whole run.
+    fn resume_at(&self, v: usize, vacated_s: u64, contract: &PriorityContract) -> u64 {
+        let times = self.interrupted_at.get(&v).map_or(&[][..], |t| t.as_slice());
+        let max = contract.max_interruptions_per_day as usize;
+        if max == 0 || times.len() < max {
+            return vacated_s;
+        }
+        vacated_s.max(times[times.len() - max] + 86_400)
+    }
+
     /// Takes running job `v` back under its contract (its allocations are
     /// the caller's to release): records the interruption and lost work,
     /// and queues it to resume once vacated. Returns the seconds until it
@@ -1272,7 +1473,7 @@ impl Runs {
         } else if self.kept_s[v] >= job.duration_s {
             o.end_s = Some(now + ev.vacate_s); // it finished while leaving
         } else {
-            self.ready_at[v] = now + ev.vacate_s;
+            self.ready_at[v] = self.resume_at(v, now + ev.vacate_s, &contract);
             self.wakeups.push(Reverse(self.ready_at[v]));
         }
         (ev.vacate_s, lost, ev.forced)

@@ -398,6 +398,20 @@ pub fn place_fitting_gang(
     placements: &mut u64,
     keep: &dyn Fn(NodeId, &Node) -> bool,
 ) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
+    place_fitting_gang_ranked(fleet, placer, policy, job, placements, keep, None)
+}
+
+/// [`place_fitting_gang`] with ties in score going to the lowest
+/// `tie_rank[node]` (then the lowest node id).
+pub fn place_fitting_gang_ranked(
+    fleet: &mut Fleet,
+    placer: &mut Placer,
+    policy: &mut dyn PlacementPolicy,
+    job: &Job,
+    placements: &mut u64,
+    keep: &dyn Fn(NodeId, &Node) -> bool,
+    tie_rank: Option<&[u32]>,
+) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
     // A gang asks the policy for switch domains first; with an answer, its
     // tasks go only to the best domains that together hold it.
     let mut allowed: Option<HashSet<u32>> = None;
@@ -427,7 +441,7 @@ pub fn place_fitting_gang(
     }
     let keep = |id: NodeId, n: &crate::fleet::Node| keep(id, n) && allowed.as_ref().is_none_or(|a| a.contains(&n.switch_domain));
     let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 };
-    let Some(allocs) = placer.place_tasks(fleet, &job.shape, meta, job.tasks, policy, None, &keep)? else { return Ok(None) };
+    let Some(allocs) = placer.place_tasks(fleet, &job.shape, meta, job.tasks, policy, tie_rank, &keep)? else { return Ok(None) };
     *placements += u64::from(job.tasks);
     let domains: HashSet<u32> = allocs.iter().map(|a| fleet.nodes()[a.node as usize].switch_domain).collect();
     Ok(Some((allocs, domains.len() as u32)))

@@ -158,6 +158,15 @@ pub fn select_victims(
     candidates: &[Candidate],
     keep: &dyn Fn(NodeId, &Node) -> bool,
 ) -> Result<Option<Vec<usize>>, PolicyError> {
+    let Some(ranked) = ranked_candidates(ranker, demand, candidates)? else { return Ok(None) };
+    let slices: Vec<&[Allocation]> = ranked.iter().map(|&k| candidates[k].held).collect();
+    Ok(choose_victims(fleet, &demand.shape, demand.tasks, keep, &slices).map(|picked| picked.into_iter().map(|k| ranked[k]).collect()))
+}
+
+/// Asks `ranker` to order the allocations of `candidates` for `demand` and
+/// checks the answer (every index in range, none twice): the candidate jobs
+/// in that order, each once. `None` when there is nothing to rank.
+fn ranked_candidates(ranker: &mut dyn PreemptionPolicy, demand: &Job, candidates: &[Candidate]) -> Result<Option<Vec<usize>>, PolicyError> {
     let mut victims = Allocations::default();
     let mut owner = Vec::new();
     for (k, c) in candidates.iter().enumerate() {
@@ -203,8 +212,7 @@ pub fn select_victims(
             ranked.push(owner[i]);
         }
     }
-    let slices: Vec<&[Allocation]> = ranked.iter().map(|&k| candidates[k].held).collect();
-    Ok(choose_victims(fleet, &demand.shape, demand.tasks, keep, &slices).map(|picked| picked.into_iter().map(|k| ranked[k]).collect()))
+    Ok(Some(ranked))
 }
 
 /// What taking one job back costs it, under its contract.

@@ -163,6 +163,59 @@ fn interruptions_per_day_are_capped() {
     let out = simulate_with(&mut f, &jobs, Deciders { placement: &mut Pack, preemption: Some(&mut ranker), compaction: None }, config).unwrap();
     assert_eq!(out.jobs[0].interruptions, 2);
     assert_eq!(out.evictions, 2);
+    // Taken back twice, it waits out the day instead of running where it
+    // could no longer be taken back: no high-priority job waits for it.
+    for k in 1..jobs.len() {
+        let waited = out.jobs[k].start_s.map(|s| s - jobs[k].arrival_s);
+        assert!(waited.is_some_and(|w| w <= 60), "job {}: waited {waited:?}", jobs[k].id);
+    }
+    assert!(out.jobs[0].end_s.is_none());
+}
+
+/// With preemption, low-priority work is invisible to high priority: a
+/// high-priority job goes where it would go with no low-priority work (here
+/// the node already half used by high priority, keeping the other node
+/// free of high-priority work for a whole-node job), and the ranker picks
+/// the victims there, not wherever it likes best.
+#[test]
+fn high_priority_goes_where_it_would_go_without_low_priority_work() {
+    use berth_core::engine::World;
+    use berth_core::{Decision, Engine, Event};
+    let mut f = fleet(2);
+    let mut engine = Engine::new(SimConfig { high_priority: 10, ..SimConfig::default() });
+    let mut job = |id: u64, priority: u32, gpus: u32| engine.register(Job { id, priority, duration_s: 86_400, tasks: 1, shape: shape(gpus), ..Job::default() });
+    let h1 = job(1, 10, 4);
+    let lows: Vec<usize> = (2..=4).map(|id| job(id, 0, 4)).collect();
+    let h2 = job(5, 10, 4);
+    let h3 = job(6, 10, 8);
+    // The ranker likes the lowest job id best: job 2, on node 1.
+    let mut ranker = RankBy { key: |v, i| v.job_ids[i], seen_priorities: vec![] };
+    let mut pass = |engine: &mut Engine, f: &mut Fleet, now: u64, events: Vec<Event>| {
+        let mut deciders = Deciders { placement: &mut Pack, preemption: Some(&mut ranker), compaction: None };
+        let p = engine.handle(f, now, events, &mut deciders, &mut World { eligible: None, observer: None });
+        assert!(p.error.is_none());
+        p.decisions
+    };
+    let node_of = |d: &[Decision], job: u64| {
+        d.iter().find_map(|d| match d {
+            Decision::Place { job: j, allocations, .. } if *j == job => Some(allocations[0].node),
+            _ => None,
+        })
+    };
+    let d = pass(&mut engine, &mut f, 0, vec![Event::Arrive(h1)]);
+    assert_eq!(node_of(&d, 1), Some(0));
+    // Low work goes first where high priority holds nothing (node 1), then
+    // beside it: the fleet is full.
+    let d = pass(&mut engine, &mut f, 1, lows.iter().map(|&l| Event::Arrive(l)).collect());
+    assert_eq!((node_of(&d, 2), node_of(&d, 3), node_of(&d, 4)), (Some(1), Some(1), Some(0)), "{d:?}");
+    let d = pass(&mut engine, &mut f, 100, vec![Event::Arrive(h2)]);
+    assert_eq!(node_of(&d, 5), Some(0), "{d:?}");
+    let evicted: Vec<u64> = d.iter().filter_map(|d| if let Decision::Evict { job, .. } = d { Some(*job) } else { None }).collect();
+    assert_eq!(evicted, vec![4], "only the low work in its way");
+    // A whole-node job still finds a node free of high-priority work.
+    let d = pass(&mut engine, &mut f, 200, vec![Event::Arrive(h3)]);
+    assert_eq!(node_of(&d, 6), Some(1), "{d:?}");
+    f.check_invariants().unwrap();
 }
 
 #[test]

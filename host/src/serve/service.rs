@@ -426,6 +426,19 @@ impl Berth for Service {
         } else {
             reasons_text
         };
+        if let Some(&slot) = st.slots.get(&job_id)
+            && let Some((at, recent, at_limit)) = st.engine.held_back(slot, st.now_s())
+        {
+            let wait = at - st.now_s();
+            out.summary = if at_limit {
+                format!(
+                    "preempted {recent} times in 24 h, its contract's limit: starts again in {wait} s at the earliest, so that all running low-priority work stays preemptible; {}",
+                    out.summary
+                )
+            } else {
+                format!("preempted: vacating, may start again in {wait} s; {}", out.summary)
+            };
+        }
         if let Some(until) = reserved {
             out.summary = if until == u64::MAX {
                 format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)
