@@ -16,9 +16,21 @@
 //! took GPUs that model-pinned tasks needed). The shared GPU inside a node
 //! is chosen with the same cost, the fullest fitting GPU on equal cost.
 //!
+//! A third term keeps scarce GPU models for the tasks that can run only
+//! there. A model's scarcity is the share of its GPUs the typical pods
+//! pinned to it will want (their share of the typical GPU demand times the
+//! cluster's GPUs, over the GPUs of the models they accept). A task pays
+//! `scarce` milli-GPU per milli-GPU it takes on a node whose model is
+//! scarcer than the least scarce one it could run on: unpinned work leaves
+//! T4s to T4-only tasks, a T4-only task pays nothing there. Without pinned
+//! typical pods every scarcity is 0 and the term is silent. (FGD's own
+//! fragmentation steers the same way, by each pinned pod's popularity
+//! alone: too weakly where pinned demand nearly fills its models.)
+//!
 //! Information used: the call's task and node columns, the typical pods
-//! given through `configure` (the same `typical_pods` FGD receives) and the
-//! tasks this instance was asked to score before; nothing about future
+//! given through `configure` (the same `typical_pods` FGD receives), the
+//! tasks this instance was asked to score before and the nodes (id, model,
+//! GPU count, CPU and memory totals) calls have shown; nothing about future
 //! arrivals. One set of weights for every workload ([`Weights::default`]),
 //! searched on two traces and checked on the rest (docs/src/beyond-fgd.md).
 //!
@@ -80,12 +92,19 @@ pub struct Weights {
     /// Points taken off a node with every GPU idle when the task leaves
     /// some of them idle (keeps whole nodes for multi-GPU tasks).
     pub fresh: f64,
+    /// Milli-GPU of cost per milli-GPU a task takes on a node, times how
+    /// much scarcer the node's model is than the least scarce one the task
+    /// could run on (scarcity: the share of a model's GPUs the typical
+    /// pinned pods will want).
+    pub scarce: f64,
 }
 
 impl Default for Weights {
     fn default() -> Self {
-        // Searched on the default and gpuspec25 traces (seeds 42-43).
-        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0 }
+        // cpu and mem searched on default and gpuspec25 (seeds 42-43);
+        // scarce on gpuspec25 (seeds 42-45, of 0.1 to 30); checked on the
+        // other traces.
+        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0 }
     }
 }
 
@@ -147,6 +166,16 @@ impl FxHasher {
 
 const CACHE_LIMIT: usize = 1 << 18;
 
+/// Nodes alike for the scarcity term (the floor needs to know where a task
+/// could run at all).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct NodeClass {
+    model: u32,
+    gpus: u32,
+    cpu: u32,
+    mem: u64,
+}
+
 /// A node state as the score sees it.
 #[derive(Clone, Copy)]
 struct State<'a> {
@@ -172,6 +201,12 @@ pub struct BerthFrag {
     /// Memory MiB and GPU milli of the GPU tasks scored so far.
     seen_mem: f64,
     seen_gpu: f64,
+    /// The class of each node seen in any call (by id; `u32::MAX` unseen)
+    /// and each class's GPUs: the supply, as far as calls have shown it.
+    node_class: Vec<u32>,
+    classes: Vec<(NodeClass, f64)>,
+    /// Per class: the share of its GPUs the typical pinned pods want.
+    scarcity: Vec<f64>,
 }
 
 impl BerthFrag {
@@ -219,6 +254,74 @@ impl BerthFrag {
                 if gpu > 0.0 { cpu / gpu } else { 0.0 }
             })
             .collect();
+    }
+
+    /// Records the nodes of a call not seen before (by id, into classes of
+    /// equal model, GPU count, CPU and memory); recomputes the classes'
+    /// scarcity when the known supply changed: each pinned typical pod
+    /// adds its GPU demand share times the GPUs seen over the GPUs of the
+    /// models it accepts to each of those models (demand spread by supply).
+    fn see_nodes(&mut self, nodes: &Nodes) {
+        let mut changed = false;
+        for node in nodes.iter() {
+            let id = node.id as usize;
+            if id >= self.node_class.len() {
+                self.node_class.resize(id + 1, u32::MAX);
+            }
+            if self.node_class[id] != u32::MAX {
+                continue;
+            }
+            let key = NodeClass { model: node.model, gpus: node.gpu_count(), cpu: node.cpu_total_milli, mem: node.memory_total_mib };
+            let c = match self.classes.iter().position(|&(k, _)| k == key) {
+                Some(c) => c,
+                None => {
+                    self.classes.push((key, 0.0));
+                    self.classes.len() - 1
+                }
+            };
+            self.classes[c].1 += f64::from(key.gpus);
+            self.node_class[id] = c as u32;
+            changed = true;
+        }
+        if !changed {
+            return;
+        }
+        let total_gpus: f64 = self.classes.iter().map(|c| c.1).sum();
+        let demand: f64 = self.typical.iter().map(|t| t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count)).sum();
+        self.scarcity = vec![0.0; self.classes.len()];
+        if demand <= 0.0 {
+            return;
+        }
+        for (t, models) in self.typical.iter().zip(&self.resolved) {
+            if t.gpu_milli == 0 || t.models.is_empty() {
+                continue;
+            }
+            let fits = |k: &NodeClass| models.contains(&k.model);
+            let supply: f64 = self.classes.iter().filter(|(k, _)| fits(k)).map(|c| c.1).sum();
+            if supply <= 0.0 {
+                continue;
+            }
+            let want = t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count) / demand * total_gpus / supply;
+            for (r, (k, _)) in self.scarcity.iter_mut().zip(&self.classes) {
+                if fits(k) {
+                    *r += want;
+                }
+            }
+        }
+    }
+
+    /// The least scarcity among the classes an empty node of which would
+    /// take the task (infinite when the term is off or none is known).
+    fn scarcity_floor(&self, task: &Task) -> f64 {
+        if self.weights.scarce == 0.0 || self.scarcity.is_empty() {
+            return f64::INFINITY;
+        }
+        self.classes
+            .iter()
+            .zip(&self.scarcity)
+            .filter(|((k, _), _)| task.accepts_model(k.model) && k.gpus >= task.gpu_count && k.cpu >= task.cpu_milli && k.mem >= task.memory_mib)
+            .map(|(_, &r)| r)
+            .fold(f64::INFINITY, f64::min)
     }
 
     /// FGD's fragmentation of a node state: for each typical shape, all
@@ -294,7 +397,14 @@ impl BerthFrag {
     }
 
     fn frag_any(&self, model: u32, cpu_free: u32, free: &[u32]) -> f64 {
-        if self.weights.fill != 0.0 { self.fill_uncached(model, cpu_free, free) } else { self.frag_uncached(model, cpu_free, free) }
+        let a = self.weights.fill;
+        if a == 0.0 {
+            self.frag_uncached(model, cpu_free, free)
+        } else if a == 1.0 {
+            self.fill_uncached(model, cpu_free, free)
+        } else {
+            (1.0 - a) * self.frag_uncached(model, cpu_free, free) + a * self.fill_uncached(model, cpu_free, free)
+        }
     }
 
     /// The cost of a node state (lower is better), in milli-GPU, by term:
@@ -323,7 +433,7 @@ impl BerthFrag {
     }
 
     /// Score of one node and, for a shared GPU, the chosen GPU's mask.
-    fn score_node(&mut self, task: &Task, node: &NodeView) -> (f64, u64) {
+    fn score_node(&mut self, task: &Task, node: &NodeView, penalty: f64) -> (f64, u64) {
         let before_state = State { model: node.model, cpu_free: node.cpu_free_milli, mem_free: node.memory_free_mib, free: node.gpu_free_milli };
         let before = self.cost(before_state);
         let cpu_after = node.cpu_free_milli.saturating_sub(task.cpu_milli);
@@ -347,7 +457,7 @@ impl BerthFrag {
                 after[g] = free - task.gpu_milli;
                 let c = self.cost(State { model: node.model, cpu_free: cpu_after, mem_free: mem_after, free: &after[..n] });
                 after[g] = free;
-                let d = self.drop(&before, &c);
+                let d = self.drop(&before, &c) - penalty;
                 if best.is_none_or(|(b, f, _)| d > b || (d == b && free < f)) {
                     best = Some((d, free, g));
                 }
@@ -368,7 +478,7 @@ impl BerthFrag {
             }
         }
         let c = self.cost(State { model: node.model, cpu_free: cpu_after, mem_free: mem_after, free: &after[..n] });
-        (self.finish(self.drop(&before, &c), pack), 0)
+        (self.finish(self.drop(&before, &c) - penalty, pack), 0)
     }
 
     fn finish(&self, drop: f64, pack: f64) -> f64 {
@@ -401,7 +511,7 @@ impl Policy for BerthFrag {
         if weights.scale <= 0.0 {
             return Err("berth-frag: weights.scale must be positive".into());
         }
-        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided].iter().all(|w| w.is_finite()) {
+        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce].iter().all(|w| w.is_finite()) {
             return Err("berth-frag: weights must be finite".into());
         }
         *self = BerthFrag::new(c.typical_pods, weights);
@@ -422,10 +532,21 @@ impl Policy for BerthFrag {
             self.seen_gpu += task.total_gpu_milli() as f64;
         }
         self.resolve_models(&nodes.models);
+        if self.weights.scarce != 0.0 {
+            self.see_nodes(nodes);
+        }
+        let floor = self.scarcity_floor(task);
         let mut scores = Vec::with_capacity(nodes.len());
         let mut gpus = Vec::with_capacity(nodes.len());
         for node in nodes.iter() {
-            let (s, mask) = self.score_node(task, &node);
+            let penalty = if task.gpu_count == 0 || floor.is_infinite() {
+                0.0
+            } else {
+                let c = self.node_class.get(node.id as usize).copied().unwrap_or(u32::MAX);
+                let r = self.scarcity.get(c as usize).copied().unwrap_or(0.0);
+                self.weights.scarce * (r - floor).max(0.0) * task.total_gpu_milli() as f64
+            };
+            let (s, mask) = self.score_node(task, &node, penalty);
             scores.push(s);
             gpus.push(mask);
         }
