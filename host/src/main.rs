@@ -99,9 +99,10 @@ struct ReplayArgs {
     /// Scale every node count of the fleet config (e.g. 0.05 for 1,000 nodes).
     #[arg(long, default_value_t = 1.0, requires = "fleet")]
     fleet_scale: f64,
-    /// Workload for --fleet: a TOML config of the generator (default: ASI's
-    /// job mix), or a CSV of jobs (id,class,arrival_s,duration_s,tasks,gpus,
-    /// gpu_milli,cpu_milli,memory_mib,model).
+    /// Workload for --fleet: `asi` (ASI's job mix, the default), `backlog`
+    /// (that mix plus a large low-priority backlog), a TOML config of the
+    /// generator, or a CSV of jobs (id,class,arrival_s,duration_s,tasks,
+    /// gpus,gpu_milli,cpu_milli,memory_mib,model).
     #[arg(long, requires = "fleet")]
     workload: Option<PathBuf>,
     /// Simulated days of arrivals for --fleet (overrides the workload's).
@@ -698,7 +699,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         _ => None,
     };
     let mut workload = match &args.workload {
-        Some(path) if csv_jobs.is_none() => WorkloadConfig::load_file(&path.to_string_lossy())?,
+        Some(path) if csv_jobs.is_none() => WorkloadConfig::load(&path.to_string_lossy())?,
         _ => WorkloadConfig::default(),
     };
     if let Some(days) = args.days {
