@@ -304,3 +304,38 @@ fn the_live_decision_benchmark_reports_every_preemption() {
     let (p50, p99, max) = (r["pass_p50_us"].as_u64().unwrap(), r["pass_p99_us"].as_u64().unwrap(), r["pass_max_us"].as_u64().unwrap());
     assert!(0 < p50 && p50 <= p99 && p99 <= max, "{r}");
 }
+
+/// A job taken back as often as its contract allows waits out the 24 hours
+/// in the queue, even with its GPUs free again, so that all running
+/// low-priority work stays preemptible; `berth explain` says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_at_its_interruption_limit_waits_out_the_day() {
+    let d = dir("preempt-limit");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0", "--max-interruptions-per-day", "1"]).await;
+    let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    schedulable(&api, "n1").await;
+    upload_rank(&mut api, &policy_path("spot-gpu")).await;
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)) }).await.unwrap().into_inner().job_id;
+    running(&api, &[low]).await;
+    let mut high = agent_job(&d, 2, 1);
+    high.priority = 5;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    running(&api, &[h]).await;
+    assert_eq!(evictions(&mut api).await.iter().map(|e| e.job_id).collect::<Vec<_>>(), vec![low]);
+    // The high-priority job ends: its GPUs are free, the victim stays queued.
+    std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
+    until("the high-priority job finished", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().any(|j| j.id == h && j.state == "finished").then_some(()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let j = jobs(&api).await.into_iter().find(|j| j.id == low).unwrap();
+    assert_eq!(j.state, "pending", "{j:?}");
+    let why = api.explain_job(pb::ExplainJobRequest { job_id: low }).await.unwrap().into_inner();
+    assert!(why.summary.contains("preempted 1 times in 24 h, its contract's limit"), "{why:?}");
+    let wait: u64 = why.summary.split("starts again in ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).expect("a wait in seconds");
+    assert!(wait > 86_000 && wait <= 86_400, "{}", why.summary);
+    api.cancel_job(pb::CancelJobRequest { job_id: low }).await.unwrap();
+}
