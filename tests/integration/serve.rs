@@ -239,6 +239,35 @@ async fn shadow_records_without_actuating_and_split_divides_by_job() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_version_trips_the_breaker_for_high_priority_jobs_too() {
+    // High-priority jobs are planned on the fleet as if no low-priority
+    // work ran before they are placed: a failing policy there must still
+    // reach the breaker, not stall the queue.
+    let dir = state_dir("breaker-high");
+    let mut cfg = config(&dir, ACCESS);
+    cfg.limits.deadline = Duration::from_millis(200);
+    let h = berth::serve::start(cfg).await.unwrap();
+    let mut ops = client(&h, "ops-test-token").await;
+    let mut alice = client(&h, "alice-test-token").await;
+    let hostile = upload(&mut ops, "p2", guest_path("hostile")).await;
+    ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile, ..Default::default() }).await.unwrap();
+    for _ in 0..4 {
+        let mut high = job("p2", 1);
+        high.job.as_mut().unwrap().priority = 5;
+        alice.submit_job(high).await.unwrap();
+    }
+    let all = settle(&mut ops, "p2").await;
+    let log = decisions(&mut ops, "p2", false).await;
+    placed_once(&all, &log);
+    assert!(all.iter().all(|j| j.policy_version == 1), "the good version placed every job");
+    let errors = log.iter().filter(|d| d.outcome == "error" && d.policy_version == hostile).count();
+    assert_eq!(errors, 3, "the breaker trips at the third failure");
+    let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p2".into(), ..Default::default() }).await.unwrap().into_inner();
+    assert_eq!(hist.active_version, 1);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     let dir = state_dir("breaker");
     let mut cfg = config(&dir, ACCESS);

@@ -293,6 +293,8 @@ pub struct Engine {
     /// and which reservation drained each node.
     reservations: BTreeMap<Option<u32>, Reservation>,
     drained_by: HashMap<NodeId, Option<u32>>,
+    /// When the last pass ran.
+    last_pass_s: u64,
     /// Harvesting: sleeping replicas with the allocations they keep a claim
     /// on, the GPUs lent on each node.
     sleeping: BTreeMap<Slot, Vec<Allocation>>,
@@ -329,6 +331,7 @@ impl Engine {
             high_milli: 0,
             reservations: BTreeMap::new(),
             drained_by: HashMap::new(),
+            last_pass_s: 0,
             sleeping: BTreeMap::new(),
             lent: HashMap::new(),
             sleeping_milli: 0,
@@ -424,7 +427,7 @@ impl Engine {
         let at = self.runs.ready_at[slot];
         let recent = self.runs.interrupted_at.get(&slot).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
         let limit = self.jobs[slot].contract.unwrap_or(self.config.contract).max_interruptions_per_day as usize;
-        (at != u64::MAX && at > now).then_some((at, recent, recent >= limit))
+        (at != u64::MAX && at > now).then_some((at, recent, limit > 0 && recent >= limit))
     }
 
     /// The earliest time an evicted job (vacating on the modelled latency)
@@ -840,6 +843,9 @@ impl Engine {
         // tried), else the nodes where capacity was released (a waiting
         // single task can only fit on one of those); jobs new to the queue
         // are always tried.
+        // Jobs whose ready time came since the last pass are new here (a
+        // live pass need not land on that second).
+        let since = std::mem::replace(&mut self.last_pass_s, now);
         let mut freed = std::mem::take(&mut self.freed);
         let mut touched = std::mem::take(&mut self.touched);
         {
@@ -892,7 +898,8 @@ impl Engine {
         for (at, &j) in pending.iter().enumerate() {
             let jobs = &self.jobs;
             let job = &jobs[j];
-            let new_here = std::mem::take(&mut self.fresh[j]) || (self.runs.ready_at[j] == now && now > 0);
+            let ready = self.runs.ready_at[j];
+            let new_here = std::mem::take(&mut self.fresh[j]) || (ready > since && ready <= now);
             if self.runs.ready_at[j] > now || !(freed || new_here || !touched.is_empty()) {
                 still_pending.push(j); // evicted and still vacating, or nothing changed
                 continue;
@@ -975,15 +982,20 @@ impl Engine {
                             for a in &plan {
                                 view.release(a).expect("just planned");
                             }
-                            let state = |id: NodeId| {
-                                let n = &view.nodes()[id as usize];
+                            let coarse = |n: &Node| (n.switch_domain, n.model, n.partition, n.cpu_free_milli, n.memory_free_mib, n.gpu_free_milli());
+                            let state = |n: &Node| {
                                 let mut gpus = n.gpus.clone();
                                 gpus.sort_unstable();
-                                (n.switch_domain, n.model, n.partition, n.cpu_free_milli, n.memory_free_mib, gpus)
+                                (coarse(n), gpus)
                             };
-                            let kinds: HashSet<_> = plan.iter().map(|a| state(a.node)).collect();
-                            let like: HashSet<NodeId> =
-                                (0..view.nodes().len() as NodeId).filter(|&id| keep(id, &view.nodes()[id as usize]) && kinds.contains(&state(id))).collect();
+                            let kinds: HashSet<_> = plan.iter().map(|a| state(&view.nodes()[a.node as usize])).collect();
+                            let coarse_kinds: HashSet<_> = kinds.iter().map(|k| k.0).collect();
+                            let like: HashSet<NodeId> = (0..view.nodes().len() as NodeId)
+                                .filter(|&id| {
+                                    let n = &view.nodes()[id as usize];
+                                    coarse_kinds.contains(&coarse(n)) && keep(id, n) && kinds.contains(&state(n))
+                                })
+                                .collect();
                             let there = |id: NodeId, n: &Node| like.contains(&id) && keep(id, n);
                             let picked = if fitting_tasks_among(fleet, &job.shape, job.tasks, &there) >= job.tasks {
                                 Some(Vec::new())
@@ -1022,11 +1034,7 @@ impl Engine {
                                         // Room was counted, so this cannot
                                         // happen; never lose the victims'
                                         // places if it does.
-                                        for &v in &chosen {
-                                            for alloc in &self.runs.held[v] {
-                                                fleet.allocate(alloc).expect("was runs.held a moment ago");
-                                            }
-                                        }
+                                        self.runs.hold_again(fleet, &chosen);
                                         if let Err(e) = other {
                                             error = Some((at, j, Hook::Place, e));
                                             break;
@@ -1036,22 +1044,42 @@ impl Engine {
                             }
                         }
                         Err(e) => {
-                            error = Some((at, j, Hook::Place, e));
-                            break;
+                            // The plan is not observed (its allocations are
+                            // not the decision); a failing policy must still
+                            // reach the observer (the live breaker): one
+                            // observed attempt on the fleet decides.
+                            match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer, None) {
+                                Ok(Some((allocs, domains))) => {
+                                    for a in &allocs {
+                                        view.allocate(a).expect("the view holds less than the fleet");
+                                    }
+                                    placed = Some((allocs, domains, 0, Vec::new()));
+                                    settled = true;
+                                }
+                                Ok(None) => {
+                                    error = Some((at, j, Hook::Place, e));
+                                    break;
+                                }
+                                Err(again) => {
+                                    error = Some((at, j, Hook::Place, again));
+                                    break;
+                                }
+                            }
                         }
                     }
                 }
             }
             // Low-priority work goes first where high priority holds
             // nothing (it is least in the way there), then anywhere.
+            // (Counted first, so that one attempt is made and observed.)
             if is_low && !hopeless && preemption.is_some() {
                 let view = view.get_or_insert_with(|| self.runs.without_low(fleet));
                 let away = |id: NodeId, n: &Node| keep(id, n) && view.nodes()[id as usize].is_idle();
-                match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &away, observer, None) {
+                let room_away = fitting_tasks_among(fleet, &job.shape, job.tasks, &away) >= job.tasks;
+                let among: &dyn Fn(NodeId, &Node) -> bool = if room_away { &away } else { &keep };
+                match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, among, observer, None) {
                     Ok(p) => {
-                        if p.is_some() {
-                            settled = true;
-                        }
+                        settled = true;
                         placed = p.map(|(a, d)| (a, d, 0, Vec::new()));
                     }
                     Err(e) => {
@@ -1101,11 +1129,7 @@ impl Engine {
                         other => {
                             // Cannot happen when enough tasks fit, but never
                             // lose the victims' places if it does.
-                            for &v in &chosen {
-                                for alloc in &self.runs.held[v] {
-                                    fleet.allocate(alloc).expect("was runs.held a moment ago");
-                                }
-                            }
+                            self.runs.hold_again(fleet, &chosen);
                             if let Err(e) = other {
                                 error = Some((at, j, Hook::Place, e));
                                 break;
@@ -1364,6 +1388,16 @@ impl Runs {
             Some(at) => now.saturating_sub(at.max(self.run_start[v])),
             None if job.reports_exit => ran,
             None => ran % contract.checkpoint_every_s.max(1),
+        }
+    }
+
+    /// Allocates again what `chosen`, released as victims a moment ago,
+    /// still hold (a placement that then failed).
+    fn hold_again(&self, fleet: &mut Fleet, chosen: &[Slot]) {
+        for &v in chosen {
+            for alloc in &self.held[v] {
+                fleet.allocate(alloc).expect("was runs.held a moment ago");
+            }
         }
     }
 

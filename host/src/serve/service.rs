@@ -426,10 +426,11 @@ impl Berth for Service {
         } else {
             reasons_text
         };
+        let now = st.now_s();
         if let Some(&slot) = st.slots.get(&job_id)
-            && let Some((at, recent, at_limit)) = st.engine.held_back(slot, st.now_s())
+            && let Some((at, recent, at_limit)) = st.engine.held_back(slot, now)
         {
-            let wait = at - st.now_s();
+            let wait = at.saturating_sub(now);
             out.summary = if at_limit {
                 format!(
                     "preempted {recent} times in 24 h, its contract's limit: starts again in {wait} s at the earliest, so that all running low-priority work stays preemptible; {}",
