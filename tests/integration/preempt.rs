@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use berth::serve::pb;
 
-use crate::agent::{agent, agent_job, assert_one_owner, dir, jobs, serve, until, BERTH};
+use crate::agent::{agent, agent_job, assert_one_owner, dir, free_port, jobs, kill9, serve, until, BERTH};
 use crate::common::{guest_path, policy_path};
 
 /// A task that records its checkpoint notices (the agent's checkpoint hook
@@ -311,7 +311,9 @@ fn the_live_decision_benchmark_reports_every_preemption() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     let d = dir("preempt-limit");
-    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0", "--max-interruptions-per-day", "1"]).await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = ["--listen", listen.as_str(), "--agent-timeout-ms", "3000", "--notice-s", "0", "--max-interruptions-per-day", "1"];
+    let (mut host, url) = serve(&d, "serve1", &d.join("state"), &args).await;
     let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
@@ -335,7 +337,18 @@ async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     assert_eq!(j.state, "pending", "{j:?}");
     let why = api.explain_job(pb::ExplainJobRequest { job_id: low }).await.unwrap().into_inner();
     assert!(why.summary.contains("preempted 1 times in 24 h, its contract's limit"), "{why:?}");
-    let wait: u64 = why.summary.split("starts again in ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).expect("a wait in seconds");
-    assert!(wait > 86_000 && wait <= 86_400, "{}", why.summary);
+    let wait = |summary: &str| -> u64 { summary.split("starts again in ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).expect("a wait in seconds") };
+    assert!(wait(&why.summary) > 86_000 && wait(&why.summary) <= 86_400, "{}", why.summary);
+    // The limit is durable: a host killed with SIGKILL still holds it back.
+    kill9(&mut host);
+    let (_host, url2) = serve(&d, "serve2", &d.join("state"), &args).await;
+    assert_eq!(url2, url);
+    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    schedulable(&api, "n1").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let j = jobs(&api).await.into_iter().find(|j| j.id == low).unwrap();
+    assert_eq!(j.state, "pending", "{j:?}");
+    let again = api.explain_job(pb::ExplainJobRequest { job_id: low }).await.unwrap().into_inner();
+    assert!(again.summary.contains("its contract's limit") && wait(&again.summary) <= wait(&why.summary), "{again:?}");
     api.cancel_job(pb::CancelJobRequest { job_id: low }).await.unwrap();
 }

@@ -418,6 +418,25 @@ impl Engine {
         self.pending.contains(&slot)
     }
 
+    /// Interruption times (engine seconds, oldest first) of a job recovered
+    /// from durable state; a waiting job at its daily limit is held back
+    /// again until the oldest is a day old.
+    pub fn restore_interruptions(&mut self, slot: Slot, mut times: Vec<u64>, now: u64) {
+        if times.is_empty() {
+            return;
+        }
+        times.sort_unstable();
+        self.runs.interrupted_at.insert(slot, times);
+        if self.runs.ready_at[slot] != u64::MAX && self.pending.contains(&slot) {
+            let contract = self.jobs[slot].contract.unwrap_or(self.config.contract);
+            let at = self.runs.resume_at(slot, now, &contract);
+            if at > now {
+                self.runs.ready_at[slot] = at;
+                self.runs.wakeups.push(Reverse(at));
+            }
+        }
+    }
+
     /// When an evicted job may run again, if later than `now`: after it
     /// vacates, or, taken back as often as its contract allows in 24 hours,
     /// once the oldest of those interruptions is a day old. With the number

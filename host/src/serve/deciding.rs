@@ -525,6 +525,10 @@ impl Live {
         record.allocations.clear();
         record.placements.clear();
         record.interruptions += 1;
+        record.interrupted_s.push(self.now_s());
+        if record.interrupted_s.len() > super::scheduler::KEPT_INTERRUPTIONS {
+            record.interrupted_s.remove(0);
+        }
         record.sleep = super::scheduler::SleepState::Awake;
         record.last_decision = detail.clone();
         record.detail = detail;

@@ -81,6 +81,9 @@ struct StoredJob {
     waiting_on: Vec<u64>,
     #[serde(default)]
     interruptions: u32,
+    /// When the latest interruptions were (clock seconds).
+    #[serde(default)]
+    interrupted_s: Vec<u64>,
     /// Sleep-state harvesting (absent: awake).
     #[serde(default)]
     sleep: super::scheduler::SleepState,
@@ -171,6 +174,7 @@ pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: 
         evicting: j.evicting,
         waiting_on: j.waiting_on.clone(),
         interruptions: j.interruptions,
+        interrupted_s: j.interrupted_s.clone(),
         sleep: j.sleep,
     };
     Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
@@ -293,6 +297,9 @@ impl Live {
                     st.pending.push(j.id);
                 }
                 let (evicting, waiting_on, interruptions, started_unix_ms, sleep) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms, j.sleep);
+                let mut interrupted_s = j.interrupted_s;
+                let extra = interrupted_s.len().saturating_sub(super::scheduler::KEPT_INTERRUPTIONS);
+                interrupted_s.drain(..extra); // stored text is input too: the latest only
                 running += usize::from(state == JobState::Running);
                 jobs += 1;
                 max_job = max_job.max(j.id);
@@ -330,6 +337,7 @@ impl Live {
                         evicting,
                         waiting_on,
                         interruptions,
+                        interrupted_s: interrupted_s.clone(),
                         reserved_until_s: 0,
                         sleep,
                     },
@@ -350,6 +358,7 @@ impl Live {
                         let (fleet, engine) = (&mut st.fleet, &mut st.engine);
                         engine.restore_running(fleet, slot, holding, started_unix_ms / 1000).map_err(|e| anyhow::anyhow!("{key}: GPUs held twice in the stored state: {e}"))?;
                     }
+                    st.engine.restore_interruptions(slot, interrupted_s, now);
                 }
             }
             let ids: Vec<u32> = st.agent_ids.values().copied().collect();

@@ -201,6 +201,9 @@ pub struct JobSpec {
     pub job: Job,
 }
 
+/// Interruption times kept per job (a contract allows a few a day).
+pub const KEPT_INTERRUPTIONS: usize = 32;
+
 #[derive(Clone, Debug)]
 pub struct JobRecord {
     pub spec: JobSpec,
@@ -229,6 +232,9 @@ pub struct JobRecord {
     pub waiting_on: Vec<u64>,
     /// Times it was preempted.
     pub interruptions: u32,
+    /// When (clock seconds) the latest of those were, at most
+    /// [`KEPT_INTERRUPTIONS`]: the daily limit survives a restart.
+    pub interrupted_s: Vec<u64>,
     /// The starvation guard's latest start for it (Unix seconds; 0: none).
     pub reserved_until_s: u64,
     /// Sleep-state harvesting.
@@ -741,6 +747,7 @@ impl Live {
             evicting: false,
             waiting_on: Vec::new(),
             interruptions: 0,
+            interrupted_s: Vec::new(),
             reserved_until_s: 0,
             sleep: SleepState::Awake,
         };
