@@ -18,41 +18,10 @@ use berth::wasm::Limits;
 use crate::common::policy_path;
 use crate::serve::{client, settle, state_dir, ACCESS};
 
-/// openb-like node shapes (openb_node_list_gpu_node.csv): eight-GPU G2,
-/// two-GPU T4 with many cores, two-GPU P100 with few, four-GPU V100.
-const FLEET: &str = r#"
-seed = 1
-nodes_per_switch = 8
-nodes_per_partition = 32
-
-[[shapes]]
-model = "G2"
-count = 12
-gpus = 8
-cpu_cores = 96
-memory_gib = 384
-
-[[shapes]]
-model = "T4"
-count = 8
-gpus = 2
-cpu_cores = 104
-memory_gib = 512
-
-[[shapes]]
-model = "P100"
-count = 8
-gpus = 2
-cpu_cores = 16
-memory_gib = 120
-
-[[shapes]]
-model = "V100M16"
-count = 4
-gpus = 4
-cpu_cores = 32
-memory_gib = 128
-"#;
+/// openb-like node shapes (openb_node_list_gpu_node.csv), 32 nodes with
+/// 144 GPUs: eight-GPU G2, two-GPU T4 with many cores, two-GPU P100 with
+/// few, four-GPU V100; the fleet the book's live shadow runs on.
+const FLEET: &str = include_str!("../../examples/serve/openb-like.toml");
 
 /// openb-like task shapes, (GPUs, milli of each, CPU milli, memory MiB):
 /// the most frequent ones of openb_pod_list_default.csv (0.81, 0.47 and 0.32
