@@ -16,6 +16,7 @@ mod html_report;
 mod languages;
 mod live_compaction;
 mod live_replay;
+mod live_shadow;
 mod loading;
 mod partition;
 mod pool;
