@@ -238,12 +238,14 @@ async fn shadow_records_without_actuating_and_split_divides_by_job() {
     h.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_version_trips_the_breaker_for_high_priority_jobs_too() {
-    // High-priority jobs are planned on the fleet as if no low-priority
-    // work ran before they are placed: a failing policy there must still
-    // reach the breaker, not stall the queue.
-    let dir = state_dir("breaker-high");
+/// A server whose partition p2 runs the hostile guest (it answers honestly
+/// for job 0, the smoke call, so it is accepted; jobs 1, 2, 3 make it loop,
+/// exhaust memory, panic) and four jobs of `priority` submitted to it: the
+/// breaker trips at the third failure and the good version places every
+/// job. Returns the server, the operator's and alice's clients, the hostile
+/// version and the job ids.
+async fn hostile_on_p2(name: &str, priority: u32) -> (ServeHandle, Client, Client, u32, Vec<u64>) {
+    let dir = state_dir(name);
     let mut cfg = config(&dir, ACCESS);
     cfg.limits.deadline = Duration::from_millis(200);
     let h = berth::serve::start(cfg).await.unwrap();
@@ -251,10 +253,11 @@ async fn hostile_version_trips_the_breaker_for_high_priority_jobs_too() {
     let mut alice = client(&h, "alice-test-token").await;
     let hostile = upload(&mut ops, "p2", guest_path("hostile")).await;
     ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile, ..Default::default() }).await.unwrap();
+    let mut ids = Vec::new();
     for _ in 0..4 {
-        let mut high = job("p2", 1);
-        high.job.as_mut().unwrap().priority = 5;
-        alice.submit_job(high).await.unwrap();
+        let mut j = job("p2", 1);
+        j.job.as_mut().unwrap().priority = priority;
+        ids.push(alice.submit_job(j).await.unwrap().into_inner().job_id);
     }
     let all = settle(&mut ops, "p2").await;
     let log = decisions(&mut ops, "p2", false).await;
@@ -262,6 +265,15 @@ async fn hostile_version_trips_the_breaker_for_high_priority_jobs_too() {
     assert!(all.iter().all(|j| j.policy_version == 1), "the good version placed every job");
     let errors = log.iter().filter(|d| d.outcome == "error" && d.policy_version == hostile).count();
     assert_eq!(errors, 3, "the breaker trips at the third failure");
+    (h, ops, alice, hostile, ids)
+}
+
+/// High-priority jobs are planned on the fleet as if no low-priority work
+/// ran before they are placed: a failing policy there must still reach the
+/// breaker, not stall the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_version_trips_the_breaker_for_high_priority_jobs_too() {
+    let (h, mut ops, _, _, _) = hostile_on_p2("breaker-high", 5).await;
     let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p2".into(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(hist.active_version, 1);
     h.shutdown().await;
@@ -269,27 +281,8 @@ async fn hostile_version_trips_the_breaker_for_high_priority_jobs_too() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
-    let dir = state_dir("breaker");
-    let mut cfg = config(&dir, ACCESS);
-    cfg.limits.deadline = Duration::from_millis(200);
-    let h = berth::serve::start(cfg).await.unwrap();
-    let mut ops = client(&h, "ops-test-token").await;
-    let mut alice = client(&h, "alice-test-token").await;
-    // The hostile guest answers honestly for job 0 (the smoke call), so
-    // it is accepted; jobs 1, 2, 3 make it loop, exhaust memory, panic.
-    let hostile = upload(&mut ops, "p2", guest_path("hostile")).await;
-    ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile, ..Default::default() }).await.unwrap();
-    let mut ids = Vec::new();
-    for _ in 0..4 {
-        ids.push(alice.submit_job(job("p2", 1)).await.unwrap().into_inner().job_id);
-    }
+    let (h, mut ops, mut alice, hostile, ids) = hostile_on_p2("breaker", 0).await;
     assert_eq!(ids, [1, 2, 3, 4], "a fresh server numbers jobs from 1");
-    let all = settle(&mut ops, "p2").await;
-    let log = decisions(&mut ops, "p2", false).await;
-    placed_once(&all, &log);
-    assert!(all.iter().all(|j| j.policy_version == 1), "the good version placed every job");
-    let errors = log.iter().filter(|d| d.outcome == "error" && d.policy_version == hostile).count();
-    assert_eq!(errors, 3, "the breaker trips at the third failure");
 
     let hist = ops.policy_history(pb::PolicyHistoryRequest { partition: "p2".into(), ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(hist.active_version, 1);
