@@ -343,6 +343,20 @@ enum PolicyCommand {
     },
     /// List bundled components.
     List,
+    /// Print the `configure` text FGD-style policies (fgd, berth-frag) get
+    /// in replay: the typical pods of a pod list (openb CSV), for `berth
+    /// policy upload --config` on a live partition.
+    TypicalPods {
+        /// Node list (openb CSV) the pods are checked against.
+        #[arg(long)]
+        nodes: PathBuf,
+        /// Pod list (openb CSV) whose typical pods to print.
+        #[arg(long)]
+        pods: PathBuf,
+        /// Seed for the policy's random tie order.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
     #[command(flatten)]
     Registry(berth::serve::cli::PolicyApiCommand),
     /// Run the conformance suite on a component: every claimed hook against
@@ -552,6 +566,11 @@ fn main() -> anyhow::Result<()> {
                 let root = dir.unwrap_or_else(|| PathBuf::from("."));
                 let created = berth::scaffold::create(&lang, &name, &root)?;
                 println!("created {}; see its README.md: build, then test", created.display());
+            }
+            PolicyCommand::TypicalPods { nodes, pods, seed } => {
+                let (nodes, pods) = (berth::replay::openb::read_nodes(&nodes)?, berth::replay::openb::read_pods(&pods)?);
+                let exp = berth::replay::fgd::Experiment::new(&nodes, &pods).map_err(anyhow::Error::msg)?;
+                println!("{}", berth::replay::policy_config(&berth::replay::fgd::typical_pods(&exp), seed));
             }
             PolicyCommand::List => {
                 let dir = catalog::policy_dir();

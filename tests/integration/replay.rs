@@ -222,6 +222,31 @@ fn berth_frag_beats_fgd_cpu200() {
     berth_frag_beats_fgd("openb_pod_list_cpu200");
 }
 
+/// `berth policy typical-pods` prints the configuration replay gives
+/// FGD-style policies (for `berth policy upload --config` on a live
+/// partition): the same typical pods, weights summing to 1.
+#[test]
+fn typical_pods_cli_prints_what_replay_configures() {
+    let Some(dir) = openb_dir() else { return };
+    let (nodes, pods) = (dir.join("openb_node_list_gpu_node.csv"), dir.join("openb_pod_list_gpuspec25.csv"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["policy", "typical-pods", "--seed", "7", "--nodes"])
+        .arg(&nodes)
+        .arg("--pods")
+        .arg(&pods)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let exp = Experiment::new(&read_nodes(&nodes).unwrap(), &read_pods(&pods).unwrap()).unwrap();
+    let expected: serde_json::Value = serde_json::from_str(&replay::policy_config(&typical_pods(&exp), 7)).unwrap();
+    assert_eq!(printed, expected);
+    let typical = printed["typical_pods"].as_array().unwrap();
+    assert!(typical.iter().any(|t| !t["models"].as_array().unwrap().is_empty()), "gpuspec25 pins pods to models");
+    let total: f64 = typical.iter().map(|t| t["weight"].as_f64().unwrap()).sum();
+    assert!((total - 1.0).abs() < 1e-9, "{total}");
+}
+
 /// Every bundled FGD-paper policy decides the same in wasm and natively,
 /// run for run, on a generated trace.
 #[test]
