@@ -189,10 +189,7 @@ pub struct ReplayScoreBench {
 /// openb pod list under the FGD protocol (wasm, one thread): the decision
 /// cost as the cluster fills, not one fixed batch.
 pub fn score_replay(engine: Arc<PolicyEngine>, spec: &str, nodes: &std::path::Path, pods: &std::path::Path, seed: u64) -> anyhow::Result<ReplayScoreBench> {
-    use crate::replay::{fgd::Experiment, openb};
-    use anyhow::Context;
-    let exp = Experiment::new(&openb::read_nodes(nodes)?, &openb::read_pods(pods)?).map_err(anyhow::Error::msg).with_context(|| pods.display().to_string())?;
-    let config = crate::replay::policy_config(&crate::replay::fgd::typical_pods(&exp), seed);
+    let (exp, config) = crate::replay::openb_trace_config(nodes, pods, seed)?;
     let loaded = LoadedPolicy::from_file(&engine, &catalog::resolve(spec)?)?;
     let mut inner = WasmPolicy::new(engine, loaded.clone(), Limits::default());
     inner.configure(&config)?;

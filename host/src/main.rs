@@ -76,6 +76,20 @@ enum Command {
     Api(berth::serve::cli::ApiCommand),
 }
 
+/// One seed of an openb trace under the FGD protocol.
+#[derive(clap::Args)]
+struct OpenbTrace {
+    /// openb node list (e.g. ../shared/data/openb/openb_node_list_gpu_node.csv).
+    #[arg(long)]
+    nodes: PathBuf,
+    /// openb pod list.
+    #[arg(long)]
+    pods: PathBuf,
+    /// Seed of the arrival order (and of policies' random tie order).
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
 #[derive(clap::Args)]
 struct ReplayArgs {
     /// Model pools: replay a pool file (TOML, or `default` for the embedded
@@ -260,15 +274,8 @@ enum BenchCommand {
         /// Policy name or component path (repeatable).
         #[arg(long = "policy", required = true)]
         policies: Vec<String>,
-        /// openb node list (e.g. ../shared/data/openb/openb_node_list_gpu_node.csv).
-        #[arg(long)]
-        nodes: PathBuf,
-        /// openb pod list.
-        #[arg(long)]
-        pods: PathBuf,
-        /// Seed of the arrival order.
-        #[arg(long, default_value_t = 42)]
-        seed: u64,
+        #[command(flatten)]
+        trace: OpenbTrace,
         /// Print one JSON object per policy instead of text.
         #[arg(long)]
         json: bool,
@@ -346,17 +353,7 @@ enum PolicyCommand {
     /// Print the `configure` text FGD-style policies (fgd, berth-frag) get
     /// in replay: the typical pods of a pod list (openb CSV), for `berth
     /// policy upload --config` on a live partition.
-    TypicalPods {
-        /// Node list (openb CSV) the pods are checked against.
-        #[arg(long)]
-        nodes: PathBuf,
-        /// Pod list (openb CSV) whose typical pods to print.
-        #[arg(long)]
-        pods: PathBuf,
-        /// Seed for the policy's random tie order.
-        #[arg(long, default_value_t = 42)]
-        seed: u64,
-    },
+    TypicalPods(OpenbTrace),
     #[command(flatten)]
     Registry(berth::serve::cli::PolicyApiCommand),
     /// Run the conformance suite on a component: every claimed hook against
@@ -492,7 +489,7 @@ fn main() -> anyhow::Result<()> {
                 print!("{}", berth::langbench::table(&r));
             }
         }
-        Command::Bench { what: BenchCommand::ScoreReplay { policies, nodes, pods, seed, json } } => {
+        Command::Bench { what: BenchCommand::ScoreReplay { policies, trace: OpenbTrace { nodes, pods, seed }, json } } => {
             let engine = engine()?;
             for policy in &policies {
                 let r = bench::score_replay(engine.clone(), policy, &nodes, &pods, seed)?;
@@ -567,10 +564,8 @@ fn main() -> anyhow::Result<()> {
                 let created = berth::scaffold::create(&lang, &name, &root)?;
                 println!("created {}; see its README.md: build, then test", created.display());
             }
-            PolicyCommand::TypicalPods { nodes, pods, seed } => {
-                let (nodes, pods) = (berth::replay::openb::read_nodes(&nodes)?, berth::replay::openb::read_pods(&pods)?);
-                let exp = berth::replay::fgd::Experiment::new(&nodes, &pods).map_err(anyhow::Error::msg)?;
-                println!("{}", berth::replay::policy_config(&berth::replay::fgd::typical_pods(&exp), seed));
+            PolicyCommand::TypicalPods(trace) => {
+                println!("{}", berth::replay::openb_trace_config(&trace.nodes, &trace.pods, trace.seed)?.1);
             }
             PolicyCommand::List => {
                 let dir = catalog::policy_dir();

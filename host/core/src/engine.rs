@@ -18,7 +18,7 @@ use crate::compaction::{CompactionConfig, CompactionPolicy, CompactionState, Led
 use crate::fleet::{Allocation, Fleet, Node, NodeId};
 use crate::harvest::Harvest;
 use crate::job::Job;
-use crate::placement::{place_fitting_gang_ranked, Placer};
+use crate::placement::{place_fitting_gang, Placer};
 use crate::policy::{PlacementPolicy, PolicyError};
 use crate::preemption::{evict, select_victims, Candidate, EvictionLatency, PreemptionPolicy, PriorityContract};
 use crate::task::TaskShape;
@@ -104,6 +104,13 @@ pub struct SimConfig {
     pub protected_partitions: BTreeSet<u32>,
     /// Sleep-state harvesting of idle replicas in the daily trough.
     pub harvest: Option<Harvest>,
+}
+
+impl SimConfig {
+    /// The priority contract `job` runs under: its own, else the default.
+    pub fn contract_of(&self, job: &Job) -> PriorityContract {
+        job.contract.unwrap_or(self.contract)
+    }
 }
 
 /// Starvation-guard settings: fleet-wide, and per partition.
@@ -428,12 +435,19 @@ impl Engine {
         times.sort_unstable();
         self.runs.interrupted_at.insert(slot, times);
         if self.runs.ready_at[slot] != u64::MAX && self.pending.contains(&slot) {
-            let contract = self.jobs[slot].contract.unwrap_or(self.config.contract);
-            let at = self.runs.resume_at(slot, now, &contract);
-            if at > now {
-                self.runs.ready_at[slot] = at;
-                self.runs.wakeups.push(Reverse(at));
-            }
+            self.ready_from(slot, now);
+        }
+    }
+
+    /// Waiting job `j` may run from `now` on, or, at its daily interruption
+    /// limit, once the oldest of those interruptions is a day old.
+    fn ready_from(&mut self, j: Slot, now: u64) {
+        let at = self.runs.resume_at(j, now, &self.config.contract_of(&self.jobs[j]));
+        self.runs.ready_at[j] = at;
+        if at > now {
+            self.runs.wakeups.push(Reverse(at));
+        } else {
+            self.fresh[j] = true;
         }
     }
 
@@ -444,8 +458,8 @@ impl Engine {
     /// the contract's limit.
     pub fn held_back(&self, slot: Slot, now: u64) -> Option<(u64, usize, bool)> {
         let at = self.runs.ready_at[slot];
-        let recent = self.runs.interrupted_at.get(&slot).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
-        let limit = self.jobs[slot].contract.unwrap_or(self.config.contract).max_interruptions_per_day as usize;
+        let recent = self.runs.recent_interruptions(slot, now);
+        let limit = self.config.contract_of(&self.jobs[slot]).max_interruptions_per_day as usize;
         (at != u64::MAX && at > now).then_some((at, recent, limit > 0 && recent >= limit))
     }
 
@@ -580,14 +594,7 @@ impl Engine {
             }
             Event::Vacated(j) => {
                 if self.runs.ready_at[j] == u64::MAX {
-                    let contract = self.jobs[j].contract.unwrap_or(self.config.contract);
-                    let at = self.runs.resume_at(j, now, &contract);
-                    self.runs.ready_at[j] = at;
-                    if at > now {
-                        self.runs.wakeups.push(Reverse(at));
-                    } else {
-                        self.fresh[j] = true;
-                    }
+                    self.ready_from(j, now);
                 }
             }
             Event::Checkpoint(j) => self.runs.checkpoint_at[j] = Some(now),
@@ -1030,12 +1037,7 @@ impl Engine {
                             };
                             let ranker = preemption.as_deref_mut().expect("may preempt");
                             if let Some(chosen) = picked {
-                                for &v in &chosen {
-                                    for alloc in &self.runs.held[v] {
-                                        fleet.release(alloc).expect("a running job's allocations are held");
-                                        touched.insert(alloc.node);
-                                    }
-                                }
+                                self.runs.release_victims(fleet, &chosen, &mut touched);
                                 match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &there, observer, None) {
                                     Ok(Some((allocs, domains))) => {
                                         if !chosen.is_empty() {
@@ -1133,12 +1135,7 @@ impl Engine {
                 };
                 if let Some(chosen) = chosen {
                     self.gang_bounds.clear(); // capacity comes back outside the departures
-                    for &v in &chosen {
-                        for alloc in &self.runs.held[v] {
-                            fleet.release(alloc).expect("a running job's allocations are held");
-                            touched.insert(alloc.node);
-                        }
-                    }
+                    self.runs.release_victims(fleet, &chosen, &mut touched);
                     match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer, None) {
                         Ok(Some((allocs, domains))) => {
                             let ranker_name = ranker.describe();
@@ -1263,8 +1260,8 @@ impl Engine {
         let mut candidates = Vec::new();
         for &v in &self.runs.running_low {
             let vj = &self.jobs[v];
-            let contract = vj.contract.unwrap_or(config.contract);
-            let recent = self.runs.interrupted_at.get(&v).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count());
+            let contract = config.contract_of(vj);
+            let recent = self.runs.recent_interruptions(v, now);
             if vj.priority >= job.priority || recent >= contract.max_interruptions_per_day as usize || !self.runs.held[v].iter().any(|a| usable(a.node)) {
                 continue;
             }
@@ -1296,7 +1293,7 @@ fn attempt(
     if let Some(o) = observer.as_deref_mut() {
         o.before_place(fleet, job, keep);
     }
-    let result = place_fitting_gang_ranked(fleet, placer, policy, job, placements, keep, tie_rank);
+    let result = place_fitting_gang(fleet, placer, policy, job, placements, keep, tie_rank);
     if let Some(o) = observer.as_deref_mut() {
         o.after_place(fleet, job, &result);
     }
@@ -1410,6 +1407,22 @@ impl Runs {
         }
     }
 
+    /// How often job `v` was taken back in the 24 hours before `now`.
+    fn recent_interruptions(&self, v: usize, now: u64) -> usize {
+        self.interrupted_at.get(&v).map_or(0, |t| t.iter().filter(|&&t| t + 86_400 > now).count())
+    }
+
+    /// Releases what `chosen`, about to be taken back, hold, noting the
+    /// nodes in `touched`.
+    fn release_victims(&self, fleet: &mut Fleet, chosen: &[Slot], touched: &mut HashSet<NodeId>) {
+        for &v in chosen {
+            for alloc in &self.held[v] {
+                fleet.release(alloc).expect("a running job's allocations are held");
+                touched.insert(alloc.node);
+            }
+        }
+    }
+
     /// Allocates again what `chosen`, released as victims a moment ago,
     /// still hold (a placement that then failed).
     fn hold_again(&self, fleet: &mut Fleet, chosen: &[Slot]) {
@@ -1492,7 +1505,7 @@ impl Runs {
     /// forced termination.
     fn take_back(&mut self, v: usize, now: u64, jobs: &[Job], config: &SimConfig, outcome: &mut SimOutcome) -> (u64, f64, bool) {
         let job = &jobs[v];
-        let contract = job.contract.unwrap_or(config.contract);
+        let contract = config.contract_of(job);
         let since = self.since_checkpoint(v, now, job, &contract);
         let times = self.interrupted_at.entry(v).or_default();
         let ran = now.saturating_sub(self.run_start[v]);

@@ -385,25 +385,13 @@ pub fn place_gang(
     if job.tasks > 1 && crate::capacity::fitting_tasks_among(fleet, &job.shape, job.tasks, keep) < job.tasks {
         return Ok(None); // cannot fit even ignoring placement: skip the policy
     }
-    place_fitting_gang(fleet, placer, policy, job, placements, keep)
+    place_fitting_gang(fleet, placer, policy, job, placements, keep, None)
 }
 
 /// [`place_gang`] for a caller that has already counted that all the gang's
-/// tasks fit among the nodes `keep` accepts.
+/// tasks fit among the nodes `keep` accepts; ties in score go to the lowest
+/// `tie_rank[node]` (default: the node id).
 pub fn place_fitting_gang(
-    fleet: &mut Fleet,
-    placer: &mut Placer,
-    policy: &mut dyn PlacementPolicy,
-    job: &Job,
-    placements: &mut u64,
-    keep: &dyn Fn(NodeId, &Node) -> bool,
-) -> Result<Option<(Vec<Allocation>, u32)>, PolicyError> {
-    place_fitting_gang_ranked(fleet, placer, policy, job, placements, keep, None)
-}
-
-/// [`place_fitting_gang`] with ties in score going to the lowest
-/// `tie_rank[node]` (then the lowest node id).
-pub fn place_fitting_gang_ranked(
     fleet: &mut Fleet,
     placer: &mut Placer,
     policy: &mut dyn PlacementPolicy,

@@ -77,7 +77,7 @@ impl WorkloadConfig {
                 cfg.check()?;
                 Ok(cfg)
             }
-            path => WorkloadConfig::load_file(path),
+            path => WorkloadConfig::load_file(path).with_context(|| format!("a workload is a preset ({}) or a TOML file", PRESETS.join(", "))),
         }
     }
 

@@ -70,6 +70,14 @@ pub fn policy_config(typical: &[fgd::TypicalPod], seed: u64) -> String {
     serde_json::json!({ "seed": seed, "typical_pods": typical }).to_string()
 }
 
+/// An openb trace read from its node and pod lists, and the configuration
+/// replay gives each policy on it with `seed` ([`policy_config`]).
+pub fn openb_trace_config(nodes: &std::path::Path, pods: &std::path::Path, seed: u64) -> anyhow::Result<(Experiment, String)> {
+    let exp = Experiment::new(&openb::read_nodes(nodes)?, &openb::read_pods(pods)?).map_err(anyhow::Error::msg).with_context(|| pods.display().to_string())?;
+    let config = policy_config(&fgd::typical_pods(&exp), seed);
+    Ok((exp, config))
+}
+
 enum Source {
     Wasm(Arc<LoadedPolicy>),
     Native(String),
