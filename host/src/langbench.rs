@@ -102,6 +102,7 @@ pub fn run(engine: Arc<PolicyEngine>, specs: &[String], candidates: usize, seed:
             decisions_dir: None,
             typical_from: None,
             limits: crate::wasm::Limits::default(),
+            extra_config: Default::default(),
         };
         let started = Instant::now();
         replay::run(engine.clone(), &opts)?;

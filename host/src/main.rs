@@ -205,6 +205,11 @@ struct ReplayArgs {
     /// simulator's tuned order with --keep-order).
     #[arg(long)]
     typical_from: Option<PathBuf>,
+    /// A JSON object whose keys are added to every replayed policy's
+    /// configuration, for sweeps of a policy's own settings, e.g.
+    /// '{"weights": {"cpu": 1}}' for berth-frag (trace replay only)
+    #[arg(long, conflicts_with_all = ["fleet", "pool", "save_snapshot"])]
+    policy_config: Option<String>,
     /// Save a compaction snapshot (JSON) of the replay at --at, with the
     /// first --policy and seed, and stop there (see `berth compact`).
     #[arg(long, requires = "at")]
@@ -602,6 +607,10 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
         decisions_dir: args.decisions.clone(),
         typical_from: args.typical_from.clone(),
         limits: replay_limits(&args),
+        extra_config: match &args.policy_config {
+            Some(text) => replay::parse_extra_config(text).context("--policy-config")?,
+            None => Default::default(),
+        },
     };
     anyhow::ensure!(opts.synthetic_nodes > 0, "--synthetic-nodes must be at least 1");
     let started = std::time::Instant::now();

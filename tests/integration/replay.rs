@@ -148,6 +148,7 @@ fn replay_policies(dir: &Path, trace: &str, policies: &[&str]) -> berth::replay:
         decisions_dir: None,
         typical_from: None,
         limits: berth::wasm::Limits { deadline: std::time::Duration::from_secs(10), ..Default::default() },
+        extra_config: Default::default(),
     };
     replay::run(engine(), &opts).unwrap()
 }
@@ -281,6 +282,33 @@ fn keep_order_ignores_the_seed() {
     assert_ne!(run(1, false).curve, run(2, false).curve, "shuffled replays depend on the seed");
 }
 
+/// `--policy-config` reaches the policy: berth-frag with its score made
+/// linear (`weights.points = 0`) decides differently from its defaults on
+/// the same seeds, and an explicit copy of a default changes nothing.
+#[test]
+fn policy_config_reaches_the_replayed_policy() {
+    let dir = scratch("policy-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("r.json");
+    let run = |config: Option<&str>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_berth"));
+        cmd.args(["replay", "--policy", "berth-frag", "--seeds", "1-2", "--synthetic-nodes", "80", "--quiet", "--workers", "1", "--json"]);
+        cmd.arg(&json);
+        if let Some(config) = config {
+            cmd.args(["--policy-config", config]);
+        }
+        let out = cmd.env("BERTH_POLICY_DIR", repo_root().join("target/policies")).output().unwrap();
+        assert!(out.status.success(), "{config:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        doc["results"].clone()
+    };
+    let defaults = run(None);
+    assert!(defaults.as_array().is_some_and(|r| r.len() >= 100), "{defaults}");
+    assert_eq!(run(Some(r#"{"weights": {"points": 1}}"#)), defaults);
+    assert_ne!(run(Some(r#"{"weights": {"points": 0}}"#)), defaults);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn cli_replay_writes_json_and_svg_and_rejects_bad_input() {
     let dir = scratch("cli");
@@ -315,6 +343,9 @@ fn cli_replay_writes_json_and_svg_and_rejects_bad_input() {
         (vec!["replay", "--policy", "fgd", "--seeds", "9-3"], "--seeds"),
         (vec!["replay", "--policy", "fgd", "--nodes", "/nonexistent/n.csv", "--pods", "/nonexistent/p.csv"], "/nonexistent/n.csv"),
         (vec!["replay", "--policy", "fgd", "--nodes", "/nonexistent/n.csv"], "--pods"),
+        (vec!["replay", "--policy", "fgd", "--seeds", "1", "--policy-config", "[1]"], "not a JSON object"),
+        (vec!["replay", "--policy", "fgd", "--seeds", "1", "--policy-config", "{\"seed\": 3}"], "\"seed\" is set by replay"),
+        (vec!["replay", "--policy", "berth-frag", "--seeds", "1", "--synthetic-nodes", "20", "--policy-config", "{\"weights\": {\"scale\": -1}}"], "weights.scale must be positive"),
     ] {
         let out = std::process::Command::new(berth)
             .args(&args)

@@ -42,6 +42,25 @@ pub struct ReplayOptions {
     /// Per-call limits of the wasm policies (tests on a loaded machine
     /// give a longer deadline).
     pub limits: Limits,
+    /// Keys added to every policy's configuration (a policy's own settings,
+    /// e.g. berth-frag's `weights`, for parameter sweeps on real traces).
+    pub extra_config: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The most bytes of `--policy-config` text accepted (a settings object, not
+/// a data file).
+pub const EXTRA_CONFIG_LIMIT: usize = 64 * 1024;
+
+/// Parses `--policy-config`: a JSON object of at most [`EXTRA_CONFIG_LIMIT`]
+/// bytes whose keys are not the ones replay sets itself.
+pub fn parse_extra_config(text: &str) -> anyhow::Result<serde_json::Map<String, serde_json::Value>> {
+    anyhow::ensure!(text.len() <= EXTRA_CONFIG_LIMIT, "{} bytes, more than the {EXTRA_CONFIG_LIMIT} accepted", text.len());
+    let value: serde_json::Value = serde_json::from_str(text).context("not JSON")?;
+    let serde_json::Value::Object(map) = value else { anyhow::bail!("not a JSON object (e.g. {{\"weights\": {{\"cpu\": 1}}}})") };
+    for key in ["seed", "typical_pods"] {
+        anyhow::ensure!(!map.contains_key(key), "key {key:?} is set by replay itself");
+    }
+    Ok(map)
 }
 
 /// The outcome of a replay.
@@ -67,7 +86,16 @@ pub struct RunSummary {
 /// policies that draw random numbers) and the workload's typical pods (for
 /// fragmentation-aware policies). Policies ignore what they do not use.
 pub fn policy_config(typical: &[fgd::TypicalPod], seed: u64) -> String {
-    serde_json::json!({ "seed": seed, "typical_pods": typical }).to_string()
+    policy_config_with(typical, seed, &serde_json::Map::new())
+}
+
+/// [`policy_config`] plus the keys of `extra` (`--policy-config`).
+pub fn policy_config_with(typical: &[fgd::TypicalPod], seed: u64, extra: &serde_json::Map<String, serde_json::Value>) -> String {
+    let mut config = serde_json::json!({ "seed": seed, "typical_pods": typical });
+    if let serde_json::Value::Object(map) = &mut config {
+        map.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+    config.to_string()
 }
 
 /// An openb trace read from its node and pod lists, and the configuration
@@ -140,7 +168,7 @@ pub fn run(engine: Arc<PolicyEngine>, opts: &ReplayOptions) -> anyhow::Result<Re
                 loop {
                     let k = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&(p, seed)) = jobs.get(k) else { break };
-                    let config = policy_config(&typical, seed);
+                    let config = policy_config_with(&typical, seed, &opts.extra_config);
                     let outcome = (|| -> anyhow::Result<fgd::RunResult> {
                         let mut policy: Box<dyn PlacementPolicy> = match &sources[p] {
                             Source::Wasm(loaded) => {
