@@ -15,9 +15,10 @@ def rows_of(path):
     return [r for r in json.load(open(path))["results"]]
 
 NEW_HEADING = f"\n## {NEW} against FGD\n"
-new_rows = {}
+new_rows, fgd_rows = {}, {}
 for path in sorted((out_dir / NEW).glob("*.json")):
     new_rows[path.stem] = [r for r in rows_of(path) if r["policy"] == NEW]
+    fgd_rows[path.stem] = {r["arrived_pct"]: r["unallocated_pct_mean"] for r in rows_of(path) if r["policy"] == "fgd"}
 paper_jsons = sorted(out_dir.glob("*.json"))
 if not paper_jsons and len(sys.argv) > 3:
     # --new-only: keep the six-policy table as it was.
@@ -56,16 +57,27 @@ if any(new_rows.values()):
     mo, mt = sum(ours_all) / n, sum(theirs_all) / n
     print(f"| **mean of {n}** | {mo:.2f} | {mt:.2f} | {100 * (mo - mt) / mt:+.1f}% |")
     print(f"\nMean of the per-trace relative changes: {100 * sum(rel) / n:+.1f}%; lower than FGD on {sum(r < 0 for r in rel)} of {n} traces.")
-    print(f"\nThe curve past 90% arrival: {NEW} / FGD published (difference in points; negative is better).\n")
+    print(f"\nThe curve past 90% arrival: {NEW} / FGD published (difference in points; negative is better).")
+    print("A point marked * is above the published figure but not above FGD replayed by Berth: the replay samples")
+    print("each point as the mean over the pods whose arrival rounds to it, so where neither policy has failed a pod")
+    print("both read a little above the exact arrival share (90% arrived reads 10.01-10.02, not 10.00).\n")
     print("| trace | " + " | ".join(f"{p}%" for p in CURVE) + " |")
     print("|---|" + "---|" * len(CURVE))
-    worse = 0
+    above, worse = 0, 0
     for workload, rows in new_rows.items():
         at = {r["arrived_pct"]: r["unallocated_pct_mean"] for r in rows}
+        replayed = fgd_rows.get(workload, {})
         cells = []
         for p in CURVE:
             b, f = at[p], published[(workload, "06-FGD", p)]
-            worse += b > f
-            cells.append(f"{b:.2f} / {f:.2f} ({b - f:+.2f})")
+            mark = ""
+            if b > f:
+                above += 1
+                if p in replayed and b <= replayed[p]:
+                    mark = "*"
+                else:
+                    worse += 1
+            cells.append(f"{b:.2f} / {f:.2f} ({b - f:+.2f}){mark}")
         print(f"| {workload.replace('openb_pod_list_', '')} | " + " | ".join(cells) + " |")
-    print(f"\nPoints where {NEW} leaves more GPU unallocated than FGD: {worse} of {n * len(CURVE)}.")
+    print(f"\nPoints where {NEW} leaves more GPU unallocated than FGD, published and replayed: {worse} of {n * len(CURVE)}"
+          f" ({above} above the published figure alone).")

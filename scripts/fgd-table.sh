@@ -2,7 +2,8 @@
 # Replays every openb pod list with the six FGD-paper policies and berth-frag
 # over seeds 42-51 and writes docs/fgd-table.md: Berth's mean unallocated GPU %
 # at 100% arrival beside the published mean, then berth-frag against FGD's
-# published means. Usage: scripts/fgd-table.sh [DATA_DIR] [--new-only]
+# published means (and, on the curve, against FGD replayed by Berth).
+# Usage: scripts/fgd-table.sh [DATA_DIR] [--new-only]
 # --new-only replays berth-frag alone and keeps the six-policy table of the
 # current docs/fgd-table.md (the six replays take far longer).
 set -euo pipefail
@@ -20,7 +21,8 @@ for pods in "$data"/openb_pod_list_*.csv; do
             --seeds 42-51 --quiet --json "$out/$name.json" > "$out/$name.txt"
         head -1 "$out/$name.txt" >&2
     fi
-    target/release/berth replay --nodes "$data/openb_node_list_gpu_node.csv" --pods "$pods" --policy berth-frag \
+    # FGD beside it: the curve table compares at Berth's own sampling too.
+    target/release/berth replay --nodes "$data/openb_node_list_gpu_node.csv" --pods "$pods" --policy berth-frag --policy fgd \
         --seeds 42-51 --quiet --json "$out/berth-frag/$name.json" > "$out/berth-frag/$name.txt"
     head -1 "$out/berth-frag/$name.txt" >&2
 done

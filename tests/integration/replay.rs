@@ -309,6 +309,55 @@ fn policy_config_reaches_the_replayed_policy() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// berth-frag's `keep` term: a rare shape only the two big nodes can host
+/// (8 GPUs and 120 cores; under 5% of pods, so not a typical pod) keeps the
+/// second big node whole while one-GPU work has room elsewhere. Without the
+/// term, the one-GPU pods take the big node first (ties go to node order
+/// with --keep-order) and the second big pod fails.
+#[test]
+fn berth_frag_keeps_big_nodes_for_shapes_only_they_fit() {
+    let dir = scratch("keep");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut nodes = String::from("sn,cpu_milli,memory_mib,gpu,model\n");
+    nodes += "big-0,128000,786432,8,G3\nbig-1,128000,786432,8,G3\n";
+    for i in 0..20 {
+        nodes += &format!("small-{i:02},96000,393216,8,G2\n");
+    }
+    let mut pods = String::from("name,cpu_milli,memory_mib,num_gpu,gpu_milli\n");
+    pods += "pod-000,120000,737280,8,1000\n";
+    for i in 1..=60 {
+        pods += &format!("pod-{i:03},4000,16384,1,1000\n");
+    }
+    pods += "pod-061,120000,737280,8,1000\n";
+    let (nodes, pods) = (write(&dir, "nodes.csv", &nodes), write(&dir, "pods.csv", &pods));
+    let last_pod_node = |config: &str| {
+        let decisions = dir.join(format!("decisions-{}", config.len()));
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["replay", "--policy", "berth-frag", "--seeds", "1", "--keep-order", "--quiet", "--nodes"])
+            .arg(&nodes)
+            .arg("--pods")
+            .arg(&pods)
+            .arg("--decisions")
+            .arg(&decisions)
+            .args(["--policy-config", config])
+            .env("BERTH_POLICY_DIR", repo_root().join("target/policies"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{config}: {}", String::from_utf8_lossy(&out.stderr));
+        let csv = std::fs::read_to_string(decisions.join("berth-frag-seed1.csv")).unwrap();
+        let rows: Vec<Vec<String>> = csv.lines().skip(1).map(|l| l.split(',').map(str::to_string).collect()).collect();
+        assert_eq!(rows.len(), 62, "{csv}");
+        assert_eq!(rows[0][2], "big-0", "the first big pod takes a big node");
+        let one_gpu_on_big = rows[1..61].iter().filter(|r| r[2].starts_with("big")).count();
+        (rows[61][2].clone(), one_gpu_on_big)
+    };
+    assert_eq!(last_pod_node("{}"), ("big-1".to_string(), 0), "with the term (the default)");
+    let (node, on_big) = last_pod_node(r#"{"weights": {"keep": 0}}"#);
+    assert_eq!(node, "", "without the term the second big pod fails");
+    assert!(on_big > 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn cli_replay_writes_json_and_svg_and_rejects_bad_input() {
     let dir = scratch("cli");

@@ -27,6 +27,20 @@
 //! fragmentation steers the same way, by each pinned pod's popularity
 //! alone: too weakly where pinned demand nearly fills its models.)
 //!
+//! A fourth term, `keep`, keeps whole the big nodes that rare shapes need.
+//! FGD protects a node only for typical pods, weighted by popularity, so a
+//! shape that is too rare to be typical (on multigpu30, 25 of 8,508 pods
+//! ask 8 GPUs and 120 cores, which only the 39 128-core nodes have) finds
+//! every such node broken by one-GPU work. berth-frag remembers the
+//! unpinned GPU task shapes it has scored; a shape is exclusive when the
+//! node classes an empty node of which fits it hold under `exclusive` (10%)
+//! of the GPUs, and each class's `kept` share is the GPUs its exclusive
+//! shapes want (their share of the GPU demand scored so far times the
+//! cluster's GPUs, over the GPUs of the classes they fit). A task breaking a
+//! node with every GPU idle pays `keep` milli-GPU per milli-GPU it takes
+//! times how much more of the node's class is kept than of the least kept
+//! class it fits: the big shape itself pays nothing there.
+//!
 //! Information used: the call's task and node columns, the typical pods
 //! given through `configure` (the same `typical_pods` FGD receives), the
 //! tasks this instance was asked to score before and the nodes (id, model,
@@ -97,14 +111,22 @@ pub struct Weights {
     /// could run on (scarcity: the share of a model's GPUs the typical
     /// pinned pods will want).
     pub scarce: f64,
+    /// Milli-GPU of cost per milli-GPU a task takes on a node with every GPU
+    /// idle, times the share of the node's class that rare big shapes want:
+    /// GPU tasks scored so far that only few nodes can host (those whose
+    /// fitting classes hold under `exclusive` of the GPUs).
+    pub keep: f64,
+    /// See `keep`: the share of all GPUs under which a shape is exclusive.
+    pub exclusive: f64,
 }
 
 impl Default for Weights {
     fn default() -> Self {
         // cpu and mem searched on default and gpuspec25 (seeds 42-43);
         // scarce on gpuspec25 (seeds 42-45, of 0.1 to 30); checked on the
-        // other traces.
-        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0 }
+        // other traces. keep (of 1, 3, 10, 30) on all 13, seeds 42-45, for
+        // the multigpu traces' 90-95% points.
+        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0, keep: 10.0, exclusive: 0.1 }
     }
 }
 
@@ -207,6 +229,30 @@ pub struct BerthFrag {
     classes: Vec<(NodeClass, f64)>,
     /// Per class: the share of its GPUs the typical pinned pods want.
     scarcity: Vec<f64>,
+    /// GPU tasks scored so far (for `keep`): milli-GPU of all of them, and
+    /// of each shape (at most [`SHAPE_LIMIT`]) with the classes (bit per
+    /// class, the first 64) an empty node of which fits it.
+    seen_all: f64,
+    seen_shapes: HashMap<ShapeKey, (f64, u64), BuildHasherDefault<FxHasher>>,
+    /// Per class: the share of its GPUs exclusive shapes want.
+    kept: Vec<f64>,
+}
+
+/// The most distinct task shapes `keep` remembers.
+const SHAPE_LIMIT: usize = 4096;
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ShapeKey {
+    gpu_count: u32,
+    cpu_milli: u32,
+    memory_mib: u64,
+    models: Vec<u32>,
+}
+
+impl ShapeKey {
+    fn fits(&self, k: &NodeClass) -> bool {
+        (self.models.is_empty() || self.models.contains(&k.model)) && k.gpus >= self.gpu_count && k.cpu >= self.cpu_milli && k.mem >= self.memory_mib
+    }
 }
 
 impl BerthFrag {
@@ -286,6 +332,11 @@ impl BerthFrag {
         if !changed {
             return;
         }
+        let classes = std::mem::take(&mut self.classes);
+        for (shape, (_, mask)) in self.seen_shapes.iter_mut() {
+            *mask = fit_mask(&classes, shape);
+        }
+        self.classes = classes;
         let total_gpus: f64 = self.classes.iter().map(|c| c.1).sum();
         let demand: f64 = self.typical.iter().map(|t| t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count)).sum();
         self.scarcity = vec![0.0; self.classes.len()];
@@ -306,6 +357,36 @@ impl BerthFrag {
                 if fits(k) {
                     *r += want;
                 }
+            }
+        }
+    }
+
+    /// Records a GPU task by shape and recomputes the classes' `kept` share.
+    fn see_task(&mut self, task: &Task) {
+        let demand = task.total_gpu_milli() as f64;
+        self.seen_all += demand;
+        if !task.models.is_empty() {
+            // Pinned work is the scarcity term's.
+            return;
+        }
+        let shape = ShapeKey { gpu_count: task.gpu_count, cpu_milli: task.cpu_milli, memory_mib: task.memory_mib, models: task.models.clone() };
+        if let Some(e) = self.seen_shapes.get_mut(&shape) {
+            e.0 += demand;
+        } else if self.seen_shapes.len() < SHAPE_LIMIT {
+            let mask = fit_mask(&self.classes, &shape);
+            self.seen_shapes.insert(shape, (demand, mask));
+        }
+        let n = self.classes.len().min(64);
+        let total_gpus: f64 = self.classes.iter().map(|c| c.1).sum();
+        self.kept = vec![0.0; n];
+        for &(d, mask) in self.seen_shapes.values() {
+            let supply: f64 = (0..n).filter(|c| mask & 1 << c != 0).map(|c| self.classes[c].1).sum();
+            if supply <= 0.0 || supply >= self.weights.exclusive * total_gpus {
+                continue;
+            }
+            let want = d / self.seen_all * total_gpus / supply;
+            for c in (0..n).filter(|c| mask & 1 << c != 0) {
+                self.kept[c] += want;
             }
         }
     }
@@ -511,7 +592,7 @@ impl Policy for BerthFrag {
         if weights.scale <= 0.0 {
             return Err("berth-frag: weights.scale must be positive".into());
         }
-        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce].iter().all(|w| w.is_finite()) {
+        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive].iter().all(|w| w.is_finite()) {
             return Err("berth-frag: weights must be finite".into());
         }
         *self = BerthFrag::new(c.typical_pods, weights);
@@ -532,26 +613,45 @@ impl Policy for BerthFrag {
             self.seen_gpu += task.total_gpu_milli() as f64;
         }
         self.resolve_models(&nodes.models);
-        if self.weights.scarce != 0.0 {
+        if self.weights.scarce != 0.0 || self.weights.keep != 0.0 {
             self.see_nodes(nodes);
         }
+        if self.weights.keep != 0.0 && task.gpu_count > 0 {
+            self.see_task(task);
+        }
         let floor = self.scarcity_floor(task);
+        // A task that fits only kept classes pays nothing for them.
+        let keep_floor = self
+            .classes
+            .iter()
+            .zip(self.kept.iter().chain(std::iter::repeat(&0.0)))
+            .filter(|((k, _), _)| task.accepts_model(k.model) && k.gpus >= task.gpu_count && k.cpu >= task.cpu_milli && k.mem >= task.memory_mib)
+            .map(|(_, &r)| r)
+            .fold(f64::INFINITY, f64::min);
         let mut scores = Vec::with_capacity(nodes.len());
         let mut gpus = Vec::with_capacity(nodes.len());
         for node in nodes.iter() {
-            let penalty = if task.gpu_count == 0 || floor.is_infinite() {
-                0.0
-            } else {
-                let c = self.node_class.get(node.id as usize).copied().unwrap_or(u32::MAX);
-                let r = self.scarcity.get(c as usize).copied().unwrap_or(0.0);
-                self.weights.scarce * (r - floor).max(0.0) * task.total_gpu_milli() as f64
-            };
+            let c = self.node_class.get(node.id as usize).copied().unwrap_or(u32::MAX) as usize;
+            let mut penalty = 0.0;
+            if task.gpu_count > 0 && floor.is_finite() {
+                let r = self.scarcity.get(c).copied().unwrap_or(0.0);
+                penalty += self.weights.scarce * (r - floor).max(0.0) * task.total_gpu_milli() as f64;
+            }
+            if task.gpu_count > 0 && keep_floor.is_finite() && node.idle_gpus() as usize == node.gpu_free_milli.len() {
+                let r = self.kept.get(c).copied().unwrap_or(0.0);
+                penalty += self.weights.keep * (r - keep_floor).max(0.0) * task.total_gpu_milli() as f64;
+            }
             let (s, mask) = self.score_node(task, &node, penalty);
             scores.push(s);
             gpus.push(mask);
         }
         Ok(Scores { scores, gpus })
     }
+}
+
+/// Bit mask of the classes (the first 64) an empty node of which fits `shape`.
+fn fit_mask(classes: &[(NodeClass, f64)], shape: &ShapeKey) -> u64 {
+    classes.iter().take(64).enumerate().filter(|(_, (k, _))| shape.fits(k)).fold(0u64, |m, (c, _)| m | 1 << c)
 }
 
 berth_sdk::export!(BerthFrag);
