@@ -17,9 +17,12 @@
 //! is chosen with the same cost, the fullest fitting GPU on equal cost.
 //!
 //! A third term keeps scarce GPU models for the tasks that can run only
-//! there. A model's scarcity is the share of its GPUs the typical pods
+//! there. A model's scarcity is the share of its free GPUs the typical pods
 //! pinned to it will want (their share of the typical GPU demand times the
-//! cluster's GPUs, over the GPUs of the models they accept). A task pays
+//! GPUs free on the call's nodes, over those free on the models they
+//! accept: as the cluster fills, a model whose free GPUs outnumber what its
+//! pinned share of the coming demand wants stops being kept, so the last
+//! T4s do not sit idle waiting for T4-only tasks). A task pays
 //! `scarce` milli-GPU per milli-GPU it takes on a node whose model is
 //! scarcer than the least scarce one it could run on: unpinned work leaves
 //! T4s to T4-only tasks, a T4-only task pays nothing there. Without pinned
@@ -118,6 +121,8 @@ pub struct Weights {
     pub keep: f64,
     /// See `keep`: the share of all GPUs under which a shape is exclusive.
     pub exclusive: f64,
+    /// Scarcity from the call's free GPUs (1) instead of all GPUs seen (0).
+    pub dynamic: f64,
 }
 
 impl Default for Weights {
@@ -125,8 +130,10 @@ impl Default for Weights {
         // cpu and mem searched on default and gpuspec25 (seeds 42-43);
         // scarce on gpuspec25 (seeds 42-45, of 0.1 to 30); checked on the
         // other traces. keep (of 1, 3, 10, 30) on all 13, seeds 42-45, for
-        // the multigpu traces' 90-95% points.
-        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0, keep: 10.0, exclusive: 0.1 }
+        // the multigpu traces' 90-95% points; dynamic (0, 0.5, 1) on all 13
+        // (it acts on gpuspec10/20/25 only), scarce kept at 3 under it (of
+        // 1, 3, 10, 30 on those three).
+        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0, keep: 10.0, exclusive: 0.1, dynamic: 1.0 }
     }
 }
 
@@ -229,6 +236,8 @@ pub struct BerthFrag {
     classes: Vec<(NodeClass, f64)>,
     /// Per class: the share of its GPUs the typical pinned pods want.
     scarcity: Vec<f64>,
+    static_scarcity: Vec<f64>,
+    static_stale: bool,
     /// GPU tasks scored so far (for `keep`): milli-GPU of all of them, and
     /// of each shape (at most [`SHAPE_LIMIT`]) with the classes (bit per
     /// class, the first 64) an empty node of which fits it.
@@ -340,6 +349,7 @@ impl BerthFrag {
         let total_gpus: f64 = self.classes.iter().map(|c| c.1).sum();
         let demand: f64 = self.typical.iter().map(|t| t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count)).sum();
         self.scarcity = vec![0.0; self.classes.len()];
+        self.static_stale = true;
         if demand <= 0.0 {
             return;
         }
@@ -389,6 +399,43 @@ impl BerthFrag {
                 self.kept[c] += want;
             }
         }
+    }
+
+    /// Scarcity from the free GPUs of this call's nodes: each pinned typical
+    /// pod adds its GPU demand share times the call's free GPUs over the
+    /// free GPUs of the models it accepts (blended with the static figure
+    /// by `dynamic`).
+    fn dynamic_scarcity(&mut self, nodes: &Nodes) {
+        if self.static_stale {
+            self.static_scarcity = self.scarcity.clone();
+            self.static_stale = false;
+        }
+        let mut free = vec![0.0; self.classes.len()];
+        for node in nodes.iter() {
+            if let Some(&c) = self.node_class.get(node.id as usize) {
+                if let Some(f) = free.get_mut(c as usize) {
+                    *f += f64::from(node.gpu_free_total());
+                }
+            }
+        }
+        let total_free: f64 = free.iter().sum();
+        let demand: f64 = self.typical.iter().map(|t| t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count)).sum();
+        let mut dynamic = vec![0.0; self.classes.len()];
+        if demand > 0.0 && total_free > 0.0 {
+            for (t, models) in self.typical.iter().zip(&self.resolved) {
+                if t.gpu_milli == 0 || t.models.is_empty() {
+                    continue;
+                }
+                let fits = |c: usize| models.contains(&self.classes[c].0.model);
+                let supply: f64 = (0..self.classes.len()).filter(|&c| fits(c)).map(|c| free[c]).sum();
+                let want = t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count) / demand * total_free / supply.max(1000.0);
+                for c in (0..self.classes.len()).filter(|&c| fits(c)) {
+                    dynamic[c] += want;
+                }
+            }
+        }
+        let d = self.weights.dynamic;
+        self.scarcity = self.static_scarcity.iter().zip(&dynamic).map(|(s, y)| (1.0 - d) * s + d * y).collect();
     }
 
     /// The least scarcity among the classes an empty node of which would
@@ -592,7 +639,7 @@ impl Policy for BerthFrag {
         if weights.scale <= 0.0 {
             return Err("berth-frag: weights.scale must be positive".into());
         }
-        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive].iter().all(|w| w.is_finite()) {
+        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive, weights.dynamic].iter().all(|w| w.is_finite()) {
             return Err("berth-frag: weights must be finite".into());
         }
         *self = BerthFrag::new(c.typical_pods, weights);
@@ -618,6 +665,9 @@ impl Policy for BerthFrag {
         }
         if self.weights.keep != 0.0 && task.gpu_count > 0 {
             self.see_task(task);
+        }
+        if self.weights.dynamic != 0.0 && self.weights.scarce != 0.0 {
+            self.dynamic_scarcity(nodes);
         }
         let floor = self.scarcity_floor(task);
         // A task that fits only kept classes pays nothing for them.
