@@ -30,6 +30,15 @@
 //! fragmentation steers the same way, by each pinned pod's popularity
 //! alone: too weakly where pinned demand nearly fills its models.)
 //!
+//! A residual term looks one typical pod ahead inside each GPU: a partly
+//! used GPU costs what would stay idle after the largest typical shared
+//! pod that fits (and accepts the node's model) took it, one milli-GPU per
+//! milli-GPU (0 for a whole GPU). FGD counts a sliver by the typical pods
+//! too big for it; the residual tells a 350-milli sliver a 320-milli pod
+//! can close (30 left) from one only a 230 fits (120 left), so a 230 goes
+//! where a 220 or 230 closes the rest and the 350 waits for its 320. With
+//! it the sigmoid's scale is 1500 milli-GPU (FGD: 1000).
+//!
 //! A fourth term, `keep`, keeps whole the big nodes that rare shapes need.
 //! FGD protects a node only for typical pods, weighted by popularity, so a
 //! shape that is too rare to be typical (on multigpu30, 25 of 8,508 pods
@@ -123,6 +132,9 @@ pub struct Weights {
     pub exclusive: f64,
     /// Scarcity from the call's free GPUs (1) instead of all GPUs seen (0).
     pub dynamic: f64,
+    /// Milli-GPU of cost per milli-GPU a partly used GPU would keep idle
+    /// after the best-fitting typical shared pod filled it.
+    pub residual: f64,
 }
 
 impl Default for Weights {
@@ -132,8 +144,10 @@ impl Default for Weights {
         // other traces. keep (of 1, 3, 10, 30) on all 13, seeds 42-45, for
         // the multigpu traces' 90-95% points; dynamic (0, 0.5, 1) on all 13
         // (it acts on gpuspec10/20/25 only), scarce kept at 3 under it (of
-        // 1, 3, 10, 30 on those three).
-        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1000.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0, keep: 10.0, exclusive: 0.1, dynamic: 1.0 }
+        // 1, 3, 10, 30 on those three); residual (0.3, 0.7, 1, 1.5, 3) and
+        // then scale (1000, 1500, 2000) on all 13, seeds 42-45; seeds 46-51
+        // held out.
+        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1500.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0, keep: 10.0, exclusive: 0.1, dynamic: 1.0, residual: 1.0 }
     }
 }
 
@@ -227,6 +241,10 @@ pub struct BerthFrag {
     /// The same, per model of the batch's model table (typical pods that
     /// accept the model only).
     cpu_per_gpu_model: Vec<f64>,
+    /// Per model of the batch's model table, by free milli of a GPU
+    /// (0..=1000): what stays idle after the largest typical shared pod
+    /// that accepts the model and fits takes it (0 for a whole GPU).
+    residual: Vec<Vec<u32>>,
     /// Memory MiB and GPU milli of the GPU tasks scored so far.
     seen_mem: f64,
     seen_gpu: f64,
@@ -297,6 +315,18 @@ impl BerthFrag {
             .collect();
         self.resolved_for = models.to_vec();
         self.cache.clear();
+        self.residual = (0..models.len() as u32)
+            .map(|m| {
+                let shared: Vec<u32> = self
+                    .typical
+                    .iter()
+                    .zip(&self.resolved)
+                    .filter(|(t, r)| t.gpu_count == 1 && t.gpu_milli > 0 && t.gpu_milli < 1000 && (t.models.is_empty() || r.contains(&m)))
+                    .map(|(t, _)| t.gpu_milli)
+                    .collect();
+                (0..=1000u32).map(|f| if f == 1000 { 0 } else { f - shared.iter().copied().filter(|&g| g <= f).max().unwrap_or(0) }).collect()
+            })
+            .collect();
         self.cpu_per_gpu_model = (0..models.len() as u32)
             .map(|m| {
                 let (mut cpu, mut gpu) = (0.0, 0.0);
@@ -541,6 +571,11 @@ impl BerthFrag {
         let w = self.weights;
         let total = f64::from(s.free.iter().sum::<u32>());
         let mut c = [w.frag * self.frag(s.model, s.cpu_free, s.free), 0.0, 0.0];
+        if w.residual != 0.0 {
+            if let Some(table) = self.residual.get(s.model as usize) {
+                c[0] += w.residual * s.free.iter().map(|&f| f64::from(table.get(f as usize).copied().unwrap_or(0))).sum::<f64>();
+            }
+        }
         let r = if w.cpu_model != 0.0 { self.cpu_per_gpu_model.get(s.model as usize).copied().unwrap_or(0.0) } else { self.cpu_per_gpu };
         if w.cpu != 0.0 && r > 0.0 {
             c[1] = w.cpu * (total - f64::from(s.cpu_free) / r).max(0.0);
@@ -639,7 +674,7 @@ impl Policy for BerthFrag {
         if weights.scale <= 0.0 {
             return Err("berth-frag: weights.scale must be positive".into());
         }
-        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive, weights.dynamic].iter().all(|w| w.is_finite()) {
+        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive, weights.dynamic, weights.residual].iter().all(|w| w.is_finite()) {
             return Err("berth-frag: weights must be finite".into());
         }
         *self = BerthFrag::new(c.typical_pods, weights);
