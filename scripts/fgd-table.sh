@@ -4,8 +4,9 @@
 # at 100% arrival beside the published mean, then berth-frag against FGD's
 # published means (and, on the curve, against FGD replayed by Berth).
 # Usage: scripts/fgd-table.sh [DATA_DIR] [--new-only]
-# --new-only replays berth-frag alone and keeps the six-policy table of the
-# current docs/fgd-table.md (the six replays take far longer).
+# --new-only replays berth-frag (with fgd beside it, for the curve) and keeps
+# the six-policy table of the current docs/fgd-table.md (the six replays take
+# far longer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data="${1:-../shared/data/openb}"

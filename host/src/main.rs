@@ -207,7 +207,8 @@ struct ReplayArgs {
     typical_from: Option<PathBuf>,
     /// A JSON object whose keys are added to every replayed policy's
     /// configuration, for sweeps of a policy's own settings, e.g.
-    /// '{"weights": {"cpu": 1}}' for berth-frag (trace replay only)
+    /// '{"weights": {"cpu": 1}}' for berth-frag (not with --fleet, --pool
+    /// or --save-snapshot)
     #[arg(long, conflicts_with_all = ["fleet", "pool", "save_snapshot"])]
     policy_config: Option<String>,
     /// Save a compaction snapshot (JSON) of the replay at --at, with the

@@ -20,7 +20,8 @@
 //! there. A model's scarcity is the share of its free GPUs the typical pods
 //! pinned to it will want (their share of the typical GPU demand times the
 //! GPUs free on the call's nodes, over those free on the models they
-//! accept: as the cluster fills, a model whose free GPUs outnumber what its
+//! accept; the call's nodes are those the host offers for this task, the
+//! ones that fit it: as the cluster fills, a model whose free GPUs outnumber what its
 //! pinned share of the coming demand wants stops being kept, so the last
 //! T4s do not sit idle waiting for T4-only tasks). A task pays
 //! `scarce` milli-GPU per milli-GPU it takes on a node whose model is
@@ -33,7 +34,8 @@
 //! A residual term looks one typical pod ahead inside each GPU: a partly
 //! used GPU costs what would stay idle after the largest typical shared
 //! pod that fits (and accepts the node's model) took it, one milli-GPU per
-//! milli-GPU (0 for a whole GPU). FGD counts a sliver by the typical pods
+//! milli-GPU (0 for a whole GPU; GPU milli alone decides the fit, not the
+//! pod's CPU or popularity). FGD counts a sliver by the typical pods
 //! too big for it; the residual tells a 350-milli sliver a 320-milli pod
 //! can close (30 left) from one only a 230 fits (120 left), so a 230 goes
 //! where a 220 or 230 closes the rest and the 350 waits for its 320. With
@@ -48,8 +50,8 @@
 //! node classes an empty node of which fits it hold under `exclusive` (10%)
 //! of the GPUs, and each class's `kept` share is the GPUs its exclusive
 //! shapes want (their share of the GPU demand scored so far times the
-//! cluster's GPUs, over the GPUs of the classes they fit). A task breaking a
-//! node with every GPU idle pays `keep` milli-GPU per milli-GPU it takes
+//! cluster's GPUs, over the GPUs of the classes they fit). A task taking
+//! GPUs of a node with every GPU idle pays `keep` milli-GPU per milli-GPU it takes
 //! times how much more of the node's class is kept than of the least kept
 //! class it fits: the big shape itself pays nothing there.
 //!
@@ -61,7 +63,8 @@
 //! searched on two traces and checked on the rest (docs/src/beyond-fgd.md).
 //!
 //! Configuration (JSON): `{"typical_pods": [...]}` as for fgd; an optional
-//! `"weights": {...}` replaces the defaults (for experiments).
+//! `"weights": {...}` replaces the named defaults, each field alone (for
+//! experiments, e.g. `berth replay --policy-config`).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -252,12 +255,16 @@ pub struct BerthFrag {
     /// and each class's GPUs: the supply, as far as calls have shown it.
     node_class: Vec<u32>,
     classes: Vec<(NodeClass, f64)>,
-    /// Per class: the share of its GPUs the typical pinned pods want.
+    /// Per class: the share of its GPUs the typical pinned pods want (with
+    /// `dynamic`, of the GPUs free on this call's nodes, blended).
     scarcity: Vec<f64>,
+    /// The same over all GPUs seen (what `see_nodes` computes), and
+    /// whether `see_nodes` recomputed it since `dynamic_scarcity` last read it.
     static_scarcity: Vec<f64>,
     static_stale: bool,
-    /// GPU tasks scored so far (for `keep`): milli-GPU of all of them, and
-    /// of each shape (at most [`SHAPE_LIMIT`]) with the classes (bit per
+    /// GPU tasks scored so far (for `keep`; a task scored again, e.g. while
+    /// it waits, counts again): milli-GPU of all of them, and of each
+    /// unpinned shape (at most [`SHAPE_LIMIT`]) with the classes (bit per
     /// class, the first 64) an empty node of which fits it.
     seen_all: f64,
     seen_shapes: HashMap<ShapeKey, (f64, u64), BuildHasherDefault<FxHasher>>,
@@ -268,17 +275,25 @@ pub struct BerthFrag {
 /// The most distinct task shapes `keep` remembers.
 const SHAPE_LIMIT: usize = 4096;
 
-#[derive(Clone, PartialEq, Eq, Hash)]
+/// An unpinned GPU task shape, as far as fitting an empty node goes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct ShapeKey {
     gpu_count: u32,
     cpu_milli: u32,
     memory_mib: u64,
-    models: Vec<u32>,
+}
+
+impl NodeClass {
+    /// Whether an empty node of this class takes a task asking this much
+    /// and accepting `models` (empty: any).
+    fn admits(&self, models: &[u32], gpus: u32, cpu_milli: u32, memory_mib: u64) -> bool {
+        (models.is_empty() || models.contains(&self.model)) && self.gpus >= gpus && self.cpu >= cpu_milli && self.mem >= memory_mib
+    }
 }
 
 impl ShapeKey {
     fn fits(&self, k: &NodeClass) -> bool {
-        (self.models.is_empty() || self.models.contains(&k.model)) && k.gpus >= self.gpu_count && k.cpu >= self.cpu_milli && k.mem >= self.memory_mib
+        k.admits(&[], self.gpu_count, self.cpu_milli, self.memory_mib)
     }
 }
 
@@ -317,14 +332,23 @@ impl BerthFrag {
         self.cache.clear();
         self.residual = (0..models.len() as u32)
             .map(|m| {
-                let shared: Vec<u32> = self
-                    .typical
-                    .iter()
-                    .zip(&self.resolved)
-                    .filter(|(t, r)| t.gpu_count == 1 && t.gpu_milli > 0 && t.gpu_milli < 1000 && (t.models.is_empty() || r.contains(&m)))
-                    .map(|(t, _)| t.gpu_milli)
-                    .collect();
-                (0..=1000u32).map(|f| if f == 1000 { 0 } else { f - shared.iter().copied().filter(|&g| g <= f).max().unwrap_or(0) }).collect()
+                // Mark the shared sizes, then a running maximum: O(1001 +
+                // typical pods) per model.
+                let mut size = [false; 1001];
+                for (t, r) in self.typical.iter().zip(&self.resolved) {
+                    if t.gpu_count == 1 && t.gpu_milli > 0 && t.gpu_milli < 1000 && (t.models.is_empty() || r.contains(&m)) {
+                        size[t.gpu_milli as usize] = true;
+                    }
+                }
+                let mut largest = 0;
+                (0..=1000u32)
+                    .map(|f| {
+                        if size[f as usize] {
+                            largest = f;
+                        }
+                        if f == 1000 { 0 } else { f - largest }
+                    })
+                    .collect()
             })
             .collect();
         self.cpu_per_gpu_model = (0..models.len() as u32)
@@ -409,14 +433,20 @@ impl BerthFrag {
             // Pinned work is the scarcity term's.
             return;
         }
-        let shape = ShapeKey { gpu_count: task.gpu_count, cpu_milli: task.cpu_milli, memory_mib: task.memory_mib, models: task.models.clone() };
+        let shape = ShapeKey { gpu_count: task.gpu_count, cpu_milli: task.cpu_milli, memory_mib: task.memory_mib };
         if let Some(e) = self.seen_shapes.get_mut(&shape) {
             e.0 += demand;
         } else if self.seen_shapes.len() < SHAPE_LIMIT {
             let mask = fit_mask(&self.classes, &shape);
             self.seen_shapes.insert(shape, (demand, mask));
         }
-        let n = self.classes.len().min(64);
+        // Masks hold 64 classes: past that the term is off (never wrong,
+        // only absent), as it is before any GPU demand.
+        let n = self.classes.len();
+        self.kept.clear();
+        if n > 64 || self.seen_all <= 0.0 {
+            return;
+        }
         let total_gpus: f64 = self.classes.iter().map(|c| c.1).sum();
         self.kept = vec![0.0; n];
         for &(d, mask) in self.seen_shapes.values() {
@@ -474,10 +504,16 @@ impl BerthFrag {
         if self.weights.scarce == 0.0 || self.scarcity.is_empty() {
             return f64::INFINITY;
         }
+        self.least_where_fits(task, &self.scarcity)
+    }
+
+    /// The least of `per_class` (0 past its end) over the classes an empty
+    /// node of which would take the task (infinite when none would).
+    fn least_where_fits(&self, task: &Task, per_class: &[f64]) -> f64 {
         self.classes
             .iter()
-            .zip(&self.scarcity)
-            .filter(|((k, _), _)| task.accepts_model(k.model) && k.gpus >= task.gpu_count && k.cpu >= task.cpu_milli && k.mem >= task.memory_mib)
+            .zip(per_class.iter().chain(std::iter::repeat(&0.0)))
+            .filter(|((k, _), _)| k.admits(&task.models, task.gpu_count, task.cpu_milli, task.memory_mib))
             .map(|(_, &r)| r)
             .fold(f64::INFINITY, f64::min)
     }
@@ -674,6 +710,16 @@ impl Policy for BerthFrag {
         if weights.scale <= 0.0 {
             return Err("berth-frag: weights.scale must be positive".into());
         }
+        for (name, w) in [("exclusive", weights.exclusive), ("dynamic", weights.dynamic)] {
+            if !(0.0..=1.0).contains(&w) {
+                return Err(format!("berth-frag: weights.{name} must be between 0 and 1, not {w}"));
+            }
+        }
+        for (name, w) in [("scarce", weights.scarce), ("keep", weights.keep), ("residual", weights.residual)] {
+            if !(w >= 0.0) {
+                return Err(format!("berth-frag: weights.{name} must not be negative, not {w}"));
+            }
+        }
         if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive, weights.dynamic, weights.residual].iter().all(|w| w.is_finite()) {
             return Err("berth-frag: weights must be finite".into());
         }
@@ -706,13 +752,7 @@ impl Policy for BerthFrag {
         }
         let floor = self.scarcity_floor(task);
         // A task that fits only kept classes pays nothing for them.
-        let keep_floor = self
-            .classes
-            .iter()
-            .zip(self.kept.iter().chain(std::iter::repeat(&0.0)))
-            .filter(|((k, _), _)| task.accepts_model(k.model) && k.gpus >= task.gpu_count && k.cpu >= task.cpu_milli && k.mem >= task.memory_mib)
-            .map(|(_, &r)| r)
-            .fold(f64::INFINITY, f64::min);
+        let keep_floor = self.least_where_fits(task, &self.kept);
         let mut scores = Vec::with_capacity(nodes.len());
         let mut gpus = Vec::with_capacity(nodes.len());
         for node in nodes.iter() {
