@@ -628,8 +628,9 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
         _ => Default::default(),
     };
     let source = workload.clone().unwrap_or_else(|| format!("generated trace ({} nodes)", opts.synthetic_nodes));
+    let settings = if opts.extra_config.is_empty() { String::new() } else { format!("; policy config {}", serde_json::Value::Object(opts.extra_config.clone())) };
     println!(
-        "{source}: {} policies x {} seeds in {:.1} s ({})",
+        "{source}: {} policies x {} seeds in {:.1} s ({}{settings})",
         outcome.policies.len(),
         opts.seeds.len(),
         elapsed.as_secs_f64(),
@@ -637,7 +638,7 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     );
     print!("{}", report::table(&outcome.rows, &outcome.policies, &published));
     if let Some(path) = &args.json {
-        report::write_json(path, &outcome.rows)?;
+        report::write_json(path, &outcome.rows, &opts.extra_config)?;
     }
     if let Some(path) = &args.svg {
         report::write_svg(path, &format!("Unallocated GPUs: {source}"), &outcome.rows, &outcome.policies)?;

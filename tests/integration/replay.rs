@@ -300,6 +300,8 @@ fn policy_config_reaches_the_replayed_policy() {
         let out = cmd.env("BERTH_POLICY_DIR", repo_root().join("target/policies")).output().unwrap();
         assert!(out.status.success(), "{config:?}: {}", String::from_utf8_lossy(&out.stderr));
         let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let recorded = doc.get("policy_config").cloned();
+        assert_eq!(recorded, config.map(|c| serde_json::from_str::<serde_json::Value>(c).unwrap()), "the file records the settings");
         doc["results"].clone()
     };
     let defaults = run(None);

@@ -120,13 +120,17 @@ pub fn table(rows: &[ResultRow], policies: &[String], published: &Published) -> 
     out
 }
 
-/// Writes `{"results": [...]}`.
-pub fn write_json(path: &Path, rows: &[ResultRow]) -> anyhow::Result<()> {
+/// Writes `{"policy_config": {...}, "results": [...]}`; the settings
+/// `--policy-config` added (left out when none) keep a sweep's files
+/// attributable.
+pub fn write_json(path: &Path, rows: &[ResultRow], policy_config: &serde_json::Map<String, serde_json::Value>) -> anyhow::Result<()> {
     #[derive(Serialize)]
     struct Doc<'a> {
+        #[serde(skip_serializing_if = "serde_json::Map::is_empty")]
+        policy_config: &'a serde_json::Map<String, serde_json::Value>,
         results: &'a [ResultRow],
     }
-    let text = serde_json::to_string_pretty(&Doc { results: rows })?;
+    let text = serde_json::to_string_pretty(&Doc { policy_config, results: rows })?;
     std::fs::write(path, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
 }
 
