@@ -258,10 +258,8 @@ pub struct BerthFrag {
     /// Per class: the share of its GPUs the typical pinned pods want (with
     /// `dynamic`, of the GPUs free on this call's nodes, blended).
     scarcity: Vec<f64>,
-    /// The same over all GPUs seen (what `see_nodes` computes), and
-    /// whether `see_nodes` recomputed it since `dynamic_scarcity` last read it.
+    /// The same over all GPUs seen (what `see_nodes` computes).
     static_scarcity: Vec<f64>,
-    static_stale: bool,
     /// GPU tasks scored so far (for `keep`; a task scored again, e.g. while
     /// it waits, counts again): milli-GPU of all of them, and of each
     /// unpinned shape (at most [`SHAPE_LIMIT`]) with the classes (bit per
@@ -400,29 +398,37 @@ impl BerthFrag {
             *mask = fit_mask(&classes, shape);
         }
         self.classes = classes;
-        let total_gpus: f64 = self.classes.iter().map(|c| c.1).sum();
+        let gpus: Vec<f64> = self.classes.iter().map(|c| c.1).collect();
+        self.static_scarcity = self.spread_pinned(&gpus, 0.0);
+        self.scarcity = self.static_scarcity.clone();
+    }
+
+    /// Per class, the share of `supply` (GPUs per class) the typical pinned
+    /// pods want: each adds its share of the typical GPU demand times all of
+    /// `supply` over the supply of the models it accepts (at least
+    /// `min_supply`; a pod with none is skipped) to each of those models.
+    fn spread_pinned(&self, supply: &[f64], min_supply: f64) -> Vec<f64> {
+        let mut wanted = vec![0.0; supply.len()];
         let demand: f64 = self.typical.iter().map(|t| t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count)).sum();
-        self.scarcity = vec![0.0; self.classes.len()];
-        self.static_stale = true;
         if demand <= 0.0 {
-            return;
+            return wanted;
         }
+        let total: f64 = supply.iter().sum();
         for (t, models) in self.typical.iter().zip(&self.resolved) {
             if t.gpu_milli == 0 || t.models.is_empty() {
                 continue;
             }
-            let fits = |k: &NodeClass| models.contains(&k.model);
-            let supply: f64 = self.classes.iter().filter(|(k, _)| fits(k)).map(|c| c.1).sum();
-            if supply <= 0.0 {
+            let fits = |c: usize| models.contains(&self.classes[c].0.model);
+            let own = (0..supply.len()).filter(|&c| fits(c)).map(|c| supply[c]).sum::<f64>().max(min_supply);
+            if own <= 0.0 {
                 continue;
             }
-            let want = t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count) / demand * total_gpus / supply;
-            for (r, (k, _)) in self.scarcity.iter_mut().zip(&self.classes) {
-                if fits(k) {
-                    *r += want;
-                }
+            let want = t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count) / demand * total / own;
+            for c in (0..supply.len()).filter(|&c| fits(c)) {
+                wanted[c] += want;
             }
         }
+        wanted
     }
 
     /// Records a GPU task by shape and recomputes the classes' `kept` share.
@@ -466,10 +472,6 @@ impl BerthFrag {
     /// free GPUs of the models it accepts (blended with the static figure
     /// by `dynamic`).
     fn dynamic_scarcity(&mut self, nodes: &Nodes) {
-        if self.static_stale {
-            self.static_scarcity = self.scarcity.clone();
-            self.static_stale = false;
-        }
         let mut free = vec![0.0; self.classes.len()];
         for node in nodes.iter() {
             if let Some(&c) = self.node_class.get(node.id as usize) {
@@ -478,22 +480,8 @@ impl BerthFrag {
                 }
             }
         }
-        let total_free: f64 = free.iter().sum();
-        let demand: f64 = self.typical.iter().map(|t| t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count)).sum();
-        let mut dynamic = vec![0.0; self.classes.len()];
-        if demand > 0.0 && total_free > 0.0 {
-            for (t, models) in self.typical.iter().zip(&self.resolved) {
-                if t.gpu_milli == 0 || t.models.is_empty() {
-                    continue;
-                }
-                let fits = |c: usize| models.contains(&self.classes[c].0.model);
-                let supply: f64 = (0..self.classes.len()).filter(|&c| fits(c)).map(|c| free[c]).sum();
-                let want = t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count) / demand * total_free / supply.max(1000.0);
-                for c in (0..self.classes.len()).filter(|&c| fits(c)) {
-                    dynamic[c] += want;
-                }
-            }
-        }
+        // A model with under one free GPU counts as one (no division by 0).
+        let dynamic = self.spread_pinned(&free, 1000.0);
         let d = self.weights.dynamic;
         self.scarcity = self.static_scarcity.iter().zip(&dynamic).map(|(s, y)| (1.0 - d) * s + d * y).collect();
     }
