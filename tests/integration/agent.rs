@@ -24,7 +24,28 @@ roles = { "*" = "operator" }
 name = "watcher"
 token = "watcher-test-token"
 roles = { "*" = "viewer" }
+
+[[identities]]
+name = "agents"
+token = "agent-test-token"
+roles = { "p0" = "agent", "p1" = "agent" }
+nodes = ["*"]
+
+[[identities]]
+name = "n1-agent"
+token = "n1-agent-test-token"
+roles = { "p0" = "agent" }
+nodes = ["n1"]
 "#;
+
+/// The agents' token file in `d` (an identity with the agent role).
+pub(crate) fn agent_token_file(d: &Path) -> String {
+    let path = d.join("agent-token");
+    if !path.exists() {
+        std::fs::write(&path, "agent-test-token\n").unwrap();
+    }
+    path.display().to_string()
+}
 
 /// Kills (SIGKILL) and reaps the process when dropped.
 pub(crate) struct Proc(pub(crate) Child);
@@ -140,7 +161,8 @@ async fn two_agents_run_children_on_their_gpus_and_a_killed_agent_becomes_unreac
 
     let ckpt = d.join("checkpoint");
     let hook = format!("echo $BERTH_ALLOCATION $BERTH_PID > {}", ckpt.display());
-    let common = ["--server", &url, "--token", "ops-test-token", "--partition", "p0", "--heartbeat-ms", "200"];
+    let token_file = agent_token_file(&d);
+    let common = ["--server", &url, "--token-file", &token_file, "--partition", "p0", "--heartbeat-ms", "200"];
     let mut a1: Vec<&str> = vec!["agent", "--node", "n1", "--synthetic-gpus", "8xH20", "--checkpoint-hook", &hook, "--stop-grace-s", "2"];
     a1.extend(common);
     let mut a2: Vec<&str> = vec!["agent", "--node", "n2", "--synthetic-gpus", "4xA100", "--synthetic-xid", "3:79"];
@@ -301,7 +323,8 @@ pub(crate) async fn serve(d: &Path, name: &str, state: &Path, extra: &[&str]) ->
 
 pub(crate) fn agent(d: &Path, url: &str, node: &str, shape: &str, extra: &[&str]) -> Proc {
     let state = d.join(format!("{node}-state")).display().to_string();
-    let mut args = vec!["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token", "ops-test-token", "--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state];
+    let token_file = agent_token_file(d);
+    let mut args = vec!["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token-file", &token_file, "--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state];
     args.extend(extra);
     // Appended, so a restarted agent's log keeps the first one's.
     let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join(format!("{node}.log"))).unwrap();

@@ -85,10 +85,11 @@ impl Drop for Netns {
 /// `berth agent` inside the namespace, its log appended to `<node>.log`.
 fn agent_in(ns: &str, d: &Path, url: &str, ca: &Path, node: &str, shape: &str) -> Proc {
     let state = d.join(format!("{node}-state")).display().to_string();
+    let token_file = crate::agent::agent_token_file(d);
     let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join(format!("{node}.log"))).unwrap();
     let child = Command::new("ip")
         .args(["netns", "exec", ns, BERTH])
-        .args(["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token", "ops-test-token", "--partition", "p0"])
+        .args(["agent", "--node", node, "--synthetic-gpus", shape, "--server", url, "--token-file", &token_file, "--partition", "p0"])
         .args(["--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state, "--ca", ca.to_str().unwrap()])
         .current_dir(repo_root())
         .env("BERTH_LOG", "info")

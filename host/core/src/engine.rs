@@ -596,6 +596,9 @@ impl Engine {
                 if self.runs.ready_at[j] == u64::MAX {
                     self.ready_from(j, now);
                 }
+                if self.runs.vacated(fleet, j, &mut self.touched) {
+                    self.freed = true;
+                }
             }
             Event::Checkpoint(j) => self.runs.checkpoint_at[j] = Some(now),
             Event::FleetChanged => self.freed = true,
@@ -656,9 +659,27 @@ impl Engine {
 
     /// A job recovered while its evicted run was still stopping: it waits
     /// in the queue for [`Event::Vacated`].
-    pub fn restore_evicting(&mut self, slot: Slot) {
+    /// Of `still_running` (what its processes were placed on), what is not
+    /// held by another job restored before it drains until it is gone.
+    /// Restore running jobs first: they keep what they were given.
+    pub fn restore_evicting(&mut self, fleet: &mut Fleet, slot: Slot, still_running: &[Allocation]) {
         self.runs.ready_at[slot] = u64::MAX;
         self.pending.push(slot);
+        self.runs.drain_victim(fleet, slot, still_running);
+    }
+
+    /// A job recovered while it waited for its victims (or borrowers) to
+    /// go: if it ends before they do, its GPUs drain.
+    pub fn restore_awaiting(&mut self, slot: Slot, victims: impl IntoIterator<Item = Slot>) {
+        let victims: BTreeSet<Slot> = victims.into_iter().filter(|&v| self.runs.ready_at[v] == u64::MAX).collect();
+        if !victims.is_empty() {
+            self.runs.awaiting.entry(slot).or_default().extend(victims);
+        }
+    }
+
+    /// Capacity held for processes that may still run on it.
+    pub fn drains(&self) -> &[Drain] {
+        &self.runs.drains
     }
 
     /// A running job's task moved (make-before-break migration done): the
@@ -683,9 +704,17 @@ impl Engine {
             self.runs.held[j].clear();
             self.touched.extend(allocs.iter().map(|a| a.node));
         }
+        // Ended before its victims were gone (cancelled, a time limit, a
+        // lost node): their processes may still use its GPUs, which drain.
+        let waits = self.runs.awaiting.remove(&j).filter(|w| !w.is_empty());
         for alloc in self.runs.held[j].drain(..) {
-            fleet.release(&alloc).expect("a running job's allocations are held");
-            self.touched.insert(alloc.node);
+            match &waits {
+                Some(until) => self.runs.drains.push(Drain { alloc, until: until.clone() }),
+                None => {
+                    fleet.release(&alloc).expect("a running job's allocations are held");
+                    self.touched.insert(alloc.node);
+                }
+            }
         }
         if !self.low(j) {
             self.high_milli -= self.jobs[j].gpus() * u64::from(self.jobs[j].shape.gpu_milli);
@@ -796,6 +825,7 @@ impl Engine {
         self.unlend(&allocs);
         let mut done = Vec::new();
         let mut victims = Vec::new();
+        let mut borrowers = Vec::new();
         let mut ok = true;
         for a in &allocs {
             while fleet.allocate(a).is_err() {
@@ -812,8 +842,12 @@ impl Engine {
                     ok = false;
                     break;
                 };
-                for b in self.runs.held[v].drain(..) {
-                    fleet.release(&b).expect("a running job's allocations are held");
+                for b in &self.runs.held[v] {
+                    fleet.release(b).expect("a running job's allocations are held");
+                }
+                let released = std::mem::take(&mut self.runs.held[v]);
+                if self.jobs[v].reports_exit {
+                    borrowers.push((v, released));
                 }
                 let (vacate, lost, forced) = self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
                 self.outcome.wake_evictions += 1;
@@ -849,6 +883,15 @@ impl Engine {
                 self.runs.ready_at[r] = u64::MAX;
             }
             self.pending.push(r);
+        }
+        // Borrowers that report their exit keep what the replica did not
+        // take back (all of it, when the wake failed) until they are gone;
+        // the replica waits for them.
+        for (v, released) in borrowers {
+            let until = self.runs.drain_victim(fleet, v, &released);
+            if ok {
+                self.runs.awaiting.entry(r).or_default().extend(until);
+            }
         }
         self.announced.push(Decision::Wake { slot: r, job: self.jobs[r].id, victims, requeued: !ok });
     }
@@ -1044,7 +1087,7 @@ impl Engine {
                                             self.gang_bounds.clear();
                                         }
                                         let ranker_name = ranker.describe();
-                                        let (delay, victims) = self.runs.take_victims(&chosen, j, now, &self.jobs, &self.config, &mut self.outcome, &ranker_name, out, &mut evicted);
+                                        let (delay, victims) = self.runs.take_victims(fleet, &chosen, j, now, &self.jobs, &self.config, &mut self.outcome, &ranker_name, out, &mut evicted);
                                         for a in &allocs {
                                             view.allocate(a).expect("the view holds less than the fleet");
                                         }
@@ -1139,7 +1182,7 @@ impl Engine {
                     match attempt(fleet, &mut self.placer, &mut **policy, job, &mut self.outcome.placements, &keep, observer, None) {
                         Ok(Some((allocs, domains))) => {
                             let ranker_name = ranker.describe();
-                            let (delay, victims) = self.runs.take_victims(&chosen, j, now, &self.jobs, &self.config, &mut self.outcome, &ranker_name, out, &mut evicted);
+                            let (delay, victims) = self.runs.take_victims(fleet, &chosen, j, now, &self.jobs, &self.config, &mut self.outcome, &ranker_name, out, &mut evicted);
                             placed = Some((allocs, domains, delay, victims));
                         }
                         other => {
@@ -1373,6 +1416,45 @@ struct Runs {
     interrupted_at: HashMap<usize, Vec<u64>>,
     /// Running low-priority jobs: the candidate victims.
     running_low: BTreeSet<usize>,
+    /// Capacity held for processes that may still run on it (see [`Drain`]).
+    drains: Vec<Drain>,
+    /// A placed or waking job's victims (and what they waited for) whose
+    /// exit is not reported yet: its GPUs drain if it ends before they go.
+    awaiting: HashMap<Slot, BTreeSet<Slot>>,
+}
+
+/// Capacity held, in the fleet, for processes that may still use it: the
+/// GPUs of an evicted job its preemptor did not take, or what a job that
+/// ended before its victims were gone held. A GPU leaves a job only when
+/// the processes that used it are gone: this is how the engine keeps that
+/// promise for jobs that report their exit. Released once every job in
+/// `until` has vacated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Drain {
+    pub alloc: Allocation,
+    pub until: BTreeSet<Slot>,
+}
+
+/// Allocates, of `a`, what is free on its node now (whole, else GPU by GPU
+/// and the CPU and memory left), and returns what it took.
+fn hold_what_is_free(fleet: &mut Fleet, a: &Allocation) -> Vec<Allocation> {
+    if fleet.allocate(a).is_ok() {
+        return vec![a.clone()];
+    }
+    let mut held = Vec::new();
+    for g in crate::fleet::gpus_of(a.gpus) {
+        let milli = a.gpu_milli.min(fleet.nodes()[a.node as usize].gpus[g]);
+        let one = Allocation { node: a.node, gpus: 1 << g, gpu_milli: milli, cpu_milli: 0, memory_mib: 0 };
+        if milli > 0 && fleet.allocate(&one).is_ok() {
+            held.push(one);
+        }
+    }
+    let n = &fleet.nodes()[a.node as usize];
+    let rest = Allocation { node: a.node, gpus: 0, gpu_milli: 0, cpu_milli: a.cpu_milli.min(n.cpu_free_milli), memory_mib: a.memory_mib.min(n.memory_free_mib) };
+    if (rest.cpu_milli > 0 || rest.memory_mib > 0) && fleet.allocate(&rest).is_ok() {
+        held.push(rest);
+    }
+    held
 }
 
 impl Runs {
@@ -1385,6 +1467,7 @@ impl Runs {
         self.kept_s[v] = 0;
         self.ready_at[v] = 0;
         self.interrupted_at.remove(&v);
+        self.awaiting.remove(&v);
     }
 
     fn push(&mut self) {
@@ -1423,6 +1506,45 @@ impl Runs {
         }
     }
 
+    /// Victim `v` (its allocations `released` a moment ago) reports its
+    /// exit: what of them is free now drains until it, and what it waited
+    /// for, are gone. Returns what it waited for, for its preemptor.
+    fn drain_victim(&mut self, fleet: &mut Fleet, v: Slot, released: &[Allocation]) -> BTreeSet<Slot> {
+        let mut until = self.awaiting.remove(&v).unwrap_or_default();
+        until.insert(v);
+        for a in released {
+            for alloc in hold_what_is_free(fleet, a) {
+                self.drains.push(Drain { alloc, until: until.clone() });
+            }
+        }
+        until
+    }
+
+    /// Job `v` vacated: drains waiting only for it are released (noting
+    /// their nodes in `touched`); nobody waits for it any more.
+    fn vacated(&mut self, fleet: &mut Fleet, v: Slot, touched: &mut HashSet<NodeId>) -> bool {
+        for waits in self.awaiting.values_mut() {
+            waits.remove(&v);
+        }
+        self.awaiting.retain(|_, waits| !waits.is_empty());
+        let mut freed = false;
+        let mut k = 0;
+        while k < self.drains.len() {
+            self.drains[k].until.remove(&v);
+            if self.drains[k].until.is_empty() {
+                let d = self.drains.swap_remove(k);
+                // Allocated by this engine when the drain began.
+                let released = fleet.release(&d.alloc);
+                debug_assert!(released.is_ok(), "a drain's allocation is held: {released:?}");
+                touched.insert(d.alloc.node);
+                freed = true;
+            } else {
+                k += 1;
+            }
+        }
+        freed
+    }
+
     /// Allocates again what `chosen`, released as victims a moment ago,
     /// still hold (a placement that then failed).
     fn hold_again(&self, fleet: &mut Fleet, chosen: &[Slot]) {
@@ -1450,6 +1572,7 @@ impl Runs {
     #[allow(clippy::too_many_arguments)]
     fn take_victims(
         &mut self,
+        fleet: &mut Fleet,
         chosen: &[Slot],
         j: Slot,
         now: u64,
@@ -1462,8 +1585,15 @@ impl Runs {
     ) -> (u64, Vec<u64>) {
         let mut delay = 0;
         let mut victims = Vec::new();
+        let mut awaiting = BTreeSet::new();
         for &v in chosen {
-            self.held[v].clear(); // released by the caller
+            // Released by the caller; the preemptor (allocated since) took
+            // what it needs, and what a victim that reports its exit still
+            // runs on drains until it is gone.
+            let released = std::mem::take(&mut self.held[v]);
+            if jobs[v].reports_exit {
+                awaiting.extend(self.drain_victim(fleet, v, &released));
+            }
             let (vacate, lost, forced) = self.take_back(v, now, jobs, config, outcome);
             delay = delay.max(vacate);
             if self.ready_at[v] > now {
@@ -1480,6 +1610,9 @@ impl Runs {
                 forced,
                 wake: false,
             });
+        }
+        if !awaiting.is_empty() {
+            self.awaiting.entry(j).or_default().extend(awaiting);
         }
         (delay, victims)
     }

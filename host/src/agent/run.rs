@@ -60,9 +60,12 @@ pub struct AgentArgs {
     supervise: Option<PathBuf>,
     #[arg(last = true, hide = true)]
     command: Vec<String>,
-    /// Bearer token of an identity with the operator role on --partition.
-    #[arg(long, env = "BERTH_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    /// File holding the bearer token of an identity with the agent role on
+    /// --partition for this node (`roles = { "p0" = "agent" }` and `nodes`
+    /// in the access file). Read from a file, never from argv or the
+    /// environment, so no task can find it in either.
+    #[arg(long, env = "BERTH_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// CA certificate (PEM) that signed the host's certificate.
     #[arg(long, env = "BERTH_CA")]
     ca: Option<PathBuf>,
@@ -114,6 +117,24 @@ pub struct AgentArgs {
     /// Host memory offered for placement, GiB (see --cpu-cores).
     #[arg(long)]
     memory_gib: Option<u64>,
+}
+
+/// The agent's variables a task inherits: where programs are, the locale,
+/// the time zone, the temporary directory and the user's home and name.
+/// Everything else reaches a task only through its job's declared env.
+pub const TASK_ENV_ALLOWLIST: [&str; 9] = ["PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "HOME", "USER", "LOGNAME"];
+
+fn allowed_env() -> impl Iterator<Item = (&'static str, std::ffi::OsString)> {
+    TASK_ENV_ALLOWLIST.into_iter().filter_map(|k| std::env::var_os(k).map(|v| (k, v)))
+}
+
+/// Reads the agent's bearer token from `path`: one line, surrounding
+/// whitespace ignored.
+fn read_token_file(path: &std::path::Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;
+    let token = text.trim().to_string();
+    anyhow::ensure!(!token.is_empty() && !token.contains(['\n', '\r']), "--token-file {}: expected one line holding the token", path.display());
+    Ok(token)
 }
 
 /// The machine's memory (MiB), from /proc/meminfo.
@@ -213,8 +234,9 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    let token = args.token_file.as_deref().map(read_token_file).transpose()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    runtime.block_on(Agent::new(args, node, src).run())
+    runtime.block_on(Agent::new(args, token, node, src).run())
 }
 
 /// How a task ended, written by its supervisor.
@@ -278,6 +300,8 @@ struct Child {
 
 struct Agent {
     args: AgentArgs,
+    /// Read from --token-file at start.
+    token: Option<String>,
     node: String,
     src: Mutex<Box<dyn DeviceSource>>,
     children: Mutex<HashMap<u64, Child>>,
@@ -301,11 +325,12 @@ fn signal_group(pid: u32, sig: i32) -> std::io::Result<()> {
 }
 
 impl Agent {
-    fn new(args: AgentArgs, node: String, src: Box<dyn DeviceSource>) -> Arc<Agent> {
+    fn new(args: AgentArgs, token: Option<String>, node: String, src: Box<dyn DeviceSource>) -> Arc<Agent> {
         let servers = args.server.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
         let state_dir = args.state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("berth-agent-{node}")));
         Arc::new(Agent {
             args,
+            token,
             node,
             src: Mutex::new(src),
             children: Mutex::new(HashMap::new()),
@@ -328,7 +353,7 @@ impl Agent {
             for _ in 0..self.servers.len() {
                 let i = self.next_server.fetch_add(1, std::sync::atomic::Ordering::SeqCst) % self.servers.len();
                 let server = &self.servers[i];
-                match connect_hub(server, self.args.token.as_deref(), self.args.ca.as_deref()).await {
+                match connect_hub(server, self.token.as_deref(), self.args.ca.as_deref()).await {
                     Ok(c) => {
                         *self.client.lock().unwrap() = Some(c);
                         return;
@@ -624,6 +649,12 @@ impl Agent {
                     .arg(&status)
                     .arg("--")
                     .args(&cmd.argv)
+                    // Built, never inherited: the agent's own environment
+                    // (its credentials, the operator's shell) is not the
+                    // tenant's. The allowlist, then the job's env, then the
+                    // task variables, which the job cannot override.
+                    .env_clear()
+                    .envs(allowed_env())
                     .envs(&cmd.env)
                     .env("CUDA_VISIBLE_DEVICES", &visible)
                     .env("NVIDIA_VISIBLE_DEVICES", &visible)

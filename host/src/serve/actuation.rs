@@ -485,14 +485,21 @@ impl Live {
                     }
                 }
             }
-            for (a, _) in job.allocations.iter().zip(job.runs.iter()).filter(|(_, r)| r.holds) {
-                st.fleet.allocate(a).expect("the GPUs the engine just released");
-            }
             for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
-                // Same GPUs, now held by a fenced allocation instead of the job.
-                st.manual.insert(r.alloc_id, a.clone());
-                st.lost.insert(r.alloc_id);
-                st.by_alloc.insert(r.alloc_id, 0);
+                // Same GPUs, now held by a fenced allocation instead of the
+                // job. A copy migrating in was allocated here, not by the
+                // engine: it keeps its GPUs. GPUs the engine did not give
+                // back (they drain for work still leaving them) stay held
+                // by their drain.
+                let fenced = r.replaces != 0 || st.fleet.allocate(a).is_ok();
+                if fenced {
+                    st.manual.insert(r.alloc_id, a.clone());
+                    st.lost.insert(r.alloc_id);
+                    st.by_alloc.insert(r.alloc_id, 0);
+                } else {
+                    tracing::warn!(target: "berth::serve", job = id, allocation = r.alloc_id, node = %r.node, "lost task's GPUs stay held by the drain they are in");
+                    st.by_alloc.remove(&r.alloc_id);
+                }
                 r.holds = false;
                 r.state = "lost".into();
                 if r.node != node

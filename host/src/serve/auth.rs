@@ -16,6 +16,12 @@
 //! token = "ops-secret"             # or token_sha256 = "<hex>"
 //! cert_sha256 = "<hex of DER>"      # optional: mTLS client certificate
 //! roles = { "*" = "operator" }     # "*" = every partition
+//!
+//! [[identities]]
+//! name = "rack-7-agents"
+//! token = "agent-secret"           # read by `berth agent --token-file`
+//! roles = { "gpu" = "agent" }      # register, heartbeat, report: nothing else
+//! nodes = ["rack7-*"]              # the node names it may act as
 //! ```
 
 use std::collections::BTreeMap;
@@ -32,6 +38,10 @@ use super::ServeError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
+    /// A node agent: registers, heartbeats, takes commands and reports
+    /// allocations for the nodes its identity names (`nodes`), and nothing
+    /// else (not even reading jobs).
+    Agent,
     /// Read jobs, nodes, accounting, decisions and policy history.
     Viewer,
     /// Also submit jobs, and cancel its own.
@@ -51,6 +61,9 @@ struct IdentityConfig {
     #[serde(default)]
     cert_sha256: Option<String>,
     roles: BTreeMap<String, Role>,
+    /// Node names an agent identity may act as (`*` at the end: a prefix).
+    #[serde(default)]
+    nodes: Option<Vec<String>>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -68,12 +81,52 @@ struct AccessConfig {
 pub struct Identity {
     pub name: String,
     roles: BTreeMap<String, Role>,
+    /// Node-name patterns for the agent role (exact, or a prefix ending in `*`).
+    nodes: Vec<String>,
 }
+
+/// Most node patterns an identity may list.
+const MAX_NODE_PATTERNS: usize = 100_000;
 
 impl Identity {
     /// The role in `partition`: the partition's own entry, else `*`.
     pub fn role_in(&self, partition: &str) -> Option<Role> {
         self.roles.get(partition).or_else(|| self.roles.get("*")).copied()
+    }
+
+    /// Whether it may read `partition` (viewer or above; an agent may not).
+    pub fn can_view(&self, partition: &str) -> bool {
+        self.role_in(partition) >= Some(Role::Viewer)
+    }
+
+    /// Whether it holds the operator role in some partition.
+    pub fn is_operator_somewhere(&self) -> bool {
+        self.roles.values().any(|&r| r == Role::Operator)
+    }
+
+    /// Whether one of its node patterns names `node`.
+    fn names_node(&self, node: &str) -> bool {
+        self.nodes.iter().any(|p| match p.strip_suffix('*') {
+            Some(prefix) => node.starts_with(prefix),
+            None => p == node,
+        })
+    }
+
+    /// Whether it could act as agent node `node` in some partition: an
+    /// operator anywhere, or an agent whose patterns name the node. Asked
+    /// before any lookup, so the answer says nothing of what exists.
+    pub fn could_act_as_node(&self, node: &str) -> bool {
+        self.is_operator_somewhere() || (self.roles.values().any(|&r| r == Role::Agent) && self.names_node(node))
+    }
+
+    /// Whether it may act as agent node `node` of `partition`: the
+    /// partition's operator, or its agent naming that node.
+    pub fn may_act_as_node(&self, partition: &str, node: &str) -> bool {
+        match self.role_in(partition) {
+            Some(Role::Operator) => true,
+            Some(Role::Agent) => self.names_node(node),
+            _ => false,
+        }
     }
 
     /// Checks that the identity holds at least `role` in `partition`.
@@ -89,6 +142,31 @@ impl Identity {
                 Err(e)
             }
         }
+    }
+}
+
+/// Longest node name, as a DNS name.
+pub const MAX_NODE_NAME_BYTES: usize = 253;
+
+/// A node name is 1 to 253 bytes of ASCII letters, digits, `.`, `-` and
+/// `_`, starting with a letter or digit, without `..`: it is printed,
+/// logged and used in store keys and paths, so nothing in it may act on a
+/// terminal, a log line or a path. The error quotes the name bounded and
+/// escaped.
+pub fn check_node_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NODE_NAME_BYTES
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && !name.contains("..");
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "node name \"{}\" ({} bytes): 1 to {MAX_NODE_NAME_BYTES} bytes of letters, digits, '.', '-' and '_', starting with a letter or digit, without \"..\"",
+            crate::text::printable(name, 64),
+            name.len()
+        ))
     }
 }
 
@@ -127,7 +205,25 @@ impl Access {
                 "identity \"{}\": a name is at most 256 bytes, without control or formatting characters",
                 crate::text::printable(&id.name, 64)
             );
-            let identity = Identity { name: id.name.clone(), roles: id.roles };
+            let nodes = id.nodes.unwrap_or_default();
+            let agent = id.roles.values().any(|&r| r == Role::Agent);
+            anyhow::ensure!(
+                !agent || !nodes.is_empty(),
+                "identity {}: an agent role needs `nodes`, the node names it may act as (a trailing * makes a prefix)",
+                id.name
+            );
+            anyhow::ensure!(agent || nodes.is_empty(), "identity {}: `nodes` is only for identities with an agent role", id.name);
+            anyhow::ensure!(nodes.len() <= MAX_NODE_PATTERNS, "identity {}: more than {MAX_NODE_PATTERNS} node patterns", id.name);
+            for n in &nodes {
+                let name = n.strip_suffix('*').unwrap_or(n);
+                anyhow::ensure!(
+                    (n.ends_with('*') && name.is_empty()) || check_node_name(name).is_ok(),
+                    "identity {}: node pattern \"{}\" is not a node name (optionally ending in *)",
+                    id.name,
+                    crate::text::printable(n, 64)
+                );
+            }
+            let identity = Identity { name: id.name.clone(), roles: id.roles, nodes };
             let token = match (id.token, id.token_sha256) {
                 (Some(t), None) => {
                     anyhow::ensure!(t.len() >= 8, "identity {}: token shorter than 8 characters", id.name);
@@ -235,6 +331,36 @@ mod tests {
         assert_eq!(a.priority_ceiling("gpu"), Some(50));
         let none = Access::parse("[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}").unwrap();
         assert_eq!(none.priority_ceiling("gpu"), None);
+    }
+
+    #[test]
+    fn an_agent_identity_acts_only_as_its_nodes_and_reads_nothing() {
+        let a = Access::parse(
+            "[[identities]]\nname = \"rack\"\ntoken = \"agent-token\"\nroles = { \"p0\" = \"agent\" }\nnodes = [\"n1\", \"rack7-*\"]\n\
+             [[identities]]\nname = \"ops\"\ntoken = \"ops-token\"\nroles = { \"*\" = \"operator\" }",
+        )
+        .unwrap();
+        let (agent, ops) = (&a.tokens[0].1, &a.tokens[1].1);
+        assert!(agent.may_act_as_node("p0", "n1") && agent.may_act_as_node("p0", "rack7-12"));
+        assert!(!agent.may_act_as_node("p0", "n2") && !agent.may_act_as_node("p1", "n1"));
+        assert!(agent.could_act_as_node("rack7-1") && !agent.could_act_as_node("n10"));
+        assert!(!agent.can_view("p0") && agent.require("p0", Role::Viewer).is_err());
+        assert!(ops.may_act_as_node("p5", "anything") && ops.can_view("p5"));
+        // An agent role needs nodes; nodes need an agent role; patterns are names.
+        assert!(Access::parse("[[identities]]\nname = \"x\"\ntoken = \"agent-token\"\nroles = { \"p0\" = \"agent\" }").is_err());
+        assert!(Access::parse("[[identities]]\nname = \"x\"\ntoken = \"agent-token\"\nroles = { \"p0\" = \"viewer\" }\nnodes = [\"n1\"]").is_err());
+        assert!(Access::parse("[[identities]]\nname = \"x\"\ntoken = \"agent-token\"\nroles = { \"p0\" = \"agent\" }\nnodes = [\"../x\"]").is_err());
+    }
+
+    #[test]
+    fn node_names_are_plain() {
+        for good in ["n1", "gpu-node-0042", "a.b_c", &"x".repeat(253)] {
+            assert!(check_node_name(good).is_ok(), "{good}");
+        }
+        for bad in ["", "-n", ".n", "a/b", "a..b", "n\n1", "n\u{1b}[31m", "n\u{202e}", "n\0", "n 1", &"x".repeat(254)] {
+            let e = check_node_name(bad).unwrap_err();
+            assert!(!e.contains('\n') && !e.contains('\u{1b}') && e.len() < 400, "{e}");
+        }
     }
 
     #[test]

@@ -267,7 +267,7 @@ impl Console {
         let mut nodes = Vec::new();
         for name in names {
             let Ok(p) = live.partition_index(name) else { continue };
-            if id.role_in(name).is_none() {
+            if !id.can_view(name) {
                 continue;
             }
             let st = live.partitions[p].lock_state();

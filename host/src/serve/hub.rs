@@ -17,7 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::serve::actuation::AgentTopology;
-use crate::serve::auth::{Identity, Role};
+use crate::serve::auth::{check_node_name, Identity, Role};
 use crate::serve::pb::{self, agent_hub_server::AgentHub};
 use crate::serve::scheduler::{Actuator, Live, Start};
 use crate::serve::unix_ms;
@@ -165,9 +165,26 @@ impl Hub {
             .collect()
     }
 
+    /// The partition of agent node `node`, if `id` may act as it. A caller
+    /// that could act as that name nowhere is refused before any lookup; one
+    /// whose role is in another partition than the node's gets the answer a
+    /// missing node gets, so neither learns what exists.
+    fn agent_node_partition(&self, id: &Identity, node: &str) -> Result<String, Status> {
+        check_node_name(node).map_err(Status::invalid_argument)?;
+        if !id.could_act_as_node(node) {
+            return Err(denied_node(id, node));
+        }
+        let partition = self.state.lock().unwrap().agents.get(node).map(|a| a.partition.clone());
+        match partition {
+            Some(p) if id.may_act_as_node(&p, node) => Ok(p),
+            _ => Err(Status::not_found(format!("no agent node {node} that {} may act as", id.name))),
+        }
+    }
+
+    /// The partition of an agent node, for the hub's own bookkeeping.
     fn agent_partition(&self, node: &str) -> Result<String, Status> {
         let st = self.state.lock().unwrap();
-        st.agents.get(node).map(|a| a.partition.clone()).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))
+        st.agents.get(node).map(|a| a.partition.clone()).ok_or_else(|| Status::not_found(format!("no agent node {}", crate::text::printable(node, 64))))
     }
 
     /// Records a registration; returns the reply and the GPUs that keep an
@@ -260,6 +277,13 @@ impl Hub {
     }
 }
 
+/// The refusal of a caller that may not act as agent node `node` (a
+/// validated name): it says nothing of whether the node exists.
+fn denied_node(id: &Identity, node: &str) -> Status {
+    tracing::warn!(target: "berth::serve::auth", identity = %id.name, node, "denied: not an agent of this node");
+    Status::permission_denied(format!("{} may not act as agent node {node}: that needs an agent identity naming it, or the operator role", id.name))
+}
+
 /// Longest text field an agent may send (model, UUID, PCI id, event kind
 /// and detail, source, version), in bytes.
 pub const MAX_AGENT_FIELD_BYTES: usize = 256;
@@ -288,9 +312,23 @@ fn check_registration(r: &pb::RegisterAgentRequest) -> Result<(), Status> {
     field("source", &r.source)?;
     field("agent_version", &r.agent_version)?;
     list("gpus", r.gpus.len(), MAX_AGENT_GPUS)?;
-    for g in &r.gpus {
+    for (i, g) in r.gpus.iter().enumerate() {
         field("gpus.uuid", &g.uuid)?;
         field("gpus.model", &g.model)?;
+        // Printed in listings and logs, and a key of the fleet's models.
+        let plain = |s: &str, extra: &[u8]| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b) || extra.contains(&b));
+        if !plain(&g.model, b" ()+") || g.model.starts_with(' ') || g.model.ends_with(' ') {
+            return Err(Status::invalid_argument(format!(
+                "gpus[{i}].model \"{}\": letters, digits, spaces and -_.()+ only",
+                crate::text::printable(&g.model, 64)
+            )));
+        }
+        if !plain(&g.uuid, b"") {
+            return Err(Status::invalid_argument(format!("gpus[{i}].uuid \"{}\": letters, digits and -_. only", crate::text::printable(&g.uuid, 64))));
+        }
+        if r.gpus[..i].iter().any(|o| o.uuid == g.uuid) {
+            return Err(Status::invalid_argument(format!("gpus[{i}].uuid {} appears twice", g.uuid)));
+        }
         field("gpus.pci_bus_id", &g.pci_bus_id)?;
         list("gpus.nvlink_peers", g.nvlink_peers.len(), MAX_AGENT_GPUS)?;
         for p in &g.nvlink_peers {
@@ -321,11 +359,22 @@ impl AgentHub for Arc<Hub> {
     async fn register(&self, req: Request<pb::RegisterAgentRequest>) -> Reply<pb::RegisterAgentResponse> {
         let id = self.who(&req)?;
         let r = req.into_inner();
-        self.require(&id, &r.partition, Role::Operator)?;
-        if r.node.is_empty() || r.node.len() > 253 {
-            return Err(Status::invalid_argument("node name must be 1 to 253 characters"));
+        check_node_name(&r.node).map_err(Status::invalid_argument)?;
+        // Permission before existence: the partition's name is the caller's.
+        if !id.may_act_as_node(&r.partition, &r.node) {
+            return Err(denied_node(&id, &r.node));
         }
+        self.live.partition_index(&r.partition)?;
         check_registration(&r)?;
+        {
+            let st = self.state.lock().unwrap();
+            let taken = st.agents.iter().filter(|(name, _)| **name != r.node).find_map(|(name, a)| {
+                a.gpus.iter().find(|g| r.gpus.iter().any(|n| n.uuid == g.info.uuid)).map(|g| (name.clone(), g.info.uuid.clone()))
+            });
+            if let Some((other, uuid)) = taken {
+                return Err(Status::already_exists(format!("node {}: GPU {uuid} is registered by node {other}", r.node)));
+            }
+        }
         let model = r.gpus.first().map_or("cpu-only", |g| g.model.as_str());
         if r.gpus.iter().any(|g| g.model != model) {
             return Err(Status::invalid_argument(format!("node {}: GPUs of more than one model", r.node)));
@@ -349,8 +398,7 @@ impl AgentHub for Arc<Hub> {
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
         let id = self.who(&req)?;
         let r = req.into_inner();
-        let partition = self.agent_partition(&r.node)?;
-        self.require(&id, &partition, Role::Operator)?;
+        let partition = self.agent_node_partition(&id, &r.node)?;
         check_heartbeat(&r)?;
         let (unhealthy, active, schedulable, expected) = self.heartbeat_locked(&r)?;
         // What the node runs against what the fleet holds there: adopt the
@@ -396,8 +444,7 @@ impl AgentHub for Arc<Hub> {
     async fn commands(&self, req: Request<pb::CommandsRequest>) -> Reply<Self::CommandsStream> {
         let id = self.who(&req)?;
         let r = req.into_inner();
-        let partition = self.agent_partition(&r.node)?;
-        self.require(&id, &partition, Role::Operator)?;
+        let partition = self.agent_node_partition(&id, &r.node)?;
         let (tx, rx) = mpsc::channel(64);
         let reachable = {
             let mut st = self.state.lock().unwrap();
@@ -416,20 +463,24 @@ impl AgentHub for Arc<Hub> {
     async fn report_allocation(&self, req: Request<pb::AllocationReport>) -> Reply<pb::AllocationReportResponse> {
         let id = self.who(&req)?;
         let r = req.into_inner();
-        let partition = self.agent_partition(&r.node)?;
-        self.require(&id, &partition, Role::Operator)?;
+        self.agent_node_partition(&id, &r.node)?;
         {
             let mut st = self.state.lock().unwrap();
             let a = match st.allocations.entry(r.allocation_id) {
                 std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::btree_map::Entry::Vacant(slot) => {
                     // Started before this host (re)started: the fleet knows it, the hub learns it now.
-                    let (node, gpus) = self.live.allocation_node(r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
+                    let (node, gpus) = self
+                        .live
+                        .allocation_node(r.allocation_id)
+                        .filter(|(node, _)| *node == r.node)
+                        .ok_or_else(|| Status::not_found(format!("no allocation {} on node {}", r.allocation_id, r.node)))?;
                     slot.insert(pb::AllocationInfo { id: r.allocation_id, node, gpus, state: "running".into(), ..Default::default() })
                 }
             };
+            // Another node's allocation: answered as a missing one.
             if a.node != r.node {
-                return Err(Status::permission_denied(format!("allocation {} is on node {}, not {}", a.id, a.node, r.node)));
+                return Err(Status::not_found(format!("no allocation {} on node {}", r.allocation_id, r.node)));
             }
             tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
             // A checkpoint or readiness report leaves the task's state as it was.
@@ -456,7 +507,7 @@ impl AgentHub for Arc<Hub> {
         }
         self.sweep();
         let st = self.state.lock().unwrap();
-        let visible = |p: &str| (want.is_empty() || want == p) && id.role_in(p).is_some();
+        let visible = |p: &str| (want.is_empty() || want == p) && id.can_view(p);
         let mut holder: BTreeMap<(&str, u32), u64> = BTreeMap::new();
         for a in st.allocations.values().filter(|a| holds_gpus(&a.state)) {
             for &g in &a.gpus {
@@ -500,11 +551,16 @@ impl AgentHub for Arc<Hub> {
     async fn start_allocation(&self, req: Request<pb::StartAllocationRequest>) -> Reply<pb::StartAllocationResponse> {
         let id = self.who(&req)?;
         let r = req.into_inner();
-        let partition = self.agent_partition(&r.node)?;
-        self.require(&id, &partition, Role::Operator)?;
-        if r.argv.is_empty() {
-            return Err(Status::invalid_argument("argv is empty"));
+        check_node_name(&r.node).map_err(Status::invalid_argument)?;
+        if !id.is_operator_somewhere() {
+            return Err(Status::permission_denied(format!("{} holds the operator role nowhere; starting an allocation needs it", id.name)));
         }
+        let partition = self.state.lock().unwrap().agents.get(&r.node).map(|a| a.partition.clone());
+        let partition = match partition {
+            Some(p) if id.role_in(&p) == Some(Role::Operator) => p,
+            _ => return Err(Status::not_found(format!("no agent node {} where {} is an operator", r.node, id.name))),
+        };
+        crate::serve::service::check_task_command(&r.argv, &r.env).map_err(Status::invalid_argument)?;
         let uuids = {
             let st = self.state.lock().unwrap();
             let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
@@ -555,18 +611,38 @@ impl AgentHub for Arc<Hub> {
         let id = self.who(&req)?;
         let r = req.into_inner();
         if !matches!(r.action.as_str(), "stop" | "sleep" | "wake" | "checkpoint") {
-            return Err(Status::invalid_argument(format!("action {:?}: one of stop, sleep, wake, checkpoint", r.action)));
+            return Err(Status::invalid_argument(format!("action \"{}\": one of stop, sleep, wake, checkpoint", crate::text::printable(&r.action, 32))));
         }
-        let node = {
+        if !id.is_operator_somewhere() {
+            return Err(Status::permission_denied(format!("{} holds the operator role nowhere; controlling an allocation needs it", id.name)));
+        }
+        // A missing allocation and one the caller may not control get the
+        // same answer; whether it ended is told only to its operators.
+        let missing = || Status::not_found(format!("no allocation {} where {} is an operator", r.allocation_id, id.name));
+        let (node, state, job) = {
             let st = self.state.lock().unwrap();
-            let a = st.allocations.get(&r.allocation_id).ok_or_else(|| Status::not_found(format!("no allocation {}", r.allocation_id)))?;
-            if !holds_gpus(&a.state) {
-                return Err(Status::failed_precondition(format!("allocation {} is {}", a.id, a.state)));
-            }
-            a.node.clone()
+            let a = st.allocations.get(&r.allocation_id).ok_or_else(missing)?;
+            (a.node.clone(), a.state.clone(), a.started_by.strip_prefix("job ").map(str::to_string))
         };
-        let partition = self.agent_partition(&node)?;
-        self.require(&id, &partition, Role::Operator)?;
+        let partition = self.agent_partition(&node).map_err(|_| missing())?;
+        if id.role_in(&partition) != Some(Role::Operator) {
+            return Err(missing());
+        }
+        if !holds_gpus(&state) {
+            return Err(Status::failed_precondition(format!("allocation {} is {state}", r.allocation_id)));
+        }
+        // A sleepable job's task sleeps and wakes through the engine (its
+        // harvesting schedule lends the GPUs of a sleeper): a direct wake
+        // would run the replica beside the borrower of its GPUs.
+        if let Some(job) = job.and_then(|j| j.parse::<u64>().ok())
+            && matches!(r.action.as_str(), "sleep" | "wake")
+            && self.live.job_is_sleepable(job)
+        {
+            return Err(Status::failed_precondition(format!(
+                "allocation {} is a task of sleepable job {job}: its sleep and wake follow the partition's harvest schedule (berth sleep / berth wake), not direct controls",
+                r.allocation_id
+            )));
+        }
         self.send(&node, pb::AgentCommand { allocation_id: r.allocation_id, action: r.action, ..Default::default() })?;
         Ok(Response::new(pb::ControlAllocationResponse {}))
     }

@@ -17,6 +17,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use berth_core::sim::Job;
+use berth_core::engine::Slot;
 use berth_core::{Allocation, TaskShape};
 use serde::{Deserialize, Serialize};
 
@@ -268,6 +269,11 @@ impl Live {
                 max_alloc = max_alloc.max(id);
                 held += 1;
             }
+            // Evicted jobs whose processes were not seen to end, and jobs
+            // that waited for them: taken back after every running job has
+            // its GPUs, so only what nobody holds drains.
+            let mut evicting_runs: Vec<(u64, Vec<Allocation>)> = Vec::new();
+            let mut awaiting: Vec<(u64, Vec<u64>)> = Vec::new();
             for (key, value) in store.list(&format!("jobs/{name}/"))? {
                 let j: StoredJob = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
                 let state = JobState::parse(&j.state).ok_or_else(|| anyhow::anyhow!("{key}: unknown state {:?}", j.state))?;
@@ -285,6 +291,18 @@ impl Live {
                     allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a).collect()
                 };
                 let holding: Vec<Allocation> = if j.evicting { Vec::new() } else { holding.into_iter().cloned().collect() };
+                if j.evicting {
+                    let mut still = Vec::new();
+                    for r in j.runs.iter().filter(|r| r.holds) {
+                        let gpus = r.gpus.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
+                        let stored = StoredAlloc { lost: false, node: r.node.clone(), gpus, gpu_milli: j.gpu_milli, cpu_milli: j.cpu_milli, memory_mib: j.memory_mib };
+                        still.push(st.alloc_in(&stored).map_err(|e| anyhow::anyhow!("{key}: {e}"))?);
+                    }
+                    evicting_runs.push((j.id, still));
+                }
+                if !j.waiting_on.is_empty() && state == JobState::Running {
+                    awaiting.push((j.id, j.waiting_on.clone()));
+                }
                 for r in &j.runs {
                     st.by_alloc.insert(r.alloc_id, j.id);
                     max_alloc = max_alloc.max(r.alloc_id);
@@ -348,7 +366,7 @@ impl Live {
                     let slot = st.register(j.id);
                     let now = self.now_s();
                     if evicting {
-                        st.engine.restore_evicting(slot);
+                        // Its drains are restored below, after the running jobs.
                     } else if state == JobState::Running && sleep == super::scheduler::SleepState::Asleep {
                         // Its GPUs are lent (borrowers may hold them): a claim, not an allocation.
                         st.engine.restore_sleeping(slot, holding, started_unix_ms / 1000);
@@ -360,6 +378,15 @@ impl Live {
                     }
                     st.engine.restore_interruptions(slot, interrupted_s, now);
                 }
+            }
+            for (id, still) in evicting_runs {
+                let slot = st.slots[&id];
+                st.engine.restore_evicting(&mut st.fleet, slot, &still);
+            }
+            for (id, victims) in awaiting {
+                let slot = st.slots[&id];
+                let victims: Vec<Slot> = victims.iter().filter_map(|v| st.slots.get(v).copied()).collect();
+                st.engine.restore_awaiting(slot, victims);
             }
             let ids: Vec<u32> = st.agent_ids.values().copied().collect();
             for id in ids {

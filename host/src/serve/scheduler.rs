@@ -764,6 +764,12 @@ impl Live {
     }
 
     /// Finds the partition holding a job.
+    /// Whether job `id` is sleepable (harvest-managed): its tasks sleep and
+    /// wake only through the engine.
+    pub fn job_is_sleepable(&self, id: u64) -> bool {
+        self.job_partition(id).is_ok_and(|p| self.partitions[p].lock_state().jobs.get(&id).is_some_and(|j| j.spec.sleepable))
+    }
+
     pub fn job_partition(&self, id: u64) -> Result<usize, ServeError> {
         self.partitions.iter().position(|p| p.lock_state().jobs.contains_key(&id)).ok_or(ServeError::UnknownJob(id))
     }
@@ -793,6 +799,7 @@ impl Live {
                 }
                 if job.runs.is_empty() {
                     // Waiting for preempted work to stop: nothing started.
+                    // Its GPUs drain in the engine until that work is gone.
                     job.waiting_on.clear();
                     if let Some(slot) = slot {
                         st.engine.apply(&mut st.fleet, self.now_s(), Event::Cancel(slot));
@@ -932,6 +939,11 @@ impl Live {
                 }
                 self.persist_logged(vec![st.job_op(partition, id)]);
                 continue;
+            }
+            if !job.waiting_on.is_empty() {
+                // Its GPUs drain in the engine until the victims are gone.
+                job.detail = format!("time limit reached while preempted job(s) {:?} were still stopping: nothing ran", job.waiting_on);
+                job.waiting_on.clear();
             }
             job.allocations.clear();
             job.state = JobState::Finished;

@@ -103,7 +103,7 @@ impl Service {
     fn job_partition(&self, id: &Identity, job_id: u64) -> Result<usize, Status> {
         let hidden = || Status::from(ServeError::UnknownJob(job_id));
         let p = self.live.job_partition(job_id).map_err(|_| hidden())?;
-        if id.role_in(&self.live.partitions[p].name).is_none() {
+        if !id.can_view(&self.live.partitions[p].name) {
             return Err(hidden());
         }
         Ok(p)
@@ -124,7 +124,7 @@ impl Service {
     /// Partitions the caller may view: `partition`, or all they can see.
     fn viewable(&self, id: &Identity, partition: &str) -> Result<Vec<usize>, Status> {
         if partition.is_empty() {
-            return Ok((0..self.live.partitions.len()).filter(|&p| id.role_in(&self.live.partitions[p].name).is_some()).collect());
+            return Ok((0..self.live.partitions.len()).filter(|&p| id.can_view(&self.live.partitions[p].name)).collect());
         }
         self.require(id, partition, Role::Viewer)?;
         Ok(vec![self.live.partition_index(partition)?])
@@ -213,8 +213,31 @@ fn check_job_size(s: &pb::JobSpec) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// A job as a reply. Its environment (which may hold secrets) only for its
-/// owner and the partition's operators.
+/// Bounds of a manual allocation's command (`StartAllocation`): those of a
+/// job's argv and env.
+pub fn check_task_command(argv: &[String], env: &std::collections::HashMap<String, String>) -> Result<(), String> {
+    if argv.first().is_none_or(|a| a.is_empty()) {
+        return Err("argv is empty, or argv[0] is".into());
+    }
+    if argv.len() > bounds::ARGV {
+        return Err(format!("argv has {} arguments: at most {}", argv.len(), bounds::ARGV));
+    }
+    if env.len() > bounds::ENV {
+        return Err(format!("env has {} variables: at most {}", env.len(), bounds::ENV));
+    }
+    let total = argv.iter().map(|a| a.len() + 1).sum::<usize>() + env.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>();
+    if total > bounds::JOB_SPEC_BYTES {
+        return Err(format!("argv and env are {total} bytes: at most {}", bounds::JOB_SPEC_BYTES));
+    }
+    if let Some(k) = env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
+        return Err(format!("env name \"{}\" is empty or contains '=' or NUL", crate::text::printable(k, 64)));
+    }
+    Ok(())
+}
+
+/// A job as a reply. Its environment and arguments (either may hold
+/// secrets) only for its owner and the partition's operators; other viewers
+/// see the program's name alone.
 fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
     let s = &j.spec;
     pb::Job {
@@ -230,7 +253,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             models: s.models.clone(),
             priority: s.job.priority,
             duration_s: s.duration.as_secs_f64(),
-            argv: s.argv.clone(),
+            argv: if show_env { s.argv.clone() } else { s.argv.first().cloned().into_iter().collect() },
             env: if show_env { s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect() } else { Default::default() },
             movable: s.movable,
             wait_ready: s.wait_ready,
@@ -313,7 +336,7 @@ impl Berth for Service {
         let unknown = || Status::not_found(format!("no task allocation {}", r.allocation_id));
         let partition = self.live.allocation_partition(r.allocation_id).ok_or_else(unknown)?;
         // As for jobs: no role there reads as no such allocation.
-        if id.role_in(&partition).is_none() {
+        if !id.can_view(&partition) {
             return Err(unknown());
         }
         self.require(&id, &partition, Role::Operator)?;
@@ -335,7 +358,7 @@ impl Berth for Service {
         let r = req.into_inner();
         let limit = if r.limit == 0 { 1000 } else { r.limit as usize };
         if !r.state.is_empty() && JobState::parse(&r.state).is_none() {
-            return Err(ServeError::Invalid(format!("unknown state {:?} (pending, running, finished, failed, cancelled)", r.state)).into());
+            return Err(ServeError::Invalid(format!("unknown state \"{}\" (pending, running, finished, failed, cancelled)", crate::text::printable(&r.state, 32))).into());
         }
         let mut jobs = Vec::new();
         for p in self.viewable(&id, &r.partition)? {
@@ -690,7 +713,7 @@ impl Berth for Service {
         let models = q
             .models
             .iter()
-            .map(|m| st.fleet.model_id(m).ok_or_else(|| bad(format!("unknown GPU model {:?} (partition {} has {:?})", m, q.partition, st.fleet.models))))
+            .map(|m| st.fleet.model_id(m).ok_or_else(|| bad(format!("unknown GPU model \"{}\" (partition {} has {:?})", crate::text::printable(m, 64), q.partition, st.fleet.models))))
             .collect::<Result<Vec<_>, _>>()?;
         let gpu_milli = if q.gpus > 0 && q.gpu_milli == 0 { 1000 } else { q.gpu_milli };
         let shape = TaskShape { gpu_count: q.gpus, gpu_milli, cpu_milli: q.cpu_milli, memory_mib: q.memory_mib, models };
