@@ -26,6 +26,11 @@ token = "watcher-test-token"
 roles = { "*" = "viewer" }
 
 [[identities]]
+name = "alice"
+token = "alice-test-token"
+roles = { "*" = "viewer", "p0" = "tenant" }
+
+[[identities]]
 name = "agents"
 token = "agent-test-token"
 roles = { "p0" = "agent", "p1" = "agent" }

@@ -474,8 +474,9 @@ pub enum ApiCommand {
         /// Only this partition (default: every partition you may see).
         #[arg(long, default_value = "")]
         partition: String,
-        /// Only jobs in this state (pending, running, finished, failed,
-        /// cancelled; default: all).
+        /// Only jobs in this state (pending, evicting: preempted with its
+        /// processes still stopping, running, finished, failed, cancelled;
+        /// default: all).
         #[arg(long, default_value = "")]
         state: String,
         /// At most this many jobs.

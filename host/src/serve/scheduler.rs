@@ -241,6 +241,21 @@ pub struct JobRecord {
     pub sleep: SleepState,
 }
 
+impl JobRecord {
+    /// The state callers see: an evicted job whose processes still run is
+    /// "evicting" (its GPUs are not free yet), not "pending".
+    pub fn shown_state(&self) -> &'static str {
+        if self.evicting && self.state == JobState::Pending && self.runs.iter().any(|r| r.holds) {
+            "evicting"
+        } else {
+            self.state.as_str()
+        }
+    }
+}
+
+/// What `ListJobs` may filter on: the job states and "evicting".
+pub const SHOWN_STATES: [&str; 6] = ["pending", "evicting", "running", "finished", "failed", "cancelled"];
+
 pub struct PartitionState {
     pub fleet: Fleet,
     /// The partition's scheduling engine (the core's, shared with replay)

@@ -15,7 +15,7 @@ use super::control::{hook_key, PolicyHook};
 use super::decisions::{DecisionRecord, Filter, Placed};
 use super::pb::{self, berth_server::Berth};
 use super::registry::VersionMeta;
-use super::scheduler::{JobRecord, JobSpec, JobState, Live};
+use super::scheduler::{JobRecord, JobSpec, JobState, Live, SHOWN_STATES};
 use super::shadow::{self, Mode};
 use super::ServeError;
 
@@ -260,7 +260,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             sleepable: s.sleepable,
         }),
         owner: j.owner.clone(),
-        state: j.state.as_str().into(),
+        state: j.shown_state().into(),
         submitted_unix_ms: j.submitted_unix_ms,
         started_unix_ms: j.started_unix_ms,
         ended_unix_ms: j.ended_unix_ms,
@@ -357,8 +357,8 @@ impl Berth for Service {
         let id = self.who(&req)?;
         let r = req.into_inner();
         let limit = if r.limit == 0 { 1000 } else { r.limit as usize };
-        if !r.state.is_empty() && JobState::parse(&r.state).is_none() {
-            return Err(ServeError::Invalid(format!("unknown state \"{}\" (pending, running, finished, failed, cancelled)", crate::text::printable(&r.state, 32))).into());
+        if !r.state.is_empty() && !SHOWN_STATES.contains(&r.state.as_str()) {
+            return Err(ServeError::Invalid(format!("unknown state \"{}\" ({})", crate::text::printable(&r.state, 32), SHOWN_STATES.join(", "))).into());
         }
         let mut jobs = Vec::new();
         for p in self.viewable(&id, &r.partition)? {
@@ -367,7 +367,7 @@ impl Berth for Service {
             jobs.extend(
                 st.jobs
                     .iter()
-                    .filter(|(_, j)| r.state.is_empty() || j.state.as_str() == r.state)
+                    .filter(|(_, j)| r.state.is_empty() || j.shown_state() == r.state)
                     .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name)),
             );
         }
@@ -385,7 +385,7 @@ impl Berth for Service {
         self.require(&id, &part.name, Role::Viewer)?;
         let st = part.lock_state();
         let job = &st.jobs[&job_id];
-        let mut out = pb::ExplainJobResponse { state: job.state.as_str().into(), last_decision: job.last_decision.clone(), ..Default::default() };
+        let mut out = pb::ExplainJobResponse { state: job.shown_state().into(), last_decision: job.last_decision.clone(), ..Default::default() };
         if job.state != JobState::Pending {
             out.summary = match job.state {
                 JobState::Running => format!(
