@@ -6,6 +6,7 @@ pub mod asi;
 pub mod bench;
 pub mod bench_live;
 pub mod catalog;
+pub mod chaos;
 pub mod compact;
 pub mod componentize;
 pub mod conformance;

@@ -286,6 +286,38 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The simulation test of the live host as a soak: seeded operations
+    /// (submit, cancel, exits, clock moves, agent and host restarts) on an
+    /// in-process `berth serve` with simulated agents, checking the
+    /// invariants against the agents' processes after each. Prints the
+    /// figures; exits non-zero with the seed and the shortest failing
+    /// operation list on a violation.
+    Chaos {
+        /// Stop starting seeds after this many seconds.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// The first seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Most seeds to run.
+        #[arg(long, default_value_t = u64::MAX)]
+        seeds: u64,
+        /// Operations per seed.
+        #[arg(long, default_value_t = 300)]
+        operations: usize,
+        /// Simulated agent nodes (eight GPUs each).
+        #[arg(long, default_value_t = 3)]
+        nodes: usize,
+        /// Placement policy (bundled name or .wasm path).
+        #[arg(long, default_value = "binpack")]
+        policy: String,
+        /// Rank policy (bundled name or .wasm path).
+        #[arg(long, default_value = "spot-gpu")]
+        rank: String,
+        /// Where the runs keep their hosts' stores.
+        #[arg(long, default_value = "target/chaos")]
+        state_dir: PathBuf,
+    },
     /// Decision latency of a live host with preemption: an in-process
     /// `berth serve` on one partition of N eight-GPU nodes, filled with
     /// low-priority whole-node jobs; high-priority jobs then arrive one at a
@@ -433,6 +465,35 @@ fn main() -> anyhow::Result<()> {
                     "{} on {} nodes, {} jobs ({} tasks placed): per job p50 {:.0} us, p99 {:.0} us, max {:.0} us; single-task p99 {:.0} us; {:.0} placements/s on one core",
                     r.policy, r.nodes, r.jobs, r.tasks_placed, r.job_p50_us, r.job_p99_us, r.job_max_us, r.single_p99_us, r.placements_per_s
                 );
+            }
+        }
+        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, state_dir } } => {
+            let config = berth::chaos::ChaosConfig {
+                nodes,
+                operations,
+                state_dir,
+                placement: std::fs::read(catalog::resolve(&policy)?)?,
+                rank: Some(std::fs::read(catalog::resolve(&rank)?)?),
+                notice_s: 5,
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            let s = rt.block_on(berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds)))?;
+            let secs = s.elapsed.as_secs_f64();
+            println!(
+                "chaos: {} seeds from {seed}, {} operations in {secs:.1} s ({:.0} operations/s): {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts; violations: {}",
+                s.seeds,
+                s.operations,
+                s.operations as f64 / secs.max(1e-9),
+                s.submitted,
+                s.processes_started,
+                s.evictions_seen,
+                s.host_restarts,
+                s.agent_restarts,
+                usize::from(s.failure.is_some())
+            );
+            if let Some(report) = s.failure_report() {
+                eprint!("{report}");
+                std::process::exit(1);
             }
         }
         Command::Bench { what: BenchCommand::Live { nodes, policy, rank, preemptions, json } } => {

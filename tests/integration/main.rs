@@ -5,6 +5,7 @@ mod agent;
 mod asi;
 mod common;
 mod compaction;
+mod chaos;
 mod confinement;
 mod console;
 mod containment;

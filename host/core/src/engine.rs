@@ -465,6 +465,19 @@ impl Engine {
 
     /// The earliest time an evicted job (vacating on the modelled latency)
     /// may run again, if any is due.
+    /// Drops the wake-up times at or before `now` (a pass would); true if
+    /// there were any. A job cancelled while it waited to be ready leaves
+    /// its time behind: kept, it would stay due forever, and the live host
+    /// would spin on it.
+    pub fn take_due_wakeups(&mut self, now: u64) -> bool {
+        let mut any = false;
+        while self.runs.wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
+            self.runs.wakeups.pop();
+            any = true;
+        }
+        any
+    }
+
     pub fn next_wakeup(&self) -> Option<u64> {
         self.runs.wakeups.peek().map(|Reverse(t)| *t)
     }
@@ -545,9 +558,7 @@ impl Engine {
         deciders: &mut Deciders,
         world: &mut World,
     ) -> Pass {
-        while self.runs.wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
-            self.runs.wakeups.pop();
-        }
+        self.take_due_wakeups(now);
         let mut pass = Pass::default();
         for event in events {
             self.apply(fleet, now, event);

@@ -8,7 +8,7 @@
 //! release: a GPU held by a job task, an operator allocation or an
 //! unhealthy-GPU hold cannot be allocated again, so no GPU has two owners.
 
-use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use berth_core::fleet::{gpus_of, intern_model, Node, NodeId};
 use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
@@ -204,7 +204,13 @@ impl Live {
         }
         let alloc = Allocation { node: id, gpus: mask, gpu_milli: MILLI_PER_GPU, cpu_milli: 0, memory_mib: 0 };
         st.fleet.allocate(&alloc).map_err(|e| ServeError::FailedPrecondition(e.to_string()))?;
-        let alloc_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
+        let alloc_id = match self.next_alloc_id() {
+            Ok(id) => id,
+            Err(e) => {
+                st.fleet.release(&alloc).expect("just allocated");
+                return Err(e);
+            }
+        };
         st.manual.insert(alloc_id, alloc.clone());
         // Stored before the start command goes out, or not made at all.
         if let Err(e) = self.persist(vec![st.held_op(partition, alloc_id)]) {
@@ -219,23 +225,26 @@ impl Live {
 
     /// Starts the tasks of a job just placed on agent nodes.
     pub(crate) fn actuate(&self, part: &Partition, st: &mut PartitionState, id: u64) {
-        let job = st.jobs.get_mut(&id).expect("the job was just placed");
-        let runs: Vec<TaskRun> = job
-            .allocations
-            .iter()
-            .map(|a| {
-                let node = st.fleet.nodes()[a.node as usize].name.clone();
-                TaskRun::starting(self.next_alloc.fetch_add(1, Ordering::SeqCst), node, gpus_of(a.gpus).map(|g| g as u32).collect())
-            })
-            .collect();
+        let Some(job) = st.jobs.get_mut(&id) else { return };
+        let mut runs: Vec<TaskRun> = Vec::with_capacity(job.allocations.len());
+        for a in &job.allocations {
+            let node = st.fleet.nodes()[a.node as usize].name.clone();
+            match self.next_alloc_id() {
+                Ok(alloc_id) => runs.push(TaskRun::starting(alloc_id, node, gpus_of(a.gpus).map(|g| g as u32).collect())),
+                Err(e) => return self.not_started(part, st, id, &e),
+            }
+        }
         job.runs = runs.clone();
         let (argv, env) = (job.spec.argv.clone(), job.spec.env.clone());
         for r in &runs {
             st.by_alloc.insert(r.alloc_id, id);
         }
         // Recorded before any start is sent: a host that dies in between
-        // finds the tasks and reconciles them with the agents.
-        self.persist_logged(vec![st.job_op(&part.name, id)]);
+        // finds the tasks and reconciles them with the agents. Not recorded,
+        // nothing is started.
+        if let Err(e) = self.persist(vec![st.job_op(&part.name, id)]) {
+            return self.not_started(part, st, id, &e);
+        }
         let mut undelivered = Vec::new();
         for r in &runs {
             let start = Start { alloc_id: r.alloc_id, job_id: id, node: &r.node, gpus: &r.gpus, argv: &argv, env: &env };
@@ -250,6 +259,30 @@ impl Live {
         for (alloc_id, e) in undelivered {
             self.end_task(part, st, alloc_id, "failed", -1, 0, &format!("start not delivered: {e}"));
         }
+    }
+
+    /// A job just placed whose start could not be stored: nothing of it was
+    /// sent; it goes back to the queue, tried again after a pause.
+    fn not_started(&self, part: &Partition, st: &mut PartitionState, id: u64, e: &ServeError) {
+        let Some(job) = st.jobs.get_mut(&id) else { return };
+        for r in job.runs.drain(..) {
+            st.by_alloc.remove(&r.alloc_id);
+        }
+        job.allocations.clear();
+        job.placements.clear();
+        job.state = JobState::Pending;
+        job.detail = format!("not started: {e}; tried again");
+        tracing::error!(target: "berth::serve", job = id, "{}", job.detail);
+        if let Some(t) = job.ends_at.take() {
+            st.running.remove(&(t, id));
+        }
+        st.pending.push(id);
+        if let Some(&slot) = st.slots.get(&id) {
+            st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Requeue(slot));
+        }
+        self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
+        self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+        st.retry_at = Some(self.clock.now() + Duration::from_secs(1));
     }
 
     /// Make-before-break migration of a job's running task to another
@@ -352,7 +385,13 @@ impl Live {
             return Err(ServeError::FailedPrecondition(format!("node {dest}: GPUs lent by a sleeping job (its wake needs them back)")));
         }
         st.fleet.allocate(&new).map_err(|e| ServeError::FailedPrecondition(format!("node {dest}: {e}")))?;
-        let new_id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
+        let new_id = match self.next_alloc_id() {
+            Ok(id) => id,
+            Err(e) => {
+                st.fleet.release(&new).expect("just allocated");
+                return Err(e);
+            }
+        };
         let gpus: Vec<u32> = gpus_of(mask).map(|g| g as u32).collect();
         let dest = dest.to_string();
         let job = st.jobs.get_mut(&job_id).expect("found above");
@@ -409,7 +448,12 @@ impl Live {
         for &a in running {
             let adopt = match st.by_alloc.get(&a) {
                 Some(0) => st.manual.get(&a).is_some_and(|m| m.node == nid) && !st.lost.contains(&a),
-                Some(j) => st.jobs.get(j).is_some_and(|j| j.runs.iter().any(|r| r.alloc_id == a && r.holds && r.node == node)),
+                // A task of an ended job (cancelled, timed out) is stopped
+                // again: the stop may not have reached it. Its GPUs stay the
+                // job's until its exit is reported.
+                Some(j) => st.jobs.get(j).is_some_and(|j| {
+                    matches!(j.state, JobState::Pending | JobState::Running) && j.runs.iter().any(|r| r.alloc_id == a && r.holds && r.node == node)
+                }),
                 None => false,
             };
             if !adopt {

@@ -426,12 +426,14 @@ impl Live {
                     self.persist_logged(vec![st.job_op(&part.name, id)]);
                 }
             }
-            Decision::Evict { job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, forced, wake, .. } => {
-                let contract = st.engine.config.contract;
+            Decision::Evict { slot, job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, forced, wake } => {
+                // The victim's own contract (its notice), as the engine used.
+                let contract = st.engine.config.contract_of(st.engine.job(slot));
                 let Some(record) = st.jobs.get_mut(&id) else { return };
                 // A copy being migrated in holds GPUs the engine never gave:
                 // they stay fenced (an allocation of no job) until its exit
                 // frees them, and it is stopped now.
+                let mut fenced = Vec::new();
                 let mut k = 0;
                 while k < record.runs.len() {
                     if record.runs[k].replaces != 0 && record.runs[k].holds {
@@ -439,9 +441,7 @@ impl Live {
                         st.manual.insert(r.alloc_id, a);
                         st.lost.insert(r.alloc_id);
                         st.by_alloc.insert(r.alloc_id, 0);
-                        if let Some(act) = self.actuator() {
-                            act.stop(r.alloc_id, &r.node);
-                        }
+                        fenced.push(r);
                     } else {
                         k += 1;
                     }
@@ -458,7 +458,14 @@ impl Live {
                 // The contract: a checkpoint notice now, the stop after the
                 // notice period; the agent kills what is left after its stop
                 // grace. The GPUs are the preemptor's once the processes are gone.
-                self.send_back(part, st, id, detail, Some(Duration::from_secs(contract.notice_s)));
+                // The fences are stored with the job, before anything is stopped.
+                let fence_ops: Vec<_> = fenced.iter().map(|r| st.held_op(&part.name, r.alloc_id)).collect();
+                self.send_back(part, st, id, detail, Some(Duration::from_secs(contract.notice_s)), fence_ops);
+                if let Some(act) = self.actuator() {
+                    for r in &fenced {
+                        act.stop(r.alloc_id, &r.node);
+                    }
+                }
                 if let Some(preemptor) = st.jobs.get_mut(&for_job) {
                     preemptor.waiting_on.extend(handed_over);
                 }
@@ -493,7 +500,6 @@ impl Live {
                     latency_us: pass_us,
                 });
                 tracing::info!(target: "berth::serve", partition = %part.name, job = id, for_job, "preempted: {}", st.jobs[&id].detail);
-                self.persist_logged(vec![st.job_op(&part.name, id)]);
             }
             Decision::Reserve { job: id, until_s, nodes, .. } => {
                 if let Some(record) = st.jobs.get_mut(&id) {
@@ -515,8 +521,11 @@ impl Live {
     /// awake once its processes are gone: with a `notice`, a checkpoint
     /// notice now and the stop when it runs out (the priority contract);
     /// without, the stop now (a wake that could not get its GPUs back).
-    pub(super) fn send_back(&self, part: &Partition, st: &mut PartitionState, id: u64, detail: String, notice: Option<Duration>) {
+    /// The job's record (with `ops`) is stored before any notice or stop
+    /// goes out, its stop deadline with it.
+    pub(super) fn send_back(&self, part: &Partition, st: &mut PartitionState, id: u64, detail: String, notice: Option<Duration>, mut ops: Vec<crate::store::Op>) {
         let stop_at = self.clock.now() + notice.unwrap_or_default();
+        let stop_at_unix_ms = self.now_ms() + notice.unwrap_or_default().as_millis() as u64;
         let Some(record) = st.jobs.get_mut(&id) else { return };
         if let Some(t) = record.ends_at.take() {
             st.running.remove(&(t, id));
@@ -536,6 +545,17 @@ impl Live {
             record.runs.clear();
         } else {
             record.evicting = true;
+            for r in record.runs.iter_mut().filter(|r| r.holds) {
+                r.stop_at_unix_ms = stop_at_unix_ms;
+            }
+        }
+        ops.push(st.job_op(&part.name, id));
+        // Acted on even when the write failed: the engine already gave its
+        // GPUs away (they drain until its processes are gone), and a host
+        // that restarts without the record stops them as orphans.
+        self.persist_logged(ops);
+        let record = &st.jobs[&id];
+        if !record.spec.argv.is_empty() {
             let act = self.actuator();
             for r in record.runs.iter().filter(|r| r.holds) {
                 match (&act, notice) {

@@ -173,7 +173,7 @@ impl Live {
             // A hold or an operator's allocation took one of its GPUs: its
             // processes stop and it runs again from the queue, like a
             // preempted job (once they are gone).
-            self.send_back(part, st, id, "woke without its GPUs (held or taken while lent): requeued".into(), None);
+            self.send_back(part, st, id, "woke without its GPUs (held or taken while lent): requeued".into(), None, Vec::new());
             self.log_harvest(part, id, "wake-failed", st.jobs[&id].detail.clone());
             tracing::warn!(target: "berth::serve", job = id, "{}", st.jobs[&id].detail);
             self.persist_logged(vec![st.job_op(&part.name, id)]);

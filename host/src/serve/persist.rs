@@ -110,6 +110,11 @@ pub(crate) fn held_key(partition: &str, id: u64) -> String {
     format!("held/{partition}/{id:020}")
 }
 
+/// Allocation ids reserved by one stored write.
+pub(crate) const ALLOC_ID_BLOCK: u64 = 1024;
+/// Where the end of the reserved allocation ids is stored.
+const ALLOC_CEILING_KEY: &str = "meta/alloc-id-ceiling";
+
 fn instant_of(unix: u64) -> Instant {
     let now = unix_ms();
     if unix >= now { Instant::now() + Duration::from_millis(unix - now) } else { Instant::now().checked_sub(Duration::from_millis(now - unix)).unwrap_or_else(Instant::now) }
@@ -228,6 +233,22 @@ impl Live {
         }
     }
 
+    /// A fresh allocation id. Ids are handed out in blocks whose end is
+    /// stored before the first of them is used, so a restarted host starts
+    /// past every id it may have sent to an agent, even one of a task whose
+    /// record was never written. An error (the block's end not stored)
+    /// means no id: nothing may start.
+    pub(crate) fn next_alloc_id(&self) -> Result<u64, ServeError> {
+        let mut ceiling = self.alloc_ceiling.lock().unwrap();
+        let id = self.next_alloc.fetch_add(1, Ordering::SeqCst);
+        if id >= *ceiling {
+            let end = id + ALLOC_ID_BLOCK;
+            self.persist(vec![Op::Put(ALLOC_CEILING_KEY.into(), end.to_string().into_bytes())])?;
+            *ceiling = end;
+        }
+        Ok(id)
+    }
+
     /// [`Live::persist`] where the change is already made and acted on:
     /// a failure is logged (and fences the host when leadership is lost).
     pub(crate) fn persist_logged(&self, ops: Vec<Op>) {
@@ -273,6 +294,7 @@ impl Live {
             // that waited for them: taken back after every running job has
             // its GPUs, so only what nobody holds drains.
             let mut evicting_runs: Vec<(u64, Vec<Allocation>)> = Vec::new();
+            let mut ended_holding: Vec<(u64, Allocation)> = Vec::new();
             let mut awaiting: Vec<(u64, Vec<u64>)> = Vec::new();
             for (key, value) in store.list(&format!("jobs/{name}/"))? {
                 let j: StoredJob = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
@@ -285,15 +307,27 @@ impl Live {
                 let allocations = j.allocations.iter().map(|a| st.alloc_in(a)).collect::<Result<Vec<_>, _>>().map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
                 // What still holds GPUs: a running simulated job's
                 // allocations; a job's tasks that were not seen to end.
+                // A copy migrating in (make-before-break) was allocated by
+                // the host, not given by the engine: it is held in the fleet
+                // beside the engine's record, as before the restart, and the
+                // engine learns it when the old copy's exit is reported.
                 let holding: Vec<&Allocation> = if j.runs.is_empty() {
                     if state == JobState::Running { allocations.iter().collect() } else { Vec::new() }
                 } else {
-                    allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a).collect()
+                    allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds && r.replaces == 0).map(|(a, _)| a).collect()
                 };
+                let copies: Vec<Allocation> =
+                    allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds && r.replaces != 0 && !j.evicting).map(|(a, _)| a.clone()).collect();
+                for c in &copies {
+                    st.fleet.allocate(c).map_err(|e| anyhow::anyhow!("{key}: GPUs held twice in the stored state (a migrating copy): {e}"))?;
+                }
                 let holding: Vec<Allocation> = if j.evicting { Vec::new() } else { holding.into_iter().cloned().collect() };
                 if j.evicting {
                     let mut still = Vec::new();
                     for r in j.runs.iter().filter(|r| r.holds) {
+                        // Its stop, due when its notice runs out (at once
+                        // when the deadline passed, or was not stored).
+                        st.stops.push((instant_of(r.stop_at_unix_ms), r.alloc_id, r.node.clone()));
                         let gpus = r.gpus.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
                         let stored = StoredAlloc { lost: false, node: r.node.clone(), gpus, gpu_milli: j.gpu_milli, cpu_milli: j.cpu_milli, memory_mib: j.memory_mib };
                         still.push(st.alloc_in(&stored).map_err(|e| anyhow::anyhow!("{key}: {e}"))?);
@@ -302,6 +336,19 @@ impl Live {
                 }
                 if !j.waiting_on.is_empty() && state == JobState::Running {
                     awaiting.push((j.id, j.waiting_on.clone()));
+                }
+                // An ended job (cancelled, timed out, failed) whose processes
+                // were not seen to exit: what they hold is fenced (owned by
+                // no job) until their exit is reported, and they are stopped
+                // as orphans when their node reports them.
+                let ended = matches!(state, JobState::Cancelled | JobState::Finished | JobState::Failed);
+                let mut runs = j.runs.clone();
+                if ended && !j.evicting {
+                    for (a, r) in allocations.iter().zip(runs.iter_mut()).filter(|(_, r)| r.holds) {
+                        r.holds = false;
+                        r.state = "lost".into();
+                        ended_holding.push((r.alloc_id, a.clone()));
+                    }
                 }
                 for r in &j.runs {
                     st.by_alloc.insert(r.alloc_id, j.id);
@@ -350,7 +397,7 @@ impl Live {
                         decision_id: j.decision_id,
                         policy_version: j.policy_version,
                         last_decision: j.last_decision,
-                        runs: j.runs,
+                        runs,
                         detail: j.detail,
                         evicting,
                         waiting_on,
@@ -379,6 +426,17 @@ impl Live {
                     st.engine.restore_interruptions(slot, interrupted_s, now);
                 }
             }
+            for (alloc_id, a) in ended_holding {
+                if let Err(e) = st.fleet.allocate(&a) {
+                    // Another restored holder has these GPUs: the stored state
+                    // disagrees with itself. The process is still stopped.
+                    tracing::error!(target: "berth::serve", allocation = alloc_id, "the GPUs of an ended job's task are held by another: {e}");
+                    continue;
+                }
+                st.manual.insert(alloc_id, a);
+                st.lost.insert(alloc_id);
+                st.by_alloc.insert(alloc_id, 0);
+            }
             for (id, still) in evicting_runs {
                 let slot = st.slots[&id];
                 st.engine.restore_evicting(&mut st.fleet, slot, &still);
@@ -397,6 +455,11 @@ impl Live {
         }
         self.next_job.fetch_max(max_job + 1, Ordering::SeqCst);
         self.next_alloc.fetch_max(max_alloc + 1, Ordering::SeqCst);
+        if let Some(v) = store.get(ALLOC_CEILING_KEY)? {
+            let ceiling: u64 = std::str::from_utf8(&v).ok().and_then(|t| t.trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("{ALLOC_CEILING_KEY}: not a number"))?;
+            // Ids below the stored block's end may have been sent: start past it.
+            self.next_alloc.fetch_max(ceiling, Ordering::SeqCst);
+        }
         Ok((jobs, running, held))
     }
 }

@@ -130,6 +130,11 @@ pub struct TaskRun {
     /// The task reported ready (`berth ready`).
     #[serde(default)]
     pub ready: bool,
+    /// Preempted: when its notice runs out and it is stopped (Unix ms; 0:
+    /// no stop scheduled). Stored, so a host restarted during the notice
+    /// still stops it.
+    #[serde(default)]
+    pub stop_at_unix_ms: u64,
 }
 
 impl TaskRun {
@@ -153,6 +158,7 @@ impl TaskRun {
             checkpoint_old: false,
             checkpointed_unix_ms: 0,
             ready: false,
+            stop_at_unix_ms: 0,
         }
     }
 }
@@ -606,6 +612,9 @@ pub struct Live {
     pub(crate) next_job: AtomicU64,
     /// Agent allocation ids (tasks and operator allocations share them).
     pub(crate) next_alloc: AtomicU64,
+    /// The stored end of the block of allocation ids in use (see
+    /// [`Live::next_alloc_id`]).
+    pub(crate) alloc_ceiling: Mutex<u64>,
     /// Starts and stops processes on agent nodes (set once the hub exists;
     /// weak, as the hub holds the host).
     pub actuator: std::sync::OnceLock<std::sync::Weak<dyn Actuator>>,
@@ -693,6 +702,7 @@ impl Live {
             clock,
             next_job: AtomicU64::new(decisions.max_job_id() + 1),
             next_alloc: AtomicU64::new(1),
+            alloc_ceiling: Mutex::new(0),
             actuator: std::sync::OnceLock::new(),
             store: std::sync::OnceLock::new(),
             fenced: AtomicBool::new(false),
@@ -804,8 +814,16 @@ impl Live {
                 if let Some(slot) = slot {
                     st.engine.apply(&mut st.fleet, self.now_s(), Event::Cancel(slot));
                 }
-                // A preempted job's processes may still be stopping: their
-                // exits end it.
+                // A preempted job's processes may still be in their notice:
+                // cancelled, they have nothing to checkpoint for, and stop
+                // now. Their exits free the GPUs (draining till then).
+                if job.evicting
+                    && let Some(act) = self.actuator()
+                {
+                    for r in job.runs.iter().filter(|r| r.holds) {
+                        act.stop(r.alloc_id, &r.node);
+                    }
+                }
             }
             JobState::Running if !job.runs.is_empty() || !job.waiting_on.is_empty() => {
                 // Processes hold their GPUs until their exit is reported.
@@ -863,7 +881,7 @@ impl Live {
                 st.forget_at = Some(now + FORGET_EVERY);
             }
             // An evicted simulated job is ready again at its modelled time.
-            if st.wakeup(now).is_some_and(|t| t <= now) {
+            if st.engine.take_due_wakeups(self.now_s()) {
                 st.dirty = true;
             }
             self.compaction_tick(p, &mut st, now);

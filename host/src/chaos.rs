@@ -1,0 +1,586 @@
+//! The simulation test of the live host, after FoundationDB's simulation
+//! testing and TigerBeetle's VOPR. A seed makes a list of operations
+//! (submit high and low priority work, cancel at any moment, let processes
+//! end, move the clock, restart an agent, kill and restart the host on its
+//! store); they drive the real `berth serve` code (the gRPC API, the agent
+//! hub, the partition loop, the engine, the store) on a manual clock, with
+//! simulated agents in-process speaking the real agent protocol.
+//!
+//! The simulated agents are the physical truth: which processes run on
+//! which GPUs. After every operation, once the host has settled, the
+//! invariants are checked against them, not against the host's records:
+//! - no GPU is used by two live processes;
+//! - every process belongs to a job the host holds it for, or has been
+//!   told to stop;
+//! - nothing of a cancelled or ended job runs without a stop;
+//! - every accepted job is listed exactly once;
+//! - the host's fleet accounting is consistent.
+//!
+//! A failure names the seed and the shortest operation list found (by
+//! removing operations while it still fails) that reproduces it.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::mpsc;
+
+use crate::agent::HubClient;
+use crate::proto as pb;
+use crate::serve::clock::{Clock, ManualClock};
+use crate::serve::{ServeConfig, ServeHandle};
+
+/// What one run drives.
+#[derive(Clone, Debug)]
+pub struct ChaosConfig {
+    /// Agent nodes (eight H20s each).
+    pub nodes: usize,
+    /// Operations per seed.
+    pub operations: usize,
+    /// Where each run keeps its host's store (one folder per seed).
+    pub state_dir: PathBuf,
+    /// The placement component every partition starts with.
+    pub placement: Vec<u8>,
+    /// The rank component (preemption); without one, none happens.
+    pub rank: Option<Vec<u8>>,
+    /// Seconds of the preemption notice (and of the stop grace after it).
+    pub notice_s: u64,
+}
+
+/// One operation. Indexes (`pick`) choose among what exists when it runs,
+/// modulo its count, so a list stays meaningful with operations removed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    Submit { high: bool, tasks: u32, gpus: u32, limit_s: u32 },
+    Cancel { pick: u32 },
+    /// A running process ends on its own (exit 0, or a failure).
+    Exit { pick: u32, code: i32 },
+    Advance { seconds: u32 },
+    RestartAgent { node: u32 },
+    RestartHost,
+}
+
+/// The operations of `seed`.
+pub fn operations(seed: u64, count: usize, nodes: usize) -> Vec<Op> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..count)
+        .map(|_| match rng.random_range(0..100u32) {
+            0..30 => {
+                let gpus = [1, 2, 4, 8][rng.random_range(0..4usize)];
+                let tasks = if gpus == 8 && rng.random_bool(0.3) { 2 } else { 1 };
+                let limit_s = if rng.random_bool(0.3) { rng.random_range(5..60) } else { 0 };
+                Op::Submit { high: rng.random_bool(0.3), tasks, gpus, limit_s }
+            }
+            30..44 => Op::Cancel { pick: rng.random() },
+            44..62 => Op::Exit { pick: rng.random(), code: if rng.random_bool(0.2) { 1 } else { 0 } },
+            62..94 => Op::Advance { seconds: rng.random_range(1..20) },
+            94..98 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
+            _ => Op::RestartHost,
+        })
+        .collect()
+}
+
+/// A broken invariant: where, and what.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    pub step: usize,
+    pub what: String,
+}
+
+/// Figures of one run.
+#[derive(Clone, Debug, Default)]
+pub struct RunStats {
+    pub operations: usize,
+    pub submitted: usize,
+    pub processes_started: usize,
+    pub evictions_seen: usize,
+    pub host_restarts: usize,
+    pub agent_restarts: usize,
+}
+
+/// A process on a simulated node: the physical truth.
+#[derive(Clone, Debug)]
+struct Process {
+    node: usize,
+    gpus: Vec<u32>,
+    job: u64,
+    /// Told to stop: it exits at this clock time (ms).
+    exits_at_ms: Option<u64>,
+}
+
+struct SimAgent {
+    name: String,
+    hub: HubClient,
+    commands: mpsc::UnboundedReceiver<pb::AgentCommand>,
+    /// Reads the command stream; aborted with the agent (a host shuts down
+    /// gracefully only once its streams are closed).
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for SimAgent {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+const PARTITION: &str = "p0";
+const OPERATOR: &str = "chaos-operator-token";
+const AGENT: &str = "chaos-agent-token";
+const T0_MS: u64 = 1_800_000_000_000;
+
+struct World {
+    config: ChaosConfig,
+    seed: u64,
+    dir: PathBuf,
+    clock: Arc<ManualClock>,
+    host: Option<ServeHandle>,
+    url: String,
+    api: Option<crate::serve::cli::Client>,
+    agents: Vec<SimAgent>,
+    processes: BTreeMap<u64, Process>,
+    /// Every job accepted, with whether it was cancelled and when (ms).
+    accepted: BTreeMap<u64, Option<u64>>,
+    stats: RunStats,
+}
+
+fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<ManualClock>) -> anyhow::Result<ServeConfig> {
+    let fleet = "seed = 1\nnodes_per_switch = 16\nswitches_per_aggregation = 4\nnodes_per_partition = 32\nunhealthy_fraction = 0.0\n\
+                 [[shapes]]\nmodel = \"H20\"\ncount = 1\ngpus = 8\ncpu_cores = 64\nmemory_gib = 512\n";
+    let access = format!(
+        "[[identities]]\nname = \"chaos-operator\"\ntoken = \"{OPERATOR}\"\nroles = {{ \"*\" = \"operator\" }}\n\
+         [[identities]]\nname = \"chaos-agents\"\ntoken = \"{AGENT}\"\nroles = {{ \"{PARTITION}\" = \"agent\" }}\nnodes = [\"sim-*\"]\n"
+    );
+    let contract = berth_core::preemption::PriorityContract { notice_s: config.notice_s, grace_s: config.notice_s, ..Default::default() };
+    Ok(ServeConfig {
+        listen: "127.0.0.1:0".parse()?,
+        metrics_listen: None,
+        state_dir: dir.to_path_buf(),
+        fleet: crate::asi::fleet::FleetConfig::parse(fleet, "chaos")?,
+        access: crate::serve::auth::Access::parse(&access)?,
+        tls: None,
+        default_policy: config.placement.clone(),
+        limits: crate::wasm::Limits { deadline: Duration::from_secs(5), ..Default::default() },
+        breaker: Default::default(),
+        max_upload_bytes: 16 << 20,
+        store: Default::default(),
+        scheduling: crate::serve::server::Scheduling { high_priority: 1, contract, auto_compaction: false, clock, ..Default::default() },
+    })
+}
+
+impl World {
+    async fn start_host(&mut self) -> anyhow::Result<()> {
+        let cfg = serve_config(&self.dir, &self.config, self.clock.clone())?;
+        // The hub's own timers run on the system clock: no node is declared
+        // lost by wall time in a run (agent faults are operations).
+        let hub = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(3600), productive_sm_pct: 10, reschedule_after: None };
+        let h = crate::serve::server::start_with_agents(cfg, hub).await?;
+        self.url = format!("http://{}", h.addr);
+        let mut api = crate::serve::cli::connect(&self.url, Some(OPERATOR), None, None).await?;
+        if let Some(rank) = &self.config.rank {
+            let up = api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component: rank.clone(), hook: "rank".into(), ..Default::default() }).await;
+            // A restarted host keeps its active rank version: uploading the same bytes again is refused or a no-op.
+            if let Ok(up) = up
+                && let Some(p) = up.into_inner().policy
+            {
+                api.activate_policy(pb::ActivatePolicyRequest { partition: PARTITION.into(), version: p.version, hook: "rank".into() }).await?;
+            }
+        }
+        self.api = Some(api);
+        self.host = Some(h);
+        Ok(())
+    }
+
+    async fn connect_agent(&self, i: usize) -> anyhow::Result<SimAgent> {
+        let name = format!("sim-{i}");
+        let mut hub = crate::agent::connect_hub(&self.url, Some(AGENT), None).await?;
+        let gpus = (0..8u32)
+            .map(|g| pb::GpuInfo { index: g, uuid: format!("GPU-sim-{i}-{g}"), model: "H20".into(), memory_total_mib: 96 * 1024, ..Default::default() })
+            .collect();
+        let reg = pb::RegisterAgentRequest { node: name.clone(), partition: PARTITION.into(), gpus, source: "simulated".into(), cpu_milli: 64_000, memory_mib: 512 << 10, ..Default::default() };
+        let session = hub.register(reg).await.context("register")?.into_inner().session;
+        let mut stream = hub.commands(pb::CommandsRequest { node: name.clone(), session }).await.context("commands")?.into_inner();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let reader = tokio::spawn(async move {
+            while let Ok(Some(cmd)) = stream.message().await {
+                if tx.send(cmd).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut agent = SimAgent { name, hub, commands: rx, reader };
+        // The first heartbeat carries what runs here: the host reconciles.
+        let running: Vec<u64> = self.processes.iter().filter(|(_, p)| p.node == i).map(|(&a, _)| a).collect();
+        agent.hub.heartbeat(pb::HeartbeatRequest { node: agent.name.clone(), session, running, ..Default::default() }).await.context("heartbeat")?;
+        Ok(agent)
+    }
+
+    fn live(&self) -> &Arc<crate::serve::scheduler::Live> {
+        &self.host.as_ref().expect("the host runs").live
+    }
+
+    /// Waits until the partition has decided everything due, and the
+    /// agents have acted on every command it sent (applying each to the
+    /// physical truth and reporting back), until nothing more happens.
+    async fn settle(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            while !self.live().settled(0) {
+                anyhow::ensure!(Instant::now() < deadline, "the host did not settle in 60 s");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            // Commands travel a gRPC stream: a short quiet spell means all arrived.
+            let mut got = Vec::new();
+            let mut quiet_since = Instant::now();
+            while quiet_since.elapsed() < Duration::from_millis(4) {
+                let mut any = false;
+                for (i, a) in self.agents.iter_mut().enumerate() {
+                    while let Ok(cmd) = a.commands.try_recv() {
+                        got.push((i, cmd));
+                        any = true;
+                    }
+                }
+                if any {
+                    quiet_since = Instant::now();
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            if got.is_empty() {
+                return Ok(());
+            }
+            for (i, cmd) in got {
+                self.act(i, cmd).await?;
+            }
+        }
+    }
+
+    /// One command on simulated node `i`.
+    async fn act(&mut self, i: usize, cmd: pb::AgentCommand) -> anyhow::Result<()> {
+        let id = cmd.allocation_id;
+        let now = self.clock.unix_ms();
+        let report = |state: &str, exit_code: i32, signal: i32| pb::AllocationReport {
+            node: self.agents[i].name.clone(),
+            allocation_id: id,
+            state: state.into(),
+            pid: id as u32,
+            exit_code,
+            signal,
+            detail: String::new(),
+        };
+        let msg = match cmd.action.as_str() {
+            "start" => {
+                if self.processes.contains_key(&id) {
+                    return Ok(()); // a repeated start, as the real agent ignores it
+                }
+                let prefix = format!("GPU-sim-{i}-");
+                let gpus: Vec<u32> = cmd.gpu_uuids.iter().filter_map(|u| u.strip_prefix(&prefix).and_then(|g| g.parse().ok())).collect();
+                anyhow::ensure!(gpus.len() == cmd.gpu_uuids.len(), "allocation {id}: GPUs {:?} are not node {i}'s", cmd.gpu_uuids);
+                let job = cmd.env.get("BERTH_JOB").and_then(|j| j.parse().ok()).unwrap_or(0);
+                self.processes.insert(id, Process { node: i, gpus, job, exits_at_ms: None });
+                self.stats.processes_started += 1;
+                report("running", 0, 0)
+            }
+            "stop" => {
+                let Some(p) = self.processes.get_mut(&id) else { return Ok(()) };
+                // Gone within the stop grace: some at once, some at the end.
+                let delay = splitmix(self.seed ^ id) % (self.config.notice_s * 1000 + 1);
+                p.exits_at_ms.get_or_insert(now + delay);
+                return Ok(());
+            }
+            "checkpoint" => {
+                self.stats.evictions_seen += 1;
+                return Ok(());
+            }
+            _ => return Ok(()), // sleep and wake: not driven here
+        };
+        let hub = &mut self.agents[i].hub;
+        hub.report_allocation(msg).await.with_context(|| format!("report of allocation {id}"))?;
+        Ok(())
+    }
+
+    /// Processes whose stop delay ran out exit (signal 15), reported.
+    async fn exits_due(&mut self) -> anyhow::Result<()> {
+        let now = self.clock.unix_ms();
+        let due: Vec<u64> = self.processes.iter().filter(|(_, p)| p.exits_at_ms.is_some_and(|t| t <= now)).map(|(&a, _)| a).collect();
+        for a in due {
+            self.end_process(a, 0, libc::SIGTERM).await?;
+        }
+        Ok(())
+    }
+
+    async fn end_process(&mut self, alloc: u64, code: i32, signal: i32) -> anyhow::Result<()> {
+        let Some(p) = self.processes.remove(&alloc) else { return Ok(()) };
+        let agent = &mut self.agents[p.node];
+        let r = pb::AllocationReport { node: agent.name.clone(), allocation_id: alloc, state: "exited".into(), pid: alloc as u32, exit_code: code, signal, detail: String::new() };
+        agent.hub.report_allocation(r).await.with_context(|| format!("exit report of allocation {alloc}"))?;
+        Ok(())
+    }
+
+    async fn apply(&mut self, op: &Op) -> anyhow::Result<()> {
+        match *op {
+            Op::Submit { high, tasks, gpus, limit_s } => {
+                let spec = pb::JobSpec {
+                    partition: PARTITION.into(),
+                    tasks,
+                    gpus,
+                    cpu_milli: 1000,
+                    memory_mib: 1024,
+                    priority: if high { 5 } else { 0 },
+                    duration_s: f64::from(limit_s),
+                    argv: vec!["simulated-task".into()],
+                    ..Default::default()
+                };
+                let api = self.api.as_mut().expect("connected");
+                let id = api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await?.into_inner().job_id;
+                anyhow::ensure!(self.accepted.insert(id, None).is_none(), "job id {id} was given twice");
+                self.stats.submitted += 1;
+            }
+            Op::Cancel { pick } => {
+                if self.accepted.is_empty() {
+                    return Ok(());
+                }
+                let id = *self.accepted.keys().nth(pick as usize % self.accepted.len()).expect("in range");
+                let api = self.api.as_mut().expect("connected");
+                match api.cancel_job(pb::CancelJobRequest { job_id: id }).await {
+                    Ok(_) => {
+                        self.accepted.insert(id, Some(self.clock.unix_ms()));
+                    }
+                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {} // already ended
+                    Err(s) => anyhow::bail!("cancel of job {id}: {s:?}"),
+                }
+            }
+            Op::Exit { pick, code } => {
+                let live: Vec<u64> = self.processes.iter().filter(|(_, p)| p.exits_at_ms.is_none()).map(|(&a, _)| a).collect();
+                if !live.is_empty() {
+                    self.end_process(live[pick as usize % live.len()], code, 0).await?;
+                }
+            }
+            Op::Advance { seconds } => {
+                let target = self.clock.unix_ms() + u64::from(seconds) * 1000;
+                // Every moment something is due in between, in order.
+                loop {
+                    let host_due = self.live().next_due_s(0).map(|s| s * 1000);
+                    let exit_due = self.processes.values().filter_map(|p| p.exits_at_ms).min();
+                    let next = [host_due, exit_due].into_iter().flatten().filter(|&t| t > self.clock.unix_ms()).min().unwrap_or(target).min(target);
+                    self.clock.set(next);
+                    self.exits_due().await?;
+                    self.live().hold(0, false); // pokes the loop: timers are due
+                    self.settle().await?;
+                    if next >= target {
+                        break;
+                    }
+                }
+            }
+            Op::RestartAgent { node } => {
+                let i = node as usize % self.agents.len();
+                self.agents[i] = self.connect_agent(i).await?;
+                self.stats.agent_restarts += 1;
+            }
+            Op::RestartHost => {
+                self.agents.clear();
+                self.api = None;
+                if let Some(h) = self.host.take() {
+                    h.shutdown().await;
+                }
+                self.start_host().await?;
+                for i in 0..self.config.nodes {
+                    let a = self.connect_agent(i).await?;
+                    self.agents.push(a);
+                }
+                self.stats.host_restarts += 1;
+            }
+        }
+        self.exits_due().await?;
+        self.settle().await
+    }
+
+    /// The invariants, against the simulated nodes' processes.
+    async fn check(&mut self) -> Result<(), String> {
+        // No GPU used by two live processes.
+        let mut owner: BTreeMap<(usize, u32), u64> = BTreeMap::new();
+        for (&a, p) in &self.processes {
+            for &g in &p.gpus {
+                if let Some(other) = owner.insert((p.node, g), a) {
+                    let (x, y) = (&self.processes[&other], p);
+                    return Err(format!(
+                        "GPU {g} of sim-{} is used by two live processes: allocation {other} (job {}) and {a} (job {})",
+                        p.node, x.job, y.job
+                    ));
+                }
+            }
+        }
+        let api = self.api.as_mut().expect("connected");
+        let jobs = api
+            .list_jobs(pb::ListJobsRequest { partition: PARTITION.into(), limit: u32::MAX, ..Default::default() })
+            .await
+            .map_err(|e| format!("ListJobs: {e:?}"))?
+            .into_inner()
+            .jobs;
+        // Every accepted job listed exactly once.
+        let mut listed: BTreeMap<u64, &pb::Job> = BTreeMap::new();
+        for j in &jobs {
+            if listed.insert(j.id, j).is_some() {
+                return Err(format!("job {} is listed twice", j.id));
+            }
+        }
+        for &id in self.accepted.keys() {
+            if !listed.contains_key(&id) {
+                return Err(format!("accepted job {id} is not listed"));
+            }
+        }
+        // Every live process is held for its job by the host, or stopping.
+        for (&a, p) in &self.processes {
+            if p.exits_at_ms.is_some() {
+                continue;
+            }
+            let Some(j) = listed.get(&p.job) else { return Err(format!("allocation {a} runs for job {} the host does not list", p.job)) };
+            let held = j.runs.iter().any(|r| r.allocation_id == a && matches!(r.state.as_str(), "starting" | "running" | "sleeping"));
+            if !held {
+                return Err(format!("allocation {a} of job {} ({}) runs on sim-{} with no stop, and the host does not hold it: {:?}", p.job, j.state, p.node, j.runs));
+            }
+            if matches!(j.state.as_str(), "cancelled" | "finished" | "failed") {
+                return Err(format!("allocation {a} of job {} runs, unstopped, after the job is {}", p.job, j.state));
+            }
+        }
+        // The host's fleet accounting is consistent.
+        let st = self.live().partitions[0].lock_state();
+        st.fleet.check_invariants().map_err(|e| format!("fleet: {e}"))?;
+        Ok(())
+    }
+}
+
+/// A 64-bit mix (SplitMix64): per-allocation delays that do not depend on
+/// the order commands arrive in.
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Runs `ops` from a fresh host (store in `state_dir/seed-<seed>`), checking
+/// after each. The first violation ends it.
+pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<Result<RunStats, Violation>> {
+    let dir = config.state_dir.join(format!("seed-{seed}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut w = World {
+        config: config.clone(),
+        seed,
+        dir: dir.clone(),
+        clock: Arc::new(ManualClock::at(T0_MS)),
+        host: None,
+        url: String::new(),
+        api: None,
+        agents: Vec::new(),
+        processes: BTreeMap::new(),
+        accepted: BTreeMap::new(),
+        stats: RunStats::default(),
+    };
+    w.start_host().await?;
+    for i in 0..config.nodes {
+        let a = w.connect_agent(i).await?;
+        w.agents.push(a);
+    }
+    w.settle().await?;
+    let mut outcome = Ok(());
+    for (step, op) in ops.iter().enumerate() {
+        tracing::debug!(target: "berth::chaos", seed, step, ?op, "operation");
+        if let Err(e) = w.apply(op).await {
+            outcome = Err(Violation { step, what: format!("operation failed: {e:#}") });
+            break;
+        }
+        w.stats.operations += 1;
+        if let Err(what) = w.check().await {
+            outcome = Err(Violation { step, what });
+            break;
+        }
+    }
+    w.agents.clear();
+    w.api = None;
+    if let Some(h) = w.host.take() {
+        h.shutdown().await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(outcome.map(|()| w.stats))
+}
+
+/// The shortest list found that still fails: operations removed one at a
+/// time, last first, while the run still finds a violation (within `budget`).
+pub async fn shrink(config: &ChaosConfig, seed: u64, ops: &[Op], budget: Duration) -> anyhow::Result<Vec<Op>> {
+    let started = Instant::now();
+    let mut ops = ops.to_vec();
+    let mut i = ops.len();
+    while i > 0 && started.elapsed() < budget {
+        i -= 1;
+        let mut fewer = ops.clone();
+        fewer.remove(i);
+        if let Err(v) = run(config, seed, &fewer).await? {
+            fewer.truncate(v.step + 1);
+            i = i.min(fewer.len());
+            ops = fewer;
+        }
+    }
+    Ok(ops)
+}
+
+/// The outcome of many seeds.
+#[derive(Clone, Debug, Default)]
+pub struct Summary {
+    pub seeds: u64,
+    pub operations: usize,
+    pub submitted: usize,
+    pub processes_started: usize,
+    pub evictions_seen: usize,
+    pub host_restarts: usize,
+    pub agent_restarts: usize,
+    pub elapsed: Duration,
+    /// The first failure: seed, violation, and the shortest list found.
+    pub failure: Option<(u64, Violation, Vec<Op>)>,
+}
+
+/// Runs seeds `first..` until `seeds` are done or `time` has passed; stops
+/// at the first failure, shrunk.
+pub async fn soak(config: &ChaosConfig, first: u64, seeds: u64, time: Duration) -> anyhow::Result<Summary> {
+    let started = Instant::now();
+    let mut s = Summary::default();
+    for seed in first..first.saturating_add(seeds) {
+        if started.elapsed() >= time {
+            break;
+        }
+        let ops = operations(seed, config.operations, config.nodes);
+        s.seeds += 1;
+        match run(config, seed, &ops).await? {
+            Ok(r) => {
+                s.operations += r.operations;
+                s.submitted += r.submitted;
+                s.processes_started += r.processes_started;
+                s.evictions_seen += r.evictions_seen;
+                s.host_restarts += r.host_restarts;
+                s.agent_restarts += r.agent_restarts;
+            }
+            Err(v) => {
+                s.operations += v.step + 1;
+                let shortest = shrink(config, seed, &ops[..=v.step], Duration::from_secs(120)).await?;
+                s.failure = Some((seed, v, shortest));
+                break;
+            }
+        }
+    }
+    s.elapsed = started.elapsed();
+    Ok(s)
+}
+
+impl Summary {
+    /// The failure as a report: the seed, what broke, and the operations.
+    pub fn failure_report(&self) -> Option<String> {
+        let (seed, v, ops) = self.failure.as_ref()?;
+        let mut out = format!("seed {seed}: step {}: {}\nshortest reproduction ({} operations):\n", v.step, v.what, ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            out.push_str(&format!("  {i}: {op:?}\n"));
+        }
+        Some(out)
+    }
+}
