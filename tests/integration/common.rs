@@ -35,3 +35,13 @@ pub fn load(path: &std::path::Path) -> Arc<LoadedPolicy> {
 pub fn wasm_policy(path: &std::path::Path, limits: Limits) -> WasmPolicy {
     WasmPolicy::new(engine(), load(path), limits)
 }
+
+/// The one skip gate. Where a test's tool, browser, kernel feature or data
+/// set is missing it may skip, saying why, on a developer's machine; under
+/// CI (`CI` set to anything but empty, `0` or `false`) or with
+/// `BERTH_REQUIRE_TRACES` set, a missing part fails the run instead.
+pub fn skip(what: &str) {
+    let set = |v: &str| std::env::var(v).is_ok_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("false"));
+    assert!(!set("CI") && !set("BERTH_REQUIRE_TRACES"), "{what} (required under CI)");
+    eprintln!("SKIPPED: {what}");
+}

@@ -190,8 +190,7 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     let (Some(chromedriver), Some(chromium)) =
         (find_tool(&["/usr/bin/chromedriver"]), find_tool(&["/usr/lib/chromium/chromium", "/usr/bin/chromium"]))
     else {
-        assert!(std::env::var_os("CI").is_none(), "chromium or chromedriver is not installed: run scripts/install-chromium.sh");
-        eprintln!("skipped the browser half: chromium or chromedriver is not installed (scripts/install-chromium.sh)");
+        crate::common::skip("the browser half: chromium or chromedriver is not installed (scripts/install-chromium.sh)");
         rt.block_on(h.shutdown());
         return;
     };

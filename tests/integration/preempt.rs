@@ -169,6 +169,7 @@ async fn a_task_checkpoint_report_changes_who_is_preempted() {
     running(&api, &[b]).await;
     tokio::time::sleep(Duration::from_millis(2200)).await;
     // Then A saves its work: now it has the least to recompute.
+    let asked = berth::serve::unix_ms();
     std::fs::write(d.join(format!("ckpt-now-{a}")), "").unwrap();
     let reported = until("A's checkpoint report reaches the host", Duration::from_secs(30), || {
         let api = api.clone();
@@ -176,7 +177,8 @@ async fn a_task_checkpoint_report_changes_who_is_preempted() {
     })
     .await;
     assert!(d.join(format!("ckpt-done-{a}")).exists(), "`berth checkpointed` ran in the task");
-    assert!(reported <= berth::serve::unix_ms(), "{reported}");
+    // Stamped when the task reported it: after it was asked to, not before.
+    assert!(reported >= asked && reported <= berth::serve::unix_ms(), "reported {reported}, asked {asked}");
     let b_run = jobs(&api).await.into_iter().find(|j| j.id == b).unwrap().runs[0].clone();
     assert_eq!(b_run.checkpointed_unix_ms, 0, "B never reported one");
 

@@ -167,7 +167,11 @@ async fn swap_under_concurrent_submissions_loses_and_duplicates_nothing() {
         }
     }
     assert_eq!(submitted.len(), 160);
-    assert!(swaps.iter().all(|&us| us > 0));
+    // The last swap is the one in force.
+    let parts = ops.list_partitions(pb::ListPartitionsRequest {}).await.unwrap().into_inner().partitions;
+    let p0 = parts.iter().find(|p| p.name == "p0").unwrap();
+    assert_eq!(p0.active.as_ref().map(|a| a.version), Some([spread, 1][15 % 2]), "{p0:?}");
+    assert_eq!(swaps.len(), 16);
 
     let all = settle(&mut ops, "p0").await;
     assert_eq!(all.iter().map(|j| j.id).collect::<BTreeSet<_>>(), submitted, "every accepted job is there, no other");

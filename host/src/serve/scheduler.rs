@@ -918,6 +918,11 @@ impl Live {
         part.wake.notify_all();
     }
 
+    /// Whether partition `p` is in a pass (deciding outside its lock).
+    pub fn deciding(&self, p: usize) -> bool {
+        self.partitions[p].lock_state().in_pass
+    }
+
     /// Whether partition `p` has taken in and decided everything due at
     /// its clock's now (nothing waits in the inbox, no pass is running or
     /// wanted, no end or modelled vacate time is due).
