@@ -526,16 +526,23 @@ pub async fn shrink(config: &ChaosConfig, seed: u64, ops: &[Op], budget: Duratio
     Ok(ops)
 }
 
+impl RunStats {
+    fn add(&mut self, o: &RunStats) {
+        self.operations += o.operations;
+        self.submitted += o.submitted;
+        self.processes_started += o.processes_started;
+        self.evictions_seen += o.evictions_seen;
+        self.host_restarts += o.host_restarts;
+        self.agent_restarts += o.agent_restarts;
+    }
+}
+
 /// The outcome of many seeds.
 #[derive(Clone, Debug, Default)]
 pub struct Summary {
     pub seeds: u64,
-    pub operations: usize,
-    pub submitted: usize,
-    pub processes_started: usize,
-    pub evictions_seen: usize,
-    pub host_restarts: usize,
-    pub agent_restarts: usize,
+    /// Summed over the seeds (a failing seed counts its operations).
+    pub total: RunStats,
     pub elapsed: Duration,
     /// The first failure: seed, violation, and the shortest list found.
     pub failure: Option<(u64, Violation, Vec<Op>)>,
@@ -553,16 +560,9 @@ pub async fn soak(config: &ChaosConfig, first: u64, seeds: u64, time: Duration) 
         let ops = operations(seed, config.operations, config.nodes);
         s.seeds += 1;
         match run(config, seed, &ops).await? {
-            Ok(r) => {
-                s.operations += r.operations;
-                s.submitted += r.submitted;
-                s.processes_started += r.processes_started;
-                s.evictions_seen += r.evictions_seen;
-                s.host_restarts += r.host_restarts;
-                s.agent_restarts += r.agent_restarts;
-            }
+            Ok(r) => s.total.add(&r),
             Err(v) => {
-                s.operations += v.step + 1;
+                s.total.operations += v.step + 1;
                 let shortest = shrink(config, seed, &ops[..=v.step], Duration::from_secs(120)).await?;
                 s.failure = Some((seed, v, shortest));
                 break;

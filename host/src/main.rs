@@ -482,13 +482,13 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "chaos: {} seeds from {seed}, {} operations in {secs:.1} s ({:.0} operations/s): {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts; violations: {}",
                 s.seeds,
-                s.operations,
-                s.operations as f64 / secs.max(1e-9),
-                s.submitted,
-                s.processes_started,
-                s.evictions_seen,
-                s.host_restarts,
-                s.agent_restarts,
+                s.total.operations,
+                s.total.operations as f64 / secs.max(1e-9),
+                s.total.submitted,
+                s.total.processes_started,
+                s.total.evictions_seen,
+                s.total.host_restarts,
+                s.total.agent_restarts,
                 usize::from(s.failure.is_some())
             );
             if let Some(report) = s.failure_report() {

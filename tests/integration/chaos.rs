@@ -31,17 +31,18 @@ fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
     eprintln!(
         "chaos: {} seeds, {} operations in {:.1} s, {} jobs, {} processes, {} notices, {} host restarts, {} agent restarts",
         s.seeds,
-        s.operations,
+        s.total.operations,
         s.elapsed.as_secs_f64(),
-        s.submitted,
-        s.processes_started,
-        s.evictions_seen,
-        s.host_restarts,
-        s.agent_restarts
+        s.total.submitted,
+        s.total.processes_started,
+        s.total.evictions_seen,
+        s.total.host_restarts,
+        s.total.agent_restarts
     );
     // The budget drove the host through every kind of operation.
-    assert!(s.seeds >= 2 && s.operations >= 300, "{s:?}");
-    assert!(s.processes_started > 0 && s.evictions_seen > 0 && s.host_restarts > 0 && s.agent_restarts > 0, "{s:?}");
+    let t = &s.total;
+    assert!(s.seeds >= 2 && t.operations >= 300, "{s:?}");
+    assert!(t.processes_started > 0 && t.evictions_seen > 0 && t.host_restarts > 0 && t.agent_restarts > 0, "{s:?}");
 }
 
 /// The generator is a function of the seed: a failure's seed reproduces it.

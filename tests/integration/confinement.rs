@@ -19,20 +19,10 @@ use tonic::Code;
 
 use crate::agent::{agent, agent_job, agent_token_file, alive, dir, jobs, serve, task_pid, until, Proc, BERTH};
 use crate::common::{policy_path, repo_root};
+use crate::preempt::schedulable;
 
 async fn api(url: &str, token: &str) -> berth::serve::cli::Client {
     berth::serve::cli::connect(url, Some(token), None, None).await.unwrap()
-}
-
-async fn schedulable(api: &berth::serve::cli::Client, node: &'static str) {
-    until("the agent node schedulable", Duration::from_secs(60), || {
-        let mut api = api.clone();
-        async move {
-            let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
-            nodes.iter().any(|n| n.name == node && n.schedulable).then_some(())
-        }
-    })
-    .await;
 }
 
 /// `berth agent` for node `n1`, started the way older docs showed: the

@@ -49,7 +49,7 @@ async fn running(api: &berth::serve::cli::Client, ids: &[u64]) -> Vec<pb::Job> {
 }
 
 /// Waits until agent node `node` of p0 takes work.
-async fn schedulable(api: &berth::serve::cli::Client, node: &str) {
+pub(crate) async fn schedulable(api: &berth::serve::cli::Client, node: &str) {
     until("the agent node schedulable", Duration::from_secs(60), || {
         let mut api = api.clone();
         async move {

@@ -372,7 +372,8 @@ async fn submissions_do_not_wait_for_a_stalled_policy_call() {
     let first = alice.submit_job(job("p2", 1)).await.unwrap().into_inner().job_id;
     assert_eq!(first, 1, "the hostile guest spins on job 1");
     // Wait until the deciding thread is in its pass (the call on job 1,
-    // the only job), so the submissions below meet a stalled call.
+    // the only job; the pass holds the partition's state through it), so
+    // the submissions below meet a stalled call.
     let entered = Instant::now();
     while !h.live.deciding(2) {
         assert!(entered.elapsed() < Duration::from_secs(30), "p2 never started deciding");

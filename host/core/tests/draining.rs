@@ -5,19 +5,12 @@
 
 use berth_core::engine::{Deciders, SimConfig, World};
 use berth_core::preemption::PreemptionPolicy;
-use berth_core::{Decision, Engine, Event, Fleet, Job, Node, PlacementPolicy, PolicyError, TaskShape};
-use berth_sdk::{Allocations, Nodes, Scores, Task};
+use berth_core::{Decision, Engine, Event, Fleet, Job, Node, PolicyError, TaskShape};
+use berth_sdk::{Allocations, Task};
 
-struct FirstFit;
+mod common;
 
-impl PlacementPolicy for FirstFit {
-    fn describe(&self) -> String {
-        "first-fit".into()
-    }
-    fn score(&mut self, _task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
-        Ok(Scores::from_scores(nodes.iter().map(|_| 1.0).collect()))
-    }
-}
+use common::FirstFit;
 
 /// Takes victims in the order offered.
 struct InOrder;

@@ -2,19 +2,11 @@
 //! may still run, a reused slot starts clean, and nothing busy is forgotten.
 
 use berth_core::engine::{Deciders, SimConfig, World};
-use berth_core::{Decision, Engine, Event, Fleet, Job, Node, PlacementPolicy, PolicyError, TaskShape};
-use berth_sdk::{Nodes, Scores, Task};
+use berth_core::{Decision, Engine, Event, Fleet, Job, Node, TaskShape};
 
-struct FirstFit;
+mod common;
 
-impl PlacementPolicy for FirstFit {
-    fn describe(&self) -> String {
-        "first-fit".into()
-    }
-    fn score(&mut self, _task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
-        Ok(Scores::from_scores(nodes.iter().map(|_| 1.0).collect()))
-    }
-}
+use common::FirstFit;
 
 fn job(id: u64, gpus: u32) -> Job {
     let shape = TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, models: vec![] };

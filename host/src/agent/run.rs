@@ -416,9 +416,13 @@ impl Agent {
         }
     }
 
-    /// Delivers an exit report, or keeps it (and its record) for later.
-    async fn report_end(&self, r: pb::AllocationReport) {
+    /// Delivers the exit report of child `id`, or keeps it (and its record)
+    /// for later. Queued before the child leaves the running set, so every
+    /// heartbeat names it (running, or ended with its report on the way) and
+    /// the host never takes it for lost.
+    async fn report_end(&self, id: u64, r: pb::AllocationReport) {
         self.unsent.lock().unwrap().push(r);
+        self.children.lock().unwrap().remove(&id);
         self.flush().await;
     }
 
@@ -456,11 +460,10 @@ impl Agent {
             while supervisor_alive(pid) {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            agent.children.lock().unwrap().remove(&id);
             let base = pb::AllocationReport { node: agent.node.clone(), allocation_id: id, pid, ..Default::default() };
             let r = agent.ended_report(base, None);
             tracing::info!(target: "berth::agent", allocation = id, "adopted task ended: {}", r.detail);
-            agent.report_end(r).await;
+            agent.report_end(id, r).await;
         });
     }
 
@@ -512,7 +515,14 @@ impl Agent {
                 _ = term.recv() => break,
             }
             let busy: Vec<u32> = self.children.lock().unwrap().values().filter(|c| !c.sleeping).flat_map(|c| c.gpus.clone()).collect();
-            let running: Vec<u64> = self.children.lock().unwrap().keys().copied().collect();
+            // Running, or ended with an exit report the host has not had yet:
+            // that report (sent right after) tells how it ended.
+            // (Children first: a child leaves them only after its report is
+            // queued, so one read or the other finds it.)
+            let mut running: Vec<u64> = self.children.lock().unwrap().keys().copied().collect();
+            running.extend(self.unsent.lock().unwrap().iter().map(|r| r.allocation_id));
+            running.sort_unstable();
+            running.dedup();
             let gpus = self.src.lock().unwrap().sample(&busy).into_iter().map(telemetry).collect();
             let req = pb::HeartbeatRequest { node: self.node.clone(), session: session.load(std::sync::atomic::Ordering::SeqCst), gpus, running };
             match self.client().heartbeat(req).await {
@@ -684,10 +694,9 @@ impl Agent {
                 let agent = self.clone();
                 tokio::spawn(async move {
                     let status = child.wait().await;
-                    agent.children.lock().unwrap().remove(&id);
                     let r = agent.ended_report(pb::AllocationReport { pid, ..base }, Some(status));
                     tracing::info!(target: "berth::agent", allocation = id, "{}", r.detail);
-                    agent.report_end(r).await;
+                    agent.report_end(id, r).await;
                 });
             }
             action @ ("stop" | "sleep" | "wake" | "checkpoint") => {

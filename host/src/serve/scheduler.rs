@@ -486,6 +486,9 @@ pub struct Partition {
     /// waits for the state lock, which the deciding thread holds through its
     /// policy calls. Whoever takes the lock next moves them in.
     inbox: Mutex<Vec<(u64, JobRecord)>>,
+    /// A pass is running (read without the state's lock, which a pass holds
+    /// through its policy calls).
+    deciding: AtomicBool,
     /// The fleet's GPU models (agents add theirs), for validating a
     /// submission without the state lock.
     pub(crate) models: Mutex<Vec<String>>,
@@ -536,6 +539,7 @@ impl Partition {
             compact_candidate: Mutex::new(None),
             compact_stats: Mutex::new(shadow::CompactStats::default()),
             inbox: Mutex::new(Vec::new()),
+            deciding: AtomicBool::new(false),
         }
     }
 
@@ -897,7 +901,9 @@ impl Live {
                 st.retry_at = None;
                 st.in_pass = true;
                 drop(st);
+                part.deciding.store(true, Ordering::SeqCst);
                 self.pass(p);
+                part.deciding.store(false, Ordering::SeqCst);
                 st = part.lock_state();
                 st.in_pass = false;
                 continue;
@@ -918,9 +924,9 @@ impl Live {
         part.wake.notify_all();
     }
 
-    /// Whether partition `p` is in a pass (deciding outside its lock).
+    /// Whether partition `p` is in a pass; never waits for one.
     pub fn deciding(&self, p: usize) -> bool {
-        self.partitions[p].lock_state().in_pass
+        self.partitions[p].deciding.load(Ordering::SeqCst)
     }
 
     /// Whether partition `p` has taken in and decided everything due at
