@@ -27,18 +27,20 @@ async fn api(url: &str, token: &str) -> berth::serve::cli::Client {
 
 /// `berth agent` for node `n1`, started the way older docs showed: the
 /// operator's token exported in its environment, beside a secret of the
-/// operator's shell. It authenticates with its own token file.
+/// operator's shell. It authenticates with its own token file, and passes
+/// CUDA_HOME on to tasks (`--task-env`).
 fn agent_with_exported_token(d: &Path, url: &str) -> Proc {
     let state = d.join("n1-state").display().to_string();
     let token_file = agent_token_file(d);
     let log = std::fs::File::create(d.join("n1.log")).unwrap();
     let child = Command::new(BERTH)
         .args(["agent", "--node", "n1", "--synthetic-gpus", "2xH20", "--server", url, "--token-file", &token_file])
-        .args(["--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state])
+        .args(["--partition", "p0", "--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state, "--task-env", "CUDA_HOME"])
         .current_dir(repo_root())
         .env("BERTH_LOG", "info")
         .env("BERTH_TOKEN", "ops-test-token")
         .env("OPERATOR_SHELL_SECRET", "do-not-leak-me")
+        .env("CUDA_HOME", "/opt/cuda-for-tasks")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -80,7 +82,8 @@ async fn a_tenants_task_sees_no_credential_of_the_host_or_the_agent() {
         }
     }
     // What it should have: its job's env, the task variables, a PATH.
-    for want in ["MY_SETTING=on", &format!("BERTH_JOB={job}"), "CUDA_VISIBLE_DEVICES=GPU-synthetic-n1-", "BERTH_NODE=n1", "PATH="] {
+    // (CUDA_HOME: passed on by the operator's --task-env.)
+    for want in ["MY_SETTING=on", &format!("BERTH_JOB={job}"), "CUDA_VISIBLE_DEVICES=GPU-synthetic-n1-", "BERTH_NODE=n1", "PATH=", "CUDA_HOME=/opt/cuda-for-tasks"] {
         assert!(env.lines().any(|l| l.starts_with(want)), "{want} missing from:\n{env}");
     }
     // The agent itself holds the token in memory only: not in its argv.

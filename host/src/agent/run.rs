@@ -117,6 +117,12 @@ pub struct AgentArgs {
     /// Host memory offered for placement, GiB (see --cpu-cores).
     #[arg(long)]
     memory_gib: Option<u64>,
+    /// Another of the agent's environment variables every task inherits
+    /// (repeatable), beside the fixed allowlist: e.g. LD_LIBRARY_PATH or
+    /// CUDA_HOME on a node whose CUDA libraries need them. Never a
+    /// credential: a task is the tenant's code.
+    #[arg(long = "task-env", value_name = "NAME")]
+    task_env: Vec<String>,
 }
 
 /// The agent's variables a task inherits: where programs are, the locale,
@@ -124,8 +130,10 @@ pub struct AgentArgs {
 /// Everything else reaches a task only through its job's declared env.
 pub const TASK_ENV_ALLOWLIST: [&str; 9] = ["PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "HOME", "USER", "LOGNAME"];
 
-fn allowed_env() -> impl Iterator<Item = (&'static str, std::ffi::OsString)> {
-    TASK_ENV_ALLOWLIST.into_iter().filter_map(|k| std::env::var_os(k).map(|v| (k, v)))
+/// The agent's variables a task inherits: the allowlist and `extra`
+/// (`--task-env`), those that are set.
+fn allowed_env(extra: &[String]) -> Vec<(String, std::ffi::OsString)> {
+    TASK_ENV_ALLOWLIST.iter().map(|k| k.to_string()).chain(extra.iter().cloned()).filter_map(|k| std::env::var_os(&k).map(|v| (k, v))).collect()
 }
 
 /// Reads the agent's bearer token from `path`: one line, surrounding
@@ -233,6 +241,11 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
             }
         }
         return Ok(());
+    }
+    // The host's and the agent's own variables never pass: they are the
+    // task's (set by the agent) or credentials.
+    if let Some(name) = args.task_env.iter().find(|n| n.starts_with("BERTH_") || n.is_empty() || n.contains(['=', '\0'])) {
+        anyhow::bail!("--task-env {name:?}: not a variable a task may inherit (empty, '=' or NUL, or BERTH_*)");
     }
     let token = args.token_file.as_deref().map(read_token_file).transpose()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -664,7 +677,7 @@ impl Agent {
                     // tenant's. The allowlist, then the job's env, then the
                     // task variables, which the job cannot override.
                     .env_clear()
-                    .envs(allowed_env())
+                    .envs(allowed_env(&self.args.task_env))
                     .envs(&cmd.env)
                     .env("CUDA_VISIBLE_DEVICES", &visible)
                     .env("NVIDIA_VISIBLE_DEVICES", &visible)
