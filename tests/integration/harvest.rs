@@ -98,6 +98,12 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     let borrower = up(&api, "the borrower running on lent GPUs", awake, low).await;
     assert!(borrower.runs[0].gpus.iter().all(|g| rj.runs[0].gpus.contains(g)), "{borrower:?}");
     assert_eq!(shared_gpus(&jobs(&api).await), None);
+    // A harvested replica is not woken behind the engine's back: a direct
+    // wake would run it beside the borrower of its GPUs.
+    let direct = pb::ControlAllocationRequest { allocation_id: rj.runs[0].allocation_id, action: "wake".into() };
+    let e = hub.control_allocation(direct).await.unwrap_err();
+    assert!(e.code() == tonic::Code::FailedPrecondition && e.message().contains("harvest schedule"), "{e:?}");
+    assert_eq!(proc_state(pid), "T", "the replica stays asleep");
 
     // Lent GPUs are for low-priority work only: a high-priority job waits
     // (and takes nothing back from the borrower either).

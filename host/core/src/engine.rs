@@ -463,8 +463,6 @@ impl Engine {
         (at != u64::MAX && at > now).then_some((at, recent, limit > 0 && recent >= limit))
     }
 
-    /// The earliest time an evicted job (vacating on the modelled latency)
-    /// may run again, if any is due.
     /// Drops the wake-up times at or before `now` (a pass would); true if
     /// there were any. A job cancelled while it waited to be ready leaves
     /// its time behind: kept, it would stay due forever, and the live host
@@ -478,6 +476,8 @@ impl Engine {
         any
     }
 
+    /// The earliest time an evicted job (vacating on the modelled latency)
+    /// may run again, if any is due.
     pub fn next_wakeup(&self) -> Option<u64> {
         self.runs.wakeups.peek().map(|Reverse(t)| *t)
     }
@@ -853,10 +853,10 @@ impl Engine {
                     ok = false;
                     break;
                 };
-                for b in &self.runs.held[v] {
+                let released = std::mem::take(&mut self.runs.held[v]);
+                for b in &released {
                     fleet.release(b).expect("a running job's allocations are held");
                 }
-                let released = std::mem::take(&mut self.runs.held[v]);
                 if self.jobs[v].reports_exit {
                     borrowers.push((v, released));
                 }

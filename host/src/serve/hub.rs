@@ -619,10 +619,10 @@ impl AgentHub for Arc<Hub> {
         // A missing allocation and one the caller may not control get the
         // same answer; whether it ended is told only to its operators.
         let missing = || Status::not_found(format!("no allocation {} where {} is an operator", r.allocation_id, id.name));
-        let (node, state, job) = {
+        let (node, state) = {
             let st = self.state.lock().unwrap();
             let a = st.allocations.get(&r.allocation_id).ok_or_else(missing)?;
-            (a.node.clone(), a.state.clone(), a.started_by.strip_prefix("job ").map(str::to_string))
+            (a.node.clone(), a.state.clone())
         };
         let partition = self.agent_partition(&node).map_err(|_| missing())?;
         if id.role_in(&partition) != Some(Role::Operator) {
@@ -631,15 +631,14 @@ impl AgentHub for Arc<Hub> {
         if !holds_gpus(&state) {
             return Err(Status::failed_precondition(format!("allocation {} is {state}", r.allocation_id)));
         }
-        // A sleepable job's task sleeps and wakes through the engine (its
-        // harvesting schedule lends the GPUs of a sleeper): a direct wake
-        // would run the replica beside the borrower of its GPUs.
-        if let Some(job) = job.and_then(|j| j.parse::<u64>().ok())
-            && matches!(r.action.as_str(), "sleep" | "wake")
-            && self.live.job_is_sleepable(job)
+        // A harvested job's task sleeps and wakes through the engine (a
+        // sleeper's GPUs are lent): a direct wake would run the replica
+        // beside the borrower of its GPUs.
+        if matches!(r.action.as_str(), "sleep" | "wake")
+            && let Some(job) = self.live.harvested_job_of(&partition, r.allocation_id)
         {
             return Err(Status::failed_precondition(format!(
-                "allocation {} is a task of sleepable job {job}: its sleep and wake follow the partition's harvest schedule (berth sleep / berth wake), not direct controls",
+                "allocation {} is a task of job {job}, which harvesting manages: its sleep and wake follow the partition's harvest schedule (berth sleep / berth wake), not direct controls",
                 r.allocation_id
             )));
         }

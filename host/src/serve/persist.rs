@@ -111,7 +111,7 @@ pub(crate) fn held_key(partition: &str, id: u64) -> String {
 }
 
 /// Allocation ids reserved by one stored write.
-pub(crate) const ALLOC_ID_BLOCK: u64 = 1024;
+const ALLOC_ID_BLOCK: u64 = 1024;
 /// Where the end of the reserved allocation ids is stored.
 const ALLOC_CEILING_KEY: &str = "meta/alloc-id-ceiling";
 

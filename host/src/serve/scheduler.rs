@@ -793,10 +793,14 @@ impl Live {
     }
 
     /// Finds the partition holding a job.
-    /// Whether job `id` is sleepable (harvest-managed): its tasks sleep and
-    /// wake only through the engine.
-    pub fn job_is_sleepable(&self, id: u64) -> bool {
-        self.job_partition(id).is_ok_and(|p| self.partitions[p].lock_state().jobs.get(&id).is_some_and(|j| j.spec.sleepable))
+    /// The job of allocation `alloc` in `partition`, if harvesting manages
+    /// it (sleepable, or put to sleep and not yet awake): its tasks sleep
+    /// and wake only through the engine.
+    pub fn harvested_job_of(&self, partition: &str, alloc: u64) -> Option<u64> {
+        let p = self.partition_index(partition).ok()?;
+        let st = self.partitions[p].lock_state();
+        let job = *st.by_alloc.get(&alloc).filter(|&&j| j != 0)?;
+        st.jobs.get(&job).filter(|j| j.spec.sleepable || j.sleep != SleepState::Awake).map(|_| job)
     }
 
     pub fn job_partition(&self, id: u64) -> Result<usize, ServeError> {
