@@ -48,6 +48,7 @@ fn job(gpus: u32, priority: u32) -> pb::SubmitJobRequest {
             priority,
             ..Default::default()
         }),
+        ..Default::default()
     }
 }
 
@@ -256,15 +257,15 @@ pub fn compact_live(compact: &str, nodes: u32, plan_runs: usize) -> anyhow::Resu
         // Fill every agent GPU with a movable one-GPU task.
         let task = |gpus: u32, movable: bool| pb::SubmitJobRequest {
             job: Some(pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, cpu_milli: 1000, memory_mib: 8192, argv: vec!["true".into()], movable, ..Default::default() }),
+            ..Default::default()
         };
         let total = nodes as usize * 8;
         for _ in 0..total {
             api.submit_job(task(1, true)).await?;
         }
         let running = |api: crate::serve::cli::Client| async move {
-            let mut api = api;
-            let jobs = api.list_jobs(pb::ListJobsRequest { partition: "p0".into(), state: "running".into(), limit: 100_000 }).await?.into_inner().jobs;
-            anyhow::Ok(jobs)
+            let req = pb::ListJobsRequest { partition: "p0".into(), state: "running".into(), ..Default::default() };
+            crate::serve::cli::list_all_jobs(api, req).await
         };
         let filled = loop {
             let jobs = running(api.clone()).await?;

@@ -1,8 +1,9 @@
 //! The simulation test of the live host, after FoundationDB's simulation
 //! testing and TigerBeetle's VOPR. A seed makes a list of operations
 //! (submit high and low priority work, cancel at any moment, let processes
-//! end, move the clock, restart an agent, kill and restart the host on its
-//! store); they drive the real `berth serve` code (the gRPC API, the agent
+//! end, move the clock, migrate a task, cut an agent's link until its node
+//! is given up, restart an agent, kill and restart the host on its store);
+//! they drive the real `berth serve` code (the gRPC API, the agent
 //! hub, the partition loop, the engine, the store) on a manual clock, with
 //! simulated agents in-process speaking the real agent protocol.
 //!
@@ -60,6 +61,12 @@ pub enum Op {
     /// A running process ends on its own (exit 0, or a failure).
     Exit { pick: u32, code: i32 },
     Advance { seconds: u32 },
+    /// Move a running task to another node (make-before-break).
+    Migrate { pick: u32, checkpoint: bool },
+    /// The node's link goes down: no heartbeats, commands and reports lost
+    /// (its processes go on), until the agent restarts. Past the heartbeat
+    /// timeout and the grace the host gives the node up.
+    CutAgent { node: u32 },
     RestartAgent { node: u32 },
     RestartHost,
 }
@@ -75,10 +82,12 @@ pub fn operations(seed: u64, count: usize, nodes: usize) -> Vec<Op> {
                 let limit_s = if rng.random_bool(0.3) { rng.random_range(5..60) } else { 0 };
                 Op::Submit { high: rng.random_bool(0.3), tasks, gpus, limit_s }
             }
-            30..44 => Op::Cancel { pick: rng.random() },
-            44..62 => Op::Exit { pick: rng.random(), code: if rng.random_bool(0.2) { 1 } else { 0 } },
-            62..94 => Op::Advance { seconds: rng.random_range(1..20) },
-            94..98 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
+            30..42 => Op::Cancel { pick: rng.random() },
+            42..58 => Op::Exit { pick: rng.random(), code: if rng.random_bool(0.2) { 1 } else { 0 } },
+            58..86 => Op::Advance { seconds: rng.random_range(1..20) },
+            86..91 => Op::Migrate { pick: rng.random(), checkpoint: rng.random_bool(0.5) },
+            91..93 => Op::CutAgent { node: rng.random_range(0..nodes as u32) },
+            93..98 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
             _ => Op::RestartHost,
         })
         .collect()
@@ -100,6 +109,11 @@ pub struct RunStats {
     pub evictions_seen: usize,
     pub host_restarts: usize,
     pub agent_restarts: usize,
+    /// Migrations the host accepted.
+    pub migrations: usize,
+    /// Links cut, and nodes the host gave up.
+    pub links_cut: usize,
+    pub nodes_given_up: usize,
 }
 
 /// A process on a simulated node: the physical truth.
@@ -114,6 +128,7 @@ struct Process {
 
 struct SimAgent {
     name: String,
+    session: u64,
     hub: HubClient,
     commands: mpsc::UnboundedReceiver<pb::AgentCommand>,
     /// Reads the command stream; aborted with the agent (a host shuts down
@@ -131,6 +146,8 @@ const PARTITION: &str = "p0";
 const OPERATOR: &str = "chaos-operator-token";
 const AGENT: &str = "chaos-agent-token";
 const T0_MS: u64 = 1_800_000_000_000;
+/// Longer than any one clock move of a run (at most 19 s).
+const HEARTBEAT_TIMEOUT_S: u64 = 30;
 
 struct World {
     config: ChaosConfig,
@@ -142,6 +159,10 @@ struct World {
     api: Option<crate::serve::cli::Client>,
     agents: Vec<SimAgent>,
     processes: BTreeMap<u64, Process>,
+    /// Nodes whose link is down, and the reports their agents keep until it
+    /// is back (as the real agent keeps unacknowledged reports).
+    cut: std::collections::BTreeSet<usize>,
+    unsent: Vec<(usize, pb::AllocationReport)>,
     /// Every job accepted, with whether it was cancelled and when (ms).
     accepted: BTreeMap<u64, Option<u64>>,
     stats: RunStats,
@@ -174,9 +195,11 @@ fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<ManualCl
 impl World {
     async fn start_host(&mut self) -> anyhow::Result<()> {
         let cfg = serve_config(&self.dir, &self.config, self.clock.clone())?;
-        // The hub's own timers run on the system clock: no node is declared
-        // lost by wall time in a run (agent faults are operations).
-        let hub = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(3600), productive_sm_pct: 10, reschedule_after: None };
+        // The hub's timers run on the host's (manual) clock: a node whose
+        // link is cut goes silent, is unreachable after 30 s and given up 20
+        // s later. Connected agents heartbeat before every clock move of at
+        // most 20 s, so they never look silent.
+        let hub = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(HEARTBEAT_TIMEOUT_S), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(20)) };
         let h = crate::serve::server::start_with_agents(cfg, hub).await?;
         self.url = format!("http://{}", h.addr);
         let mut api = crate::serve::cli::connect(&self.url, Some(OPERATOR), None, None).await?;
@@ -194,7 +217,7 @@ impl World {
         Ok(())
     }
 
-    async fn connect_agent(&self, i: usize) -> anyhow::Result<SimAgent> {
+    async fn connect_agent(&mut self, i: usize) -> anyhow::Result<SimAgent> {
         let name = format!("sim-{i}");
         let mut hub = crate::agent::connect_hub(&self.url, Some(AGENT), None).await?;
         let gpus = (0..8u32)
@@ -211,11 +234,37 @@ impl World {
                 }
             }
         });
-        let mut agent = SimAgent { name, hub, commands: rx, reader };
-        // The first heartbeat carries what runs here: the host reconciles.
-        let running: Vec<u64> = self.processes.iter().filter(|(_, p)| p.node == i).map(|(&a, _)| a).collect();
+        let mut agent = SimAgent { name, session, hub, commands: rx, reader };
+        // The first heartbeat carries what runs here, and what ended while
+        // the link was down (its reports follow): the host reconciles.
+        let running = self.running_on(i);
         agent.hub.heartbeat(pb::HeartbeatRequest { node: agent.name.clone(), session, running, ..Default::default() }).await.context("heartbeat")?;
+        for (_, r) in self.unsent.iter().filter(|(n, _)| *n == i) {
+            agent.hub.report_allocation(r.clone()).await.with_context(|| format!("late report of allocation {}", r.allocation_id))?;
+        }
+        self.unsent.retain(|(n, _)| *n != i);
         Ok(agent)
+    }
+
+    /// What node `i`'s agent says runs there: its live processes, and those
+    /// whose exit report is still unsent.
+    fn running_on(&self, i: usize) -> Vec<u64> {
+        let mut running: Vec<u64> = self.processes.iter().filter(|(_, p)| p.node == i).map(|(&a, _)| a).collect();
+        running.extend(self.unsent.iter().filter(|(n, _)| *n == i).map(|(_, r)| r.allocation_id));
+        running
+    }
+
+    /// Every connected agent heartbeats (what runs on its node).
+    async fn heartbeats(&mut self) -> anyhow::Result<()> {
+        for i in 0..self.agents.len() {
+            if self.cut.contains(&i) {
+                continue;
+            }
+            let running = self.running_on(i);
+            let a = &mut self.agents[i];
+            a.hub.heartbeat(pb::HeartbeatRequest { node: a.name.clone(), session: a.session, running, ..Default::default() }).await.with_context(|| format!("heartbeat of {}", a.name))?;
+        }
+        Ok(())
     }
 
     fn live(&self) -> &Arc<crate::serve::scheduler::Live> {
@@ -264,6 +313,9 @@ impl World {
 
     /// One command on simulated node `i`.
     async fn act(&mut self, i: usize, cmd: pb::AgentCommand) -> anyhow::Result<()> {
+        if self.cut.contains(&i) {
+            return Ok(()); // the link is down: the command is lost
+        }
         let id = cmd.allocation_id;
         let now = self.clock.unix_ms();
         let report = |state: &str, exit_code: i32, signal: i32| pb::AllocationReport {
@@ -320,6 +372,10 @@ impl World {
         let Some(p) = self.processes.remove(&alloc) else { return Ok(()) };
         let agent = &mut self.agents[p.node];
         let r = pb::AllocationReport { node: agent.name.clone(), allocation_id: alloc, state: "exited".into(), pid: alloc as u32, exit_code: code, signal, detail: String::new() };
+        if self.cut.contains(&p.node) {
+            self.unsent.push((p.node, r));
+            return Ok(());
+        }
         agent.hub.report_allocation(r).await.with_context(|| format!("exit report of allocation {alloc}"))?;
         Ok(())
     }
@@ -339,7 +395,7 @@ impl World {
                     ..Default::default()
                 };
                 let api = self.api.as_mut().expect("connected");
-                let id = api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await?.into_inner().job_id;
+                let id = api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await?.into_inner().job_id;
                 anyhow::ensure!(self.accepted.insert(id, None).is_none(), "job id {id} was given twice");
                 self.stats.submitted += 1;
             }
@@ -370,8 +426,11 @@ impl World {
                     let host_due = self.live().next_due_s(0).map(|s| s * 1000);
                     let exit_due = self.processes.values().filter_map(|p| p.exits_at_ms).min();
                     let next = [host_due, exit_due].into_iter().flatten().filter(|&t| t > self.clock.unix_ms()).min().unwrap_or(target).min(target);
+                    self.heartbeats().await?;
                     self.clock.set(next);
                     self.exits_due().await?;
+                    // Silent nodes are found on the moved clock.
+                    self.stats.nodes_given_up += self.host.as_ref().expect("the host runs").hub.sweep();
                     self.live().hold(0, false); // pokes the loop: timers are due
                     self.settle().await?;
                     if next >= target {
@@ -379,8 +438,29 @@ impl World {
                     }
                 }
             }
+            Op::Migrate { pick, checkpoint } => {
+                let movable: Vec<u64> = self.processes.iter().filter(|(_, p)| p.exits_at_ms.is_none() && !self.cut.contains(&p.node)).map(|(&a, _)| a).collect();
+                if movable.is_empty() {
+                    return Ok(());
+                }
+                let alloc = movable[pick as usize % movable.len()];
+                let api = self.api.as_mut().expect("connected");
+                match api.migrate_task(pb::MigrateTaskRequest { allocation_id: alloc, node: String::new(), checkpoint }).await {
+                    Ok(_) => self.stats.migrations += 1,
+                    // Not running (yet, or any more), migrating already, or no room.
+                    Err(s) if matches!(s.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound) => {}
+                    Err(s) => anyhow::bail!("migration of allocation {alloc}: {s:?}"),
+                }
+            }
+            Op::CutAgent { node } => {
+                let i = node as usize % self.agents.len();
+                if self.cut.insert(i) {
+                    self.stats.links_cut += 1;
+                }
+            }
             Op::RestartAgent { node } => {
                 let i = node as usize % self.agents.len();
+                self.cut.remove(&i);
                 self.agents[i] = self.connect_agent(i).await?;
                 self.stats.agent_restarts += 1;
             }
@@ -391,6 +471,7 @@ impl World {
                     h.shutdown().await;
                 }
                 self.start_host().await?;
+                self.cut.clear();
                 for i in 0..self.config.nodes {
                     let a = self.connect_agent(i).await?;
                     self.agents.push(a);
@@ -417,13 +498,8 @@ impl World {
                 }
             }
         }
-        let api = self.api.as_mut().expect("connected");
-        let jobs = api
-            .list_jobs(pb::ListJobsRequest { partition: PARTITION.into(), limit: u32::MAX, ..Default::default() })
-            .await
-            .map_err(|e| format!("ListJobs: {e:?}"))?
-            .into_inner()
-            .jobs;
+        let api = self.api.clone().expect("connected");
+        let jobs = crate::serve::cli::list_all_jobs(api, pb::ListJobsRequest { partition: PARTITION.into(), ..Default::default() }).await.map_err(|e| format!("ListJobs: {e:#}"))?;
         // Every accepted job listed exactly once.
         let mut listed: BTreeMap<u64, &pb::Job> = BTreeMap::new();
         for j in &jobs {
@@ -438,7 +514,9 @@ impl World {
         }
         // Every live process is held for its job by the host, or stopping.
         for (&a, p) in &self.processes {
-            if p.exits_at_ms.is_some() {
+            // Stopping; or on a node cut off, where no stop can arrive (the
+            // host fences its GPUs; the stop goes out when the link is back).
+            if p.exits_at_ms.is_some() || self.cut.contains(&p.node) {
                 continue;
             }
             let Some(j) = listed.get(&p.job) else { return Err(format!("allocation {a} runs for job {} the host does not list", p.job)) };
@@ -481,6 +559,8 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
         api: None,
         agents: Vec::new(),
         processes: BTreeMap::new(),
+        cut: Default::default(),
+        unsent: Vec::new(),
         accepted: BTreeMap::new(),
         stats: RunStats::default(),
     };
@@ -547,6 +627,9 @@ impl RunStats {
         self.evictions_seen += o.evictions_seen;
         self.host_restarts += o.host_restarts;
         self.agent_restarts += o.agent_restarts;
+        self.migrations += o.migrations;
+        self.links_cut += o.links_cut;
+        self.nodes_given_up += o.nodes_given_up;
     }
 }
 

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod asi;
 pub mod bench;
 pub mod bench_live;
+pub mod bench_retention;
 pub mod catalog;
 pub mod chaos;
 pub mod compact;

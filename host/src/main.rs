@@ -318,6 +318,33 @@ enum BenchCommand {
         #[arg(long, default_value = "target/chaos")]
         state_dir: PathBuf,
     },
+    /// A long-lived host's footprint: an in-process `berth serve` on a manual
+    /// clock runs many one-second jobs in rounds; at each tenth it prints
+    /// resident memory, jobs kept, the store's size and one `berth jobs`
+    /// page's latency.
+    Retention {
+        /// Jobs to run in all.
+        #[arg(long, default_value_t = 100_000)]
+        jobs: u64,
+        /// Ended jobs kept (the host's --retain-ended-jobs).
+        #[arg(long, default_value_t = 50_000)]
+        keep: usize,
+        /// Jobs submitted per round (1-256: one GPU each on 256 GPUs).
+        #[arg(long, default_value_t = 200)]
+        round: u32,
+        /// Keep no store (memory only) instead of the embedded one.
+        #[arg(long)]
+        memory_store: bool,
+        /// Placement policy (bundled name or .wasm path).
+        #[arg(long, default_value = "binpack")]
+        policy: String,
+        /// The host's state directory for the run (deleted after).
+        #[arg(long, default_value = "target/bench-retention")]
+        state_dir: PathBuf,
+        /// Print the samples as JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
     /// Decision latency of a live host with preemption: an in-process
     /// `berth serve` on one partition of N eight-GPU nodes, filled with
     /// low-priority whole-node jobs; high-priority jobs then arrive one at a
@@ -480,7 +507,7 @@ fn main() -> anyhow::Result<()> {
             let s = rt.block_on(berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds)))?;
             let secs = s.elapsed.as_secs_f64();
             println!(
-                "chaos: {} seeds from {seed}, {} operations in {secs:.1} s ({:.0} operations/s): {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts; violations: {}",
+                "chaos: {} seeds from {seed}, {} operations in {secs:.1} s ({:.0} operations/s): {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up; violations: {}",
                 s.seeds,
                 s.total.operations,
                 s.total.operations as f64 / secs.max(1e-9),
@@ -489,12 +516,28 @@ fn main() -> anyhow::Result<()> {
                 s.total.evictions_seen,
                 s.total.host_restarts,
                 s.total.agent_restarts,
+                s.total.migrations,
+                s.total.links_cut,
+                s.total.nodes_given_up,
                 usize::from(s.failure.is_some())
             );
             if let Some(report) = s.failure_report() {
                 eprint!("{report}");
                 std::process::exit(1);
             }
+        }
+        Command::Bench { what: BenchCommand::Retention { jobs, keep, round, memory_store, policy, state_dir, json } } => {
+            let b = berth::bench_retention::RetentionBench { jobs, keep, round, embedded_store: !memory_store, state_dir, policy };
+            berth::bench_retention::run(&b, |s| {
+                if json {
+                    println!("{}", serde_json::to_string(s).expect("samples serialize"));
+                } else {
+                    println!(
+                        "{:>9} jobs in {:>7.1} s: RSS {:>7.1} MiB, {:>6} jobs kept, store {:>7.1} MiB, one 50-job page {:.2} ms",
+                        s.jobs, s.elapsed_s, s.rss_mib, s.kept_jobs, s.store_mib, s.list_page_ms
+                    );
+                }
+            })?;
         }
         Command::Bench { what: BenchCommand::Live { nodes, policy, rank, preemptions, json } } => {
             let r = berth::bench_live::live(&policy, &rank, nodes, preemptions)?;

@@ -497,7 +497,7 @@ mod grpc {
         let job = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, duration_s: 60.0, argv: vec!["true".into()], ..Default::default() };
         let gpu = pb::GpuInfo { index: 0, uuid: "GPU-x".into(), model: "H800".into(), memory_total_mib: 80_000, ..Default::default() };
         vec![
-            ("/berth.v1.Berth/SubmitJob", pb::SubmitJobRequest { job: Some(job.clone()) }.encode_to_vec()),
+            ("/berth.v1.Berth/SubmitJob", pb::SubmitJobRequest { job: Some(job.clone()), ..Default::default() }.encode_to_vec()),
             ("/berth.v1.Berth/CancelJob", pb::CancelJobRequest { job_id: 1 }.encode_to_vec()),
             ("/berth.v1.Berth/ListJobs", pb::ListJobsRequest { partition: "p0".into(), ..Default::default() }.encode_to_vec()),
             ("/berth.v1.Berth/ExplainJob", pb::ExplainJobRequest { job_id: 1 }.encode_to_vec()),

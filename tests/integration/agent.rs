@@ -398,11 +398,11 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
     // Bad input names what is wrong.
     let mut bad = agent_job(&d, 1, 1);
     bad.models = vec!["Q9000".into()];
-    let e = api.submit_job(pb::SubmitJobRequest { job: Some(bad) }).await.unwrap_err();
+    let e = api.submit_job(pb::SubmitJobRequest { job: Some(bad), ..Default::default() }).await.unwrap_err();
     assert!(e.code() == Code::InvalidArgument && e.message().contains("Q9000") && e.message().contains("H20"), "{e:?}");
     let mut bad = agent_job(&d, 1, 1);
     bad.env.insert("A=B".into(), "x".into());
-    let e = api.submit_job(pb::SubmitJobRequest { job: Some(bad) }).await.unwrap_err();
+    let e = api.submit_job(pb::SubmitJobRequest { job: Some(bad), ..Default::default() }).await.unwrap_err();
     assert!(e.code() == Code::InvalidArgument && e.message().contains("A=B"), "{e:?}");
 
     // Five healthy GPUs; 2 + 1 + 1 + 2 asked: the last waits.
@@ -410,11 +410,11 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
     a.models = vec!["H20".into()];
     let mut ids = Vec::new();
     for spec in [a, agent_job(&d, 1, 1), agent_job(&d, 1, 1), agent_job(&d, 2, 1)] {
-        ids.push(api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap().into_inner().job_id);
+        ids.push(api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await.unwrap().into_inner().job_id);
     }
     // A simulated job never lands on an agent node, nor an argv job on a simulated one.
     let sim = api
-        .submit_job(pb::SubmitJobRequest { job: Some(pb::JobSpec { partition: "p0".into(), gpus: 1, duration_s: 600.0, ..Default::default() }) })
+        .submit_job(pb::SubmitJobRequest { job: Some(pb::JobSpec { partition: "p0".into(), gpus: 1, duration_s: 600.0, ..Default::default() }), ..Default::default() })
         .await
         .unwrap()
         .into_inner()
@@ -572,11 +572,11 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
         async move { api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes.into_iter().find(|n| n.name == "n1" && n.schedulable) }
     })
     .await;
-    let held = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let held = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let sim = |gpus, tasks| pb::JobSpec { partition: "p0".into(), gpus, tasks, duration_s: 3600.0, ..Default::default() };
     let mut sims = Vec::new();
     for spec in [sim(1, 1), sim(8, 2), sim(8, 1000)] {
-        sims.push(api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap().into_inner().job_id);
+        sims.push(api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await.unwrap().into_inner().job_id);
     }
     let before = until("the agent job's process and two simulated jobs running", Duration::from_secs(60), || {
         let api = api.clone();
@@ -619,9 +619,9 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
     })
     .await;
     let mut api = api;
-    let three = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 3, 1)) }).await.unwrap().into_inner().job_id;
+    let three = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 3, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     assert!(three > *sims.iter().max().unwrap(), "job ids continue after the restart");
-    let two = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let two = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     until("the 2-GPU job running beside the recovered one", Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.into_iter().find(|j| j.id == two && j.state == "running") }
@@ -687,7 +687,7 @@ async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu
 
     // 1. Killed and back within the grace: the task ran on, ended while no
     // agent watched, and the new agent reports how it ended.
-    let j1 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let j1 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let r1 = until("job 1 running on n1", Duration::from_secs(60), running(j1, "n1")).await.runs[0].clone();
     let pid1 = task_pid(&d.join("n1-state"), r1.allocation_id);
     kill9(&mut n1);
@@ -703,7 +703,7 @@ async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu
     assert_eq!((done.runs.len(), done.runs[0].allocation_id, done.runs[0].exit_code), (1, r1.allocation_id, 5), "{done:?}");
 
     // 2. Killed and back while the task still runs: adopted, same allocation.
-    let j2 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let j2 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let r2 = until("job 2 running on n1", Duration::from_secs(60), running(j2, "n1")).await.runs[0].clone();
     kill9(&mut n1);
     n1 = agent(&d, &url, "n1", "2xH20", &[]);
@@ -725,7 +725,7 @@ async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu
     // 3. Killed past the grace: the job is requeued on n2 while n1's GPUs
     // stay fenced (the old process may still run there); when n1 returns,
     // the old process is an orphan and is stopped, then the GPUs come back.
-    let j3 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let j3 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let r3 = until("job 3 running on n1", Duration::from_secs(60), running(j3, "n1")).await.runs[0].clone();
     let pid3 = task_pid(&d.join("n1-state"), r3.allocation_id);
     let _n2 = agent(&d, &url, "n2", "2xH20", &[]);
@@ -824,7 +824,7 @@ async fn a_running_task_migrates_make_before_break_and_a_failed_start_rolls_back
     })
     .await;
     let spec = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 2, cpu_milli: 1000, memory_mib: 1024, argv: migrate_argv(&d), ..Default::default() };
-    let job = api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap().into_inner().job_id;
+    let job = api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await.unwrap().into_inner().job_id;
     let first = until("the task running", Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.into_iter().find(|j| j.id == job && j.state == "running" && j.runs.len() == 1 && j.runs[0].state == "running").map(|j| j.runs[0].clone()) }

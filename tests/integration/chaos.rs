@@ -29,7 +29,7 @@ fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
         panic!("{report}");
     }
     eprintln!(
-        "chaos: {} seeds, {} operations in {:.1} s, {} jobs, {} processes, {} notices, {} host restarts, {} agent restarts",
+        "chaos: {} seeds, {} operations in {:.1} s, {} jobs, {} processes, {} notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up",
         s.seeds,
         s.total.operations,
         s.elapsed.as_secs_f64(),
@@ -37,12 +37,16 @@ fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
         s.total.processes_started,
         s.total.evictions_seen,
         s.total.host_restarts,
-        s.total.agent_restarts
+        s.total.agent_restarts,
+        s.total.migrations,
+        s.total.links_cut,
+        s.total.nodes_given_up
     );
     // The budget drove the host through every kind of operation.
     let t = &s.total;
     assert!(s.seeds >= 2 && t.operations >= 300, "{s:?}");
     assert!(t.processes_started > 0 && t.evictions_seen > 0 && t.host_restarts > 0 && t.agent_restarts > 0, "{s:?}");
+    assert!(t.migrations > 0 && t.links_cut > 0 && t.nodes_given_up > 0, "migrations and node losses were driven: {s:?}");
 }
 
 /// The generator is a function of the seed: a failure's seed reproduces it.

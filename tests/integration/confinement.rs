@@ -67,7 +67,7 @@ async fn a_tenants_task_sees_no_credential_of_the_host_or_the_agent() {
     let mut spec = agent_job(&d, 1, 1);
     spec.argv = vec!["sh".into(), "-c".into(), script];
     spec.env.insert("MY_SETTING".into(), "on".into());
-    let job = alice.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap().into_inner().job_id;
+    let job = alice.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await.unwrap().into_inner().job_id;
     until("alice's task to finish", Duration::from_secs(60), || {
         let ops = ops.clone();
         async move { jobs(&ops).await.iter().any(|j| j.id == job && j.state == "finished").then_some(()) }
@@ -105,7 +105,7 @@ async fn an_agent_identity_acts_only_as_its_node_and_nobody_learns_what_exists()
     let mut ops = api(&url, "ops-test-token").await;
     schedulable(&ops, "n1").await;
     schedulable(&ops, "n2").await;
-    let job = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)) }).await.unwrap().into_inner().job_id;
+    let job = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let alloc = until("the job's task running", Duration::from_secs(60), || {
         let ops = ops.clone();
         async move { jobs(&ops).await.into_iter().find(|j| j.id == job && j.runs.iter().any(|r| r.state == "running")).map(|j| j.runs[0].allocation_id) }
@@ -206,7 +206,7 @@ async fn a_preemptor_cancelled_during_the_notice_lets_nothing_start_on_gpus_stil
     let up = ops.upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "rank".into(), ..Default::default() }).await.unwrap().into_inner();
     ops.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.policy.unwrap().version, hook: "rank".into() }).await.unwrap();
 
-    let low = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 4, 1)) }).await.unwrap().into_inner().job_id;
+    let low = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 4, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let low_alloc = until("L running", Duration::from_secs(60), || {
         let ops = ops.clone();
         async move { jobs(&ops).await.into_iter().find(|j| j.id == low && j.runs.iter().any(|r| r.state == "running")).map(|j| j.runs[0].allocation_id) }
@@ -217,16 +217,16 @@ async fn a_preemptor_cancelled_during_the_notice_lets_nothing_start_on_gpus_stil
 
     let mut high = agent_job(&d, 2, 1);
     high.priority = 5;
-    let h = ops.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    let h = ops.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
     until("H placed, waiting for L", Duration::from_secs(60), || {
         let ops = ops.clone();
         async move { jobs(&ops).await.iter().any(|j| j.id == h && j.state == "running").then_some(()) }
     })
     .await;
     // A job for the 2 GPUs H did not take, then H cancelled, then one for all 4.
-    let small = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let small = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     ops.cancel_job(pb::CancelJobRequest { job_id: h }).await.unwrap();
-    let big = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 4, 1)) }).await.unwrap().into_inner().job_id;
+    let big = ops.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 4, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
 
     // Until L's process is gone, nothing else starts (no process of theirs
     // writes its GPUs), and L is not shown pending.

@@ -29,6 +29,7 @@ memory_gib = 1024
 fn small_job(gpus: u32, tasks: u32, duration_s: f64) -> pb::SubmitJobRequest {
     pb::SubmitJobRequest {
         job: Some(pb::JobSpec { partition: "p0".into(), tasks, gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, duration_s, ..Default::default() }),
+        ..Default::default()
     }
 }
 

@@ -72,11 +72,11 @@ async fn a_deposed_leader_cannot_write() {
     let (_b, url_b) = b_task.await.unwrap();
     let mut b = berth::serve::cli::connect(&url_b, Some("ops-test-token"), None, None).await.unwrap();
     let job = pb::JobSpec { partition: "p0".into(), gpus: 1, duration_s: 600.0, ..Default::default() };
-    let on_b = b.submit_job(pb::SubmitJobRequest { job: Some(job.clone()) }).await.unwrap().into_inner().job_id;
+    let on_b = b.submit_job(pb::SubmitJobRequest { job: Some(job.clone()), ..Default::default() }).await.unwrap().into_inner().job_id;
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     let mut a_api = berth::serve::cli::connect(&url_a, Some("ops-test-token"), None, None).await.unwrap();
-    let refused = a_api.submit_job(pb::SubmitJobRequest { job: Some(job) }).await.unwrap_err();
+    let refused = a_api.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(refused.message().contains("not the leader"), "{}", refused.message());
     let on_b_now: Vec<u64> = jobs(&b).await.iter().map(|j| j.id).collect();
@@ -131,10 +131,10 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
         .policy
         .unwrap();
     api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: up.version, ..Default::default() }).await.unwrap();
-    let held = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let held = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let sim = |gpus, tasks| pb::JobSpec { partition: "p0".into(), gpus, tasks, duration_s: 3600.0, ..Default::default() };
     for spec in [sim(1, 1), sim(8, 3), sim(8, 1000)] {
-        api.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap();
+        api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await.unwrap();
     }
     let before = until("the leader's jobs running", Duration::from_secs(60), || {
         let api = api.clone();
@@ -175,9 +175,9 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
         async move { node_info(&api, "n1").await.filter(|n| n.schedulable && n.gpus_idle == 2) }
     })
     .await;
-    let three = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 3, 1)) }).await.unwrap().into_inner().job_id;
+    let three = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 3, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     assert!(three > before.iter().map(|j| j.id).max().unwrap(), "job ids continue on the new leader");
-    let two = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let two = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     until("a new 2-GPU task beside the adopted one", Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.into_iter().find(|j| j.id == two && j.state == "running" && j.runs.iter().all(|r| r.state == "running")) }

@@ -69,7 +69,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     // The replica: high priority, the whole node.
     let mut replica = agent_job(&d, 4, 1);
     replica.priority = 5;
-    let r = api.submit_job(pb::SubmitJobRequest { job: Some(replica) }).await.unwrap().into_inner().job_id;
+    let r = api.submit_job(pb::SubmitJobRequest { job: Some(replica), ..Default::default() }).await.unwrap().into_inner().job_id;
     let up = |api: &berth::serve::cli::Client, what: &'static str, f: fn(&pb::Job) -> bool, id: u64| {
         let api = api.clone();
         until(what, Duration::from_secs(60), move || {
@@ -84,7 +84,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     let pid = allocs.iter().find(|a| a.id == rj.runs[0].allocation_id).expect("the replica's allocation").pid;
 
     // Low-priority work waits: no GPU is free.
-    let low = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(job(&jobs(&api).await, low).state, "pending");
 
@@ -109,7 +109,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     // (and takes nothing back from the borrower either).
     let mut high = agent_job(&d, 1, 1);
     high.priority = 5;
-    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let js = jobs(&api).await;
     assert_eq!(job(&js, h).state, "pending", "{:?}", job(&js, h));
@@ -194,7 +194,7 @@ fn the_harvest_schedule_puts_sleepable_jobs_to_sleep_in_the_trough_and_wakes_the
     let submit = |gpus: u32, priority: u32, sleepable: bool| {
         // One partition of 32 eight-GPU nodes: 32 whole-node jobs fill it.
         let spec = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, priority, duration_s: 36_000.0, sleepable, ..Default::default() };
-        rt.block_on(api.clone().submit_job(pb::SubmitJobRequest { job: Some(spec) })).unwrap().into_inner().job_id
+        rt.block_on(api.clone().submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() })).unwrap().into_inner().job_id
     };
     let replica = submit(8, 5, true);
     let others: Vec<u64> = (0..31).map(|_| submit(8, 5, false)).collect();

@@ -79,13 +79,13 @@ async fn release(hub: &mut berth::agent::HubClient, api: &berth::serve::cli::Cli
 /// holds steer the placements); returns the jobs (on n1, on n2).
 async fn fragment(d: &Path, api: &mut berth::serve::cli::Client, hub: &mut berth::agent::HubClient) -> (pb::Job, pb::Job) {
     let h2 = hold(hub, "n2", vec![0, 1, 2, 3]).await;
-    let a = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)) }).await.unwrap().into_inner().job_id;
+    let a = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let a = until_running(api, a).await;
     assert_eq!(a.runs[0].node, "n1");
     let free: Vec<u32> = (0..4).filter(|g| !a.runs[0].gpus.contains(g)).collect();
     let h1 = hold(hub, "n1", free).await;
     release(hub, api, h2, "n2", 4).await;
-    let b = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)) }).await.unwrap().into_inner().job_id;
+    let b = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let b = until_running(api, b).await;
     assert_eq!(b.runs[0].node, "n2");
     release(hub, api, h1, "n1", 2).await;
@@ -123,7 +123,7 @@ async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_
     upload_ipc(&mut api).await;
     std::fs::write(d.join("ready-ok"), "").unwrap();
     let (a, b) = fragment(&d, &mut api, &mut hub).await;
-    let whole = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 4, false)) }).await.unwrap().into_inner().job_id;
+    let whole = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 4, false)), ..Default::default() }).await.unwrap().into_inner().job_id;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(jobs(&api).await.iter().find(|j| j.id == whole).unwrap().state, "pending");
 
@@ -305,7 +305,7 @@ async fn a_hostile_compact_policy_trips_its_breaker_and_nothing_moves() {
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     // A job with a command and no agent node: pending, so the policy sees a
     // pending shape and misbehaves.
-    let job = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 2, true)) }).await.unwrap().into_inner().job_id;
+    let job = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 2, true)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let component = std::fs::read(crate::common::guest_path("hostile")).unwrap();
     for mode in ["compact-invalid", "compact-loop"] {
         // The upload smoke plan (nothing pending) is honest: accepted.

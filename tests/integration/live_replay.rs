@@ -96,7 +96,7 @@ fn the_live_host_and_replay_make_the_same_decisions_for_one_event_sequence() {
         while trace.get(next).is_some_and(|a| T0 + a.0 == t) {
             let (_, priority, tasks, gpus, cpu_milli, memory_mib, duration_s) = trace[next];
             let spec = pb::JobSpec { partition: "p0".into(), priority, tasks, gpus, gpu_milli: 1000, cpu_milli, memory_mib, duration_s: duration_s as f64, ..Default::default() };
-            ids.push(rt.block_on(api.submit_job(pb::SubmitJobRequest { job: Some(spec) })).unwrap().into_inner().job_id);
+            ids.push(rt.block_on(api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() })).unwrap().into_inner().job_id);
             next += 1;
         }
         live.hold(0, false);

@@ -117,7 +117,7 @@ async fn berth_frag_shadows_fgd_live_and_the_ab_report_shows_the_difference() {
     for &s in &shapes {
         let (gpus, gpu_milli, cpu_milli, memory_mib, _) = SHAPES[s];
         let spec = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, gpu_milli, cpu_milli, memory_mib, duration_s: 3600.0, ..Default::default() };
-        alice.submit_job(pb::SubmitJobRequest { job: Some(spec) }).await.unwrap();
+        alice.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await.unwrap();
     }
     let all = settle(&mut ops, "p0").await;
     assert_eq!(all.len(), shapes.len());

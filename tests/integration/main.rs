@@ -24,5 +24,6 @@ mod partition;
 mod pool;
 mod preempt;
 mod replay;
+mod retention;
 mod security;
 mod serve;

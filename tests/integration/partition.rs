@@ -168,7 +168,7 @@ async fn a_partitioned_agent_keeps_its_task_its_gpus_are_fenced_and_reconciled_o
     };
 
     // A long task on n1, the only node; then n2 on the host side.
-    let j1 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let j1 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let r1 = until("job 1 running on n1", Duration::from_secs(60), running_on(j1, "n1")).await.runs[0].clone();
     let pid1 = task_pid(&d.join("n1-state"), r1.allocation_id);
     assert!(alive(pid1));
@@ -204,7 +204,7 @@ async fn a_partitioned_agent_keeps_its_task_its_gpus_are_fenced_and_reconciled_o
 
     // A second 2-GPU job: n2 is full and n1's GPUs are fenced, so it must
     // wait. Watched for 2 s (10 of n2's heartbeats, several decision rounds).
-    let j2 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let j2 = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let watch = Instant::now();
     while watch.elapsed() < Duration::from_secs(2) {
         let live = check_one_owner(&api, &hub).await;

@@ -87,7 +87,7 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     // Low-priority fill: A (2 GPUs, oldest), then B and C (1 GPU each).
     let mut low = Vec::new();
     for gpus in [2, 1, 1] {
-        let id = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, gpus)) }).await.unwrap().into_inner().job_id;
+        let id = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, gpus)), ..Default::default() }).await.unwrap().into_inner().job_id;
         low.push(id);
         running(&api, &low).await; // started one after the other: A ran longest
         tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -101,7 +101,7 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     // C then B, which is enough; A keeps running.
     let mut high = agent_job(&d, 2, 1);
     high.priority = 5;
-    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
     let hj = running(&api, &[h]).await.remove(0);
     let mut got = hj.runs[0].gpus.clone();
     got.sort_unstable();
@@ -162,10 +162,10 @@ async fn a_task_checkpoint_report_changes_who_is_preempted() {
     schedulable(&api, "n1").await;
     upload_rank(&mut api, &policy_path("spot-gpu")).await;
     // A starts first: by time since start it has the most to recompute.
-    let a = api.submit_job(pb::SubmitJobRequest { job: Some(checkpointing_job(&d)) }).await.unwrap().into_inner().job_id;
+    let a = api.submit_job(pb::SubmitJobRequest { job: Some(checkpointing_job(&d)), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[a]).await;
     tokio::time::sleep(Duration::from_millis(2200)).await;
-    let b = api.submit_job(pb::SubmitJobRequest { job: Some(checkpointing_job(&d)) }).await.unwrap().into_inner().job_id;
+    let b = api.submit_job(pb::SubmitJobRequest { job: Some(checkpointing_job(&d)), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[b]).await;
     tokio::time::sleep(Duration::from_millis(2200)).await;
     // Then A saves its work: now it has the least to recompute.
@@ -196,7 +196,7 @@ async fn a_task_checkpoint_report_changes_who_is_preempted() {
     // One GPU for a high-priority job: spot-gpu takes A, the checkpointed one.
     let mut high = agent_job(&d, 1, 1);
     high.priority = 5;
-    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[h]).await;
     let ev = evictions(&mut api).await;
     assert_eq!(ev.iter().map(|e| e.job_id).collect::<Vec<_>>(), vec![a], "{ev:?}");
@@ -225,12 +225,12 @@ async fn a_hostile_rank_policy_trips_its_breaker_and_the_default_ranking_takes_o
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
     let hostile = upload_rank(&mut api, &guest_path("hostile")).await;
-    let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)) }).await.unwrap().into_inner().job_id;
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[low]).await;
     // The hostile version answers an out-of-range index for priority 77.
     let mut high = agent_job(&d, 2, 1);
     high.priority = 77;
-    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[h]).await;
     let all = jobs(&api).await;
     assert_one_owner(&all, &[]);
@@ -271,13 +271,13 @@ async fn a_quote_matches_what_then_happens() {
     // A 4-GPU job with a 4 s limit fills the node.
     let mut fill = agent_job(&d, 4, 1);
     fill.duration_s = 4.0;
-    let first = api.submit_job(pb::SubmitJobRequest { job: Some(fill) }).await.unwrap().into_inner().job_id;
+    let first = api.submit_job(pb::SubmitJobRequest { job: Some(fill), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[first]).await;
     let q = quote(&api, 2).await;
     assert_eq!(q.now, 0, "{q:?}");
     assert!(q.has_next && q.next_in_s <= 4, "{q:?}");
     let quoted = std::time::Instant::now() + Duration::from_secs(q.next_in_s);
-    let next = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)) }).await.unwrap().into_inner().job_id;
+    let next = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[next]).await;
     let now = std::time::Instant::now();
     // It started when the quote said, give or take the stop of the first
@@ -320,11 +320,11 @@ async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
     upload_rank(&mut api, &policy_path("spot-gpu")).await;
-    let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)) }).await.unwrap().into_inner().job_id;
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[low]).await;
     let mut high = agent_job(&d, 2, 1);
     high.priority = 5;
-    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high) }).await.unwrap().into_inner().job_id;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[h]).await;
     assert_eq!(evictions(&mut api).await.iter().map(|e| e.job_id).collect::<Vec<_>>(), vec![low]);
     // The high-priority job ends: its GPUs are free, the victim stays queued.

@@ -76,6 +76,7 @@ pub(crate) fn job(partition: &str, gpus: u32) -> pb::SubmitJobRequest {
             duration_s: 3600.0,
             ..Default::default()
         }),
+        ..Default::default()
     }
 }
 

@@ -288,6 +288,11 @@ pub struct Engine {
     class_of: Vec<u32>,
     classes: Vec<(Option<u32>, u32, TaskShape)>,
     class_ids: HashMap<(Option<u32>, u32, TaskShape), u32>,
+    /// Slots using each class; a class no slot uses is recycled, so the
+    /// table grows with the distinct shapes of the jobs held, not of every
+    /// job ever registered (tenants choose CPU and memory freely).
+    class_refs: Vec<u32>,
+    free_classes: Vec<u32>,
     pending: Vec<Slot>,
     /// Jobs that joined the queue (or must be retried) since the last pass.
     fresh: Vec<bool>,
@@ -330,6 +335,8 @@ impl Engine {
             class_of: Vec::new(),
             classes: Vec::new(),
             class_ids: HashMap::new(),
+            class_refs: Vec::new(),
+            free_classes: Vec::new(),
             pending: Vec::new(),
             fresh: Vec::new(),
             runs: Runs::default(),
@@ -356,11 +363,25 @@ impl Engine {
     /// [`Event::Arrive`]); returns its slot.
     pub fn register(&mut self, job: Job) -> Slot {
         let key = (job.partition, job.tasks, job.shape.clone());
-        let next = self.classes.len() as u32;
-        let class = *self.class_ids.entry(key.clone()).or_insert_with(|| next);
-        if class == next {
-            self.classes.push(key);
-        }
+        let class = match self.class_ids.get(&key) {
+            Some(&c) => c,
+            None => {
+                let c = match self.free_classes.pop() {
+                    Some(c) => {
+                        self.classes[c as usize] = key.clone();
+                        c
+                    }
+                    None => {
+                        self.classes.push(key.clone());
+                        self.class_refs.push(0);
+                        self.classes.len() as u32 - 1
+                    }
+                };
+                self.class_ids.insert(key, c);
+                c
+            }
+        };
+        self.class_refs[class as usize] += 1;
         if let Some(slot) = self.free_slots.pop() {
             // `forget` left every per-slot field as a new slot has it.
             self.class_of[slot] = class;
@@ -389,6 +410,13 @@ impl Engine {
         if busy || self.free_slots.contains(&slot) {
             return false;
         }
+        let class = self.class_of[slot];
+        self.class_refs[class as usize] -= 1;
+        if self.class_refs[class as usize] == 0 {
+            self.class_ids.remove(&self.classes[class as usize]);
+            self.gang_bounds.forget_class(class);
+            self.free_classes.push(class);
+        }
         self.jobs[slot] = Job::default();
         self.fresh[slot] = false;
         self.runs.reset(slot);
@@ -400,6 +428,12 @@ impl Engine {
     /// Slots in the table (reused ones included): what a live host holds.
     pub fn slots_in_use(&self) -> usize {
         self.jobs.len() - self.free_slots.len()
+    }
+
+    /// Shape classes in use (distinct partition, tasks and shape among the
+    /// jobs held).
+    pub fn classes_in_use(&self) -> usize {
+        self.classes.len() - self.free_classes.len()
     }
 
     pub fn job(&self, slot: Slot) -> &Job {
@@ -1373,6 +1407,11 @@ impl GangBounds {
 
     fn record(&mut self, key: GangKey, fitting: u32) {
         self.bounds.insert(key, fitting);
+    }
+
+    /// A class id is recycled: what was known of its old shape goes.
+    fn forget_class(&mut self, class: u32) {
+        self.bounds.retain(|((_, c), _), _| *c != class);
     }
 
     /// True when the gang surely cannot fit: its bound is below its size.

@@ -112,3 +112,48 @@ fn a_sleeping_job_lends_its_gpus_to_low_priority_work_until_it_wakes() {
     assert!(engine.forget(replica));
     fleet.check_invariants().unwrap();
 }
+
+/// Shape classes are interned per distinct (partition, tasks, shape); a
+/// tenant choosing a new CPU figure for every job must not grow the table
+/// past the jobs held. A recycled class forgets what was known of its old
+/// shape (a gang that did not fit before may fit as the new shape).
+#[test]
+fn shape_classes_of_forgotten_jobs_are_recycled() {
+    let mut fleet = Fleet::new(vec!["A".into()], vec![Node::new("n0", Some(0), 8, 64_000, 256_000)]).unwrap();
+    let mut engine = Engine::new(SimConfig::default());
+    let mut now = 0;
+    for id in 1..=2000u64 {
+        let mut j = job(id, 1);
+        j.shape.cpu_milli = 100 + id as u32; // a new shape every time
+        let s = engine.register(j);
+        now += 1;
+        let placed = pass(&mut engine, &mut fleet, now, vec![Event::Arrive(s)]);
+        assert!(placed.iter().any(|d| matches!(d, Decision::Place { .. })), "job {id}: {placed:?}");
+        now += 1;
+        let _ = pass(&mut engine, &mut fleet, now, vec![Event::End(s)]);
+        assert!(engine.forget(s));
+        assert!(engine.classes_in_use() <= 1, "job {id}: {} classes in use", engine.classes_in_use());
+    }
+    // Two jobs of one shape share a class; it stays while either is held.
+    let a = engine.register(job(5000, 2));
+    let b = engine.register(job(5001, 2));
+    assert_eq!(engine.classes_in_use(), 1);
+    let _ = pass(&mut engine, &mut fleet, now + 1, vec![Event::Arrive(a), Event::Arrive(b)]);
+    let _ = pass(&mut engine, &mut fleet, now + 2, vec![Event::End(a)]);
+    assert!(engine.forget(a));
+    assert_eq!(engine.classes_in_use(), 1, "job 5001 still holds the class");
+    // A two-task gang that cannot fit (the node has 8 GPUs, each task wants
+    // 8, one GPU pair is held): its class learns a bound; once forgotten and
+    // recycled for a shape that fits, the new job is placed.
+    let mut big = job(6000, 8);
+    big.tasks = 2;
+    let g = engine.register(big);
+    let none = pass(&mut engine, &mut fleet, now + 3, vec![Event::Arrive(g)]);
+    assert!(none.iter().all(|d| !matches!(d, Decision::Place { job: 6000, .. })));
+    let _ = pass(&mut engine, &mut fleet, now + 4, vec![Event::Cancel(g)]);
+    assert!(engine.forget(g));
+    let small = engine.register(job(6001, 1));
+    let placed = pass(&mut engine, &mut fleet, now + 5, vec![Event::Arrive(small)]);
+    assert!(placed.iter().any(|d| matches!(d, Decision::Place { job: 6001, .. })), "{placed:?}");
+    fleet.check_invariants().unwrap();
+}

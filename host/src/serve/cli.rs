@@ -138,6 +138,19 @@ pub struct ServeArgs {
     /// work; at WAKE_H every sleeping `--sleepable` job wakes.
     #[arg(long)]
     harvest: Option<String>,
+    /// Ended jobs (finished, failed, cancelled) stay listed, explainable and
+    /// stored this many hours after they end; then they leave memory and
+    /// the store (with their idempotency keys).
+    #[arg(long, default_value_t = 168.0)]
+    retain_ended_h: f64,
+    /// At most this many ended jobs are kept per partition (the oldest
+    /// leave first, whatever --retain-ended-h says).
+    #[arg(long, default_value_t = 50_000)]
+    retain_ended_jobs: usize,
+    /// The decision log (decisions.jsonl in --state-dir) is rotated past
+    /// this many MiB; two rotated files are kept, older ones deleted.
+    #[arg(long, default_value_t = 64)]
+    decision_log_mib: u64,
 }
 
 impl ServeArgs {
@@ -189,6 +202,16 @@ impl ServeArgs {
                 },
                 auto_compaction: !self.no_auto_compaction,
                 harvest: self.harvest.as_deref().map(crate::asi::preempt::parse_harvest).transpose().context("--harvest")?,
+                retention: {
+                    anyhow::ensure!(self.retain_ended_h.is_finite() && self.retain_ended_h >= 0.0, "--retain-ended-h must be a number of hours, 0 or more");
+                    anyhow::ensure!(self.decision_log_mib >= 1, "--decision-log-mib must be at least 1");
+                    crate::serve::retention::Retention {
+                        ended_for: Duration::from_secs_f64(self.retain_ended_h.min(100.0 * 365.0 * 24.0) * 3600.0),
+                        ended_max: self.retain_ended_jobs,
+                        decision_log_bytes: self.decision_log_mib << 20,
+                        ..Default::default()
+                    }
+                },
                 ..Default::default()
             },
             store: match &self.etcd {
@@ -423,6 +446,12 @@ pub enum ApiCommand {
         /// it to sleep in the daily trough, lending its GPUs.
         #[arg(long)]
         sleepable: bool,
+        /// Makes a retried submission safe: the host answers a second
+        /// submission with the same key (yours, for a job it still keeps)
+        /// with the first one's job instead of a new one. Default: a fresh
+        /// random key, reused by this command's own retries.
+        #[arg(long)]
+        idempotency_key: Option<String>,
         #[command(flatten)]
         conn: Conn,
         /// After `--`: a command to run per task on agent nodes, with exactly
@@ -482,6 +511,10 @@ pub enum ApiCommand {
         /// At most this many jobs.
         #[arg(long, default_value_t = 50)]
         limit: u32,
+        /// Only jobs with ids below this one: the next page (the listing
+        /// names the value to pass).
+        #[arg(long, default_value_t = 0)]
+        before: u64,
         #[command(flatten)]
         conn: Conn,
     },
@@ -745,6 +778,46 @@ async fn client(conn: &Conn) -> anyhow::Result<Client> {
     connect(&conn.server, conn.token.as_deref(), conn.ca.as_deref(), identity).await
 }
 
+/// Every job `req` selects, read page by page (a page is at most 10,000
+/// jobs and 4 MiB).
+pub async fn list_all_jobs(mut api: Client, mut req: pb::ListJobsRequest) -> anyhow::Result<Vec<pb::Job>> {
+    let mut all = Vec::new();
+    loop {
+        let page = api.list_jobs(req.clone()).await.map_err(status)?.into_inner();
+        all.extend(page.jobs);
+        if page.next_before_id == 0 {
+            return Ok(all);
+        }
+        req.before_id = page.next_before_id;
+    }
+}
+
+/// Submits, retrying (with the same idempotency key) when the reply was
+/// lost: the host unreachable, or gone mid-call. A retry of a submission
+/// that was stored answers with the stored job, so none is made twice.
+async fn submit_with_retries(conn: &Conn, req: pb::SubmitJobRequest) -> anyhow::Result<pb::SubmitJobResponse> {
+    const TRIES: u32 = 4;
+    let mut last = None;
+    for attempt in 0..TRIES {
+        if attempt > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(250 << attempt)).await;
+        }
+        let mut c = match client(conn).await {
+            Ok(c) => c,
+            Err(e) => {
+                last = Some(e);
+                continue;
+            }
+        };
+        match c.submit_job(req.clone()).await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled) => last = Some(status(s)),
+            Err(s) => return Err(status(s)),
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no attempt made")).context(format!("submitting ({TRIES} tries with idempotency key {})", req.idempotency_key)))
+}
+
 /// Turns a gRPC status into an error that names its code.
 fn status(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", s.code(), esc(s.message()))
@@ -760,7 +833,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, conn, argv } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, idempotency_key, conn, argv } => {
             let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
             let env = env
                 .iter()
@@ -783,8 +856,16 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 wait_ready,
                 sleepable,
             };
-            let r = client(&conn).await?.submit_job(pb::SubmitJobRequest { job: Some(job) }).await.map_err(status)?;
-            println!("job {}", r.into_inner().job_id);
+            let idempotency_key = idempotency_key.unwrap_or_else(|| {
+                use rand::Rng;
+                format!("cli-{:032x}", rand::rng().random::<u128>())
+            });
+            let r = submit_with_retries(&conn, pb::SubmitJobRequest { job: Some(job), idempotency_key }).await?;
+            if r.duplicate {
+                println!("job {} (submitted before under this idempotency key)", r.job_id);
+            } else {
+                println!("job {}", r.job_id);
+            }
         }
         ApiCommand::Migrate { allocation, to, checkpoint, conn } => {
             let r = client(&conn).await?.migrate_task(pb::MigrateTaskRequest { allocation_id: allocation, node: to, checkpoint }).await.map_err(status)?.into_inner();
@@ -802,15 +883,20 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.cancel_job(pb::CancelJobRequest { job_id: job }).await.map_err(status)?;
             println!("job {job} cancelled (was {})", r.into_inner().previous_state);
         }
-        ApiCommand::Jobs { partition, state, limit, conn } => {
-            let r = client(&conn).await?.list_jobs(pb::ListJobsRequest { partition, state, limit }).await.map_err(status)?;
+        ApiCommand::Jobs { partition, state, limit, before, conn } => {
+            let r = client(&conn).await?.list_jobs(pb::ListJobsRequest { partition, state, limit, before_id: before }).await.map_err(status)?.into_inner();
+            let next = r.next_before_id;
             println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  placement", "job", "part", "owner", "state", "tasks", "gpus", "decided", "ver");
-            for j in r.into_inner().jobs {
+            for j in r.jobs {
                 let s = j.spec.unwrap_or_default();
                 let decided = if j.decision_id == 0 { "-".to_string() } else { format!("#{}", j.decision_id) };
                 let ver = if j.policy_version == 0 { "-".to_string() } else { format!("v{}", j.policy_version) };
                 let state = if j.sleep.is_empty() || j.sleep == "awake" { j.state } else { j.sleep };
                 println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}", j.id, s.partition, j.owner, state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
+            }
+            if next != 0 {
+                // On stderr: the table stays a table for scripts.
+                eprintln!("more jobs: --before {next}");
             }
         }
         ApiCommand::Nodes { partition, conn } => {

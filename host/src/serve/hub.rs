@@ -20,7 +20,6 @@ use crate::serve::actuation::AgentTopology;
 use crate::serve::auth::{check_node_name, Identity, Role};
 use crate::serve::pb::{self, agent_hub_server::AgentHub};
 use crate::serve::scheduler::{Actuator, Live, Start};
-use crate::serve::unix_ms;
 
 /// Host-side agent settings.
 #[derive(Clone, Copy, Debug)]
@@ -71,7 +70,24 @@ struct AgentRecord {
 struct HubState {
     agents: BTreeMap<String, AgentRecord>,
     allocations: BTreeMap<u64, pb::AllocationInfo>,
+    /// Allocations that stopped holding GPUs, oldest first: listed until
+    /// the retention's count of newer ones ended.
+    ended: std::collections::VecDeque<u64>,
     next_session: u64,
+}
+
+impl HubState {
+    /// Allocation `id` holds no GPUs any more: the oldest ended ones past
+    /// `keep` leave the listing.
+    fn ended(&mut self, id: u64, keep: usize) {
+        self.ended.push_back(id);
+        while self.ended.len() > keep {
+            let Some(old) = self.ended.pop_front() else { break };
+            if self.allocations.get(&old).is_some_and(|a| !holds_gpus(&a.state)) {
+                self.allocations.remove(&old);
+            }
+        }
+    }
 }
 
 /// Allocation states that hold their GPUs.
@@ -104,12 +120,16 @@ impl Hub {
     }
 
     /// Marks nodes whose heartbeats stopped as unreachable (logged once per
-    /// transition). Runs every quarter of the timeout.
-    pub fn sweep(&self) {
+    /// transition), and gives up those silent past the grace (their jobs
+    /// requeued, their GPUs fenced). Runs every quarter of the timeout, and
+    /// before node listings. Returns how many nodes it gave up.
+    pub fn sweep(&self) -> usize {
         let (mut lost, mut give_up) = (Vec::new(), Vec::new());
         {
             let mut st = self.state.lock().unwrap();
-            let now = Instant::now();
+            // The host's clock: a simulation moves it by hand, and nodes
+            // go silent on it, not on the machine's.
+            let now = self.live.clock.now();
             for (name, a) in st.agents.iter_mut() {
                 let silent = now.duration_since(a.last_heartbeat);
                 if silent > self.config.heartbeat_timeout && a.reachable {
@@ -132,12 +152,14 @@ impl Hub {
         for (partition, node) in lost {
             self.live.agent_node_schedulable(&partition, &node, false);
         }
+        let given_up = give_up.len();
         for (partition, node, silent) in give_up {
             let jobs = self.live.give_up_node(&partition, &node, &format!("node {node} unreachable for {:.1} s", silent.as_secs_f64()));
             if !jobs.is_empty() {
                 tracing::warn!(target: "berth::agent", node = %node, ?jobs, "node given up: jobs requeued, its GPUs fenced until it returns");
             }
         }
+        given_up
     }
 
     /// Spawns the sweeper on the current runtime; it stops with `stop`.
@@ -147,7 +169,9 @@ impl Hub {
         tokio::spawn(async move {
             loop {
                 tokio::select! {
-                    _ = tokio::time::sleep(period) => hub.sweep(),
+                    _ = tokio::time::sleep(period) => {
+                        hub.sweep();
+                    }
                     _ = stop.wait_for(|s| *s) => return,
                 }
             }
@@ -212,8 +236,8 @@ impl Hub {
                 source: r.source,
                 session,
                 gpus,
-                last_heartbeat: Instant::now(),
-                last_heartbeat_unix_ms: unix_ms(),
+                last_heartbeat: self.live.clock.now(),
+                last_heartbeat_unix_ms: self.live.clock.unix_ms(),
                 heartbeats: 0,
                 reachable: true,
                 commands: None,
@@ -239,8 +263,8 @@ impl Hub {
             tracing::info!(target: "berth::agent", node = %r.node, "node reachable again");
             schedulable = Some(a.commands.as_ref().is_some_and(|c| !c.is_closed()));
         }
-        a.last_heartbeat = Instant::now();
-        a.last_heartbeat_unix_ms = unix_ms();
+        a.last_heartbeat = self.live.clock.now();
+        a.last_heartbeat_unix_ms = self.live.clock.unix_ms();
         a.heartbeats += 1;
         a.reachable = true;
         a.given_up = false;
@@ -493,6 +517,9 @@ impl AgentHub for Arc<Hub> {
             a.exit_code = r.exit_code;
             a.signal = r.signal;
             a.detail = r.detail.clone();
+            if !holds_gpus(&a.state) {
+                st.ended(r.allocation_id, self.live.retention.ended_allocations);
+            }
         }
         // An exit frees the GPUs in the fleet (and may end the job).
         self.live.task_report(r.allocation_id, &r.state, r.exit_code, r.signal, &r.detail);
@@ -598,6 +625,7 @@ impl AgentHub for Arc<Hub> {
                 if let Some(a) = st.allocations.get_mut(&alloc.id) {
                     a.state = "failed".into();
                     a.detail = e.message().to_string();
+                    st.ended(alloc.id, self.live.retention.ended_allocations);
                 }
             }
             self.live.task_report(alloc.id, "failed", -1, 0, e.message());
@@ -676,9 +704,11 @@ impl Actuator for Hub {
         };
         tracing::info!(target: "berth::agent", allocation = s.alloc_id, job = s.job_id, node = %s.node, gpus = ?s.gpus, "task sent");
         self.send(s.node, cmd).map_err(|e| e.message().to_string()).inspect_err(|e| {
-            if let Some(a) = self.state.lock().unwrap().allocations.get_mut(&s.alloc_id) {
+            let mut st = self.state.lock().unwrap();
+            if let Some(a) = st.allocations.get_mut(&s.alloc_id) {
                 a.state = "failed".into();
                 a.detail = e.clone();
+                st.ended(s.alloc_id, self.live.retention.ended_allocations);
             }
         })
     }

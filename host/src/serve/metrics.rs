@@ -18,8 +18,10 @@ pub struct Metrics {
     pub breaker_trips: IntCounterVec,
     /// partition, agree (true/false)
     pub shadow_samples: IntCounterVec,
-    /// partition, state
+    /// partition, state: jobs kept (ended ones until their retention runs out)
     pub jobs: IntGaugeVec,
+    /// partition: ended jobs removed past their retention
+    pub jobs_pruned: IntCounterVec,
     /// code (unauthenticated, permission_denied)
     pub api_denials: IntCounterVec,
     /// Preemptions by how the victim was told (notice or forced), and the
@@ -50,7 +52,7 @@ impl Metrics {
             h
         };
         let latency = vec![1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0];
-        let jobs = IntGaugeVec::new(Opts::new("berth_jobs", "Jobs by partition and state"), &["partition", "state"]).expect("valid");
+        let jobs = IntGaugeVec::new(Opts::new("berth_jobs", "Jobs kept by partition and state (ended ones until their retention runs out)"), &["partition", "state"]).expect("valid");
         registry.register(Box::new(jobs.clone())).expect("registered once");
         Metrics {
             decisions: counter(
@@ -79,6 +81,7 @@ impl Metrics {
             breaker_trips: counter("berth_breaker_trips_total", "Circuit breaker trips", &["partition", "version"]),
             shadow_samples: counter("berth_shadow_samples_total", "Shadow comparisons by agreement", &["partition", "agree"]),
             jobs,
+            jobs_pruned: counter("berth_jobs_pruned_total", "Ended jobs removed from memory and the store past their retention", &["partition"]),
             api_denials: counter("berth_api_denials_total", "API calls refused by access control", &["code"]),
             evictions: counter("berth_evictions_total", "Running jobs preempted for higher-priority work", &["partition", "kind"]),
             compaction_chains: counter("berth_compaction_chains_total", "Live compaction chains by how they ended", &["partition", "state"]),

@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod persist;
 pub mod quote;
 pub mod registry;
+pub mod retention;
 pub mod scheduler;
 pub mod server;
 pub mod service;

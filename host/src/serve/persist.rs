@@ -88,6 +88,11 @@ struct StoredJob {
     /// Sleep-state harvesting (absent: awake).
     #[serde(default)]
     sleep: super::scheduler::SleepState,
+    /// The submission's idempotency key and spec digest (absent: none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    idempotency_key: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    spec_digest: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -182,6 +187,8 @@ pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: 
         interruptions: j.interruptions,
         interrupted_s: j.interrupted_s.clone(),
         sleep: j.sleep,
+        idempotency_key: j.idempotency_key.clone(),
+        spec_digest: j.spec_digest.clone(),
     };
     Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
 }
@@ -405,8 +412,14 @@ impl Live {
                         interrupted_s: interrupted_s.clone(),
                         reserved_until_s: 0,
                         sleep,
+                        idempotency_key: j.idempotency_key.clone(),
+                        spec_digest: j.spec_digest.clone(),
                     },
                 );
+                if !j.idempotency_key.is_empty() {
+                    let owner = st.jobs[&j.id].owner.clone();
+                    self.idempotency.lock().unwrap().insert((owner, j.idempotency_key), (j.id, j.spec_digest));
+                }
                 // Live jobs go back into the engine: waiting, stopping after
                 // a preemption, or running on what they hold.
                 if matches!(state, JobState::Pending | JobState::Running) || evicting {
@@ -454,6 +467,15 @@ impl Live {
             st.dirty = true;
         }
         self.next_job.fetch_max(max_job + 1, Ordering::SeqCst);
+        for part in &self.partitions {
+            let key = super::retention::job_id_floor_key(&part.name);
+            if let Some(v) = store.get(&key)? {
+                let floor: u64 = std::str::from_utf8(&v).ok().and_then(|t| t.trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("{key}: not a number"))?;
+                // Pruned jobs' ids are never handed out again.
+                self.pruned_job_floor.fetch_max(floor, Ordering::SeqCst);
+                self.next_job.fetch_max(floor + 1, Ordering::SeqCst);
+            }
+        }
         self.next_alloc.fetch_max(max_alloc + 1, Ordering::SeqCst);
         if let Some(v) = store.get(ALLOC_CEILING_KEY)? {
             let ceiling: u64 = std::str::from_utf8(&v).ok().and_then(|t| t.trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("{ALLOC_CEILING_KEY}: not a number"))?;

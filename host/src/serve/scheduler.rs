@@ -245,6 +245,10 @@ pub struct JobRecord {
     pub reserved_until_s: u64,
     /// Sleep-state harvesting.
     pub sleep: SleepState,
+    /// The submission's idempotency key ("": none), and the digest of the
+    /// spec it came with (a retry must match it).
+    pub idempotency_key: String,
+    pub spec_digest: String,
 }
 
 impl JobRecord {
@@ -299,6 +303,8 @@ pub struct PartitionState {
     pub topology: BTreeMap<NodeId, super::actuation::AgentTopology>,
     /// When ended jobs are next taken out of the engine.
     forget_at: Option<Instant>,
+    /// When ended jobs past retention are next removed.
+    prune_at: Option<Instant>,
     /// Live compaction: settings, the chain being run, the ledger.
     pub compaction: super::compacting::LiveCompaction,
     /// The host's clock (see [`super::clock`]).
@@ -518,6 +524,7 @@ impl Partition {
                 activity: HashMap::new(),
                 topology: BTreeMap::new(),
                 forget_at: None,
+                prune_at: None,
                 compaction: super::compacting::LiveCompaction::new(Default::default(), true),
                 clock: Arc::new(super::clock::SystemClock),
                 harvest: None,
@@ -627,7 +634,25 @@ pub struct Live {
     /// The store refused a write: another host leads; this one stopped.
     pub fenced: AtomicBool,
     pub shutdown: AtomicBool,
+    /// How much ended work is kept (see [`super::retention`]).
+    pub retention: super::retention::Retention,
+    /// The largest job id pruned so far (stored: ids are never reused).
+    pub(crate) pruned_job_floor: AtomicU64,
+    /// Submissions' idempotency keys: (owner, key) to (job, spec digest),
+    /// for the jobs kept. Held across a keyed submission's store write, so
+    /// two retries racing make one job.
+    pub(crate) idempotency: Mutex<HashMap<(String, String), (u64, String)>>,
 }
+
+/// A submission's idempotency key and the digest of the spec it came with.
+#[derive(Clone, Debug)]
+pub struct IdempotencyKey {
+    pub key: String,
+    pub digest: String,
+}
+
+/// Longest idempotency key accepted, in bytes.
+pub const MAX_IDEMPOTENCY_KEY: usize = 128;
 
 /// What a breaker trip did to the partition.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -721,6 +746,18 @@ impl Live {
             breaker,
             max_upload_bytes,
             shutdown: AtomicBool::new(false),
+            retention: Default::default(),
+            pruned_job_floor: AtomicU64::new(0),
+            idempotency: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Drops `owner`'s idempotency key when it still names job `id`.
+    pub(crate) fn forget_idempotency_key(&self, owner: &str, key: &str, id: u64) {
+        let mut keys = self.idempotency.lock().unwrap();
+        let k = (owner.to_string(), key.to_string());
+        if keys.get(&k).is_some_and(|(j, _)| *j == id) {
+            keys.remove(&k);
         }
     }
 
@@ -751,9 +788,23 @@ impl Live {
     }
 
     /// Accepts a job into its partition's queue; the id is the caller's
-    /// receipt: from here on the job is never dropped.
-    pub fn submit(&self, mut spec: JobSpec, owner: &str) -> Result<u64, ServeError> {
+    /// receipt: from here on the job is never dropped. With an idempotency
+    /// key that `owner` used before for a job still kept, nothing new is
+    /// made: the answer is that job's id and `true`.
+    pub fn submit(&self, mut spec: JobSpec, owner: &str, idempotency: Option<IdempotencyKey>) -> Result<(u64, bool), ServeError> {
         let p = self.partition_index(&spec.partition)?;
+        let mut keys = idempotency.as_ref().map(|_| self.idempotency.lock().unwrap());
+        if let (Some(keys), Some(k)) = (keys.as_ref(), idempotency.as_ref())
+            && let Some((job, digest)) = keys.get(&(owner.to_string(), k.key.clone()))
+        {
+            if *digest == k.digest {
+                return Ok((*job, true));
+            }
+            return Err(ServeError::FailedPrecondition(format!(
+                "idempotency key \"{}\" was used for job {job} with a different job spec",
+                crate::text::printable(&k.key, MAX_IDEMPOTENCY_KEY)
+            )));
+        }
         let id = self.next_job.fetch_add(1, Ordering::SeqCst);
         spec.job.id = id;
         let part = &self.partitions[p];
@@ -779,17 +830,23 @@ impl Live {
             interrupted_s: Vec::new(),
             reserved_until_s: 0,
             sleep: SleepState::Awake,
+            idempotency_key: idempotency.as_ref().map(|k| k.key.clone()).unwrap_or_default(),
+            spec_digest: idempotency.as_ref().map(|k| k.digest.clone()).unwrap_or_default(),
         };
         // The id is a receipt only once the job is stored. A pending job
         // holds no allocations, so its record names no node.
         self.persist(vec![job_record_op(&part.name, id, &record, |_| unreachable!("a new job holds nothing"))])?;
+        if let (Some(keys), Some(k)) = (keys.as_mut(), idempotency) {
+            keys.insert((owner.to_string(), k.key), (id, k.digest));
+        }
+        drop(keys);
         part.inbox.lock().unwrap().push((id, record));
         self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
         // Not under the state lock, so the deciding thread may miss this
         // between its inbox check and its wait: it then sees the job within
         // its longest wait (1 s).
         part.wake.notify_all();
-        Ok(id)
+        Ok((id, false))
     }
 
     /// Finds the partition holding a job.
@@ -887,6 +944,10 @@ impl Live {
             if st.forget_at.is_none_or(|t| t <= now) {
                 st.forget_ended();
                 st.forget_at = Some(now + FORGET_EVERY);
+            }
+            if st.prune_at.is_none_or(|t| t <= now) {
+                self.prune_ended(part, &mut st);
+                st.prune_at = Some(now + super::retention::PRUNE_EVERY);
             }
             // An evicted simulated job is ready again at its modelled time.
             if st.engine.take_due_wakeups(self.now_s()) {

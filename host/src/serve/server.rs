@@ -94,6 +94,8 @@ pub struct Scheduling {
     pub harvest: Option<berth_core::harvest::Harvest>,
     /// What the host decides by: the system's clock, or a test's.
     pub clock: std::sync::Arc<dyn super::clock::Clock>,
+    /// How much ended work is kept (jobs, decisions, agent allocations).
+    pub retention: super::retention::Retention,
 }
 
 impl Default for Scheduling {
@@ -107,6 +109,7 @@ impl Default for Scheduling {
             auto_compaction: true,
             harvest: None,
             clock: std::sync::Arc::new(super::clock::SystemClock),
+            retention: Default::default(),
         }
     }
 }
@@ -137,6 +140,8 @@ pub struct ServeHandle {
     pub addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
     pub live: Arc<Live>,
+    /// The agent hub (nodes, heartbeats, command streams).
+    pub hub: Arc<crate::serve::hub::Hub>,
     stop: Option<tokio::sync::watch::Sender<bool>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     schedulers: Vec<std::thread::JoinHandle<()>>,
@@ -215,8 +220,10 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     let keys: Vec<String> = names.iter().flat_map(|n| [n.clone(), hook_key(n, PolicyHook::Rank), hook_key(n, PolicyHook::Compact)]).collect();
     let registry = Registry::open_in(&config.state_dir, &keys, store.clone())?;
     let engine = Arc::new(PolicyEngine::new(Some(registry.artifact_dir()))?);
-    let decisions = DecisionLog::open(Some(&config.state_dir), 100_000)?;
-    let live = Arc::new(Live::new(
+    let retention = config.scheduling.retention;
+    let rotation = super::decisions::Rotation { max_bytes: retention.decision_log_bytes, keep_files: retention.decision_log_files };
+    let decisions = DecisionLog::open_rotating(Some(&config.state_dir), 100_000, rotation)?;
+    let mut live = Live::new(
         partitions,
         models,
         registry,
@@ -227,7 +234,9 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         config.breaker,
         config.max_upload_bytes,
         config.scheduling.clock.clone(),
-    ));
+    );
+    live.retention = retention;
+    let live = Arc::new(live);
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;
         live.restore_aux(name, PolicyHook::Rank).with_context(|| format!("partition {name}: rank hook"))?;
@@ -269,6 +278,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     let _ = live.actuator.set(Arc::downgrade(&actuator));
     tasks.push(hub.spawn_sweeper(stopped.clone()));
     let console_hub = hub.clone();
+    let handle_hub = hub.clone();
     let service = BerthServer::new(Service { live: live.clone(), agents: Some(hub.clone()) }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
     let router = builder.add_service(service).add_service(super::pb::agent_hub_server::AgentHubServer::new(hub));
     let mut rx = stopped.clone();
@@ -298,5 +308,5 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         }));
     }
     tracing::info!(target: "berth::serve", %addr, tls = config.tls.is_some(), partitions = names.len(), "serving");
-    Ok(ServeHandle { addr, metrics_addr, live, stop: Some(stop), tasks, schedulers })
+    Ok(ServeHandle { addr, metrics_addr, live, hub: handle_hub, stop: Some(stop), tasks, schedulers })
 }

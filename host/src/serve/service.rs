@@ -15,7 +15,7 @@ use super::control::{hook_key, PolicyHook};
 use super::decisions::{DecisionRecord, Filter, Placed};
 use super::pb::{self, berth_server::Berth};
 use super::registry::VersionMeta;
-use super::scheduler::{JobRecord, JobSpec, JobState, Live, SHOWN_STATES};
+use super::scheduler::{IdempotencyKey, JobRecord, JobSpec, JobState, Live, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
 use super::shadow::{self, Mode};
 use super::ServeError;
 
@@ -59,6 +59,39 @@ fn fit_reply<T: prost::Message>(items: &mut Vec<T>) {
         })
         .unwrap_or(items.len());
     items.truncate(keep);
+}
+
+/// Most jobs one ListJobs page holds.
+const MAX_LIST_JOBS: usize = 10_000;
+
+/// A submission's idempotency key, checked, with the digest of its spec
+/// (env in name order: the wire's map order is not the spec's).
+fn idempotency_key(r: &pb::SubmitJobRequest) -> Result<Option<IdempotencyKey>, ServeError> {
+    let key = &r.idempotency_key;
+    if key.is_empty() {
+        return Ok(None);
+    }
+    if key.len() > MAX_IDEMPOTENCY_KEY || !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ServeError::Invalid(format!(
+            "idempotency key \"{}\" ({} bytes): at most {MAX_IDEMPOTENCY_KEY} printable ASCII bytes, no spaces",
+            crate::text::printable(key, 32),
+            key.len()
+        )));
+    }
+    use prost::Message;
+    use sha2::{Digest, Sha256};
+    let mut spec = r.job.clone().unwrap_or_default();
+    let mut env: Vec<(String, String)> = std::mem::take(&mut spec.env).into_iter().collect();
+    env.sort();
+    let mut h = Sha256::new();
+    h.update(spec.encode_to_vec());
+    for (k, v) in env {
+        h.update((k.len() as u64).to_le_bytes());
+        h.update(k);
+        h.update((v.len() as u64).to_le_bytes());
+        h.update(v);
+    }
+    Ok(Some(IdempotencyKey { key: key.clone(), digest: hex::encode(&h.finalize()[..16]) }))
 }
 
 fn policy_ref(m: &VersionMeta) -> pb::PolicyRef {
@@ -308,10 +341,16 @@ impl Berth for Service {
         let id = self.who(&req)?;
         let partition = req.get_ref().job.as_ref().map(|j| j.partition.clone()).unwrap_or_default();
         self.require(&id, &partition, Role::Tenant)?;
-        let spec = self.job_spec(&id, req.into_inner().job)?;
-        let job_id = self.live.submit(spec, &id.name)?;
-        tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "job submitted");
-        Ok(Response::new(pb::SubmitJobResponse { job_id }))
+        let r = req.into_inner();
+        let idempotency = idempotency_key(&r)?;
+        let spec = self.job_spec(&id, r.job)?;
+        let (job_id, duplicate) = self.live.submit(spec, &id.name, idempotency)?;
+        if duplicate {
+            tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "submission retried: the job its idempotency key made");
+        } else {
+            tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "job submitted");
+        }
+        Ok(Response::new(pb::SubmitJobResponse { job_id, duplicate }))
     }
 
     async fn cancel_job(&self, req: Request<pb::CancelJobRequest>) -> Reply<pb::CancelJobResponse> {
@@ -356,25 +395,38 @@ impl Berth for Service {
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::ListJobsResponse> {
         let id = self.who(&req)?;
         let r = req.into_inner();
-        let limit = if r.limit == 0 { 1000 } else { r.limit as usize };
+        let limit = if r.limit == 0 { 1000 } else { (r.limit as usize).min(MAX_LIST_JOBS) };
         if !r.state.is_empty() && !SHOWN_STATES.contains(&r.state.as_str()) {
             return Err(ServeError::Invalid(format!("unknown state \"{}\" ({})", crate::text::printable(&r.state, 32), SHOWN_STATES.join(", "))).into());
         }
+        let before = if r.before_id == 0 { u64::MAX } else { r.before_id };
+        // Each partition reads newest first from its id-ordered table and
+        // stops at the page's length: a page costs its length, not the
+        // number of jobs kept.
         let mut jobs = Vec::new();
+        let mut more = false;
         for p in self.viewable(&id, &r.partition)? {
             let st = self.live.partitions[p].lock_state();
             let operator = id.role_in(&self.live.partitions[p].name) >= Some(Role::Operator);
-            jobs.extend(
-                st.jobs
-                    .iter()
-                    .filter(|(_, j)| r.state.is_empty() || j.shown_state() == r.state)
-                    .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name)),
-            );
+            let page: Vec<pb::Job> = st
+                .jobs
+                .range(..before)
+                .rev()
+                .filter(|(_, j)| r.state.is_empty() || j.shown_state() == r.state)
+                .take(limit)
+                .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name))
+                .collect();
+            more |= page.len() == limit;
+            jobs.extend(page);
         }
         jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
+        more |= jobs.len() > limit;
         jobs.truncate(limit);
+        let gathered = jobs.len();
         fit_reply(&mut jobs);
-        Ok(Response::new(pb::ListJobsResponse { jobs }))
+        more |= jobs.len() < gathered;
+        let next_before_id = if more { jobs.last().map_or(0, |j| j.id) } else { 0 };
+        Ok(Response::new(pb::ListJobsResponse { jobs, next_before_id }))
     }
 
     async fn explain_job(&self, req: Request<pb::ExplainJobRequest>) -> Reply<pb::ExplainJobResponse> {
@@ -384,7 +436,8 @@ impl Berth for Service {
         let part = &self.live.partitions[p];
         self.require(&id, &part.name, Role::Viewer)?;
         let st = part.lock_state();
-        let job = &st.jobs[&job_id];
+        // Pruned since it was found: gone, as for any unknown job.
+        let job = st.jobs.get(&job_id).ok_or(ServeError::UnknownJob(job_id))?;
         let mut out = pb::ExplainJobResponse { state: job.shown_state().into(), last_decision: job.last_decision.clone(), ..Default::default() };
         if job.state != JobState::Pending {
             out.summary = match job.state {
