@@ -257,7 +257,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let dir = Scratch(dir);
         let rotation = Rotation { max_bytes: 4096, keep_files: 2 };
-        let log = DecisionLog::open_rotating(Some(dir.path()), 50, rotation).unwrap();
+        let log = DecisionLog::open_rotating(Some(dir.path()), 20, rotation).unwrap();
         for j in 1..=400 {
             log.append(decision(j));
         }
@@ -268,10 +268,11 @@ mod tests {
         let on_disk: u64 = sizes.iter().sum();
         assert!(on_disk < 4 * 4096 + 4096, "the files stay bounded: {on_disk} bytes");
         // A restart continues the numbering and serves the newest decisions.
-        let log = DecisionLog::open_rotating(Some(dir.path()), 50, rotation).unwrap();
+        // (20 kept: fewer than one file holds, so the two newest files hold them.)
+        let log = DecisionLog::open_rotating(Some(dir.path()), 20, rotation).unwrap();
         assert_eq!(log.max_job_id(), 400);
         let newest = log.query(&Filter { limit: 50, ..Default::default() });
-        assert_eq!(newest.len(), 50);
+        assert_eq!(newest.len(), 20);
         assert_eq!(newest[0].job_id, 400);
         assert_eq!(log.append(decision(401)), 401, "ids continue past the last logged one");
     }
