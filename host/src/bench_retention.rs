@@ -47,11 +47,7 @@ fn rss_mib() -> f64 {
 }
 
 fn settle(live: &Live) -> anyhow::Result<()> {
-    let started = Instant::now();
-    while !live.settled(0) {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "partition p0 did not settle in 2 minutes");
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    anyhow::ensure!(live.wait_settled(0, Duration::from_secs(120)), "partition p0 did not settle in 2 minutes");
     Ok(())
 }
 

@@ -619,6 +619,25 @@ pub async fn shrink(config: &ChaosConfig, seed: u64, ops: &[Op], budget: Duratio
     Ok(ops)
 }
 
+impl std::fmt::Display for RunStats {
+    /// What the operations did, for the soak's and the test's summaries.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up",
+            self.operations,
+            self.submitted,
+            self.processes_started,
+            self.evictions_seen,
+            self.host_restarts,
+            self.agent_restarts,
+            self.migrations,
+            self.links_cut,
+            self.nodes_given_up
+        )
+    }
+}
+
 impl RunStats {
     fn add(&mut self, o: &RunStats) {
         self.operations += o.operations;

@@ -507,18 +507,10 @@ fn main() -> anyhow::Result<()> {
             let s = rt.block_on(berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds)))?;
             let secs = s.elapsed.as_secs_f64();
             println!(
-                "chaos: {} seeds from {seed}, {} operations in {secs:.1} s ({:.0} operations/s): {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up; violations: {}",
+                "chaos: {} seeds from {seed} in {secs:.1} s ({:.0} operations/s), {}; violations: {}",
                 s.seeds,
-                s.total.operations,
                 s.total.operations as f64 / secs.max(1e-9),
-                s.total.submitted,
-                s.total.processes_started,
-                s.total.evictions_seen,
-                s.total.host_restarts,
-                s.total.agent_restarts,
-                s.total.migrations,
-                s.total.links_cut,
-                s.total.nodes_given_up,
+                s.total,
                 usize::from(s.failure.is_some())
             );
             if let Some(report) = s.failure_report() {

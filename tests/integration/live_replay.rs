@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth::serve::clock::ManualClock;
 use berth::serve::decisions::Filter;
@@ -52,12 +52,8 @@ fn workload(seed: u64, n: usize) -> Vec<(u64, u32, u32, u32, u32, u64, u64)> {
         .collect()
 }
 
-fn settle(live: &berth::serve::scheduler::Live) {
-    let started = Instant::now();
-    while !live.settled(0) {
-        assert!(started.elapsed() < Duration::from_secs(60), "partition p0 did not settle");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+pub(crate) fn settle(live: &berth::serve::scheduler::Live) {
+    assert!(live.wait_settled(0, Duration::from_secs(60)), "partition p0 did not settle");
 }
 
 #[test]

@@ -9,20 +9,13 @@ use std::time::{Duration, Instant};
 use berth::serve::clock::{Clock, ManualClock};
 use berth::serve::pb;
 use berth::serve::retention::Retention;
-use berth::serve::scheduler::{JobState, Live};
+use berth::serve::scheduler::Live;
 use tonic::Code;
 
+use crate::live_replay::settle;
 use crate::serve::{client, config, state_dir, ACCESS};
 
 const T0_MS: u64 = 1_000_000_000;
-
-fn settle(live: &Live) {
-    let started = Instant::now();
-    while !live.settled(0) {
-        assert!(started.elapsed() < Duration::from_secs(60), "partition p0 did not settle");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
 
 fn short_job(seconds: f64) -> pb::SubmitJobRequest {
     pb::SubmitJobRequest {
@@ -34,7 +27,7 @@ fn short_job(seconds: f64) -> pb::SubmitJobRequest {
 /// (ended jobs kept, live jobs kept, job records in the store) of p0.
 fn kept(live: &Live) -> (usize, usize, usize) {
     let st = live.partitions[0].lock_state();
-    let ended = st.jobs.values().filter(|j| matches!(j.state, JobState::Finished | JobState::Failed | JobState::Cancelled)).count();
+    let ended = st.jobs.values().filter(|j| j.state.is_ended()).count();
     let stored = live.store.get().expect("an embedded store").list("jobs/p0/").unwrap().len();
     (ended, st.jobs.len() - ended, stored)
 }

@@ -204,13 +204,7 @@ impl Live {
         }
         let alloc = Allocation { node: id, gpus: mask, gpu_milli: MILLI_PER_GPU, cpu_milli: 0, memory_mib: 0 };
         st.fleet.allocate(&alloc).map_err(|e| ServeError::FailedPrecondition(e.to_string()))?;
-        let alloc_id = match self.next_alloc_id() {
-            Ok(id) => id,
-            Err(e) => {
-                st.fleet.release(&alloc).expect("just allocated");
-                return Err(e);
-            }
-        };
+        let alloc_id = self.next_alloc_id().inspect_err(|_| st.fleet.release(&alloc).expect("just allocated"))?;
         st.manual.insert(alloc_id, alloc.clone());
         // Stored before the start command goes out, or not made at all.
         if let Err(e) = self.persist(vec![st.held_op(partition, alloc_id)]) {
@@ -385,13 +379,7 @@ impl Live {
             return Err(ServeError::FailedPrecondition(format!("node {dest}: GPUs lent by a sleeping job (its wake needs them back)")));
         }
         st.fleet.allocate(&new).map_err(|e| ServeError::FailedPrecondition(format!("node {dest}: {e}")))?;
-        let new_id = match self.next_alloc_id() {
-            Ok(id) => id,
-            Err(e) => {
-                st.fleet.release(&new).expect("just allocated");
-                return Err(e);
-            }
-        };
+        let new_id = self.next_alloc_id().inspect_err(|_| st.fleet.release(&new).expect("just allocated"))?;
         let gpus: Vec<u32> = gpus_of(mask).map(|g| g as u32).collect();
         let dest = dest.to_string();
         let job = st.jobs.get_mut(&job_id).expect("found above");
@@ -452,7 +440,7 @@ impl Live {
                 // again: the stop may not have reached it. Its GPUs stay the
                 // job's until its exit is reported.
                 Some(j) => st.jobs.get(j).is_some_and(|j| {
-                    matches!(j.state, JobState::Pending | JobState::Running) && j.runs.iter().any(|r| r.alloc_id == a && r.holds && r.node == node)
+                    !j.state.is_ended() && j.runs.iter().any(|r| r.alloc_id == a && r.holds && r.node == node)
                 }),
                 None => false,
             };

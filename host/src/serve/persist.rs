@@ -125,6 +125,13 @@ fn instant_of(unix: u64) -> Instant {
     if unix >= now { Instant::now() + Duration::from_millis(unix - now) } else { Instant::now().checked_sub(Duration::from_millis(now - unix)).unwrap_or_else(Instant::now) }
 }
 
+/// The number stored at `key` (a high-water mark), if any.
+fn stored_number(store: &dyn Store, key: &str) -> anyhow::Result<Option<u64>> {
+    let Some(v) = store.get(key)? else { return Ok(None) };
+    let n = std::str::from_utf8(&v).ok().and_then(|t| t.trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("{key}: not a number"))?;
+    Ok(Some(n))
+}
+
 fn store_err(e: StoreError) -> ServeError {
     match e {
         StoreError::Fenced(_) => ServeError::Unavailable(format!("this host is {e}; ask the current leader")),
@@ -348,9 +355,8 @@ impl Live {
                 // were not seen to exit: what they hold is fenced (owned by
                 // no job) until their exit is reported, and they are stopped
                 // as orphans when their node reports them.
-                let ended = matches!(state, JobState::Cancelled | JobState::Finished | JobState::Failed);
                 let mut runs = j.runs.clone();
-                if ended && !j.evicting {
+                if state.is_ended() && !j.evicting {
                     for (a, r) in allocations.iter().zip(runs.iter_mut()).filter(|(_, r)| r.holds) {
                         r.holds = false;
                         r.state = "lost".into();
@@ -468,17 +474,14 @@ impl Live {
         }
         self.next_job.fetch_max(max_job + 1, Ordering::SeqCst);
         for part in &self.partitions {
-            let key = super::retention::job_id_floor_key(&part.name);
-            if let Some(v) = store.get(&key)? {
-                let floor: u64 = std::str::from_utf8(&v).ok().and_then(|t| t.trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("{key}: not a number"))?;
+            if let Some(floor) = stored_number(store, &super::retention::job_id_floor_key(&part.name))? {
                 // Pruned jobs' ids are never handed out again.
                 self.pruned_job_floor.fetch_max(floor, Ordering::SeqCst);
                 self.next_job.fetch_max(floor + 1, Ordering::SeqCst);
             }
         }
         self.next_alloc.fetch_max(max_alloc + 1, Ordering::SeqCst);
-        if let Some(v) = store.get(ALLOC_CEILING_KEY)? {
-            let ceiling: u64 = std::str::from_utf8(&v).ok().and_then(|t| t.trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("{ALLOC_CEILING_KEY}: not a number"))?;
+        if let Some(ceiling) = stored_number(store, ALLOC_CEILING_KEY)? {
             // Ids below the stored block's end may have been sent: start past it.
             self.next_alloc.fetch_max(ceiling, Ordering::SeqCst);
         }

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::persist::job_key;
-use super::scheduler::{JobState, Live, Partition, PartitionState};
+use super::scheduler::{Live, Partition, PartitionState};
 use crate::store::Op;
 
 /// How much ended work the host keeps.
@@ -47,21 +47,17 @@ pub(crate) const PRUNE_EVERY: Duration = Duration::from_secs(2);
 /// Deletes per store write (etcd refuses transactions of more than 128 ops).
 const DELETES_PER_WRITE: usize = 64;
 
-fn ended(state: JobState) -> bool {
-    matches!(state, JobState::Finished | JobState::Failed | JobState::Cancelled)
-}
-
 impl PartitionState {
     /// Ended jobs past `retention` at `now_ms`, oldest end first. A job
     /// whose processes may still run (a task holding its GPUs, an evicted
     /// job stopping), one still in the engine, or one a live job waits for
     /// is kept whatever its age.
     pub(crate) fn expired_jobs(&self, now_ms: u64, retention: &Retention) -> Vec<u64> {
-        let awaited: HashSet<u64> = self.jobs.values().filter(|j| !ended(j.state)).flat_map(|j| j.waiting_on.iter().copied()).collect();
+        let awaited: HashSet<u64> = self.jobs.values().filter(|j| !j.state.is_ended()).flat_map(|j| j.waiting_on.iter().copied()).collect();
         let mut candidates: Vec<(u64, u64)> = self
             .jobs
             .iter()
-            .filter(|(id, j)| ended(j.state) && !j.evicting && j.runs.iter().all(|r| !r.holds) && !self.slots.contains_key(id) && !awaited.contains(id))
+            .filter(|(id, j)| j.state.is_ended() && !j.evicting && j.runs.iter().all(|r| !r.holds) && !self.slots.contains_key(id) && !awaited.contains(id))
             .map(|(&id, j)| (j.ended_unix_ms, id))
             .collect();
         let cutoff = now_ms.saturating_sub(retention.ended_for.as_millis() as u64);

@@ -72,6 +72,12 @@ impl JobState {
         }
     }
 
+    /// Finished, failed or cancelled: it runs no more (its processes may
+    /// still be stopping).
+    pub fn is_ended(self) -> bool {
+        matches!(self, JobState::Finished | JobState::Failed | JobState::Cancelled)
+    }
+
     pub fn parse(s: &str) -> Option<JobState> {
         [JobState::Pending, JobState::Running, JobState::Finished, JobState::Failed, JobState::Cancelled].into_iter().find(|j| j.as_str() == s)
     }
@@ -337,7 +343,7 @@ impl PartitionState {
         let ended: Vec<(u64, Slot)> = self
             .slots
             .iter()
-            .filter(|(id, _)| self.jobs.get(id).is_none_or(|j| matches!(j.state, JobState::Finished | JobState::Failed | JobState::Cancelled)))
+            .filter(|(id, _)| self.jobs.get(id).is_none_or(|j| j.state.is_ended()))
             .map(|(&id, &slot)| (id, slot))
             .collect();
         for (id, slot) in ended {
@@ -849,7 +855,6 @@ impl Live {
         Ok((id, false))
     }
 
-    /// Finds the partition holding a job.
     /// The job of allocation `alloc` in `partition`, if harvesting manages
     /// it (sleepable, or put to sleep and not yet awake): its tasks sleep
     /// and wake only through the engine.
@@ -860,6 +865,7 @@ impl Live {
         st.jobs.get(&job).filter(|j| j.spec.sleepable || j.sleep != SleepState::Awake).map(|_| job)
     }
 
+    /// Finds the partition holding a job.
     pub fn job_partition(&self, id: u64) -> Result<usize, ServeError> {
         self.partitions.iter().position(|p| p.lock_state().jobs.contains_key(&id)).ok_or(ServeError::UnknownJob(id))
     }
@@ -992,6 +998,20 @@ impl Live {
     /// Whether partition `p` is in a pass; never waits for one.
     pub fn deciding(&self, p: usize) -> bool {
         self.partitions[p].deciding.load(Ordering::SeqCst)
+    }
+
+    /// Waits (blocking, polling every millisecond) until partition `p` is
+    /// [`Live::settled`], at most `within`; whether it did. For drivers of
+    /// a host on a [`super::clock::ManualClock`].
+    pub fn wait_settled(&self, p: usize, within: Duration) -> bool {
+        let started = Instant::now();
+        while !self.settled(p) {
+            if started.elapsed() > within {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     /// Whether partition `p` has taken in and decided everything due at
