@@ -142,9 +142,11 @@ impl Drop for SimAgent {
     }
 }
 
-const PARTITION: &str = "p0";
-const OPERATOR: &str = "chaos-operator-token";
-const AGENT: &str = "chaos-agent-token";
+/// The simulated host's one partition, and its callers' tokens.
+pub const PARTITION: &str = "p0";
+pub const OPERATOR: &str = "chaos-operator-token";
+/// May act as the agent of any node named `sim-*` in [`PARTITION`].
+pub const AGENT: &str = "chaos-agent-token";
 const T0_MS: u64 = 1_800_000_000_000;
 /// Longer than any one clock move of a run (at most 19 s).
 const HEARTBEAT_TIMEOUT_S: u64 = 30;
@@ -168,7 +170,9 @@ struct World {
     stats: RunStats,
 }
 
-fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<ManualClock>) -> anyhow::Result<ServeConfig> {
+/// The simulated host: one partition of agent nodes (none built in), its
+/// store in `dir`, on `clock`.
+pub fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<ManualClock>) -> anyhow::Result<ServeConfig> {
     let fleet = "seed = 1\nnodes_per_switch = 16\nswitches_per_aggregation = 4\nnodes_per_partition = 32\nunhealthy_fraction = 0.0\n\
                  [[shapes]]\nmodel = \"H20\"\ncount = 1\ngpus = 8\ncpu_cores = 64\nmemory_gib = 512\n";
     let access = format!(
@@ -564,40 +568,63 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
         accepted: BTreeMap::new(),
         stats: RunStats::default(),
     };
-    w.start_host().await?;
-    for i in 0..config.nodes {
-        let a = w.connect_agent(i).await?;
-        w.agents.push(a);
-    }
-    w.settle().await?;
+    bounded("the start", async {
+        w.start_host().await?;
+        for i in 0..config.nodes {
+            let a = w.connect_agent(i).await?;
+            w.agents.push(a);
+        }
+        w.settle().await
+    })
+    .await?;
     let mut outcome = Ok(());
     for (step, op) in ops.iter().enumerate() {
         tracing::debug!(target: "berth::chaos", seed, step, ?op, "operation");
-        if let Err(e) = w.apply(op).await {
+        // A host that stops answering is a broken promise too (liveness):
+        // a step that takes longer than any run needs is a violation, not a
+        // test that never ends.
+        if let Err(e) = bounded("the operation", w.apply(op)).await {
             outcome = Err(Violation { step, what: format!("operation failed: {e:#}") });
             break;
         }
         w.stats.operations += 1;
-        if w.check().await.is_err() {
+        let checked = bounded("the check", async { Ok(w.check().await) }).await;
+        let judged = match checked {
+            Ok(Ok(())) => Ok(()),
+            Err(e) => Err(format!("{e:#}")),
             // A command late on its stream (a loaded machine) is not a
             // violation: wait longer for stragglers, then judge.
-            let judged = match w.settle_quiet(Duration::from_millis(250)).await {
-                Ok(()) => w.check().await,
+            Ok(Err(_)) => match bounded("the check", w.settle_quiet(Duration::from_millis(250))).await {
+                Ok(()) => bounded("the check", async { Ok(w.check().await) }).await.unwrap_or_else(|e| Err(format!("{e:#}"))),
                 Err(e) => Err(format!("operation failed: {e:#}")),
-            };
-            if let Err(what) = judged {
-                outcome = Err(Violation { step, what });
-                break;
-            }
+            },
+        };
+        if let Err(what) = judged {
+            outcome = Err(Violation { step, what });
+            break;
         }
     }
     w.agents.clear();
     w.api = None;
-    if let Some(h) = w.host.take() {
-        h.shutdown().await;
+    if let Some(h) = w.host.take()
+        && tokio::time::timeout(STEP_LIMIT, h.shutdown()).await.is_err()
+        && outcome.is_ok()
+    {
+        outcome = Err(Violation { step: ops.len().saturating_sub(1), what: format!("the host did not shut down within {} s", STEP_LIMIT.as_secs()) });
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(outcome.map(|()| w.stats))
+}
+
+/// Longer than any step of a run needs (one settles within 60 s or fails).
+const STEP_LIMIT: Duration = Duration::from_secs(120);
+
+/// `step`, or an error naming it if it has not finished within [`STEP_LIMIT`].
+async fn bounded<T>(what: &str, step: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    match tokio::time::timeout(STEP_LIMIT, step).await {
+        Ok(r) => r,
+        Err(_) => anyhow::bail!("{what} hung: no answer within {} s (a call to the host, or the host's shutdown, never returned)", STEP_LIMIT.as_secs()),
+    }
 }
 
 /// The shortest list found that still fails: operations removed one at a

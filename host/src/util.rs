@@ -15,3 +15,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::File::open(&tmp)?.sync_all()?;
     std::fs::rename(&tmp, path)
 }
+
+/// Runs `f`, which may wait on a partition's lock (held through a whole
+/// scheduling pass: policy calls, store writes), without stalling the async
+/// runtime: on a multi-thread runtime the worker first hands its other
+/// tasks (heartbeats, the node sweeper, other callers) to a fresh thread,
+/// so a long pass cannot make live agents look silent.
+pub fn may_block<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}

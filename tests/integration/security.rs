@@ -387,9 +387,20 @@ async fn submissions_do_not_wait_for_a_stalled_policy_call() {
     }
     // A submission that waited for the call would take up to its 4 s.
     assert!(slowest < Duration::from_secs(1), "a submission waited {slowest:?} for a policy call");
+    // Readers of p2 wait for its pass, each on a thread of its own: with
+    // more of them waiting than the runtime has workers, other partitions
+    // and the agents' heartbeats are still answered.
+    let mut readers = Vec::new();
+    for _ in 0..4 {
+        let mut c = client(&h, "ops-test-token").await;
+        readers.push(tokio::spawn(async move { jobs(&mut c, "p2").await.len() }));
+    }
+    let mut ops = client(&h, "ops-test-token").await;
+    let t = Instant::now();
+    jobs(&mut ops, "p0").await;
+    assert!(t.elapsed() < Duration::from_secs(1), "a listing of p0 waited {:?} behind four readers of the stalled p2", t.elapsed());
     // Another partition decides meanwhile.
     alice.submit_job(job("p0", 1)).await.expect("p0 accepts");
-    let mut ops = client(&h, "ops-test-token").await;
     let deadline = Instant::now() + Duration::from_secs(3);
     while !jobs(&mut ops, "p0").await.iter().any(|j| j.state == "running") {
         assert!(Instant::now() < deadline, "p0 did not place while p2's policy spun");
@@ -397,6 +408,9 @@ async fn submissions_do_not_wait_for_a_stalled_policy_call() {
     }
     // Nothing accepted is lost: all six are listed once the lock is free.
     assert_eq!(jobs(&mut ops, "p2").await.len(), 6);
+    for r in readers {
+        assert_eq!(r.await.unwrap(), 6, "a reader that waited for the pass sees every job");
+    }
     h.shutdown().await;
 }
 

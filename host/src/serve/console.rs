@@ -233,8 +233,8 @@ impl Console {
                 }
                 let p = j.spec.as_ref().and_then(|s| live.partition_index(&s.partition).ok());
                 if let Some(p) = p {
-                    let st = live.partitions[p].lock_state();
-                    row["reserved_until_s"] = json!(st.jobs.get(&j.id).map_or(0, |r| r.reserved_until_s));
+                    let reserved = crate::util::may_block(|| live.partitions[p].lock_state().jobs.get(&j.id).map_or(0, |r| r.reserved_until_s));
+                    row["reserved_until_s"] = json!(reserved);
                 }
             }
             job_rows.push(row);
@@ -270,7 +270,7 @@ impl Console {
             if !id.can_view(name) {
                 continue;
             }
-            let st = live.partitions[p].lock_state();
+            let st = crate::util::may_block(|| live.partitions[p].lock_state());
             let lent = st.engine.lent();
             let mut held: BTreeMap<u32, u64> = BTreeMap::new();
             for a in st.manual.values() {

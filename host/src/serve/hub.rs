@@ -98,6 +98,10 @@ fn holds_gpus(state: &str) -> bool {
 pub struct Hub {
     live: Arc<Live>,
     config: HubConfig,
+    /// Lock order: a partition's state, then this; never the reverse. The
+    /// scheduler holds its partition's state while it starts and stops
+    /// tasks through the hub, so nothing here calls into `live` while
+    /// holding this lock (a report and a pass met in a deadlock that way).
     state: Mutex<HubState>,
 }
 
@@ -162,6 +166,15 @@ impl Hub {
         given_up
     }
 
+    /// Ends every agent's command stream (the host is stopping; an agent
+    /// reconnects to whoever serves next).
+    pub fn close_command_streams(&self) {
+        let mut st = self.state.lock().unwrap();
+        for a in st.agents.values_mut() {
+            a.commands = None;
+        }
+    }
+
     /// Spawns the sweeper on the current runtime; it stops with `stop`.
     pub fn spawn_sweeper(self: &Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
         let hub = self.clone();
@@ -170,7 +183,7 @@ impl Hub {
             loop {
                 tokio::select! {
                     _ = tokio::time::sleep(period) => {
-                        hub.sweep();
+                        crate::util::may_block(|| hub.sweep());
                     }
                     _ = stop.wait_for(|s| *s) => return,
                 }
@@ -381,297 +394,318 @@ type CommandStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCom
 #[tonic::async_trait]
 impl AgentHub for Arc<Hub> {
     async fn register(&self, req: Request<pb::RegisterAgentRequest>) -> Reply<pb::RegisterAgentResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        check_node_name(&r.node).map_err(Status::invalid_argument)?;
-        // Permission before existence: the partition's name is the caller's.
-        if !id.may_act_as_node(&r.partition, &r.node) {
-            return Err(denied_node(&id, &r.node));
-        }
-        self.live.partition_index(&r.partition)?;
-        check_registration(&r)?;
-        {
-            let st = self.state.lock().unwrap();
-            let taken = st.agents.iter().filter(|(name, _)| **name != r.node).find_map(|(name, a)| {
-                a.gpus.iter().find(|g| r.gpus.iter().any(|n| n.uuid == g.info.uuid)).map(|g| (name.clone(), g.info.uuid.clone()))
-            });
-            if let Some((other, uuid)) = taken {
-                return Err(Status::already_exists(format!("node {}: GPU {uuid} is registered by node {other}", r.node)));
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            check_node_name(&r.node).map_err(Status::invalid_argument)?;
+            // Permission before existence: the partition's name is the caller's.
+            if !id.may_act_as_node(&r.partition, &r.node) {
+                return Err(denied_node(&id, &r.node));
             }
-        }
-        let model = r.gpus.first().map_or("cpu-only", |g| g.model.as_str());
-        if r.gpus.iter().any(|g| g.model != model) {
-            return Err(Status::invalid_argument(format!("node {}: GPUs of more than one model", r.node)));
-        }
-        if r.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
-            return Err(Status::invalid_argument(format!("node {}: GPU indexes must be 0..{}", r.node, r.gpus.len())));
-        }
-        let topology = AgentTopology { switch_domain: r.switch_domain, aggregation: r.aggregation };
-        self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib, topology)?;
-        let (partition, node) = (r.partition.clone(), r.node.clone());
-        let expected = self.live.expected_on(&partition, &node);
-        let response = self.register_locked(r, &id, expected);
-        // Until its command stream is held, the node takes no work.
-        self.live.agent_node_schedulable(&partition, &node, false);
-        for g in response.1 {
-            self.live.agent_gpu_unhealthy(&partition, &node, g);
-        }
-        Ok(Response::new(response.0))
+            self.live.partition_index(&r.partition)?;
+            check_registration(&r)?;
+            {
+                let st = self.state.lock().unwrap();
+                let taken = st.agents.iter().filter(|(name, _)| **name != r.node).find_map(|(name, a)| {
+                    a.gpus.iter().find(|g| r.gpus.iter().any(|n| n.uuid == g.info.uuid)).map(|g| (name.clone(), g.info.uuid.clone()))
+                });
+                if let Some((other, uuid)) = taken {
+                    return Err(Status::already_exists(format!("node {}: GPU {uuid} is registered by node {other}", r.node)));
+                }
+            }
+            let model = r.gpus.first().map_or("cpu-only", |g| g.model.as_str());
+            if r.gpus.iter().any(|g| g.model != model) {
+                return Err(Status::invalid_argument(format!("node {}: GPUs of more than one model", r.node)));
+            }
+            if r.gpus.iter().enumerate().any(|(i, g)| g.index as usize != i) {
+                return Err(Status::invalid_argument(format!("node {}: GPU indexes must be 0..{}", r.node, r.gpus.len())));
+            }
+            let topology = AgentTopology { switch_domain: r.switch_domain, aggregation: r.aggregation };
+            self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib, topology)?;
+            let (partition, node) = (r.partition.clone(), r.node.clone());
+            let expected = self.live.expected_on(&partition, &node);
+            let response = self.register_locked(r, &id, expected);
+            // Until its command stream is held, the node takes no work.
+            self.live.agent_node_schedulable(&partition, &node, false);
+            for g in response.1 {
+                self.live.agent_gpu_unhealthy(&partition, &node, g);
+            }
+            Ok(Response::new(response.0))
+        })
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let partition = self.agent_node_partition(&id, &r.node)?;
-        check_heartbeat(&r)?;
-        let (unhealthy, active, schedulable, expected) = self.heartbeat_locked(&r)?;
-        // What the node runs against what the fleet holds there: adopt the
-        // known, stop the orphans, end what is gone.
-        let orphans = self.live.reconcile(&partition, &r.node, &r.running, expected.as_deref());
-        let mut stop = Vec::new();
-        {
-            let mut st = self.state.lock().unwrap();
-            for &a in &r.running {
-                if orphans.contains(&a) {
-                    if st.agents.get_mut(&r.node).is_some_and(|x| x.stopped.insert(a)) {
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let partition = self.agent_node_partition(&id, &r.node)?;
+            check_heartbeat(&r)?;
+            let (unhealthy, active, schedulable, expected) = self.heartbeat_locked(&r)?;
+            // What the node runs against what the fleet holds there: adopt the
+            // known, stop the orphans, end what is gone.
+            let orphans = self.live.reconcile(&partition, &r.node, &r.running, expected.as_deref());
+            // Allocations the hub does not know yet (started before a restart):
+            // where the fleet holds them, looked up with the hub's lock free.
+            let unknown: Vec<u64> = {
+                let st = self.state.lock().unwrap();
+                r.running.iter().copied().filter(|a| !orphans.contains(a) && !st.allocations.contains_key(a)).collect()
+            };
+            let adopted: Vec<(u64, (String, Vec<u32>))> = unknown.into_iter().filter_map(|a| self.live.allocation_node(a).map(|at| (a, at))).collect();
+            let mut stop = Vec::new();
+            {
+                let mut st = self.state.lock().unwrap();
+                for &a in &r.running {
+                    if orphans.contains(&a) && st.agents.get_mut(&r.node).is_some_and(|x| x.stopped.insert(a)) {
                         stop.push(a);
                     }
-                } else if let std::collections::btree_map::Entry::Vacant(slot) = st.allocations.entry(a)
-                    && let Some((node, gpus)) = self.live.allocation_node(a)
-                {
-                    tracing::info!(target: "berth::agent", allocation = a, node = %node, "allocation adopted");
-                    slot.insert(pb::AllocationInfo { id: a, node, gpus, state: "running".into(), ..Default::default() });
+                }
+                for (a, (node, gpus)) in adopted {
+                    if let std::collections::btree_map::Entry::Vacant(slot) = st.allocations.entry(a) {
+                        tracing::info!(target: "berth::agent", allocation = a, node = %node, "allocation adopted");
+                        slot.insert(pb::AllocationInfo { id: a, node, gpus, state: "running".into(), ..Default::default() });
+                    }
                 }
             }
-        }
-        for a in stop {
-            tracing::warn!(target: "berth::agent", allocation = a, node = %r.node, "orphan: telling the node to stop it");
-            if let Err(e) = self.send(&r.node, pb::AgentCommand { allocation_id: a, action: "stop".into(), ..Default::default() }) {
-                tracing::warn!(target: "berth::agent", allocation = a, "stop not delivered: {}", e.message());
-                if let Some(x) = self.state.lock().unwrap().agents.get_mut(&r.node) {
-                    x.stopped.remove(&a);
+            for a in stop {
+                tracing::warn!(target: "berth::agent", allocation = a, node = %r.node, "orphan: telling the node to stop it");
+                if let Err(e) = self.send(&r.node, pb::AgentCommand { allocation_id: a, action: "stop".into(), ..Default::default() }) {
+                    tracing::warn!(target: "berth::agent", allocation = a, "stop not delivered: {}", e.message());
+                    if let Some(x) = self.state.lock().unwrap().agents.get_mut(&r.node) {
+                        x.stopped.remove(&a);
+                    }
                 }
             }
-        }
-        if let Some(on) = schedulable {
-            self.live.agent_node_schedulable(&partition, &r.node, on);
-        }
-        for g in unhealthy {
-            self.live.agent_gpu_unhealthy(&partition, &r.node, g);
-        }
-        self.live.agent_activity(&partition, &r.node, &active);
-        Ok(Response::new(pb::HeartbeatResponse {}))
+            if let Some(on) = schedulable {
+                self.live.agent_node_schedulable(&partition, &r.node, on);
+            }
+            for g in unhealthy {
+                self.live.agent_gpu_unhealthy(&partition, &r.node, g);
+            }
+            self.live.agent_activity(&partition, &r.node, &active);
+            Ok(Response::new(pb::HeartbeatResponse {}))
+        })
     }
 
     type CommandsStream = CommandStream;
 
     async fn commands(&self, req: Request<pb::CommandsRequest>) -> Reply<Self::CommandsStream> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let partition = self.agent_node_partition(&id, &r.node)?;
-        let (tx, rx) = mpsc::channel(64);
-        let reachable = {
-            let mut st = self.state.lock().unwrap();
-            let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
-            if a.session != r.session {
-                return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
-            }
-            a.commands = Some(tx);
-            a.reachable
-        };
-        // Commands can reach it now: it may take work.
-        self.live.agent_node_schedulable(&partition, &r.node, reachable);
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let partition = self.agent_node_partition(&id, &r.node)?;
+            let (tx, rx) = mpsc::channel(64);
+            let reachable = {
+                let mut st = self.state.lock().unwrap();
+                let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
+                if a.session != r.session {
+                    return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
+                }
+                a.commands = Some(tx);
+                a.reachable
+            };
+            // Commands can reach it now: it may take work.
+            self.live.agent_node_schedulable(&partition, &r.node, reachable);
+            Ok(Response::new(Box::pin(ReceiverStream::new(rx)) as Self::CommandsStream))
+        })
     }
 
     async fn report_allocation(&self, req: Request<pb::AllocationReport>) -> Reply<pb::AllocationReportResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        self.agent_node_partition(&id, &r.node)?;
-        {
-            let mut st = self.state.lock().unwrap();
-            let a = match st.allocations.entry(r.allocation_id) {
-                std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
-                std::collections::btree_map::Entry::Vacant(slot) => {
-                    // Started before this host (re)started: the fleet knows it, the hub learns it now.
-                    let (node, gpus) = self
-                        .live
-                        .allocation_node(r.allocation_id)
-                        .filter(|(node, _)| *node == r.node)
-                        .ok_or_else(|| Status::not_found(format!("no allocation {} on node {}", r.allocation_id, r.node)))?;
-                    slot.insert(pb::AllocationInfo { id: r.allocation_id, node, gpus, state: "running".into(), ..Default::default() })
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            self.agent_node_partition(&id, &r.node)?;
+            // Started before this host (re)started: the fleet knows it, the hub
+            // learns it now. Looked up before the hub's lock is taken.
+            let known = self.state.lock().unwrap().allocations.contains_key(&r.allocation_id);
+            let found = if known { None } else { self.live.allocation_node(r.allocation_id).filter(|(node, _)| *node == r.node) };
+            {
+                let mut st = self.state.lock().unwrap();
+                let a = match (st.allocations.entry(r.allocation_id), found) {
+                    (std::collections::btree_map::Entry::Occupied(o), _) => o.into_mut(),
+                    (std::collections::btree_map::Entry::Vacant(slot), Some((node, gpus))) => {
+                        slot.insert(pb::AllocationInfo { id: r.allocation_id, node, gpus, state: "running".into(), ..Default::default() })
+                    }
+                    (std::collections::btree_map::Entry::Vacant(_), None) => {
+                        return Err(Status::not_found(format!("no allocation {} on node {}", r.allocation_id, r.node)));
+                    }
+                };
+                // Another node's allocation: answered as a missing one.
+                if a.node != r.node {
+                    return Err(Status::not_found(format!("no allocation {} on node {}", r.allocation_id, r.node)));
                 }
-            };
-            // Another node's allocation: answered as a missing one.
-            if a.node != r.node {
-                return Err(Status::not_found(format!("no allocation {} on node {}", r.allocation_id, r.node)));
+                tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
+                // A checkpoint or readiness report leaves the task's state as it was.
+                if r.state != "checkpointed" && r.state != "ready" {
+                    a.state = r.state.clone();
+                }
+                if r.pid != 0 {
+                    a.pid = r.pid;
+                }
+                a.exit_code = r.exit_code;
+                a.signal = r.signal;
+                a.detail = r.detail.clone();
+                if !holds_gpus(&a.state) {
+                    st.ended(r.allocation_id, self.live.retention.ended_allocations);
+                }
             }
-            tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
-            // A checkpoint or readiness report leaves the task's state as it was.
-            if r.state != "checkpointed" && r.state != "ready" {
-                a.state = r.state.clone();
-            }
-            if r.pid != 0 {
-                a.pid = r.pid;
-            }
-            a.exit_code = r.exit_code;
-            a.signal = r.signal;
-            a.detail = r.detail.clone();
-            if !holds_gpus(&a.state) {
-                st.ended(r.allocation_id, self.live.retention.ended_allocations);
-            }
-        }
-        // An exit frees the GPUs in the fleet (and may end the job).
-        self.live.task_report(r.allocation_id, &r.state, r.exit_code, r.signal, &r.detail);
-        Ok(Response::new(pb::AllocationReportResponse {}))
+            // An exit frees the GPUs in the fleet (and may end the job).
+            self.live.task_report(r.allocation_id, &r.state, r.exit_code, r.signal, &r.detail);
+            Ok(Response::new(pb::AllocationReportResponse {}))
+        })
     }
 
     async fn list_agents(&self, req: Request<pb::ListAgentsRequest>) -> Reply<pb::ListAgentsResponse> {
-        let id = self.who(&req)?;
-        let want = req.into_inner().partition;
-        if !want.is_empty() {
-            self.require(&id, &want, Role::Viewer)?;
-        }
-        self.sweep();
-        let st = self.state.lock().unwrap();
-        let visible = |p: &str| (want.is_empty() || want == p) && id.can_view(p);
-        let mut holder: BTreeMap<(&str, u32), u64> = BTreeMap::new();
-        for a in st.allocations.values().filter(|a| holds_gpus(&a.state)) {
-            for &g in &a.gpus {
-                holder.insert((a.node.as_str(), g), a.id);
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let want = req.into_inner().partition;
+            if !want.is_empty() {
+                self.require(&id, &want, Role::Viewer)?;
             }
-        }
-        let agents = st
-            .agents
-            .iter()
-            .filter(|(_, a)| visible(&a.partition))
-            .map(|(name, a)| pb::AgentInfo {
-                node: name.clone(),
-                partition: a.partition.clone(),
-                source: a.source.clone(),
-                state: if a.reachable { "ready" } else { "unreachable" }.into(),
-                last_heartbeat_unix_ms: a.last_heartbeat_unix_ms,
-                heartbeats: a.heartbeats,
-                commands_connected: a.commands.as_ref().is_some_and(|c| !c.is_closed()),
-                gpus: a
-                    .gpus
-                    .iter()
-                    .map(|g| pb::GpuStatus {
-                        info: Some(g.info.clone()),
-                        healthy: g.healthy,
-                        unhealthy_reason: g.reason.clone(),
-                        last: g.last.clone(),
-                        allocation_id: holder.get(&(name.as_str(), g.info.index)).copied().unwrap_or(0),
-                    })
-                    .collect(),
-            })
-            .collect();
-        let allocations = st
-            .allocations
-            .values()
-            .filter(|al| st.agents.get(&al.node).is_some_and(|a| visible(&a.partition)))
-            .cloned()
-            .collect();
-        Ok(Response::new(pb::ListAgentsResponse { agents, allocations }))
+            self.sweep();
+            let st = self.state.lock().unwrap();
+            let visible = |p: &str| (want.is_empty() || want == p) && id.can_view(p);
+            let mut holder: BTreeMap<(&str, u32), u64> = BTreeMap::new();
+            for a in st.allocations.values().filter(|a| holds_gpus(&a.state)) {
+                for &g in &a.gpus {
+                    holder.insert((a.node.as_str(), g), a.id);
+                }
+            }
+            let agents = st
+                .agents
+                .iter()
+                .filter(|(_, a)| visible(&a.partition))
+                .map(|(name, a)| pb::AgentInfo {
+                    node: name.clone(),
+                    partition: a.partition.clone(),
+                    source: a.source.clone(),
+                    state: if a.reachable { "ready" } else { "unreachable" }.into(),
+                    last_heartbeat_unix_ms: a.last_heartbeat_unix_ms,
+                    heartbeats: a.heartbeats,
+                    commands_connected: a.commands.as_ref().is_some_and(|c| !c.is_closed()),
+                    gpus: a
+                        .gpus
+                        .iter()
+                        .map(|g| pb::GpuStatus {
+                            info: Some(g.info.clone()),
+                            healthy: g.healthy,
+                            unhealthy_reason: g.reason.clone(),
+                            last: g.last.clone(),
+                            allocation_id: holder.get(&(name.as_str(), g.info.index)).copied().unwrap_or(0),
+                        })
+                        .collect(),
+                })
+                .collect();
+            let allocations = st
+                .allocations
+                .values()
+                .filter(|al| st.agents.get(&al.node).is_some_and(|a| visible(&a.partition)))
+                .cloned()
+                .collect();
+            Ok(Response::new(pb::ListAgentsResponse { agents, allocations }))
+        })
     }
 
     async fn start_allocation(&self, req: Request<pb::StartAllocationRequest>) -> Reply<pb::StartAllocationResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        check_node_name(&r.node).map_err(Status::invalid_argument)?;
-        if !id.is_operator_somewhere() {
-            return Err(Status::permission_denied(format!("{} holds the operator role nowhere; starting an allocation needs it", id.name)));
-        }
-        let partition = self.state.lock().unwrap().agents.get(&r.node).map(|a| a.partition.clone());
-        let partition = match partition {
-            Some(p) if id.role_in(&p) == Some(Role::Operator) => p,
-            _ => return Err(Status::not_found(format!("no agent node {} where {} is an operator", r.node, id.name))),
-        };
-        crate::serve::service::check_task_command(&r.argv, &r.env).map_err(Status::invalid_argument)?;
-        let uuids = {
-            let st = self.state.lock().unwrap();
-            let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
-            let mut uuids = Vec::new();
-            for &g in &r.gpus {
-                let gpu = a.gpus.iter().find(|x| x.info.index == g).ok_or_else(|| Status::invalid_argument(format!("node {} has no GPU {g}", r.node)))?;
-                if !gpu.healthy {
-                    return Err(Status::failed_precondition(format!("GPU {g} of node {} is unhealthy ({})", r.node, gpu.reason)));
-                }
-                uuids.push(gpu.info.uuid.clone());
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            check_node_name(&r.node).map_err(Status::invalid_argument)?;
+            if !id.is_operator_somewhere() {
+                return Err(Status::permission_denied(format!("{} holds the operator role nowhere; starting an allocation needs it", id.name)));
             }
-            uuids
-        };
-        // No GPU ever has two owners: the fleet holds them (or says who does).
-        let id_ = self.live.hold_manual(&partition, &r.node, &r.gpus)?;
-        let (alloc, cmd) = {
-            let mut st = self.state.lock().unwrap();
-            let alloc = pb::AllocationInfo {
-                id: id_,
-                node: r.node.clone(),
-                gpus: r.gpus.clone(),
-                gpu_uuids: uuids.clone(),
-                argv: r.argv.clone(),
-                state: "starting".into(),
-                started_by: id.name.clone(),
-                ..Default::default()
+            let partition = self.state.lock().unwrap().agents.get(&r.node).map(|a| a.partition.clone());
+            let partition = match partition {
+                Some(p) if id.role_in(&p) == Some(Role::Operator) => p,
+                _ => return Err(Status::not_found(format!("no agent node {} where {} is an operator", r.node, id.name))),
             };
-            st.allocations.insert(id_, alloc.clone());
-            let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env };
-            (alloc, cmd)
-        };
-        if let Err(e) = self.send(&r.node, cmd) {
-            {
-                let mut st = self.state.lock().unwrap();
-                if let Some(a) = st.allocations.get_mut(&alloc.id) {
-                    a.state = "failed".into();
-                    a.detail = e.message().to_string();
-                    st.ended(alloc.id, self.live.retention.ended_allocations);
+            crate::serve::service::check_task_command(&r.argv, &r.env).map_err(Status::invalid_argument)?;
+            let uuids = {
+                let st = self.state.lock().unwrap();
+                let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
+                let mut uuids = Vec::new();
+                for &g in &r.gpus {
+                    let gpu = a.gpus.iter().find(|x| x.info.index == g).ok_or_else(|| Status::invalid_argument(format!("node {} has no GPU {g}", r.node)))?;
+                    if !gpu.healthy {
+                        return Err(Status::failed_precondition(format!("GPU {g} of node {} is unhealthy ({})", r.node, gpu.reason)));
+                    }
+                    uuids.push(gpu.info.uuid.clone());
                 }
+                uuids
+            };
+            // No GPU ever has two owners: the fleet holds them (or says who does).
+            let id_ = self.live.hold_manual(&partition, &r.node, &r.gpus)?;
+            let (alloc, cmd) = {
+                let mut st = self.state.lock().unwrap();
+                let alloc = pb::AllocationInfo {
+                    id: id_,
+                    node: r.node.clone(),
+                    gpus: r.gpus.clone(),
+                    gpu_uuids: uuids.clone(),
+                    argv: r.argv.clone(),
+                    state: "starting".into(),
+                    started_by: id.name.clone(),
+                    ..Default::default()
+                };
+                st.allocations.insert(id_, alloc.clone());
+                let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env };
+                (alloc, cmd)
+            };
+            if let Err(e) = self.send(&r.node, cmd) {
+                {
+                    let mut st = self.state.lock().unwrap();
+                    if let Some(a) = st.allocations.get_mut(&alloc.id) {
+                        a.state = "failed".into();
+                        a.detail = e.message().to_string();
+                        st.ended(alloc.id, self.live.retention.ended_allocations);
+                    }
+                }
+                self.live.task_report(alloc.id, "failed", -1, 0, e.message());
+                return Err(e);
             }
-            self.live.task_report(alloc.id, "failed", -1, 0, e.message());
-            return Err(e);
-        }
-        tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");
-        Ok(Response::new(pb::StartAllocationResponse { allocation_id: alloc.id, gpu_uuids: alloc.gpu_uuids }))
+            tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");
+            Ok(Response::new(pb::StartAllocationResponse { allocation_id: alloc.id, gpu_uuids: alloc.gpu_uuids }))
+        })
     }
 
     async fn control_allocation(&self, req: Request<pb::ControlAllocationRequest>) -> Reply<pb::ControlAllocationResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        if !matches!(r.action.as_str(), "stop" | "sleep" | "wake" | "checkpoint") {
-            return Err(Status::invalid_argument(format!("action \"{}\": one of stop, sleep, wake, checkpoint", crate::text::printable(&r.action, 32))));
-        }
-        if !id.is_operator_somewhere() {
-            return Err(Status::permission_denied(format!("{} holds the operator role nowhere; controlling an allocation needs it", id.name)));
-        }
-        // A missing allocation and one the caller may not control get the
-        // same answer; whether it ended is told only to its operators.
-        let missing = || Status::not_found(format!("no allocation {} where {} is an operator", r.allocation_id, id.name));
-        let (node, state) = {
-            let st = self.state.lock().unwrap();
-            let a = st.allocations.get(&r.allocation_id).ok_or_else(missing)?;
-            (a.node.clone(), a.state.clone())
-        };
-        let partition = self.agent_partition(&node).map_err(|_| missing())?;
-        if id.role_in(&partition) != Some(Role::Operator) {
-            return Err(missing());
-        }
-        if !holds_gpus(&state) {
-            return Err(Status::failed_precondition(format!("allocation {} is {state}", r.allocation_id)));
-        }
-        // A harvested job's task sleeps and wakes through the engine (a
-        // sleeper's GPUs are lent): a direct wake would run the replica
-        // beside the borrower of its GPUs.
-        if matches!(r.action.as_str(), "sleep" | "wake")
-            && let Some(job) = self.live.harvested_job_of(&partition, r.allocation_id)
-        {
-            return Err(Status::failed_precondition(format!(
-                "allocation {} is a task of job {job}, which harvesting manages: its sleep and wake follow the partition's harvest schedule (berth sleep / berth wake), not direct controls",
-                r.allocation_id
-            )));
-        }
-        self.send(&node, pb::AgentCommand { allocation_id: r.allocation_id, action: r.action, ..Default::default() })?;
-        Ok(Response::new(pb::ControlAllocationResponse {}))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            if !matches!(r.action.as_str(), "stop" | "sleep" | "wake" | "checkpoint") {
+                return Err(Status::invalid_argument(format!("action \"{}\": one of stop, sleep, wake, checkpoint", crate::text::printable(&r.action, 32))));
+            }
+            if !id.is_operator_somewhere() {
+                return Err(Status::permission_denied(format!("{} holds the operator role nowhere; controlling an allocation needs it", id.name)));
+            }
+            // A missing allocation and one the caller may not control get the
+            // same answer; whether it ended is told only to its operators.
+            let missing = || Status::not_found(format!("no allocation {} where {} is an operator", r.allocation_id, id.name));
+            let (node, state) = {
+                let st = self.state.lock().unwrap();
+                let a = st.allocations.get(&r.allocation_id).ok_or_else(missing)?;
+                (a.node.clone(), a.state.clone())
+            };
+            let partition = self.agent_partition(&node).map_err(|_| missing())?;
+            if id.role_in(&partition) != Some(Role::Operator) {
+                return Err(missing());
+            }
+            if !holds_gpus(&state) {
+                return Err(Status::failed_precondition(format!("allocation {} is {state}", r.allocation_id)));
+            }
+            // A harvested job's task sleeps and wakes through the engine (a
+            // sleeper's GPUs are lent): a direct wake would run the replica
+            // beside the borrower of its GPUs.
+            if matches!(r.action.as_str(), "sleep" | "wake")
+                && let Some(job) = self.live.harvested_job_of(&partition, r.allocation_id)
+            {
+                return Err(Status::failed_precondition(format!(
+                    "allocation {} is a task of job {job}, which harvesting manages: its sleep and wake follow the partition's harvest schedule (berth sleep / berth wake), not direct controls",
+                    r.allocation_id
+                )));
+            }
+            self.send(&node, pb::AgentCommand { allocation_id: r.allocation_id, action: r.action, ..Default::default() })?;
+            Ok(Response::new(pb::ControlAllocationResponse {}))
+        })
     }
 }
 

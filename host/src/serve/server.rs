@@ -161,6 +161,9 @@ impl ServeHandle {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(true);
         }
+        // A graceful stop waits for open streams: end the agents' command
+        // streams, or a host with connected agents never stops.
+        self.hub.close_command_streams();
         for t in self.tasks.drain(..) {
             let _ = t.await;
         }

@@ -338,315 +338,337 @@ fn denominators(d: &accounting::Denominators) -> pb::Denominators {
 #[tonic::async_trait]
 impl Berth for Service {
     async fn submit_job(&self, req: Request<pb::SubmitJobRequest>) -> Reply<pb::SubmitJobResponse> {
-        let id = self.who(&req)?;
-        let partition = req.get_ref().job.as_ref().map(|j| j.partition.clone()).unwrap_or_default();
-        self.require(&id, &partition, Role::Tenant)?;
-        let r = req.into_inner();
-        let idempotency = idempotency_key(&r)?;
-        let spec = self.job_spec(&id, r.job)?;
-        let (job_id, duplicate) = self.live.submit(spec, &id.name, idempotency)?;
-        if duplicate {
-            tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "submission retried: the job its idempotency key made");
-        } else {
-            tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "job submitted");
-        }
-        Ok(Response::new(pb::SubmitJobResponse { job_id, duplicate }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let partition = req.get_ref().job.as_ref().map(|j| j.partition.clone()).unwrap_or_default();
+            self.require(&id, &partition, Role::Tenant)?;
+            let r = req.into_inner();
+            let idempotency = idempotency_key(&r)?;
+            let spec = self.job_spec(&id, r.job)?;
+            let (job_id, duplicate) = self.live.submit(spec, &id.name, idempotency)?;
+            if duplicate {
+                tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "submission retried: the job its idempotency key made");
+            } else {
+                tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "job submitted");
+            }
+            Ok(Response::new(pb::SubmitJobResponse { job_id, duplicate }))
+        })
     }
 
     async fn cancel_job(&self, req: Request<pb::CancelJobRequest>) -> Reply<pb::CancelJobResponse> {
-        let id = self.who(&req)?;
-        let job_id = req.get_ref().job_id;
-        let p = self.job_partition(&id, job_id)?;
-        let partition = self.live.partitions[p].name.clone();
-        self.require(&id, &partition, Role::Tenant)?;
-        let owner = self.live.partitions[p].lock_state().jobs.get(&job_id).map(|j| j.owner.clone()).unwrap_or_default();
-        if owner != id.name && id.role_in(&partition) < Some(Role::Operator) {
-            tracing::warn!(target: "berth::serve::auth", identity = %id.name, job = job_id, "denied: cancel of another tenant's job");
-            return Err(self.denied(ServeError::PermissionDenied(format!("job {job_id} belongs to {owner}; {} may cancel only its own jobs", id.name))));
-        }
-        let before = self.live.cancel(p, job_id)?;
-        tracing::info!(target: "berth::serve", job = job_id, by = %id.name, "job cancelled");
-        Ok(Response::new(pb::CancelJobResponse { previous_state: before.as_str().into() }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let job_id = req.get_ref().job_id;
+            let p = self.job_partition(&id, job_id)?;
+            let partition = self.live.partitions[p].name.clone();
+            self.require(&id, &partition, Role::Tenant)?;
+            let owner = self.live.partitions[p].lock_state().jobs.get(&job_id).map(|j| j.owner.clone()).unwrap_or_default();
+            if owner != id.name && id.role_in(&partition) < Some(Role::Operator) {
+                tracing::warn!(target: "berth::serve::auth", identity = %id.name, job = job_id, "denied: cancel of another tenant's job");
+                return Err(self.denied(ServeError::PermissionDenied(format!("job {job_id} belongs to {owner}; {} may cancel only its own jobs", id.name))));
+            }
+            let before = self.live.cancel(p, job_id)?;
+            tracing::info!(target: "berth::serve", job = job_id, by = %id.name, "job cancelled");
+            Ok(Response::new(pb::CancelJobResponse { previous_state: before.as_str().into() }))
+        })
     }
 
     async fn migrate_task(&self, req: Request<pb::MigrateTaskRequest>) -> Reply<pb::MigrateTaskResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let unknown = || Status::not_found(format!("no task allocation {}", r.allocation_id));
-        let partition = self.live.allocation_partition(r.allocation_id).ok_or_else(unknown)?;
-        // As for jobs: no role there reads as no such allocation.
-        if !id.can_view(&partition) {
-            return Err(unknown());
-        }
-        self.require(&id, &partition, Role::Operator)?;
-        let m = self.live.migrate(r.allocation_id, &r.node, r.checkpoint)?;
-        tracing::info!(target: "berth::serve", job = m.job_id, from = r.allocation_id, to = m.alloc_id, node = %m.node, by = %id.name, "task migration started");
-        Ok(Response::new(pb::MigrateTaskResponse { job_id: m.job_id, allocation_id: m.alloc_id, node: m.node, gpus: m.gpus }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let unknown = || Status::not_found(format!("no task allocation {}", r.allocation_id));
+            let partition = self.live.allocation_partition(r.allocation_id).ok_or_else(unknown)?;
+            // As for jobs: no role there reads as no such allocation.
+            if !id.can_view(&partition) {
+                return Err(unknown());
+            }
+            self.require(&id, &partition, Role::Operator)?;
+            let m = self.live.migrate(r.allocation_id, &r.node, r.checkpoint)?;
+            tracing::info!(target: "berth::serve", job = m.job_id, from = r.allocation_id, to = m.alloc_id, node = %m.node, by = %id.name, "task migration started");
+            Ok(Response::new(pb::MigrateTaskResponse { job_id: m.job_id, allocation_id: m.alloc_id, node: m.node, gpus: m.gpus }))
+        })
     }
 
     async fn sleep_job(&self, req: Request<pb::SleepJobRequest>) -> Reply<pb::SleepJobResponse> {
-        self.set_sleep(req, false)
+        crate::util::may_block(|| {
+            self.set_sleep(req, false)
+        })
     }
 
     async fn wake_job(&self, req: Request<pb::SleepJobRequest>) -> Reply<pb::SleepJobResponse> {
-        self.set_sleep(req, true)
+        crate::util::may_block(|| {
+            self.set_sleep(req, true)
+        })
     }
 
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::ListJobsResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let limit = if r.limit == 0 { 1000 } else { (r.limit as usize).min(MAX_LIST_JOBS) };
-        if !r.state.is_empty() && !SHOWN_STATES.contains(&r.state.as_str()) {
-            return Err(ServeError::Invalid(format!("unknown state \"{}\" ({})", crate::text::printable(&r.state, 32), SHOWN_STATES.join(", "))).into());
-        }
-        let before = if r.before_id == 0 { u64::MAX } else { r.before_id };
-        // Each partition reads newest first from its id-ordered table and
-        // stops at the page's length: a page costs its length, not the
-        // number of jobs kept.
-        let mut jobs = Vec::new();
-        let mut more = false;
-        for p in self.viewable(&id, &r.partition)? {
-            let st = self.live.partitions[p].lock_state();
-            let operator = id.role_in(&self.live.partitions[p].name) >= Some(Role::Operator);
-            let page: Vec<pb::Job> = st
-                .jobs
-                .range(..before)
-                .rev()
-                .filter(|(_, j)| r.state.is_empty() || j.shown_state() == r.state)
-                .take(limit)
-                .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name))
-                .collect();
-            more |= page.len() == limit;
-            jobs.extend(page);
-        }
-        jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
-        more |= jobs.len() > limit;
-        jobs.truncate(limit);
-        let gathered = jobs.len();
-        fit_reply(&mut jobs);
-        more |= jobs.len() < gathered;
-        let next_before_id = if more { jobs.last().map_or(0, |j| j.id) } else { 0 };
-        Ok(Response::new(pb::ListJobsResponse { jobs, next_before_id }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let limit = if r.limit == 0 { 1000 } else { (r.limit as usize).min(MAX_LIST_JOBS) };
+            if !r.state.is_empty() && !SHOWN_STATES.contains(&r.state.as_str()) {
+                return Err(ServeError::Invalid(format!("unknown state \"{}\" ({})", crate::text::printable(&r.state, 32), SHOWN_STATES.join(", "))).into());
+            }
+            let before = if r.before_id == 0 { u64::MAX } else { r.before_id };
+            // Each partition reads newest first from its id-ordered table and
+            // stops at the page's length: a page costs its length, not the
+            // number of jobs kept.
+            let mut jobs = Vec::new();
+            let mut more = false;
+            for p in self.viewable(&id, &r.partition)? {
+                let st = self.live.partitions[p].lock_state();
+                let operator = id.role_in(&self.live.partitions[p].name) >= Some(Role::Operator);
+                let page: Vec<pb::Job> = st
+                    .jobs
+                    .range(..before)
+                    .rev()
+                    .filter(|(_, j)| r.state.is_empty() || j.shown_state() == r.state)
+                    .take(limit)
+                    .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name))
+                    .collect();
+                more |= page.len() == limit;
+                jobs.extend(page);
+            }
+            jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
+            more |= jobs.len() > limit;
+            jobs.truncate(limit);
+            let gathered = jobs.len();
+            fit_reply(&mut jobs);
+            more |= jobs.len() < gathered;
+            let next_before_id = if more { jobs.last().map_or(0, |j| j.id) } else { 0 };
+            Ok(Response::new(pb::ListJobsResponse { jobs, next_before_id }))
+        })
     }
 
     async fn explain_job(&self, req: Request<pb::ExplainJobRequest>) -> Reply<pb::ExplainJobResponse> {
-        let id = self.who(&req)?;
-        let job_id = req.get_ref().job_id;
-        let p = self.job_partition(&id, job_id)?;
-        let part = &self.live.partitions[p];
-        self.require(&id, &part.name, Role::Viewer)?;
-        let st = part.lock_state();
-        // Pruned since it was found: gone, as for any unknown job.
-        let job = st.jobs.get(&job_id).ok_or(ServeError::UnknownJob(job_id))?;
-        let mut out = pb::ExplainJobResponse { state: job.shown_state().into(), last_decision: job.last_decision.clone(), ..Default::default() };
-        if job.state != JobState::Pending {
-            out.summary = match job.state {
-                JobState::Running => format!(
-                    "running on {}",
-                    job.placements.iter().map(|p| format!("{} GPUs {:?}", p.node, p.gpus)).collect::<Vec<_>>().join(", ")
-                ),
-                s => s.as_str().to_string(),
-            };
-            return Ok(Response::new(out));
-        }
-        let shape = &job.spec.job.shape;
-        // Where it may run, as the engine decides: jobs with a command on
-        // agent nodes only (simulated ones never), and a high-priority job
-        // not on nodes with GPUs lent by a sleeping job.
-        let agent_nodes: std::collections::BTreeSet<u32> = st.agent_ids.values().copied().collect();
-        let agent_job = !job.spec.argv.is_empty();
-        let high = job.spec.job.priority >= st.engine.config.high_priority;
-        let lent = st.engine.lent();
-        let may_run = |id: u32| agent_nodes.contains(&id) == agent_job && !(high && lent.contains_key(&id));
-        let mut reasons: BTreeMap<berth_core::Unfit, u32> = BTreeMap::new();
-        let mut lent_nodes = 0;
-        for (id, node) in st.fleet.nodes().iter().enumerate() {
-            let id = id as u32;
-            if agent_nodes.contains(&id) != agent_job {
-                continue;
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let job_id = req.get_ref().job_id;
+            let p = self.job_partition(&id, job_id)?;
+            let part = &self.live.partitions[p];
+            self.require(&id, &part.name, Role::Viewer)?;
+            let st = part.lock_state();
+            // Pruned since it was found: gone, as for any unknown job.
+            let job = st.jobs.get(&job_id).ok_or(ServeError::UnknownJob(job_id))?;
+            let mut out = pb::ExplainJobResponse { state: job.shown_state().into(), last_decision: job.last_decision.clone(), ..Default::default() };
+            if job.state != JobState::Pending {
+                out.summary = match job.state {
+                    JobState::Running => format!(
+                        "running on {}",
+                        job.placements.iter().map(|p| format!("{} GPUs {:?}", p.node, p.gpus)).collect::<Vec<_>>().join(", ")
+                    ),
+                    s => s.as_str().to_string(),
+                };
+                return Ok(Response::new(out));
             }
-            if !may_run(id) {
-                lent_nodes += 1;
-                continue;
+            let shape = &job.spec.job.shape;
+            // Where it may run, as the engine decides: jobs with a command on
+            // agent nodes only (simulated ones never), and a high-priority job
+            // not on nodes with GPUs lent by a sleeping job.
+            let agent_nodes: std::collections::BTreeSet<u32> = st.agent_ids.values().copied().collect();
+            let agent_job = !job.spec.argv.is_empty();
+            let high = job.spec.job.priority >= st.engine.config.high_priority;
+            let lent = st.engine.lent();
+            let may_run = |id: u32| agent_nodes.contains(&id) == agent_job && !(high && lent.contains_key(&id));
+            let mut reasons: BTreeMap<berth_core::Unfit, u32> = BTreeMap::new();
+            let mut lent_nodes = 0;
+            for (id, node) in st.fleet.nodes().iter().enumerate() {
+                let id = id as u32;
+                if agent_nodes.contains(&id) != agent_job {
+                    continue;
+                }
+                if !may_run(id) {
+                    lent_nodes += 1;
+                    continue;
+                }
+                match predicate::check(node, shape) {
+                    Ok(()) => out.fitting_nodes += 1,
+                    Err(why) => *reasons.entry(why).or_insert(0) += 1,
+                }
             }
-            match predicate::check(node, shape) {
-                Ok(()) => out.fitting_nodes += 1,
-                Err(why) => *reasons.entry(why).or_insert(0) += 1,
+            out.fitting_tasks = berth_core::sim::fitting_tasks_among(&st.fleet, shape, u32::MAX, &|id, _| may_run(id));
+            let candidates = st.fleet.nodes().iter().enumerate().filter(|(id, _)| agent_nodes.contains(&(*id as u32)) == agent_job).count();
+            let mut ranked: Vec<(berth_core::Unfit, u32)> = reasons.into_iter().collect();
+            ranked.sort_by_key(|&(why, n)| (std::cmp::Reverse(n), why));
+            out.reasons = ranked.iter().map(|(why, n)| pb::UnfitCount { reason: why.to_string(), nodes: *n }).collect();
+            let me = (std::cmp::Reverse(job.spec.job.priority), job_id);
+            out.queue_position = st.pending.iter().filter(|j| (std::cmp::Reverse(st.jobs[j].spec.job.priority), **j) < me).count() as u32;
+            let mut reasons_text =
+                ranked.iter().enumerate().map(|(i, (why, n))| if i == 0 { format!("{n} nodes: {why}") } else { format!("{n}: {why}") }).collect::<Vec<_>>().join("; ");
+            if lent_nodes > 0 {
+                let lent_text = format!("{lent_nodes} nodes: GPUs lent by a sleeping job (for low-priority work only)");
+                reasons_text = if reasons_text.is_empty() { lent_text } else { format!("{lent_text}; {reasons_text}") };
             }
-        }
-        out.fitting_tasks = berth_core::sim::fitting_tasks_among(&st.fleet, shape, u32::MAX, &|id, _| may_run(id));
-        let candidates = st.fleet.nodes().iter().enumerate().filter(|(id, _)| agent_nodes.contains(&(*id as u32)) == agent_job).count();
-        let mut ranked: Vec<(berth_core::Unfit, u32)> = reasons.into_iter().collect();
-        ranked.sort_by_key(|&(why, n)| (std::cmp::Reverse(n), why));
-        out.reasons = ranked.iter().map(|(why, n)| pb::UnfitCount { reason: why.to_string(), nodes: *n }).collect();
-        let me = (std::cmp::Reverse(job.spec.job.priority), job_id);
-        out.queue_position = st.pending.iter().filter(|j| (std::cmp::Reverse(st.jobs[j].spec.job.priority), **j) < me).count() as u32;
-        let mut reasons_text =
-            ranked.iter().enumerate().map(|(i, (why, n))| if i == 0 { format!("{n} nodes: {why}") } else { format!("{n}: {why}") }).collect::<Vec<_>>().join("; ");
-        if lent_nodes > 0 {
-            let lent_text = format!("{lent_nodes} nodes: GPUs lent by a sleeping job (for low-priority work only)");
-            reasons_text = if reasons_text.is_empty() { lent_text } else { format!("{lent_text}; {reasons_text}") };
-        }
-        let tasks = job.spec.job.tasks;
-        // The guard's reservation, if this job holds it.
-        let reserved = st.slots.get(&job_id).and_then(|&slot| st.engine.reservation(None).filter(|&(s, _)| s == slot)).map(|(_, until)| until);
-        out.reserved_until_unix_s = reserved.unwrap_or(0);
-        out.summary = if st.paused {
-            "decisions paused: the circuit breaker found no good policy version; an operator must activate one".into()
-        } else if candidates == 0 {
-            if agent_job { "no agent node in the partition: a job with a command runs on agent nodes" } else { "no simulated node in the partition: a job without a command runs on simulated nodes" }.into()
-        } else if out.fitting_tasks >= tasks {
-            format!("fits now ({} of {candidates} nodes); {} job(s) ahead in the queue", out.fitting_nodes, out.queue_position)
-        } else if tasks > 1 && out.fitting_nodes > 0 {
-            format!("gang of {tasks} tasks, {} fit now; {reasons_text}", out.fitting_tasks)
-        } else {
-            reasons_text
-        };
-        let now = st.now_s();
-        if let Some(&slot) = st.slots.get(&job_id)
-            && let Some((at, recent, at_limit)) = st.engine.held_back(slot, now)
-        {
-            let wait = at.saturating_sub(now);
-            out.summary = if at_limit {
-                format!(
-                    "preempted {recent} times in 24 h, its contract's limit: starts again in {wait} s at the earliest, so that all running low-priority work stays preemptible; {}",
-                    out.summary
-                )
+            let tasks = job.spec.job.tasks;
+            // The guard's reservation, if this job holds it.
+            let reserved = st.slots.get(&job_id).and_then(|&slot| st.engine.reservation(None).filter(|&(s, _)| s == slot)).map(|(_, until)| until);
+            out.reserved_until_unix_s = reserved.unwrap_or(0);
+            out.summary = if st.paused {
+                "decisions paused: the circuit breaker found no good policy version; an operator must activate one".into()
+            } else if candidates == 0 {
+                if agent_job { "no agent node in the partition: a job with a command runs on agent nodes" } else { "no simulated node in the partition: a job without a command runs on simulated nodes" }.into()
+            } else if out.fitting_tasks >= tasks {
+                format!("fits now ({} of {candidates} nodes); {} job(s) ahead in the queue", out.fitting_nodes, out.queue_position)
+            } else if tasks > 1 && out.fitting_nodes > 0 {
+                format!("gang of {tasks} tasks, {} fit now; {reasons_text}", out.fitting_tasks)
             } else {
-                format!("preempted: vacating, may start again in {wait} s; {}", out.summary)
+                reasons_text
             };
-        }
-        if let Some(until) = reserved {
-            out.summary = if until == u64::MAX {
-                format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)
-            } else {
-                let wait = until.saturating_sub(self.live.now_s());
-                format!("reserved by the starvation guard: starts within {wait} s at the latest (nodes drained for it); {}", out.summary)
-            };
-        }
-        Ok(Response::new(out))
+            let now = st.now_s();
+            if let Some(&slot) = st.slots.get(&job_id)
+                && let Some((at, recent, at_limit)) = st.engine.held_back(slot, now)
+            {
+                let wait = at.saturating_sub(now);
+                out.summary = if at_limit {
+                    format!(
+                        "preempted {recent} times in 24 h, its contract's limit: starts again in {wait} s at the earliest, so that all running low-priority work stays preemptible; {}",
+                        out.summary
+                    )
+                } else {
+                    format!("preempted: vacating, may start again in {wait} s; {}", out.summary)
+                };
+            }
+            if let Some(until) = reserved {
+                out.summary = if until == u64::MAX {
+                    format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)
+                } else {
+                    let wait = until.saturating_sub(self.live.now_s());
+                    format!("reserved by the starvation guard: starts within {wait} s at the latest (nodes drained for it); {}", out.summary)
+                };
+            }
+            Ok(Response::new(out))
+        })
     }
 
     async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Reply<pb::ListNodesResponse> {
-        let id = self.who(&req)?;
-        let mut nodes = Vec::new();
-        // Agent nodes are in the fleet; the hub knows their reachability and health.
-        let agents = self.agents.as_ref().map(|h| h.node_states()).unwrap_or_default();
-        for p in self.viewable(&id, &req.get_ref().partition)? {
-            let part = &self.live.partitions[p];
-            let st = part.lock_state();
-            nodes.extend(st.fleet.nodes().iter().map(|n| {
-                let agent = st.agent_ids.contains_key(&n.name).then(|| agents.get(&n.name).cloned().unwrap_or_default());
-                pb::NodeInfo {
-                name: n.name.clone(),
-                partition: part.name.clone(),
-                model: n.model.map_or_else(|| "cpu-only".into(), |m| st.fleet.models[m as usize].clone()),
-                switch_domain: n.switch_domain,
-                schedulable: n.schedulable,
-                gpus: n.gpus.len() as u32,
-                gpus_idle: n.gpus.iter().filter(|&&g| g == berth_core::MILLI_PER_GPU).count() as u32,
-                gpu_free_milli: n.gpu_free_milli(),
-                cpu_free_milli: n.cpu_free_milli,
-                cpu_total_milli: n.cpu_total_milli,
-                memory_free_mib: n.memory_free_mib,
-                memory_total_mib: n.memory_total_mib,
-                source: if agent.is_some() { "agent" } else { "simulated" }.into(),
-                gpus_unhealthy: agent.as_ref().map_or(0, |a| a.1),
-                state: agent.map(|a| a.0).unwrap_or_default(),
-            }}));
-        }
-        Ok(Response::new(pb::ListNodesResponse { nodes }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let mut nodes = Vec::new();
+            // Agent nodes are in the fleet; the hub knows their reachability and health.
+            let agents = self.agents.as_ref().map(|h| h.node_states()).unwrap_or_default();
+            for p in self.viewable(&id, &req.get_ref().partition)? {
+                let part = &self.live.partitions[p];
+                let st = part.lock_state();
+                nodes.extend(st.fleet.nodes().iter().map(|n| {
+                    let agent = st.agent_ids.contains_key(&n.name).then(|| agents.get(&n.name).cloned().unwrap_or_default());
+                    pb::NodeInfo {
+                    name: n.name.clone(),
+                    partition: part.name.clone(),
+                    model: n.model.map_or_else(|| "cpu-only".into(), |m| st.fleet.models[m as usize].clone()),
+                    switch_domain: n.switch_domain,
+                    schedulable: n.schedulable,
+                    gpus: n.gpus.len() as u32,
+                    gpus_idle: n.gpus.iter().filter(|&&g| g == berth_core::MILLI_PER_GPU).count() as u32,
+                    gpu_free_milli: n.gpu_free_milli(),
+                    cpu_free_milli: n.cpu_free_milli,
+                    cpu_total_milli: n.cpu_total_milli,
+                    memory_free_mib: n.memory_free_mib,
+                    memory_total_mib: n.memory_total_mib,
+                    source: if agent.is_some() { "agent" } else { "simulated" }.into(),
+                    gpus_unhealthy: agent.as_ref().map_or(0, |a| a.1),
+                    state: agent.map(|a| a.0).unwrap_or_default(),
+                }}));
+            }
+            Ok(Response::new(pb::ListNodesResponse { nodes }))
+        })
     }
 
     async fn list_partitions(&self, req: Request<pb::ListPartitionsRequest>) -> Reply<pb::ListPartitionsResponse> {
-        let id = self.who(&req)?;
-        let mut partitions = Vec::new();
-        for p in self.viewable(&id, "")? {
-            let part = &self.live.partitions[p];
-            let candidate = part.candidate();
-            let st = part.lock_state();
-            let running = st.jobs.values().filter(|j| j.state == JobState::Running).count() as u32;
-            partitions.push(pb::PartitionInfo {
-                name: part.name.clone(),
-                nodes: st.fleet.nodes().len() as u32,
-                gpus: (st.fleet.gpu_total_milli() / 1000) as u32,
-                gpus_busy: st.fleet.gpu_allocated_milli() as f64 / 1000.0,
-                pending_jobs: st.pending.len() as u32,
-                running_jobs: running,
-                active: part.active().map(|a| policy_ref(&a.meta)),
-                shadow_mode: match candidate.as_ref().map(|c| c.mode) {
-                    None => "off".into(),
-                    Some(Mode::Shadow) => "shadow".into(),
-                    Some(Mode::Split(_)) => "split".into(),
-                },
-                candidate: candidate.as_ref().map(|c| policy_ref(&c.arm.meta)),
-                split_fraction: match candidate.as_ref().map(|c| c.mode) {
-                    Some(Mode::Split(f)) => f,
-                    _ => 0.0,
-                },
-                paused: st.paused,
-                guard: super::guard::describe(st.engine.config.guards.fleet),
-            });
-        }
-        Ok(Response::new(pb::ListPartitionsResponse { partitions }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let mut partitions = Vec::new();
+            for p in self.viewable(&id, "")? {
+                let part = &self.live.partitions[p];
+                let candidate = part.candidate();
+                let st = part.lock_state();
+                let running = st.jobs.values().filter(|j| j.state == JobState::Running).count() as u32;
+                partitions.push(pb::PartitionInfo {
+                    name: part.name.clone(),
+                    nodes: st.fleet.nodes().len() as u32,
+                    gpus: (st.fleet.gpu_total_milli() / 1000) as u32,
+                    gpus_busy: st.fleet.gpu_allocated_milli() as f64 / 1000.0,
+                    pending_jobs: st.pending.len() as u32,
+                    running_jobs: running,
+                    active: part.active().map(|a| policy_ref(&a.meta)),
+                    shadow_mode: match candidate.as_ref().map(|c| c.mode) {
+                        None => "off".into(),
+                        Some(Mode::Shadow) => "shadow".into(),
+                        Some(Mode::Split(_)) => "split".into(),
+                    },
+                    candidate: candidate.as_ref().map(|c| policy_ref(&c.arm.meta)),
+                    split_fraction: match candidate.as_ref().map(|c| c.mode) {
+                        Some(Mode::Split(f)) => f,
+                        _ => 0.0,
+                    },
+                    paused: st.paused,
+                    guard: super::guard::describe(st.engine.config.guards.fleet),
+                });
+            }
+            Ok(Response::new(pb::ListPartitionsResponse { partitions }))
+        })
     }
 
     async fn accounting(&self, req: Request<pb::AccountingRequest>) -> Reply<pb::AccountingResponse> {
-        let id = self.who(&req)?;
-        let mut total = accounting::Accounting::default();
-        let mut rows = Vec::new();
-        let add = |into: &mut accounting::Denominators, d: &accounting::Denominators| {
-            into.installed += d.installed;
-            into.healthy += d.healthy;
-            into.schedulable += d.schedulable;
-            into.busy += d.busy;
-            into.productive += d.productive;
-        };
-        for p in self.viewable(&id, &req.get_ref().partition)? {
-            let part = &self.live.partitions[p];
-            let st = part.lock_state();
-            let pending: Vec<PendingShape> = st
-                .pending
-                .iter()
-                .map(|j| &st.jobs[j].spec.job)
-                .map(|j| PendingShape { shape: j.shape.clone(), tasks: j.tasks, same_domain: false })
-                .collect();
-            let partition_of = vec![0; st.fleet.nodes().len()];
-            // Simulated work always advances (productive = busy); on agent
-            // nodes productive is what telemetry measured busy.
-            let mut acc = accounting::account(&st.fleet, &pending, &partition_of, &|i, n| st.productive_milli(i, n));
-            // Unhealthy agent GPUs are held out by allocations: not healthy, not busy.
-            for (model, (healthy, busy)) in st.held_unhealthy() {
-                for d in [Some(&mut acc.total), acc.by_model.get_mut(&model)].into_iter().flatten() {
-                    d.healthy -= healthy;
-                    d.busy -= busy;
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let mut total = accounting::Accounting::default();
+            let mut rows = Vec::new();
+            let add = |into: &mut accounting::Denominators, d: &accounting::Denominators| {
+                into.installed += d.installed;
+                into.healthy += d.healthy;
+                into.schedulable += d.schedulable;
+                into.busy += d.busy;
+                into.productive += d.productive;
+            };
+            for p in self.viewable(&id, &req.get_ref().partition)? {
+                let part = &self.live.partitions[p];
+                let st = part.lock_state();
+                let pending: Vec<PendingShape> = st
+                    .pending
+                    .iter()
+                    .map(|j| &st.jobs[j].spec.job)
+                    .map(|j| PendingShape { shape: j.shape.clone(), tasks: j.tasks, same_domain: false })
+                    .collect();
+                let partition_of = vec![0; st.fleet.nodes().len()];
+                // Simulated work always advances (productive = busy); on agent
+                // nodes productive is what telemetry measured busy.
+                let mut acc = accounting::account(&st.fleet, &pending, &partition_of, &|i, n| st.productive_milli(i, n));
+                // Unhealthy agent GPUs are held out by allocations: not healthy, not busy.
+                for (model, (healthy, busy)) in st.held_unhealthy() {
+                    for d in [Some(&mut acc.total), acc.by_model.get_mut(&model)].into_iter().flatten() {
+                        d.healthy -= healthy;
+                        d.busy -= busy;
+                    }
+                }
+                rows.push(pb::AccountingRow { group: format!("partition {}", part.name), gpus: Some(denominators(&acc.total)) });
+                add(&mut total.total, &acc.total);
+                for (model, d) in &acc.by_model {
+                    add(total.by_model.entry(model.clone()).or_default(), d);
+                }
+                for (cause, g) in &acc.stranded {
+                    *total.stranded.entry(*cause).or_insert(0.0) += g;
                 }
             }
-            rows.push(pb::AccountingRow { group: format!("partition {}", part.name), gpus: Some(denominators(&acc.total)) });
-            add(&mut total.total, &acc.total);
-            for (model, d) in &acc.by_model {
-                add(total.by_model.entry(model.clone()).or_default(), d);
-            }
-            for (cause, g) in &acc.stranded {
-                *total.stranded.entry(*cause).or_insert(0.0) += g;
-            }
-        }
-        rows.insert(0, pb::AccountingRow { group: "total".into(), gpus: Some(denominators(&total.total)) });
-        rows.extend(total.by_model.iter().map(|(m, d)| pb::AccountingRow { group: format!("model {m}"), gpus: Some(denominators(d)) }));
-        let stranded = total.stranded.iter().map(|(c, g)| pb::StrandedRow { cause: format!("{c:?}"), gpus: *g }).collect();
-        Ok(Response::new(pb::AccountingResponse { rows, stranded }))
+            rows.insert(0, pb::AccountingRow { group: "total".into(), gpus: Some(denominators(&total.total)) });
+            rows.extend(total.by_model.iter().map(|(m, d)| pb::AccountingRow { group: format!("model {m}"), gpus: Some(denominators(d)) }));
+            let stranded = total.stranded.iter().map(|(c, g)| pb::StrandedRow { cause: format!("{c:?}"), gpus: *g }).collect();
+            Ok(Response::new(pb::AccountingResponse { rows, stranded }))
+        })
     }
 
     async fn set_guard(&self, req: Request<pb::SetGuardRequest>) -> Reply<pb::SetGuardResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        self.require(&id, &r.partition, Role::Operator)?;
-        let p = self.live.partition_index(&r.partition)?;
-        let guard = super::guard::requested(r.off, r.reserve_after_s, r.aging_per_hour)?;
-        self.live.set_guard(p, guard)?;
-        let text = super::guard::describe(guard);
-        tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, guard = %text, "starvation guard set");
-        Ok(Response::new(pb::SetGuardResponse { guard: text }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            self.require(&id, &r.partition, Role::Operator)?;
+            let p = self.live.partition_index(&r.partition)?;
+            let guard = super::guard::requested(r.off, r.reserve_after_s, r.aging_per_hour)?;
+            self.live.set_guard(p, guard)?;
+            let text = super::guard::describe(guard);
+            tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, guard = %text, "starvation guard set");
+            Ok(Response::new(pb::SetGuardResponse { guard: text }))
+        })
     }
 
     async fn compact_live(&self, req: Request<pb::CompactLiveRequest>) -> Reply<pb::CompactLiveResponse> {
@@ -695,110 +717,116 @@ impl Berth for Service {
     }
 
     async fn list_compactions(&self, req: Request<pb::ListCompactionsRequest>) -> Reply<pb::ListCompactionsResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let limit = if r.limit == 0 { 100 } else { (r.limit as usize).min(1000) };
-        let mut chains = Vec::new();
-        for p in self.viewable(&id, &r.partition)? {
-            let name = self.live.partitions[p].name.clone();
-            for c in self.live.compactions(&name, limit)? {
-                chains.push(pb::CompactionChain {
-                    id: c.id,
-                    partition: name.clone(),
-                    policy: c.policy,
-                    state: c.state,
-                    cause: c.cause,
-                    started_unix_ms: c.started_unix_ms,
-                    ended_unix_ms: c.ended_unix_ms,
-                    nodes_freed: c.nodes_freed,
-                    benefit_gpu_s: c.benefit_gpu_s,
-                    cost_gpu_s: c.cost_gpu_s,
-                    moves: c
-                        .moves
-                        .into_iter()
-                        .map(|m| pb::CompactionMove {
-                            job_id: m.job_id,
-                            from_allocation: m.from_allocation,
-                            to_allocation: m.to_allocation,
-                            from_node: m.from_node,
-                            to_node: m.to_node,
-                            to_gpus: m.to_gpus,
-                            tier: m.tier,
-                            state_bytes: m.state_bytes,
-                            state: m.state,
-                            overlap_ms: m.overlap_ms,
-                            warmup_ms: m.warmup_ms,
-                            cause: m.cause,
-                        })
-                        .collect(),
-                    bytes_same_switch: c.bytes_by_tier[0],
-                    bytes_same_aggregation: c.bytes_by_tier[1],
-                    bytes_cross_aggregation: c.bytes_by_tier[2],
-                    idle_nodes_before: c.idle_nodes_before,
-                    idle_nodes_after: c.idle_nodes_after,
-                    pending_startable_before: c.pending_startable_before,
-                    pending_startable_after: c.pending_startable_after,
-                });
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let limit = if r.limit == 0 { 100 } else { (r.limit as usize).min(1000) };
+            let mut chains = Vec::new();
+            for p in self.viewable(&id, &r.partition)? {
+                let name = self.live.partitions[p].name.clone();
+                for c in self.live.compactions(&name, limit)? {
+                    chains.push(pb::CompactionChain {
+                        id: c.id,
+                        partition: name.clone(),
+                        policy: c.policy,
+                        state: c.state,
+                        cause: c.cause,
+                        started_unix_ms: c.started_unix_ms,
+                        ended_unix_ms: c.ended_unix_ms,
+                        nodes_freed: c.nodes_freed,
+                        benefit_gpu_s: c.benefit_gpu_s,
+                        cost_gpu_s: c.cost_gpu_s,
+                        moves: c
+                            .moves
+                            .into_iter()
+                            .map(|m| pb::CompactionMove {
+                                job_id: m.job_id,
+                                from_allocation: m.from_allocation,
+                                to_allocation: m.to_allocation,
+                                from_node: m.from_node,
+                                to_node: m.to_node,
+                                to_gpus: m.to_gpus,
+                                tier: m.tier,
+                                state_bytes: m.state_bytes,
+                                state: m.state,
+                                overlap_ms: m.overlap_ms,
+                                warmup_ms: m.warmup_ms,
+                                cause: m.cause,
+                            })
+                            .collect(),
+                        bytes_same_switch: c.bytes_by_tier[0],
+                        bytes_same_aggregation: c.bytes_by_tier[1],
+                        bytes_cross_aggregation: c.bytes_by_tier[2],
+                        idle_nodes_before: c.idle_nodes_before,
+                        idle_nodes_after: c.idle_nodes_after,
+                        pending_startable_before: c.pending_startable_before,
+                        pending_startable_after: c.pending_startable_after,
+                    });
+                }
             }
-        }
-        chains.sort_by_key(|c| std::cmp::Reverse(c.started_unix_ms));
-        chains.truncate(limit);
-        Ok(Response::new(pb::ListCompactionsResponse { chains }))
+            chains.sort_by_key(|c| std::cmp::Reverse(c.started_unix_ms));
+            chains.truncate(limit);
+            Ok(Response::new(pb::ListCompactionsResponse { chains }))
+        })
     }
 
     async fn quote(&self, req: Request<pb::QuoteRequest>) -> Reply<pb::QuoteResponse> {
-        let id = self.who(&req)?;
-        let q = req.into_inner();
-        self.require(&id, &q.partition, Role::Viewer)?;
-        let p = self.live.partition_index(&q.partition)?;
-        let bad = |m: String| Status::from(ServeError::Invalid(m));
-        let tasks = q.tasks.max(1);
-        if tasks > 4096 {
-            return Err(bad(format!("{tasks} tasks: at most 4096")));
-        }
-        if !(q.deadline_h.is_finite() && (0.0..=24.0 * 365.0).contains(&q.deadline_h)) {
-            return Err(bad(format!("deadline_h {} must be in [0, 8760] (0: none)", q.deadline_h)));
-        }
-        if q.models.len() > 64 || q.models.iter().any(|m| m.len() > 256) {
-            return Err(bad("at most 64 models of 256 bytes".into()));
-        }
-        let st = self.live.partitions[p].lock_state();
-        let models = q
-            .models
-            .iter()
-            .map(|m| st.fleet.model_id(m).ok_or_else(|| bad(format!("unknown GPU model \"{}\" (partition {} has {:?})", crate::text::printable(m, 64), q.partition, st.fleet.models))))
-            .collect::<Result<Vec<_>, _>>()?;
-        let gpu_milli = if q.gpus > 0 && q.gpu_milli == 0 { 1000 } else { q.gpu_milli };
-        let shape = TaskShape { gpu_count: q.gpus, gpu_milli, cpu_milli: q.cpu_milli, memory_mib: q.memory_mib, models };
-        shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
-        let deadline_s = (q.deadline_h > 0.0).then(|| (q.deadline_h * 3600.0).ceil() as u64);
-        let quote = st.quote(&PendingShape { shape, tasks, same_domain: q.same_domain }, q.agent_nodes, deadline_s);
-        Ok(Response::new(pb::QuoteResponse {
-            now: quote.now,
-            has_next: quote.next_in_s.is_some(),
-            next_in_s: quote.next_in_s.unwrap_or(0),
-            has_deadline: quote.meets_deadline.is_some(),
-            meets_deadline: quote.meets_deadline.unwrap_or(false),
-            queued_ahead: st.queued_at_or_above(q.priority),
-        }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let q = req.into_inner();
+            self.require(&id, &q.partition, Role::Viewer)?;
+            let p = self.live.partition_index(&q.partition)?;
+            let bad = |m: String| Status::from(ServeError::Invalid(m));
+            let tasks = q.tasks.max(1);
+            if tasks > 4096 {
+                return Err(bad(format!("{tasks} tasks: at most 4096")));
+            }
+            if !(q.deadline_h.is_finite() && (0.0..=24.0 * 365.0).contains(&q.deadline_h)) {
+                return Err(bad(format!("deadline_h {} must be in [0, 8760] (0: none)", q.deadline_h)));
+            }
+            if q.models.len() > 64 || q.models.iter().any(|m| m.len() > 256) {
+                return Err(bad("at most 64 models of 256 bytes".into()));
+            }
+            let st = self.live.partitions[p].lock_state();
+            let models = q
+                .models
+                .iter()
+                .map(|m| st.fleet.model_id(m).ok_or_else(|| bad(format!("unknown GPU model \"{}\" (partition {} has {:?})", crate::text::printable(m, 64), q.partition, st.fleet.models))))
+                .collect::<Result<Vec<_>, _>>()?;
+            let gpu_milli = if q.gpus > 0 && q.gpu_milli == 0 { 1000 } else { q.gpu_milli };
+            let shape = TaskShape { gpu_count: q.gpus, gpu_milli, cpu_milli: q.cpu_milli, memory_mib: q.memory_mib, models };
+            shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
+            let deadline_s = (q.deadline_h > 0.0).then(|| (q.deadline_h * 3600.0).ceil() as u64);
+            let quote = st.quote(&PendingShape { shape, tasks, same_domain: q.same_domain }, q.agent_nodes, deadline_s);
+            Ok(Response::new(pb::QuoteResponse {
+                now: quote.now,
+                has_next: quote.next_in_s.is_some(),
+                next_in_s: quote.next_in_s.unwrap_or(0),
+                has_deadline: quote.meets_deadline.is_some(),
+                meets_deadline: quote.meets_deadline.unwrap_or(false),
+                queued_ahead: st.queued_at_or_above(q.priority),
+            }))
+        })
     }
 
     async fn query_decisions(&self, req: Request<pb::QueryDecisionsRequest>) -> Reply<pb::QueryDecisionsResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let allowed: Vec<String> = self.viewable(&id, &r.partition)?.into_iter().map(|p| self.live.partitions[p].name.clone()).collect();
-        let filter = Filter {
-            partition: (!r.partition.is_empty()).then_some(r.partition.clone()),
-            job_id: (r.job_id != 0).then_some(r.job_id),
-            policy_version: (r.policy_version != 0).then_some(r.policy_version),
-            include_shadow: r.include_shadow,
-            limit: usize::MAX,
-        };
-        let limit = if r.limit == 0 { 100 } else { r.limit as usize };
-        let mut decisions: Vec<pb::Decision> =
-            self.live.decisions.query(&filter).into_iter().filter(|d| allowed.contains(&d.partition)).take(limit).map(decision_message).collect();
-        fit_reply(&mut decisions);
-        Ok(Response::new(pb::QueryDecisionsResponse { decisions }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let allowed: Vec<String> = self.viewable(&id, &r.partition)?.into_iter().map(|p| self.live.partitions[p].name.clone()).collect();
+            let filter = Filter {
+                partition: (!r.partition.is_empty()).then_some(r.partition.clone()),
+                job_id: (r.job_id != 0).then_some(r.job_id),
+                policy_version: (r.policy_version != 0).then_some(r.policy_version),
+                include_shadow: r.include_shadow,
+                limit: usize::MAX,
+            };
+            let limit = if r.limit == 0 { 100 } else { r.limit as usize };
+            let mut decisions: Vec<pb::Decision> =
+                self.live.decisions.query(&filter).into_iter().filter(|d| allowed.contains(&d.partition)).take(limit).map(decision_message).collect();
+            fit_reply(&mut decisions);
+            Ok(Response::new(pb::QueryDecisionsResponse { decisions }))
+        })
     }
 
     async fn upload_policy(&self, req: Request<pb::UploadPolicyRequest>) -> Reply<pb::UploadPolicyResponse> {
@@ -840,33 +868,35 @@ impl Berth for Service {
     }
 
     async fn policy_history(&self, req: Request<pb::PolicyHistoryRequest>) -> Reply<pb::PolicyHistoryResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let partition = r.partition;
-        self.require(&id, &partition, Role::Viewer)?;
-        let hook = PolicyHook::parse(&r.hook)?;
-        let record = self.live.registry.record(&hook_key(&partition, hook))?;
-        Ok(Response::new(pb::PolicyHistoryResponse {
-            versions: record
-                .versions
-                .iter()
-                .map(|m| pb::PolicyVersion {
-                    policy: Some(policy_ref(m)),
-                    contract: m.contract.clone(),
-                    uploaded_by: m.uploaded_by.clone(),
-                    uploaded_unix_ms: m.uploaded_unix_ms,
-                    note: m.note.clone(),
-                    config: m.config.clone(),
-                    blocked_until_unix_ms: m.blocked_until_unix_ms,
-                })
-                .collect(),
-            events: record
-                .events
-                .iter()
-                .map(|e| pb::PolicyEvent { unix_ms: e.unix_ms, kind: e.kind.clone(), version: e.version, by: e.by.clone(), detail: e.detail.clone() })
-                .collect(),
-            active_version: record.active.unwrap_or(0),
-        }))
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let partition = r.partition;
+            self.require(&id, &partition, Role::Viewer)?;
+            let hook = PolicyHook::parse(&r.hook)?;
+            let record = self.live.registry.record(&hook_key(&partition, hook))?;
+            Ok(Response::new(pb::PolicyHistoryResponse {
+                versions: record
+                    .versions
+                    .iter()
+                    .map(|m| pb::PolicyVersion {
+                        policy: Some(policy_ref(m)),
+                        contract: m.contract.clone(),
+                        uploaded_by: m.uploaded_by.clone(),
+                        uploaded_unix_ms: m.uploaded_unix_ms,
+                        note: m.note.clone(),
+                        config: m.config.clone(),
+                        blocked_until_unix_ms: m.blocked_until_unix_ms,
+                    })
+                    .collect(),
+                events: record
+                    .events
+                    .iter()
+                    .map(|e| pb::PolicyEvent { unix_ms: e.unix_ms, kind: e.kind.clone(), version: e.version, by: e.by.clone(), detail: e.detail.clone() })
+                    .collect(),
+                active_version: record.active.unwrap_or(0),
+            }))
+        })
     }
 
     async fn set_shadow(&self, req: Request<pb::SetShadowRequest>) -> Reply<pb::SetShadowResponse> {
@@ -896,118 +926,120 @@ impl Berth for Service {
     }
 
     async fn shadow_report(&self, req: Request<pb::ShadowReportRequest>) -> Reply<pb::ShadowReportResponse> {
-        let id = self.who(&req)?;
-        let r = req.into_inner();
-        let partition = r.partition;
-        self.require(&id, &partition, Role::Viewer)?;
-        let part = &self.live.partitions[self.live.partition_index(&partition)?];
-        let hook = super::control::PolicyHook::parse(&r.hook)?;
-        if hook == super::control::PolicyHook::Compact {
-            let candidate = part.compact_candidate.lock().unwrap().clone();
-            let active = part.compactor.lock().unwrap().clone();
-            let s = part.compact_stats.lock().unwrap().clone();
-            let tally = |t: &super::shadow::CompactTally| pb::CompactTally {
-                chains: t.chains,
-                moves: t.moves,
-                nodes_freed: t.nodes_freed,
-                state_bytes: t.state_bytes,
-                benefit_gpu_s: t.benefit_gpu_s,
-                cost_gpu_s: t.cost_gpu_s,
-            };
-            return Ok(Response::new(pb::ShadowReportResponse {
-                mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
-                active: active.map(|a| policy_ref(&a.meta)),
-                candidate: candidate.map(|c| policy_ref(&c.meta)),
-                samples: s.steps,
-                candidate_errors: s.candidate_errors,
-                compact: Some(pb::CompactShadow { steps: s.steps, active: Some(tally(&s.active)), candidate: Some(tally(&s.candidate)), candidate_errors: s.candidate_errors }),
-                ..Default::default()
-            }));
-        }
-        if hook == super::control::PolicyHook::Rank {
-            let candidate = part.rank_candidate.lock().unwrap().clone();
-            let s = part.rank_stats.lock().unwrap().clone();
-            return Ok(Response::new(pb::ShadowReportResponse {
-                mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
-                active: part.ranker().map(|a| policy_ref(&a.meta)),
-                candidate: candidate.map(|c| policy_ref(&c.meta)),
-                samples: s.samples,
-                agreement_rate: if s.samples == 0 { 0.0 } else { s.agreed as f64 / s.samples as f64 },
-                candidate_errors: s.candidate_errors,
-                rank: Some(pb::RankShadow {
-                    samples: s.samples,
-                    agreed: s.agreed,
-                    active_victims: s.active_victims,
-                    candidate_victims: s.candidate_victims,
-                    active_lost_gpu_s: s.active_lost_gpu_s,
-                    candidate_lost_gpu_s: s.candidate_lost_gpu_s,
+        crate::util::may_block(|| {
+            let id = self.who(&req)?;
+            let r = req.into_inner();
+            let partition = r.partition;
+            self.require(&id, &partition, Role::Viewer)?;
+            let part = &self.live.partitions[self.live.partition_index(&partition)?];
+            let hook = super::control::PolicyHook::parse(&r.hook)?;
+            if hook == super::control::PolicyHook::Compact {
+                let candidate = part.compact_candidate.lock().unwrap().clone();
+                let active = part.compactor.lock().unwrap().clone();
+                let s = part.compact_stats.lock().unwrap().clone();
+                let tally = |t: &super::shadow::CompactTally| pb::CompactTally {
+                    chains: t.chains,
+                    moves: t.moves,
+                    nodes_freed: t.nodes_freed,
+                    state_bytes: t.state_bytes,
+                    benefit_gpu_s: t.benefit_gpu_s,
+                    cost_gpu_s: t.cost_gpu_s,
+                };
+                return Ok(Response::new(pb::ShadowReportResponse {
+                    mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
+                    active: active.map(|a| policy_ref(&a.meta)),
+                    candidate: candidate.map(|c| policy_ref(&c.meta)),
+                    samples: s.steps,
                     candidate_errors: s.candidate_errors,
-                }),
-                ..Default::default()
-            }));
-        }
-        let active = part.active();
-        let candidate = part.candidate();
-        let s = part.stats.lock().unwrap().clone();
-        let arm = |name: &str, a: &shadow::ArmStats, m: Option<&VersionMeta>| pb::ArmOutcome {
-            arm: name.into(),
-            policy: m.map(policy_ref),
-            decisions: a.decisions,
-            placed: a.placed,
-            errors: a.errors,
-            mean_latency_us: shadow::mean(a.latency_us_sum as f64, a.decisions),
-            mean_wait_s: shadow::mean(a.wait_s_sum, a.placed),
-            mean_domains_per_gang: shadow::mean(a.gang_domains_sum as f64, a.gangs),
-            mean_partial_nodes_after: shadow::mean(a.partial_after_sum as f64, a.decisions),
-        };
-        let active_meta = active.as_ref().map(|a| &a.meta);
-        let candidate_meta = candidate.as_ref().map(|c| &c.arm.meta);
-        let split = candidate.as_ref().is_some_and(|c| matches!(c.mode, Mode::Split(_)));
-        Ok(Response::new(pb::ShadowReportResponse {
-            mode: match candidate.as_ref().map(|c| c.mode) {
-                None => "off".into(),
-                Some(Mode::Shadow) => "shadow".into(),
-                Some(Mode::Split(f)) => format!("split {f}"),
-            },
-            active: active_meta.map(policy_ref),
-            candidate: candidate_meta.map(policy_ref),
-            samples: s.samples,
-            agreement_rate: shadow::mean(s.agree as f64, s.samples),
-            mean_candidate_score_gap: shadow::mean(s.candidate_gap.0, s.candidate_gap.1),
-            mean_active_score_gap: shadow::mean(s.active_gap.0, s.active_gap.1),
-            mean_domains_active: shadow::mean(s.domains_active as f64, s.gang_samples),
-            mean_domains_candidate: shadow::mean(s.domains_candidate as f64, s.gang_samples),
-            mean_partial_nodes_active: shadow::mean(s.partial_active as f64, s.samples),
-            mean_partial_nodes_candidate: shadow::mean(s.partial_candidate as f64, s.samples),
-            candidate_errors: s.candidate_errors,
-            recent_diffs: s
-                .recent_diffs
-                .iter()
-                .rev()
-                .map(|d| pb::ShadowDiff {
-                    decision_id: d.decision_id,
-                    job_id: d.job_id,
-                    active: task_placements(&d.active),
-                    candidate: task_placements(&d.candidate),
-                    note: d.note.clone(),
-                })
-                .collect(),
-            arms: if split { vec![arm("active", &s.arms[0], active_meta), arm("candidate", &s.arms[1], candidate_meta)] } else { Vec::new() },
-            rank: None,
-            compact: None,
-            points: s
-                .points
-                .iter()
-                .map(|p| pb::ShadowPoint {
-                    unix_ms: p.unix_ms,
-                    job_id: p.job_id,
-                    agree: p.agree,
-                    candidate_gap: p.candidate_gap,
-                    active_gap: p.active_gap,
-                    partial_active: p.partial_after.0,
-                    partial_candidate: p.partial_after.1,
-                })
-                .collect(),
-        }))
+                    compact: Some(pb::CompactShadow { steps: s.steps, active: Some(tally(&s.active)), candidate: Some(tally(&s.candidate)), candidate_errors: s.candidate_errors }),
+                    ..Default::default()
+                }));
+            }
+            if hook == super::control::PolicyHook::Rank {
+                let candidate = part.rank_candidate.lock().unwrap().clone();
+                let s = part.rank_stats.lock().unwrap().clone();
+                return Ok(Response::new(pb::ShadowReportResponse {
+                    mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
+                    active: part.ranker().map(|a| policy_ref(&a.meta)),
+                    candidate: candidate.map(|c| policy_ref(&c.meta)),
+                    samples: s.samples,
+                    agreement_rate: if s.samples == 0 { 0.0 } else { s.agreed as f64 / s.samples as f64 },
+                    candidate_errors: s.candidate_errors,
+                    rank: Some(pb::RankShadow {
+                        samples: s.samples,
+                        agreed: s.agreed,
+                        active_victims: s.active_victims,
+                        candidate_victims: s.candidate_victims,
+                        active_lost_gpu_s: s.active_lost_gpu_s,
+                        candidate_lost_gpu_s: s.candidate_lost_gpu_s,
+                        candidate_errors: s.candidate_errors,
+                    }),
+                    ..Default::default()
+                }));
+            }
+            let active = part.active();
+            let candidate = part.candidate();
+            let s = part.stats.lock().unwrap().clone();
+            let arm = |name: &str, a: &shadow::ArmStats, m: Option<&VersionMeta>| pb::ArmOutcome {
+                arm: name.into(),
+                policy: m.map(policy_ref),
+                decisions: a.decisions,
+                placed: a.placed,
+                errors: a.errors,
+                mean_latency_us: shadow::mean(a.latency_us_sum as f64, a.decisions),
+                mean_wait_s: shadow::mean(a.wait_s_sum, a.placed),
+                mean_domains_per_gang: shadow::mean(a.gang_domains_sum as f64, a.gangs),
+                mean_partial_nodes_after: shadow::mean(a.partial_after_sum as f64, a.decisions),
+            };
+            let active_meta = active.as_ref().map(|a| &a.meta);
+            let candidate_meta = candidate.as_ref().map(|c| &c.arm.meta);
+            let split = candidate.as_ref().is_some_and(|c| matches!(c.mode, Mode::Split(_)));
+            Ok(Response::new(pb::ShadowReportResponse {
+                mode: match candidate.as_ref().map(|c| c.mode) {
+                    None => "off".into(),
+                    Some(Mode::Shadow) => "shadow".into(),
+                    Some(Mode::Split(f)) => format!("split {f}"),
+                },
+                active: active_meta.map(policy_ref),
+                candidate: candidate_meta.map(policy_ref),
+                samples: s.samples,
+                agreement_rate: shadow::mean(s.agree as f64, s.samples),
+                mean_candidate_score_gap: shadow::mean(s.candidate_gap.0, s.candidate_gap.1),
+                mean_active_score_gap: shadow::mean(s.active_gap.0, s.active_gap.1),
+                mean_domains_active: shadow::mean(s.domains_active as f64, s.gang_samples),
+                mean_domains_candidate: shadow::mean(s.domains_candidate as f64, s.gang_samples),
+                mean_partial_nodes_active: shadow::mean(s.partial_active as f64, s.samples),
+                mean_partial_nodes_candidate: shadow::mean(s.partial_candidate as f64, s.samples),
+                candidate_errors: s.candidate_errors,
+                recent_diffs: s
+                    .recent_diffs
+                    .iter()
+                    .rev()
+                    .map(|d| pb::ShadowDiff {
+                        decision_id: d.decision_id,
+                        job_id: d.job_id,
+                        active: task_placements(&d.active),
+                        candidate: task_placements(&d.candidate),
+                        note: d.note.clone(),
+                    })
+                    .collect(),
+                arms: if split { vec![arm("active", &s.arms[0], active_meta), arm("candidate", &s.arms[1], candidate_meta)] } else { Vec::new() },
+                rank: None,
+                compact: None,
+                points: s
+                    .points
+                    .iter()
+                    .map(|p| pb::ShadowPoint {
+                        unix_ms: p.unix_ms,
+                        job_id: p.job_id,
+                        agree: p.agree,
+                        candidate_gap: p.candidate_gap,
+                        active_gap: p.active_gap,
+                        partial_active: p.partial_after.0,
+                        partial_candidate: p.partial_after.1,
+                    })
+                    .collect(),
+            }))
+        })
     }
 }

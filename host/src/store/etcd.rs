@@ -157,8 +157,22 @@ impl EtcdStore {
         Ok(EtcdStore { rt: Some(rt), kv, lease_client, config, endpoint, leader_key, lease, lost })
     }
 
-    fn run<T: Send + 'static>(&self, f: impl Future<Output = T> + Send + 'static) -> T {
-        run_on(self.rt.as_ref().expect("runtime until drop"), f)
+    /// One etcd call, bounded by the lease's time to live: the caller
+    /// holds a partition's lock, and an etcd that stopped answering must
+    /// not hold it (and every API call behind it) until TCP gives up. A
+    /// write that timed out may or may not have applied, so the lease
+    /// counts as lost: this host fences itself and a standby, reading the
+    /// store, takes over.
+    fn run<T: Send + 'static>(&self, what: &str, write: bool, f: impl Future<Output = Result<T, tonic::Status>> + Send + 'static) -> Result<T, StoreError> {
+        let limit = self.config.lease_ttl.max(Duration::from_secs(1));
+        match run_on(self.rt.as_ref().expect("runtime until drop"), tokio::time::timeout(limit, f)) {
+            Ok(r) => r.map_err(backend(what)),
+            Err(_) if write => {
+                self.lost.store(true, Ordering::SeqCst);
+                Err(StoreError::Fenced(format!("etcd {what}: no answer within {} s; {} stops writing", limit.as_secs(), self.config.id)))
+            }
+            Err(_) => Err(StoreError::Backend(format!("etcd {what}: no answer within {} s", limit.as_secs()))),
+        }
     }
 
     fn full(&self, key: &str) -> Vec<u8> {
@@ -203,7 +217,7 @@ impl Store for EtcdStore {
         let key = self.full(prefix);
         let range_end = prefix_end(&key);
         let mut kv = self.kv.clone();
-        let r = self.run(async move { kv.range(pb::RangeRequest { key, range_end, ..Default::default() }).await }).map_err(backend("range"))?.into_inner();
+        let r = self.run("range", false, async move { kv.range(pb::RangeRequest { key, range_end, ..Default::default() }).await })?.into_inner();
         let strip = self.config.prefix.len();
         Ok(r.kvs.into_iter().map(|kv| (String::from_utf8_lossy(&kv.key[strip..]).into_owned(), kv.value)).collect())
     }
@@ -233,7 +247,7 @@ impl Store for EtcdStore {
             failure: Vec::new(),
         };
         let mut kv = self.kv.clone();
-        let r = self.run(async move { kv.txn(txn).await }).map_err(backend("txn"))?.into_inner();
+        let r = self.run("txn", true, async move { kv.txn(txn).await })?.into_inner();
         if r.succeeded {
             Ok(())
         } else {
