@@ -48,6 +48,9 @@ pub struct ChaosConfig {
     pub placement: Vec<u8>,
     /// The rank component (preemption); without one, none happens.
     pub rank: Option<Vec<u8>>,
+    /// Other placement versions a run swaps to (component, configuration),
+    /// hostile ones among them; `placement` is swapped back to as well.
+    pub alternates: Vec<(Vec<u8>, String)>,
     /// Seconds of the preemption notice (and of the stop grace after it).
     pub notice_s: u64,
 }
@@ -63,6 +66,9 @@ pub enum Op {
     Advance { seconds: u32 },
     /// Move a running task to another node (make-before-break).
     Migrate { pick: u32, checkpoint: bool },
+    /// Upload (again: the same bytes are the same version) and activate a
+    /// placement version: `placement` or one of the alternates.
+    SwapPolicy { pick: u32 },
     /// The node's link goes down: no heartbeats, commands and reports lost
     /// (its processes go on), until the agent restarts. Past the heartbeat
     /// timeout and the grace the host gives the node up.
@@ -84,7 +90,8 @@ pub fn operations(seed: u64, count: usize, nodes: usize) -> Vec<Op> {
             }
             30..42 => Op::Cancel { pick: rng.random() },
             42..58 => Op::Exit { pick: rng.random(), code: if rng.random_bool(0.2) { 1 } else { 0 } },
-            58..86 => Op::Advance { seconds: rng.random_range(1..20) },
+            58..84 => Op::Advance { seconds: rng.random_range(1..20) },
+            84..86 => Op::SwapPolicy { pick: rng.random() },
             86..91 => Op::Migrate { pick: rng.random(), checkpoint: rng.random_bool(0.5) },
             91..93 => Op::CutAgent { node: rng.random_range(0..nodes as u32) },
             93..98 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
@@ -114,6 +121,9 @@ pub struct RunStats {
     /// Links cut, and nodes the host gave up.
     pub links_cut: usize,
     pub nodes_given_up: usize,
+    /// Placement versions activated by the run (a hostile one is rolled
+    /// back by its breaker).
+    pub policy_swaps: usize,
 }
 
 /// A process on a simulated node: the physical truth.
@@ -456,6 +466,22 @@ impl World {
                     Err(s) => anyhow::bail!("migration of allocation {alloc}: {s:?}"),
                 }
             }
+            Op::SwapPolicy { pick } => {
+                if self.config.alternates.is_empty() {
+                    return Ok(());
+                }
+                let k = pick as usize % (self.config.alternates.len() + 1);
+                let (component, config) = if k == 0 { (self.config.placement.clone(), String::new()) } else { self.config.alternates[k - 1].clone() };
+                let api = self.api.as_mut().expect("connected");
+                let up = api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component, config, ..Default::default() }).await?.into_inner();
+                let version = up.policy.context("an upload names its version")?.version;
+                match api.activate_policy(pb::ActivatePolicyRequest { partition: PARTITION.into(), version, ..Default::default() }).await {
+                    Ok(_) => self.stats.policy_swaps += 1,
+                    // Active already, or tripped (a tripped version is not activated again).
+                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {}
+                    Err(s) => anyhow::bail!("activation of version {version}: {s:?}"),
+                }
+            }
             Op::CutAgent { node } => {
                 let i = node as usize % self.agents.len();
                 if self.cut.insert(i) {
@@ -531,6 +557,12 @@ impl World {
             if matches!(j.state.as_str(), "cancelled" | "finished" | "failed") {
                 return Err(format!("allocation {a} of job {} runs, unstopped, after the job is {}", p.job, j.state));
             }
+        }
+        // The host found no record of its own inconsistent (it logs and
+        // counts those instead of panicking).
+        let breaks = self.live().metrics.invariant_breaks.with_label_values(&[PARTITION, "release"]).get();
+        if breaks > 0 {
+            return Err(format!("the host counted {breaks} broken invariants (berth_invariant_breaks_total): a release of capacity the fleet did not hold"));
         }
         // The host's fleet accounting is consistent.
         let st = self.live().partitions[0].lock_state();
@@ -651,7 +683,7 @@ impl std::fmt::Display for RunStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up",
+            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up, {} policy swaps",
             self.operations,
             self.submitted,
             self.processes_started,
@@ -660,7 +692,8 @@ impl std::fmt::Display for RunStats {
             self.agent_restarts,
             self.migrations,
             self.links_cut,
-            self.nodes_given_up
+            self.nodes_given_up,
+            self.policy_swaps
         )
     }
 }
@@ -676,6 +709,7 @@ impl RunStats {
         self.migrations += o.migrations;
         self.links_cut += o.links_cut;
         self.nodes_given_up += o.nodes_given_up;
+        self.policy_swaps += o.policy_swaps;
     }
 }
 

@@ -314,6 +314,10 @@ enum BenchCommand {
         /// Rank policy (bundled name or .wasm path).
         #[arg(long, default_value = "spot-gpu")]
         rank: String,
+        /// Placement policies the runs swap to and back from (repeat the
+        /// flag; bundled names or .wasm paths).
+        #[arg(long = "swap-to", default_value = "spread")]
+        alternates: Vec<String>,
         /// Where the runs keep their hosts' stores.
         #[arg(long, default_value = "target/chaos")]
         state_dir: PathBuf,
@@ -494,13 +498,14 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, state_dir } } => {
+        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, alternates, state_dir } } => {
             let config = berth::chaos::ChaosConfig {
                 nodes,
                 operations,
                 state_dir,
                 placement: std::fs::read(catalog::resolve(&policy)?)?,
                 rank: Some(std::fs::read(catalog::resolve(&rank)?)?),
+                alternates: alternates.iter().map(|a| Ok((std::fs::read(catalog::resolve(a)?)?, String::new()))).collect::<anyhow::Result<_>>()?,
                 notice_s: 5,
             };
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -15,6 +15,9 @@ fn config(operations: usize) -> berth::chaos::ChaosConfig {
         state_dir: repo_root().join("target").join("tmp").join(format!("chaos-{}", std::process::id())),
         placement: std::fs::read(policy_path("binpack")).unwrap(),
         rank: Some(std::fs::read(policy_path("spot-gpu")).unwrap()),
+        // Swapped to mid-run: another honest policy, and one whose every
+        // odd job's call fails until its breaker trips and rolls it back.
+        alternates: vec![(std::fs::read(policy_path("spread")).unwrap(), String::new()), (std::fs::read(crate::common::guest_path("hostile")).unwrap(), "flaky".into())],
         notice_s: 5,
     }
 }
@@ -37,6 +40,7 @@ fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
     assert!(s.seeds >= 2 && t.operations >= 300, "{s:?}");
     assert!(t.processes_started > 0 && t.evictions_seen > 0 && t.host_restarts > 0 && t.agent_restarts > 0, "{s:?}");
     assert!(t.migrations > 0 && t.links_cut > 0 && t.nodes_given_up > 0, "migrations and node losses were driven: {s:?}");
+    assert!(t.policy_swaps > 0, "placement versions were swapped: {s:?}");
 }
 
 /// The generator is a function of the seed: a failure's seed reproduces it.
@@ -45,7 +49,7 @@ fn a_seed_gives_one_operation_list() {
     let a = berth::chaos::operations(7, 500, 3);
     assert_eq!(a, berth::chaos::operations(7, 500, 3));
     assert_ne!(a, berth::chaos::operations(8, 500, 3));
-    for kind in ["Submit", "Cancel", "Exit", "Advance", "RestartAgent", "RestartHost"] {
+    for kind in ["Submit", "Cancel", "Exit", "Advance", "Migrate", "SwapPolicy", "CutAgent", "RestartAgent", "RestartHost"] {
         assert!(a.iter().any(|o| format!("{o:?}").starts_with(kind)), "no {kind} in 500 operations");
     }
 }

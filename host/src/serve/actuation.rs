@@ -651,6 +651,18 @@ impl Live {
         }
     }
 
+    /// Gives a gone allocation's capacity back to the fleet. A fleet that
+    /// does not hold it is a broken invariant of the host's records: it is
+    /// logged and counted (`berth_invariant_breaks_total`; the simulation
+    /// test fails on any), and the partition goes on deciding. A panic here
+    /// would poison the state lock on a path an agent's report reaches.
+    fn release_checked(&self, partition: &str, fleet: &mut Fleet, alloc: &Allocation, alloc_id: u64) {
+        if let Err(e) = fleet.release(alloc) {
+            self.metrics.invariant_breaks.with_label_values(&[partition, "release"]).inc();
+            tracing::error!(target: "berth::serve", partition, allocation = alloc_id, "broken invariant: the fleet did not hold allocation {alloc_id}'s capacity ({e}); nothing released");
+        }
+    }
+
     /// One task (or operator allocation) is gone: release what it held; a
     /// failed task stops the rest of its gang; the job ends with its last.
     #[allow(clippy::too_many_arguments)]
@@ -658,7 +670,7 @@ impl Live {
         let Some(&job_id) = st.by_alloc.get(&alloc_id) else { return };
         if job_id == 0 {
             if let Some(a) = st.manual.remove(&alloc_id) {
-                st.fleet.release(&a).expect("an operator allocation is held");
+                self.release_checked(&part.name, &mut st.fleet, &a, alloc_id);
                 st.apply_holds(a.node);
                 // GPUs freed outside the engine (a fenced or operator
                 // allocation): jobs that did not fit are tried again.
@@ -698,7 +710,7 @@ impl Live {
                 // A migrating copy ended before its old copy did: rolled
                 // back; the old copy keeps the task.
                 let (r, a) = (job.runs.remove(i), job.allocations.remove(i));
-                st.fleet.release(&a).expect("a holding task's allocation is held");
+                self.release_checked(&part.name, &mut st.fleet, &a, alloc_id);
                 job.detail = format!("migration of allocation {} to {} rolled back: {state} (exit {exit_code}, signal {signal}) {detail}", r.replaces, r.node).trim_end().to_string();
                 tracing::warn!(target: "berth::serve", job = job_id, allocation = alloc_id, "{}", job.detail);
                 st.by_alloc.remove(&alloc_id);
@@ -714,7 +726,7 @@ impl Live {
                 // The old copy of a migrated task is gone: its GPUs are
                 // freed and the new copy takes its place; not the job's end.
                 let node = job.allocations[i].node;
-                st.fleet.release(&job.allocations[i]).expect("a holding task's allocation is held");
+                self.release_checked(&part.name, &mut st.fleet, &job.allocations[i], alloc_id);
                 let (new_run, new_alloc) = (job.runs.remove(k), job.allocations.remove(k));
                 if let Some(&slot) = st.slots.get(&job_id) {
                     st.engine.replace_held(slot, &job.allocations[i], new_alloc.clone());

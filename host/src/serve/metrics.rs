@@ -22,6 +22,9 @@ pub struct Metrics {
     pub jobs: IntGaugeVec,
     /// partition: ended jobs removed past their retention
     pub jobs_pruned: IntCounterVec,
+    /// partition, what: a record the host found inconsistent with itself
+    /// (logged and left fenced instead of a panic under the state lock)
+    pub invariant_breaks: IntCounterVec,
     /// code (unauthenticated, permission_denied)
     pub api_denials: IntCounterVec,
     /// Preemptions by how the victim was told (notice or forced), and the
@@ -82,6 +85,7 @@ impl Metrics {
             shadow_samples: counter("berth_shadow_samples_total", "Shadow comparisons by agreement", &["partition", "agree"]),
             jobs,
             jobs_pruned: counter("berth_jobs_pruned_total", "Ended jobs removed from memory and the store past their retention", &["partition"]),
+            invariant_breaks: counter("berth_invariant_breaks_total", "Records the host found inconsistent (logged, left held; never a panic): any is a bug", &["partition", "what"]),
             api_denials: counter("berth_api_denials_total", "API calls refused by access control", &["code"]),
             evictions: counter("berth_evictions_total", "Running jobs preempted for higher-priority work", &["partition", "kind"]),
             compaction_chains: counter("berth_compaction_chains_total", "Live compaction chains by how they ended", &["partition", "state"]),

@@ -157,15 +157,16 @@ impl EtcdStore {
         Ok(EtcdStore { rt: Some(rt), kv, lease_client, config, endpoint, leader_key, lease, lost })
     }
 
-    /// One etcd call, bounded by the lease's time to live: the caller
+    /// One etcd call, bounded by the lease's time to live (5 s at least): the caller
     /// holds a partition's lock, and an etcd that stopped answering must
     /// not hold it (and every API call behind it) until TCP gives up. A
     /// write that timed out may or may not have applied, so the lease
     /// counts as lost: this host fences itself and a standby, reading the
     /// store, takes over.
     fn run<T: Send + 'static>(&self, what: &str, write: bool, f: impl Future<Output = Result<T, tonic::Status>> + Send + 'static) -> Result<T, StoreError> {
-        let limit = self.config.lease_ttl.max(Duration::from_secs(1));
-        match run_on(self.rt.as_ref().expect("runtime until drop"), tokio::time::timeout(limit, f)) {
+        let limit = self.config.lease_ttl.max(Duration::from_secs(5));
+        // The timer is made on the etcd runtime (the caller has none).
+        match run_on(self.rt.as_ref().expect("runtime until drop"), async move { tokio::time::timeout(limit, f).await }) {
             Ok(r) => r.map_err(backend(what)),
             Err(_) if write => {
                 self.lost.store(true, Ordering::SeqCst);
