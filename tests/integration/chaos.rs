@@ -129,3 +129,20 @@ fn a_host_with_a_connected_agent_stops() {
     assert!(matches!(end, Ok(Ok(None)) | Ok(Err(_))), "the command stream ended: {end:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The host stores only task states it knows: an agent's report of any
+/// other word is refused, naming the accepted ones, and its text is not
+/// echoed raw.
+#[test]
+fn an_agent_report_of_an_unknown_state_is_refused() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (host, mut agent, _, dir) = sim_host(&rt, "report-state");
+    for state in ["done", "Running", "running\u{1b}[31m", &"x".repeat(100_000)] {
+        let r = berth::proto::AllocationReport { node: "sim-0".into(), allocation_id: 1, state: state.to_string(), ..Default::default() };
+        let e = rt.block_on(agent.report_allocation(r)).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{state:.40?}: {e:?}");
+        assert!(e.message().contains("exited") && e.message().len() < 300 && !e.message().contains('\u{1b}'), "{:?}", e.message());
+    }
+    rt.block_on(host.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,6 +14,7 @@ use berth_core::fleet::{gpus_of, intern_model, Node, NodeId};
 use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 
 use super::decisions::Placed;
+use super::lifecycle::{Report, TaskState};
 use super::scheduler::{JobState, Live, Partition, PartitionState, Start, TaskRun};
 use super::ServeError;
 
@@ -50,11 +51,6 @@ pub struct Migration {
     pub alloc_id: u64,
     pub node: String,
     pub gpus: Vec<u32>,
-}
-
-/// Whether a task's end counts as a failure.
-fn failed(state: &str, exit_code: i32, signal: i32) -> bool {
-    state != "exited" || exit_code != 0 || signal != 0
 }
 
 impl Live {
@@ -251,7 +247,7 @@ impl Live {
             }
         }
         for (alloc_id, e) in undelivered {
-            self.end_task(part, st, alloc_id, "failed", -1, 0, &format!("start not delivered: {e}"));
+            self.end_task(part, st, alloc_id, TaskState::Failed, -1, 0, &format!("start not delivered: {e}"));
         }
     }
 
@@ -274,8 +270,8 @@ impl Live {
         if let Some(&slot) = st.slots.get(&id) {
             st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Requeue(slot));
         }
-        self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
-        self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+        self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
+        self.metrics.jobs.with_label_values(&[&part.name, JobState::Pending.as_str()]).inc();
         st.retry_at = Some(self.clock.now() + Duration::from_secs(1));
     }
 
@@ -311,8 +307,8 @@ impl Live {
             let Some(i) = job.runs.iter().position(|r| r.alloc_id == alloc_id && r.holds) else {
                 return Err(ServeError::FailedPrecondition(format!("allocation {alloc_id} of job {job_id} has ended")));
             };
-            if job.runs[i].state != "running" {
-                return Err(ServeError::FailedPrecondition(format!("allocation {alloc_id} is {}: only a running task migrates", job.runs[i].state)));
+            if job.runs[i].state != TaskState::Running {
+                return Err(ServeError::FailedPrecondition(format!("allocation {alloc_id} is {}: only a running task migrates", job.runs[i].state.as_str())));
             }
             let old = job.allocations[i].clone();
             let src = job.runs[i].node.clone();
@@ -403,7 +399,7 @@ impl Live {
             None => Err("no agent hub".into()),
         };
         if let Err(e) = sent {
-            self.end_task(part, st, new_id, "failed", -1, 0, &format!("start not delivered: {e}"));
+            self.end_task(part, st, new_id, TaskState::Failed, -1, 0, &format!("start not delivered: {e}"));
             return Err(ServeError::FailedPrecondition(format!("migration of allocation {alloc_id} to {dest} rolled back: start not delivered: {e}")));
         }
         st.dirty = true;
@@ -451,7 +447,7 @@ impl Live {
         for &a in expected.unwrap_or(&[]) {
             if !running.contains(&a) {
                 tracing::warn!(target: "berth::serve", allocation = a, node, "the node came back without this allocation: lost");
-                self.end_task(part, st, a, "lost", -1, 0, &format!("node {node} came back without it"));
+                self.end_task(part, st, a, TaskState::Lost, -1, 0, &format!("node {node} came back without it"));
             }
         }
         orphans
@@ -509,7 +505,7 @@ impl Live {
                 for r in job.runs.iter_mut().filter(|r| r.holds) {
                     st.by_alloc.remove(&r.alloc_id);
                     r.holds = false;
-                    r.state = "lost".into();
+                    r.state = TaskState::Lost;
                     if r.node != node
                         && let Some(act) = self.actuator()
                     {
@@ -533,7 +529,7 @@ impl Live {
                     st.by_alloc.remove(&r.alloc_id);
                 }
                 r.holds = false;
-                r.state = "lost".into();
+                r.state = TaskState::Lost;
                 if r.node != node
                     && let Some(act) = self.actuator()
                 {
@@ -550,8 +546,8 @@ impl Live {
                 st.running.remove(&(t, id));
             }
             st.pending.push(id);
-            self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
-            self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+            self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
+            self.metrics.jobs.with_label_values(&[&part.name, JobState::Pending.as_str()]).inc();
             tracing::warn!(target: "berth::serve", job = id, node, "job requeued: {why}");
             ops.extend(fenced.into_iter().map(|a| st.held_op(&part.name, a)));
             ops.push(st.job_op(&part.name, id));
@@ -586,14 +582,14 @@ impl Live {
 
     /// What an agent reported about an allocation: its state, and when it
     /// is gone (exited, failed), its GPUs go back to the fleet.
-    pub fn task_report(&self, alloc_id: u64, state: &str, exit_code: i32, signal: i32, detail: &str) {
+    pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str) {
         for part in &self.partitions {
             let mut guard = part.lock_state();
             let st = &mut *guard;
             let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
-            match state {
-                "exited" | "failed" | "lost" => self.end_task(part, st, alloc_id, state, exit_code, signal, detail),
-                "checkpointed" => {
+            match report {
+                Report::State(state) if state.is_gone() => self.end_task(part, st, alloc_id, state, exit_code, signal, detail),
+                Report::Checkpointed => {
                     // The task saved its work: preemption ranks it, and
                     // counts work lost, from now.
                     let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) else { return };
@@ -604,29 +600,35 @@ impl Live {
                     tracing::info!(target: "berth::serve", job = job_id, allocation = alloc_id, "task reported a checkpoint");
                     self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 }
-                _ => {
+                Report::State(_) | Report::Ready => {
                     let Some(job) = st.jobs.get_mut(&job_id) else { return };
                     let wait_ready = job.spec.wait_ready;
                     let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return };
                     // Readiness is a flag beside the state, which stays "running".
                     let mut woke = false;
-                    let took_over = if state == "ready" {
-                        let first = !r.ready;
-                        r.ready = true;
-                        if r.state == "starting" {
-                            r.state = "running".into();
+                    let mut slept = false;
+                    let took_over = match report {
+                        Report::State(state) => {
+                            let was = r.state;
+                            r.state = was.after_report(state);
+                            woke = was == TaskState::Sleeping && r.state == TaskState::Running;
+                            slept = r.state == TaskState::Sleeping;
+                            was == TaskState::Starting && r.serves(wait_ready)
                         }
-                        first && wait_ready
-                    } else {
-                        let was = std::mem::replace(&mut r.state, state.to_string());
-                        woke = was == "sleeping" && state == "running";
-                        was == "starting" && r.serves(wait_ready)
+                        _ => {
+                            let first = !r.ready;
+                            r.ready = true;
+                            if r.state == TaskState::Starting {
+                                r.state = TaskState::Running;
+                            }
+                            first && wait_ready
+                        }
                     };
-                    if state == "sleeping" || woke {
+                    if slept || woke {
                         // Asleep and awake again are kept: a restarted host
                         // knows where its tasks are.
                         self.persist_logged(vec![st.job_op(&part.name, job_id)]);
-                        if state == "sleeping" {
+                        if slept {
                             self.task_slept(part, st, job_id);
                         }
                         return;
@@ -666,7 +668,7 @@ impl Live {
     /// One task (or operator allocation) is gone: release what it held; a
     /// failed task stops the rest of its gang; the job ends with its last.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn end_task(&self, part: &Partition, st: &mut PartitionState, alloc_id: u64, state: &str, exit_code: i32, signal: i32, detail: &str) {
+    pub(crate) fn end_task(&self, part: &Partition, st: &mut PartitionState, alloc_id: u64, state: TaskState, exit_code: i32, signal: i32, detail: &str) {
         let Some(&job_id) = st.by_alloc.get(&alloc_id) else { return };
         if job_id == 0 {
             if let Some(a) = st.manual.remove(&alloc_id) {
@@ -692,7 +694,7 @@ impl Live {
                 // preemptor's already (the engine gave them at the decision).
                 let r = &mut job.runs[i];
                 r.holds = false;
-                r.state = state.to_string();
+                r.state = state;
                 r.exit_code = exit_code;
                 r.signal = signal;
                 let node = st.agent_ids.get(&r.node).copied();
@@ -749,13 +751,13 @@ impl Live {
             }
             let r = &mut job.runs[i];
             r.holds = false;
-            r.state = state.to_string();
+            r.state = state;
             r.exit_code = exit_code;
             r.signal = signal;
             // The engine holds the job's GPUs until its last task is gone
             // (a preempted job's are the preemptor's already).
             let node = st.agent_ids.get(&job.runs[i].node).copied();
-            if failed(state, exit_code, signal) && job.state == JobState::Running {
+            if state.failed(exit_code, signal) && job.state == JobState::Running {
                 if job.detail.is_empty() {
                     job.detail = format!("task {i} on {}: {state} (exit {exit_code}, signal {signal}) {detail}", job.runs[i].node).trim_end().to_string();
                 }
@@ -767,11 +769,11 @@ impl Live {
             }
             if job.runs.iter().all(|r| !r.holds) {
                 if job.state == JobState::Running {
-                    let ok = job.runs.iter().all(|r| !failed(&r.state, r.exit_code, r.signal));
+                    let ok = job.runs.iter().all(|r| !r.state.failed(r.exit_code, r.signal));
                     job.state = if ok { JobState::Finished } else { JobState::Failed };
                     job.sleep = super::scheduler::SleepState::Awake;
                     job.ended_unix_ms = self.now_ms();
-                    self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
+                    self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
                     self.metrics.jobs.with_label_values(&[&part.name, job.state.as_str()]).inc();
                     tracing::info!(target: "berth::serve", job = job_id, state = job.state.as_str(), "job ended");
                 }

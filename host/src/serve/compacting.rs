@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use super::breaker::Call;
 use super::control::PolicyHook;
 use super::scheduler::{JobState, Live, Partition, PartitionState, SleepState};
+use super::lifecycle::{ChainState, MoveState};
 use super::{unix_ms, ServeError};
 use crate::store::Op;
 
@@ -52,8 +53,7 @@ pub struct MoveRecord {
     pub to_gpus: Vec<u32>,
     pub tier: String,
     pub state_bytes: u64,
-    /// pending, moving, done, rolled-back, skipped
-    pub state: String,
+    pub state: MoveState,
     /// Both copies held GPUs: from the new copy's start to the old one's exit.
     pub overlap_ms: u64,
     /// From the new copy's start to its takeover (running, or ready).
@@ -66,8 +66,7 @@ pub struct MoveRecord {
 pub struct ChainRecord {
     pub id: u64,
     pub policy: String,
-    /// running, done, rolled-back, abandoned
-    pub state: String,
+    pub state: ChainState,
     pub cause: String,
     pub started_unix_ms: u64,
     pub ended_unix_ms: u64,
@@ -156,8 +155,8 @@ impl LiveCompaction {
     pub(crate) fn restore(&mut self, mut records: Vec<ChainRecord>) -> Vec<ChainRecord> {
         records.sort_by_key(|r| r.id);
         let mut changed = Vec::new();
-        for r in records.iter_mut().filter(|r| r.state == "running") {
-            r.state = "abandoned".into();
+        for r in records.iter_mut().filter(|r| r.state == ChainState::Running) {
+            r.state = ChainState::Abandoned;
             r.cause = "the host restarted during the chain".into();
             r.ended_unix_ms = unix_ms();
             changed.push(r.clone());
@@ -211,7 +210,7 @@ impl PartitionState {
             if j.state != JobState::Running || j.evicting || j.runs.is_empty() || j.sleep == SleepState::Asleep {
                 continue;
             }
-            let movable = j.spec.movable && j.sleep == SleepState::Awake && j.runs.iter().all(|r| r.holds && r.state == "running" && r.replaces == 0);
+            let movable = j.spec.movable && j.sleep == SleepState::Awake && j.runs.iter().all(|r| r.holds && r.state == super::lifecycle::TaskState::Running && r.replaces == 0);
             let started_s = j.started_unix_ms / 1000;
             let remaining_s = j.ends_at.map_or(0, |t| t.saturating_duration_since(self.clock.now()).as_secs());
             for (task, (a, r)) in j.allocations.iter().zip(&j.runs).enumerate().filter(|(_, (_, r))| r.holds) {
@@ -397,14 +396,14 @@ impl Live {
                     to_gpus: gpus.clone(),
                     tier: tier_name(m.tier).into(),
                     state_bytes: m.state_bytes,
-                    state: "pending".into(),
+                    state: MoveState::Pending,
                     ..MoveRecord::default()
                 })
                 .collect();
             st.compaction.records.push(ChainRecord {
                 id,
                 policy: policy.clone(),
-                state: "running".into(),
+                state: ChainState::Running,
                 started_unix_ms: unix_ms(),
                 nodes_freed: d.nodes_freed,
                 benefit_gpu_s: d.benefit_gpu_s,
@@ -463,7 +462,7 @@ impl Live {
             match self.start_move(part, st, &m, origin) {
                 Ok(new_alloc) => {
                     if let Some(r) = st.compaction.record_mut(chain_id) {
-                        r.moves[index].state = "moving".into();
+                        r.moves[index].state = MoveState::Moving;
                         r.moves[index].to_allocation = new_alloc;
                     }
                     self.persist_logged(st.chain_op(&part.name, chain_id).into_iter().collect());
@@ -494,7 +493,7 @@ impl Live {
     fn start_move(&self, part: &Partition, st: &mut PartitionState, m: &PlannedMove, o: Origin) -> Result<u64, String> {
         let job = st.jobs.get(&o.job_id).ok_or_else(|| format!("job {} is gone", o.job_id))?;
         let run = job.runs.get(o.task).filter(|r| r.alloc_id == o.alloc_id && r.holds).ok_or_else(|| format!("allocation {} of job {} has ended or moved", o.alloc_id, o.job_id))?;
-        if job.state != JobState::Running || job.evicting || job.sleep != SleepState::Awake || run.state != "running" || job.runs.iter().any(|r| r.replaces != 0) {
+        if job.state != JobState::Running || job.evicting || job.sleep != SleepState::Awake || run.state != super::lifecycle::TaskState::Running || job.runs.iter().any(|r| r.replaces != 0) {
             return Err(format!("job {} changed since the plan ({}, task {})", o.job_id, job.state.as_str(), run.state));
         }
         if job.allocations[o.task] != m.from {
@@ -509,14 +508,14 @@ impl Live {
     /// it is skipped).
     fn move_failed(&self, part: &Partition, st: &mut PartitionState, chain_id: u64, index: usize, cause: &str, overlap_ms: u64) {
         tracing::warn!(target: "berth::serve", partition = %part.name, chain = chain_id, "compaction move rolled back: {cause}");
-        self.metrics.compaction_moves.with_label_values(&[&part.name, "rolled-back"]).inc();
+        self.metrics.compaction_moves.with_label_values(&[&part.name, MoveState::RolledBack.as_str()]).inc();
         if let Some(r) = st.compaction.record_mut(chain_id) {
             let mv = &mut r.moves[index];
-            mv.state = "rolled-back".into();
+            mv.state = MoveState::RolledBack;
             mv.cause = cause.to_string();
             mv.overlap_ms = overlap_ms;
             for later in r.moves.iter_mut().skip(index + 1) {
-                later.state = "skipped".into();
+                later.state = MoveState::Skipped;
             }
         }
         let (nodes, pending) = st.compaction.run.as_ref().map(|r| (r.nodes.clone(), r.pending.clone())).unwrap_or_default();
@@ -525,20 +524,20 @@ impl Live {
 
     /// Closes a chain's ledger entry (once): done, or rolled back with its cause.
     fn end_chain(&self, part: &Partition, st: &mut PartitionState, chain_id: u64, cause: Option<&str>, nodes: &[NodeId], pending: &[Wanted]) {
-        if st.compaction.record_mut(chain_id).is_none_or(|r| r.state != "running") {
+        if st.compaction.record_mut(chain_id).is_none_or(|r| r.state != ChainState::Running) {
             return;
         }
         let (_, idle, _) = compaction::occupancy(&st.fleet, nodes);
         let startable = compaction::startable_count(&st.fleet, nodes, pending) as u32;
-        let Some(r) = st.compaction.record_mut(chain_id).filter(|r| r.state == "running") else { return };
-        r.state = if cause.is_some() { "rolled-back".into() } else { "done".into() };
+        let Some(r) = st.compaction.record_mut(chain_id).filter(|r| r.state == ChainState::Running) else { return };
+        r.state = if cause.is_some() { ChainState::RolledBack } else { ChainState::Done };
         r.cause = cause.unwrap_or_default().to_string();
         r.ended_unix_ms = unix_ms();
         r.idle_nodes_after = idle as u32;
         r.pending_startable_after = startable;
         let gained = i64::from(r.idle_nodes_after) - i64::from(r.idle_nodes_before);
-        let state = r.state.clone();
-        self.metrics.compaction_chains.with_label_values(&[&part.name, &state]).inc();
+        let state = r.state.as_str();
+        self.metrics.compaction_chains.with_label_values(&[&part.name, state]).inc();
         if cause.is_none() && gained > 0 {
             self.metrics.compaction_nodes_freed.with_label_values(&[&part.name]).inc_by(gained as u64);
         }
@@ -566,10 +565,10 @@ impl Live {
                     let c = run.current.take().expect("matched above");
                     let warmup_ms = c.took_over.map_or(elapsed_ms, |t| t.saturating_duration_since(c.started).as_millis() as u64);
                     st.compaction.moved_at.insert(c.new_alloc, self.now_s());
-                    self.metrics.compaction_moves.with_label_values(&[&part.name, "done"]).inc();
+                    self.metrics.compaction_moves.with_label_values(&[&part.name, MoveState::Done.as_str()]).inc();
                     if let Some(rec) = st.compaction.record_mut(c.chain_id) {
                         let mv = &mut rec.moves[c.index];
-                        mv.state = "done".into();
+                        mv.state = MoveState::Done;
                         mv.overlap_ms = elapsed_ms;
                         mv.warmup_ms = warmup_ms;
                         let tier = match mv.tier.as_str() {

@@ -39,7 +39,7 @@ impl Live {
         if job.runs.iter().any(|r| r.replaces != 0) {
             return refuse("a task of it is being migrated".into());
         }
-        if let Some(r) = job.runs.iter().find(|r| r.holds && r.state != "running") {
+        if let Some(r) = job.runs.iter().find(|r| r.holds && r.state != super::lifecycle::TaskState::Running) {
             return refuse(format!("its task on {} is {}", r.node, r.state));
         }
         let Some(&slot) = st.slots.get(&id) else { return refuse("it is not in the engine".into()) };
@@ -130,7 +130,7 @@ impl Live {
     /// GPUs are lent.
     pub(crate) fn task_slept(&self, part: &Partition, st: &mut PartitionState, id: u64) {
         let Some(job) = st.jobs.get(&id) else { return };
-        if job.state == JobState::Running && job.sleep == SleepState::Asked && job.runs.iter().filter(|r| r.holds).all(|r| r.state == "sleeping") {
+        if job.state == JobState::Running && job.sleep == SleepState::Asked && job.runs.iter().filter(|r| r.holds).all(|r| r.state == super::lifecycle::TaskState::Sleeping) {
             self.fall_asleep(part, st, id);
         }
     }

@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 use crate::serve::actuation::AgentTopology;
 use crate::serve::auth::{check_node_name, Identity, Role};
 use crate::serve::pb::{self, agent_hub_server::AgentHub};
+use crate::serve::lifecycle::{Report, TaskState};
 use crate::serve::scheduler::{Actuator, Live, Start};
 
 /// Host-side agent settings.
@@ -90,9 +91,9 @@ impl HubState {
     }
 }
 
-/// Allocation states that hold their GPUs.
+/// Allocation states that hold their GPUs (a process not gone).
 fn holds_gpus(state: &str) -> bool {
-    matches!(state, "starting" | "running" | "sleeping")
+    TaskState::parse(state).is_some_and(|t| !t.is_gone())
 }
 
 pub struct Hub {
@@ -314,6 +315,9 @@ impl Hub {
     }
 }
 
+/// Longest detail of an agent's report kept, in bytes (escaped).
+const MAX_REPORT_DETAIL: usize = 1024;
+
 /// The refusal of a caller that may not act as agent node `node` (a
 /// validated name): it says nothing of whether the node exists.
 fn denied_node(id: &Identity, node: &str) -> Status {
@@ -512,8 +516,13 @@ impl AgentHub for Arc<Hub> {
     async fn report_allocation(&self, req: Request<pb::AllocationReport>) -> Reply<pb::AllocationReportResponse> {
         crate::util::may_block(|| {
             let id = self.who(&req)?;
-            let r = req.into_inner();
+            let mut r = req.into_inner();
             self.agent_node_partition(&id, &r.node)?;
+            // Only states the host knows are taken in; the detail is kept
+            // printable and bounded (it is shown to the job's viewers).
+            let report = Report::parse(&r.state)
+                .ok_or_else(|| Status::invalid_argument(format!("state \"{}\": one of {}", crate::text::printable(&r.state, 32), Report::names())))?;
+            r.detail = crate::text::printable(&r.detail, MAX_REPORT_DETAIL).into_owned();
             // Started before this host (re)started: the fleet knows it, the hub
             // learns it now. Looked up before the hub's lock is taken.
             let known = self.state.lock().unwrap().allocations.contains_key(&r.allocation_id);
@@ -549,7 +558,7 @@ impl AgentHub for Arc<Hub> {
                 }
             }
             // An exit frees the GPUs in the fleet (and may end the job).
-            self.live.task_report(r.allocation_id, &r.state, r.exit_code, r.signal, &r.detail);
+            self.live.task_report(r.allocation_id, report, r.exit_code, r.signal, &r.detail);
             Ok(Response::new(pb::AllocationReportResponse {}))
         })
     }
@@ -659,7 +668,7 @@ impl AgentHub for Arc<Hub> {
                         st.ended(alloc.id, self.live.retention.ended_allocations);
                     }
                 }
-                self.live.task_report(alloc.id, "failed", -1, 0, e.message());
+                self.live.task_report(alloc.id, Report::State(TaskState::Failed), -1, 0, e.message());
                 return Err(e);
             }
             tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");

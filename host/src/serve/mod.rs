@@ -28,6 +28,7 @@ pub mod decisions;
 pub mod guard;
 pub mod harvesting;
 pub mod hub;
+pub mod lifecycle;
 pub mod metrics;
 pub mod persist;
 pub mod quote;

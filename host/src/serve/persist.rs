@@ -359,7 +359,7 @@ impl Live {
                 if state.is_ended() && !j.evicting {
                     for (a, r) in allocations.iter().zip(runs.iter_mut()).filter(|(_, r)| r.holds) {
                         r.holds = false;
-                        r.state = "lost".into();
+                        r.state = super::lifecycle::TaskState::Lost;
                         ended_holding.push((r.alloc_id, a.clone()));
                     }
                 }
@@ -424,7 +424,7 @@ impl Live {
                 );
                 if !j.idempotency_key.is_empty() {
                     let owner = st.jobs[&j.id].owner.clone();
-                    self.idempotency.lock().unwrap().insert((owner, j.idempotency_key), (j.id, j.spec_digest));
+                    self.idempotency.lock().unwrap().insert((owner, j.idempotency_key), super::scheduler::KeyedJob { job: j.id, digest: j.spec_digest, stored: true });
                 }
                 // Live jobs go back into the engine: waiting, stopping after
                 // a preemption, or running on what they hold.

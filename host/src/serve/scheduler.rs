@@ -51,62 +51,7 @@ pub struct Candidate {
     pub mode: Mode,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum JobState {
-    Pending,
-    Running,
-    Finished,
-    /// A task of a job with argv exited non-zero, failed to start or was lost.
-    Failed,
-    Cancelled,
-}
-
-impl JobState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Pending => "pending",
-            JobState::Running => "running",
-            JobState::Finished => "finished",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    /// Finished, failed or cancelled: it runs no more (its processes may
-    /// still be stopping).
-    pub fn is_ended(self) -> bool {
-        matches!(self, JobState::Finished | JobState::Failed | JobState::Cancelled)
-    }
-
-    pub fn parse(s: &str) -> Option<JobState> {
-        [JobState::Pending, JobState::Running, JobState::Finished, JobState::Failed, JobState::Cancelled].into_iter().find(|j| j.as_str() == s)
-    }
-}
-
-/// Where a running job is in sleep-state harvesting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SleepState {
-    #[default]
-    Awake,
-    /// Told to sleep; its GPUs are lent once every task reports asleep.
-    Asked,
-    /// Asleep: its GPUs are lent to low-priority work.
-    Asleep,
-    /// Waking: its tasks are woken once the borrowers evicted for it are gone.
-    Waking,
-}
-
-impl SleepState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SleepState::Awake => "awake",
-            SleepState::Asked => "asked to sleep",
-            SleepState::Asleep => "asleep",
-            SleepState::Waking => "waking",
-        }
-    }
-}
+pub use super::lifecycle::{JobState, SleepState, TaskState};
 
 /// One task of a job with argv: a process on an agent node.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -115,8 +60,7 @@ pub struct TaskRun {
     pub alloc_id: u64,
     pub node: String,
     pub gpus: Vec<u32>,
-    /// starting, running, sleeping, exited, failed, lost
-    pub state: String,
+    pub state: TaskState,
     pub exit_code: i32,
     pub signal: i32,
     /// Still holds its fleet allocation: its GPUs are given to nobody else
@@ -147,7 +91,7 @@ impl TaskRun {
     /// Whether this copy serves: it runs, and has reported ready when its
     /// job waits for that (a migrated copy then takes over).
     pub fn serves(&self, wait_ready: bool) -> bool {
-        self.state == "running" && (!wait_ready || self.ready)
+        self.state == TaskState::Running && (!wait_ready || self.ready)
     }
 
     /// A task whose start is about to be sent.
@@ -156,7 +100,7 @@ impl TaskRun {
             alloc_id,
             node,
             gpus,
-            state: "starting".into(),
+            state: TaskState::Starting,
             exit_code: 0,
             signal: 0,
             holds: true,
@@ -644,11 +588,26 @@ pub struct Live {
     pub retention: super::retention::Retention,
     /// The largest job id pruned so far (stored: ids are never reused).
     pub(crate) pruned_job_floor: AtomicU64,
-    /// Submissions' idempotency keys: (owner, key) to (job, spec digest),
-    /// for the jobs kept. Held across a keyed submission's store write, so
-    /// two retries racing make one job.
-    pub(crate) idempotency: Mutex<HashMap<(String, String), (u64, String)>>,
+    /// Submissions' idempotency keys: (owner, key) to the job it made, for
+    /// the jobs kept. A key is claimed before its job's store write and the
+    /// lock is not held across it: retries racing with the same key make
+    /// one job (they wait for the first), other submissions do not wait.
+    pub(crate) idempotency: Mutex<HashMap<(String, String), KeyedJob>>,
+    /// Signalled when a keyed submission's store write is done (or failed).
+    pub(crate) idempotency_settled: Condvar,
 }
+
+/// The job a submission's idempotency key made, and its spec's digest.
+pub(crate) struct KeyedJob {
+    pub(crate) job: u64,
+    pub(crate) digest: String,
+    /// False while the job's store write is in flight: a retry with the key
+    /// waits for it (only that key's retries wait; other submissions go on).
+    pub(crate) stored: bool,
+}
+
+/// Longest a retry waits for the first submission with its key.
+const KEYED_WAIT: Duration = Duration::from_secs(30);
 
 /// A submission's idempotency key and the digest of the spec it came with.
 #[derive(Clone, Debug)]
@@ -755,6 +714,7 @@ impl Live {
             retention: Default::default(),
             pruned_job_floor: AtomicU64::new(0),
             idempotency: Mutex::new(HashMap::new()),
+            idempotency_settled: Condvar::new(),
         }
     }
 
@@ -762,7 +722,7 @@ impl Live {
     pub(crate) fn forget_idempotency_key(&self, owner: &str, key: &str, id: u64) {
         let mut keys = self.idempotency.lock().unwrap();
         let k = (owner.to_string(), key.to_string());
-        if keys.get(&k).is_some_and(|(j, _)| *j == id) {
+        if keys.get(&k).is_some_and(|e| e.job == id) {
             keys.remove(&k);
         }
     }
@@ -799,19 +759,37 @@ impl Live {
     /// made: the answer is that job's id and `true`.
     pub fn submit(&self, mut spec: JobSpec, owner: &str, idempotency: Option<IdempotencyKey>) -> Result<(u64, bool), ServeError> {
         let p = self.partition_index(&spec.partition)?;
-        let mut keys = idempotency.as_ref().map(|_| self.idempotency.lock().unwrap());
-        if let (Some(keys), Some(k)) = (keys.as_ref(), idempotency.as_ref())
-            && let Some((job, digest)) = keys.get(&(owner.to_string(), k.key.clone()))
-        {
-            if *digest == k.digest {
-                return Ok((*job, true));
+        let keyed = idempotency.as_ref().map(|k| (owner.to_string(), k.key.clone()));
+        let id = match (&keyed, &idempotency) {
+            (Some(slot), Some(k)) => {
+                let mut keys = self.idempotency.lock().unwrap();
+                let since = std::time::Instant::now();
+                loop {
+                    match keys.get(slot) {
+                        None => break,
+                        // The first submission with this key is being stored.
+                        Some(e) if !e.stored => {
+                            let left = KEYED_WAIT.checked_sub(since.elapsed()).ok_or_else(|| {
+                                ServeError::Unavailable(format!("a submission with idempotency key \"{}\" is still being stored: retry", crate::text::printable(&k.key, MAX_IDEMPOTENCY_KEY)))
+                            })?;
+                            keys = self.idempotency_settled.wait_timeout(keys, left).unwrap().0;
+                        }
+                        Some(e) if e.digest == k.digest => return Ok((e.job, true)),
+                        Some(e) => {
+                            return Err(ServeError::FailedPrecondition(format!(
+                                "idempotency key \"{}\" was used for job {} with a different job spec",
+                                crate::text::printable(&k.key, MAX_IDEMPOTENCY_KEY),
+                                e.job
+                            )));
+                        }
+                    }
+                }
+                let id = self.next_job.fetch_add(1, Ordering::SeqCst);
+                keys.insert(slot.clone(), KeyedJob { job: id, digest: k.digest.clone(), stored: false });
+                id
             }
-            return Err(ServeError::FailedPrecondition(format!(
-                "idempotency key \"{}\" was used for job {job} with a different job spec",
-                crate::text::printable(&k.key, MAX_IDEMPOTENCY_KEY)
-            )));
-        }
-        let id = self.next_job.fetch_add(1, Ordering::SeqCst);
+            _ => self.next_job.fetch_add(1, Ordering::SeqCst),
+        };
         spec.job.id = id;
         let part = &self.partitions[p];
         let record = JobRecord {
@@ -841,13 +819,25 @@ impl Live {
         };
         // The id is a receipt only once the job is stored. A pending job
         // holds no allocations, so its record names no node.
-        self.persist(vec![job_record_op(&part.name, id, &record, |_| unreachable!("a new job holds nothing"))])?;
-        if let (Some(keys), Some(k)) = (keys.as_mut(), idempotency) {
-            keys.insert((owner.to_string(), k.key), (id, k.digest));
+        let stored = self.persist(vec![job_record_op(&part.name, id, &record, |_| unreachable!("a new job holds nothing"))]);
+        // Queued before a retry with its key can be answered with it.
+        if stored.is_ok() {
+            part.inbox.lock().unwrap().push((id, record));
+            self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
         }
-        drop(keys);
-        part.inbox.lock().unwrap().push((id, record));
-        self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+        if let Some(slot) = &keyed {
+            let mut keys = self.idempotency.lock().unwrap();
+            if stored.is_ok() {
+                if let Some(e) = keys.get_mut(slot).filter(|e| e.job == id) {
+                    e.stored = true;
+                }
+            } else if keys.get(slot).is_some_and(|e| e.job == id) {
+                // Not a receipt: a retry with the key makes the job anew.
+                keys.remove(slot);
+            }
+            self.idempotency_settled.notify_all();
+        }
+        stored?;
         // Not under the state lock, so the deciding thread may miss this
         // between its inbox check and its wait: it then sees the job within
         // its longest wait (1 s).

@@ -303,7 +303,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
         runs: j
             .runs
             .iter()
-            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.clone(), exit_code: r.exit_code, signal: r.signal, replaces: r.replaces, checkpointed_unix_ms: r.checkpointed_unix_ms })
+            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.as_str().into(), exit_code: r.exit_code, signal: r.signal, replaces: r.replaces, checkpointed_unix_ms: r.checkpointed_unix_ms })
             .collect(),
         detail: j.detail.clone(),
         sleep: j.sleep.as_str().into(),
@@ -729,7 +729,7 @@ impl Berth for Service {
                         id: c.id,
                         partition: name.clone(),
                         policy: c.policy,
-                        state: c.state,
+                        state: c.state.as_str().into(),
                         cause: c.cause,
                         started_unix_ms: c.started_unix_ms,
                         ended_unix_ms: c.ended_unix_ms,
@@ -748,7 +748,7 @@ impl Berth for Service {
                                 to_gpus: m.to_gpus,
                                 tier: m.tier,
                                 state_bytes: m.state_bytes,
-                                state: m.state,
+                                state: m.state.as_str().into(),
                                 overlap_ms: m.overlap_ms,
                                 warmup_ms: m.warmup_ms,
                                 cause: m.cause,
