@@ -513,6 +513,11 @@ impl World {
         self.settle().await
     }
 
+    /// [`World::check`] within [`STEP_LIMIT`]: a hung check is a violation.
+    async fn check_bounded(&mut self) -> Result<(), String> {
+        bounded("the check", async { Ok(self.check().await) }).await.unwrap_or_else(|e| Err(format!("{e:#}")))
+    }
+
     /// The invariants, against the simulated nodes' processes.
     async fn check(&mut self) -> Result<(), String> {
         // No GPU used by two live processes.
@@ -620,17 +625,15 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
             break;
         }
         w.stats.operations += 1;
-        let checked = bounded("the check", async { Ok(w.check().await) }).await;
-        let judged = match checked {
-            Ok(Ok(())) => Ok(()),
-            Err(e) => Err(format!("{e:#}")),
+        let mut judged = w.check_bounded().await;
+        if judged.is_err() {
             // A command late on its stream (a loaded machine) is not a
             // violation: wait longer for stragglers, then judge.
-            Ok(Err(_)) => match bounded("the check", w.settle_quiet(Duration::from_millis(250))).await {
-                Ok(()) => bounded("the check", async { Ok(w.check().await) }).await.unwrap_or_else(|e| Err(format!("{e:#}"))),
+            judged = match bounded("the check", w.settle_quiet(Duration::from_millis(250))).await {
+                Ok(()) => w.check_bounded().await,
                 Err(e) => Err(format!("operation failed: {e:#}")),
-            },
-        };
+            };
+        }
         if let Err(what) = judged {
             outcome = Err(Violation { step, what });
             break;
