@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::asi::report::percentile;
 use crate::catalog;
 use crate::serve::auth::Access;
-use crate::serve::pb;
+use crate::proto as pb;
 use crate::serve::server::{Scheduling, ServeConfig, StoreChoice};
 
 #[derive(Debug, Serialize)]
@@ -77,7 +77,7 @@ pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize) -> anyhow:
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(async move {
         let host = crate::serve::start(config).await?;
-        let mut api = crate::serve::cli::connect(&format!("http://{}", host.addr), Some(TOKEN), None, None).await?;
+        let mut api = crate::client::connect(&format!("http://{}", host.addr), Some(TOKEN), None, None).await?;
         let up = api
             .upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component: rank_component, hook: "rank".into(), ..Default::default() })
             .await?
@@ -232,7 +232,7 @@ pub fn compact_live(compact: &str, nodes: u32, plan_runs: usize) -> anyhow::Resu
     let result = runtime.block_on(async move {
         let host = crate::serve::server::start_with_agents(config, agents).await?;
         let url = format!("http://{}", host.addr);
-        let mut api = crate::serve::cli::connect(&url, Some(TOKEN), None, None).await?;
+        let mut api = crate::client::connect(&url, Some(TOKEN), None, None).await?;
         let mut agents = Vec::with_capacity(nodes as usize);
         for i in 0..nodes {
             let (url, node) = (url.clone(), format!("bench-{i:05}"));
@@ -263,9 +263,9 @@ pub fn compact_live(compact: &str, nodes: u32, plan_runs: usize) -> anyhow::Resu
         for _ in 0..total {
             api.submit_job(task(1, true)).await?;
         }
-        let running = |api: crate::serve::cli::Client| async move {
+        let running = |api: crate::client::Client| async move {
             let req = pb::ListJobsRequest { partition: "p0".into(), state: "running".into(), ..Default::default() };
-            crate::serve::cli::list_all_jobs(api, req).await
+            crate::client::list_all_jobs(api, req).await
         };
         let filled = loop {
             let jobs = running(api.clone()).await?;

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::serve::clock::{Clock, ManualClock};
-use crate::serve::pb;
-use crate::serve::retention::Retention;
-use crate::serve::scheduler::Live;
+use crate::proto as pb;
+use crate::serve::state::Retention;
+use crate::serve::state::Live;
 use crate::serve::server::{ServeConfig, StoreChoice, DEFAULT_FLEET};
 
 const TOKEN: &str = "bench-retention-token";
@@ -76,7 +76,7 @@ pub fn run(b: &RetentionBench, mut report: impl FnMut(&Sample)) -> anyhow::Resul
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let h = rt.block_on(crate::serve::start(config))?;
     let live = h.live.clone();
-    let api = rt.block_on(crate::serve::cli::connect(&format!("http://{}", h.addr), Some(TOKEN), None, None))?;
+    let api = rt.block_on(crate::client::connect(&format!("http://{}", h.addr), Some(TOKEN), None, None))?;
     let started = Instant::now();
     let mut samples = Vec::new();
     let every = (b.jobs / 10).max(1);

@@ -168,7 +168,7 @@ struct World {
     clock: Arc<ManualClock>,
     host: Option<ServeHandle>,
     url: String,
-    api: Option<crate::serve::cli::Client>,
+    api: Option<crate::client::Client>,
     agents: Vec<SimAgent>,
     processes: BTreeMap<u64, Process>,
     /// Nodes whose link is down, and the reports their agents keep until it
@@ -189,7 +189,7 @@ pub fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<Manu
         "[[identities]]\nname = \"chaos-operator\"\ntoken = \"{OPERATOR}\"\nroles = {{ \"*\" = \"operator\" }}\n\
          [[identities]]\nname = \"chaos-agents\"\ntoken = \"{AGENT}\"\nroles = {{ \"{PARTITION}\" = \"agent\" }}\nnodes = [\"sim-*\"]\n"
     );
-    let contract = berth_core::preemption::PriorityContract { notice_s: config.notice_s, grace_s: config.notice_s, ..Default::default() };
+    let contract = berth_core::job::PriorityContract { notice_s: config.notice_s, grace_s: config.notice_s, ..Default::default() };
     Ok(ServeConfig {
         listen: "127.0.0.1:0".parse()?,
         metrics_listen: None,
@@ -216,7 +216,7 @@ impl World {
         let hub = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(HEARTBEAT_TIMEOUT_S), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(20)) };
         let h = crate::serve::server::start_with_agents(cfg, hub).await?;
         self.url = format!("http://{}", h.addr);
-        let mut api = crate::serve::cli::connect(&self.url, Some(OPERATOR), None, None).await?;
+        let mut api = crate::client::connect(&self.url, Some(OPERATOR), None, None).await?;
         if let Some(rank) = &self.config.rank {
             let up = api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component: rank.clone(), hook: "rank".into(), ..Default::default() }).await;
             // A restarted host keeps its active rank version: uploading the same bytes again is refused or a no-op.
@@ -281,7 +281,7 @@ impl World {
         Ok(())
     }
 
-    fn live(&self) -> &Arc<crate::serve::scheduler::Live> {
+    fn live(&self) -> &Arc<crate::serve::state::Live> {
         &self.host.as_ref().expect("the host runs").live
     }
 
@@ -534,7 +534,7 @@ impl World {
             }
         }
         let api = self.api.clone().expect("connected");
-        let jobs = crate::serve::cli::list_all_jobs(api, pb::ListJobsRequest { partition: PARTITION.into(), ..Default::default() }).await.map_err(|e| format!("ListJobs: {e:#}"))?;
+        let jobs = crate::client::list_all_jobs(api, pb::ListJobsRequest { partition: PARTITION.into(), ..Default::default() }).await.map_err(|e| format!("ListJobs: {e:#}"))?;
         // Every accepted job listed exactly once.
         let mut listed: BTreeMap<u64, &pb::Job> = BTreeMap::new();
         for j in &jobs {

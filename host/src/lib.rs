@@ -8,6 +8,7 @@ pub mod bench_live;
 pub mod bench_retention;
 pub mod catalog;
 pub mod chaos;
+pub mod client;
 pub mod compact;
 pub mod componentize;
 pub mod conformance;

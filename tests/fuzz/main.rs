@@ -449,7 +449,7 @@ proptest! {
 
 mod grpc {
     use super::*;
-    use berth::serve::pb;
+    use berth::proto as pb;
     use prost::Message;
     use prost::bytes::{Buf, BufMut};
     use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};

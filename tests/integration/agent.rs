@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use berth::serve::pb;
+use berth::proto as pb;
 use tonic::Code;
 
 use crate::common::repo_root;
@@ -193,7 +193,7 @@ async fn two_agents_run_children_on_their_gpus_and_a_killed_agent_becomes_unreac
     .await;
 
     // The Berth API lists them beside the simulated nodes.
-    let mut api = berth::serve::cli::connect(&url, Some("watcher-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("watcher-test-token"), None, None).await.unwrap();
     let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
     let n1 = nodes.iter().find(|n| n.name == "n1").expect("n1 listed");
     assert_eq!((n1.source.as_str(), n1.state.as_str(), n1.model.as_str(), n1.gpus, n1.schedulable), ("agent", "ready", "H20", 8, true));
@@ -354,7 +354,7 @@ pub(crate) fn agent_job(d: &Path, gpus: u32, tasks: u32) -> pb::JobSpec {
     pb::JobSpec { partition: "p0".into(), tasks, gpus, cpu_milli: 1000, memory_mib: 1024, argv: task_argv(d), ..Default::default() }
 }
 
-pub(crate) async fn jobs(api: &berth::serve::cli::Client) -> Vec<pb::Job> {
+pub(crate) async fn jobs(api: &berth::client::Client) -> Vec<pb::Job> {
     api.clone().list_jobs(pb::ListJobsRequest { partition: "p0".into(), ..Default::default() }).await.unwrap().into_inner().jobs
 }
 
@@ -384,7 +384,7 @@ async fn jobs_with_argv_are_placed_on_agent_nodes_and_exits_free_their_gpus() {
     // 4 + 2 H20s; GPU 1 of n2 reports XID 79 on its third sample.
     let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
     let _n2 = agent(&d, &url, "n2", "2xH20", &["--synthetic-xid", "1:79"]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     until("both agent nodes schedulable and n2 GPU 1 unhealthy", Duration::from_secs(60), || {
         let mut api = api.clone();
         async move {
@@ -566,7 +566,7 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
     let extra = ["--listen", listen.as_str(), "--agent-timeout-ms", "1500"];
     let (mut host, url) = serve(&d, "serve1", &state, &extra).await;
     let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     until("n1 schedulable", Duration::from_secs(60), || {
         let mut api = api.clone();
         async move { api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes.into_iter().find(|n| n.name == "n1" && n.schedulable) }
@@ -601,7 +601,7 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
     let (_host, url2) = serve(&d, "serve2", &state, &extra).await;
     let up_in = restarted.elapsed();
     assert_eq!(url2, url);
-    let api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let after = jobs(&api).await;
     let key = |js: &[pb::Job]| js.iter().map(|j| (j.id, j.state.clone(), j.placements.clone(), j.runs.iter().map(|r| r.allocation_id).collect::<Vec<_>>())).collect::<Vec<_>>();
     assert_eq!(key(&after), key(&before), "jobs differ after the restart");
@@ -658,7 +658,7 @@ pub(crate) fn alive(pid: u32) -> bool {
     !stat.is_empty() && !matches!(stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()), Some("Z" | "X"))
 }
 
-pub(crate) async fn node_info(api: &berth::serve::cli::Client, name: &str) -> Option<pb::NodeInfo> {
+pub(crate) async fn node_info(api: &berth::client::Client, name: &str) -> Option<pb::NodeInfo> {
     let nodes = api.clone().list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await.unwrap().into_inner().nodes;
     nodes.into_iter().find(|n| n.name == name)
 }
@@ -668,7 +668,7 @@ async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu
     let d = dir("agentkill");
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "1000", "--reschedule-after-ms", "2000"]).await;
     let mut n1 = agent(&d, &url, "n1", "2xH20", &[]);
-    let api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let sched = |name: &'static str| {
         let api = api.clone();
         move || {
@@ -801,7 +801,7 @@ async fn written(path: PathBuf) -> String {
     .await
 }
 
-async fn idle_gpus(api: &berth::serve::cli::Client, node: &str) -> u32 {
+async fn idle_gpus(api: &berth::client::Client, node: &str) -> u32 {
     node_info(api, node).await.map_or(u32::MAX, |n| n.gpus_idle)
 }
 
@@ -813,7 +813,7 @@ async fn a_running_task_migrates_make_before_break_and_a_failed_start_rolls_back
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "60000"]).await;
     let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
     let _n2 = agent(&d, &url, "n2", "2xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
     until("both agent nodes schedulable", Duration::from_secs(60), || {
         let mut api = api.clone();

@@ -82,7 +82,7 @@ fn sim_host(rt: &tokio::runtime::Runtime, name: &str) -> (berth::serve::ServeHan
 #[test]
 fn a_report_and_a_stop_under_the_partitions_lock_do_not_deadlock() {
     use berth::proto as pb;
-    use berth::serve::scheduler::Actuator;
+    use berth::serve::state::Actuator;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let (host, mut agent, _, dir) = sim_host(&rt, "lock-order");
     let (hub, live) = (host.hub.clone(), host.live.clone());

@@ -14,15 +14,15 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use berth::serve::pb;
+use berth::proto as pb;
 use tonic::Code;
 
 use crate::agent::{agent, agent_job, agent_token_file, alive, dir, jobs, serve, task_pid, until, Proc, BERTH};
 use crate::common::{policy_path, repo_root};
 use crate::preempt::schedulable;
 
-async fn api(url: &str, token: &str) -> berth::serve::cli::Client {
-    berth::serve::cli::connect(url, Some(token), None, None).await.unwrap()
+async fn api(url: &str, token: &str) -> berth::client::Client {
+    berth::client::connect(url, Some(token), None, None).await.unwrap()
 }
 
 /// `berth agent` for node `n1`, started the way older docs showed: the

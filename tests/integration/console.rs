@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use berth::serve::pb;
+use berth::proto as pb;
 use serde_json::{json, Value};
 
 use crate::common::{policy_path, repo_root};
@@ -161,7 +161,7 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     let first = rt.block_on(ops.submit_job(first)).unwrap().into_inner().job_id;
     rt.block_on(settle(&mut ops, "p0"));
     let v2 = rt.block_on(upload(&mut ops, "p0", policy_path("spread")));
-    let candidate = |ops: &mut berth::serve::cli::Client| {
+    let candidate = |ops: &mut berth::client::Client| {
         let parts = rt.block_on(ops.list_partitions(pb::ListPartitionsRequest {})).unwrap().into_inner().partitions;
         parts.into_iter().find(|p| p.name == "p0").unwrap().shadow_mode
     };

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use berth::serve::pb;
+use berth::proto as pb;
 use tonic::Code;
 
 use crate::serve::{client, config, jobs, state_dir, ACCESS};
@@ -33,7 +33,7 @@ fn small_job(gpus: u32, tasks: u32, duration_s: f64) -> pb::SubmitJobRequest {
     }
 }
 
-async fn state_of(c: &mut berth::serve::cli::Client, id: u64) -> String {
+async fn state_of(c: &mut berth::client::Client, id: u64) -> String {
     jobs(c, "p0").await.into_iter().find(|j| j.id == id).expect("listed").state
 }
 
@@ -98,7 +98,7 @@ async fn a_gang_is_starved_by_small_jobs_until_an_operator_turns_the_guard_on() 
         assert!(t0.elapsed() < Duration::from_secs(20), "the gang did not start with the guard on");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let started_at = berth::serve::unix_ms() / 1000;
+    let started_at = berth::util::unix_ms() / 1000;
     assert!(reserved_until != 0, "explain never showed the reservation");
     assert!(summary.contains("reserved by the starvation guard"), "{summary}");
     // It started by the reservation's time (the clock counts whole seconds).

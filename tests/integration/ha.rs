@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use berth::serve::pb;
+use berth::proto as pb;
 
 use crate::agent::{agent, agent_job, assert_one_owner, dir, free_port, held_gpus, jobs, kill9, node_info, plain, serve, spawn, until, Proc};
 
@@ -70,12 +70,12 @@ async fn a_deposed_leader_cannot_write() {
     // SAFETY: signalling the child this test started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     let (_b, url_b) = b_task.await.unwrap();
-    let mut b = berth::serve::cli::connect(&url_b, Some("ops-test-token"), None, None).await.unwrap();
+    let mut b = berth::client::connect(&url_b, Some("ops-test-token"), None, None).await.unwrap();
     let job = pb::JobSpec { partition: "p0".into(), gpus: 1, duration_s: 600.0, ..Default::default() };
     let on_b = b.submit_job(pb::SubmitJobRequest { job: Some(job.clone()), ..Default::default() }).await.unwrap().into_inner().job_id;
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
-    let mut a_api = berth::serve::cli::connect(&url_a, Some("ops-test-token"), None, None).await.unwrap();
+    let mut a_api = berth::client::connect(&url_a, Some("ops-test-token"), None, None).await.unwrap();
     let refused = a_api.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(refused.message().contains("not the leader"), "{}", refused.message());
@@ -114,7 +114,7 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
     let url_b = format!("http://{lb}");
     let servers = format!("{url_a},{url_b}");
     let _n1 = agent(&d, &servers, "n1", "4xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url_a, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url_a, Some("ops-test-token"), None, None).await.unwrap();
     until("n1 schedulable on the leader", Duration::from_secs(60), || {
         let api = api.clone();
         async move { node_info(&api, "n1").await.filter(|n| n.schedulable) }
@@ -159,7 +159,7 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
     eprintln!("failover: the standby served {took:?} after the leader's kill -9 (lease TTL 2 s); {recovered}");
     assert!(recovered.contains("jobs=4") && recovered.contains("running=3"), "{recovered}");
 
-    let mut api = berth::serve::cli::connect(&url_b, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url_b, Some("ops-test-token"), None, None).await.unwrap();
     let after = jobs(&api).await;
     let key = |js: &[pb::Job]| js.iter().map(|j| (j.id, j.state.clone(), j.placements.clone(), j.runs.iter().map(|r| r.allocation_id).collect::<Vec<_>>())).collect::<Vec<_>>();
     assert_eq!(key(&after), key(&before), "no job lost or changed in the failover");

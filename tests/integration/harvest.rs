@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use berth::serve::pb;
+use berth::proto as pb;
 
 use crate::agent::{agent, agent_job, dir, free_port, jobs, kill9, serve, until, BERTH};
 
@@ -56,8 +56,8 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     let (mut host, url) = serve(&d, "serve1", &state, &extra).await;
     let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
     let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
-    let schedulable = |api: &berth::serve::cli::Client| {
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let schedulable = |api: &berth::client::Client| {
         let api = api.clone();
         until("n1 schedulable", Duration::from_secs(60), move || {
             let mut api = api.clone();
@@ -70,7 +70,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     let mut replica = agent_job(&d, 4, 1);
     replica.priority = 5;
     let r = api.submit_job(pb::SubmitJobRequest { job: Some(replica), ..Default::default() }).await.unwrap().into_inner().job_id;
-    let up = |api: &berth::serve::cli::Client, what: &'static str, f: fn(&pb::Job) -> bool, id: u64| {
+    let up = |api: &berth::client::Client, what: &'static str, f: fn(&pb::Job) -> bool, id: u64| {
         let api = api.clone();
         until(what, Duration::from_secs(60), move || {
             let api = api.clone();
@@ -123,7 +123,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     kill9(&mut host);
     let (mut _host, url2) = serve(&d, "serve2", &state, &extra).await;
     assert_eq!(url2, url);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let js = jobs(&api).await;
     assert_eq!(job(&js, r).sleep, "asleep", "{:?}", job(&js, r));
     assert_eq!(job(&js, low).state, "running");

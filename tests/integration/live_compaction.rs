@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use berth::serve::pb;
+use berth::proto as pb;
 
 use crate::agent::{agent, assert_one_owner, dir, jobs, kill9, serve, until};
 use crate::common::policy_path;
@@ -43,7 +43,7 @@ fn spec(d: &Path, gpus: u32, movable: bool) -> pb::JobSpec {
     pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, cpu_milli: 1000, memory_mib: 1024, argv: movable_argv(d), movable, wait_ready: movable, ..Default::default() }
 }
 
-async fn until_running(api: &berth::serve::cli::Client, id: u64) -> pb::Job {
+async fn until_running(api: &berth::client::Client, id: u64) -> pb::Job {
     until(&format!("job {id} running"), Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.into_iter().find(|j| j.id == id && j.state == "running" && j.runs.len() == 1 && j.runs[0].state == "running") }
@@ -51,7 +51,7 @@ async fn until_running(api: &berth::serve::cli::Client, id: u64) -> pb::Job {
     .await
 }
 
-async fn schedulable(api: &berth::serve::cli::Client, names: &[&str]) {
+async fn schedulable(api: &berth::client::Client, names: &[&str]) {
     until("agent nodes schedulable", Duration::from_secs(60), || {
         let mut api = api.clone();
         async move {
@@ -68,7 +68,7 @@ async fn hold(hub: &mut berth::agent::HubClient, node: &str, gpus: Vec<u32>) -> 
     r.into_inner().allocation_id
 }
 
-async fn release(hub: &mut berth::agent::HubClient, api: &berth::serve::cli::Client, alloc: u64, node: &str, gpus: u32) {
+async fn release(hub: &mut berth::agent::HubClient, api: &berth::client::Client, alloc: u64, node: &str, gpus: u32) {
     hub.control_allocation(pb::ControlAllocationRequest { allocation_id: alloc, action: "stop".into() }).await.unwrap();
     until(&format!("{node} has {gpus} idle GPUs"), Duration::from_secs(60), || {
         let api = api.clone();
@@ -79,7 +79,7 @@ async fn release(hub: &mut berth::agent::HubClient, api: &berth::serve::cli::Cli
 
 /// Two 4-GPU agent nodes, each half used by a movable 2-GPU job (operator
 /// holds steer the placements); returns the jobs (on n1, on n2).
-async fn fragment(d: &Path, api: &mut berth::serve::cli::Client, hub: &mut berth::agent::HubClient) -> (pb::Job, pb::Job) {
+async fn fragment(d: &Path, api: &mut berth::client::Client, hub: &mut berth::agent::HubClient) -> (pb::Job, pb::Job) {
     let h2 = hold(hub, "n2", vec![0, 1, 2, 3]).await;
     let a = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let a = until_running(api, a).await;
@@ -94,13 +94,13 @@ async fn fragment(d: &Path, api: &mut berth::serve::cli::Client, hub: &mut berth
     (a, b)
 }
 
-async fn upload_ipc(api: &mut berth::serve::cli::Client) {
+async fn upload_ipc(api: &mut berth::client::Client) {
     let component = std::fs::read(policy_path("ipc")).unwrap();
     let up = api.upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "compact".into(), ..Default::default() }).await.expect("upload ipc as compact").into_inner().policy.unwrap();
     api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.version, hook: "compact".into() }).await.expect("activate compact");
 }
 
-async fn ledger(api: &berth::serve::cli::Client) -> Vec<pb::CompactionChain> {
+async fn ledger(api: &berth::client::Client) -> Vec<pb::CompactionChain> {
     api.clone().list_compactions(pb::ListCompactionsRequest { partition: "p0".into(), limit: 0 }).await.unwrap().into_inner().chains
 }
 
@@ -115,7 +115,7 @@ async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &extra).await;
     let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
     let _n2 = agent(&d, &url, "n2", "4xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
     schedulable(&api, &["n1", "n2"]).await;
 
@@ -237,7 +237,7 @@ async fn a_move_that_never_takes_over_or_loses_its_destination_rolls_back_and_th
     let (mut host, url) = serve(&d, "serve", &d.join("state"), &args).await;
     let mut n1 = agent(&d, &url, "n1", "4xH20", &[]);
     let mut n2 = agent(&d, &url, "n2", "4xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
     schedulable(&api, &["n1", "n2"]).await;
     upload_ipc(&mut api).await;
@@ -295,7 +295,7 @@ async fn a_move_that_never_takes_over_or_loses_its_destination_rolls_back_and_th
     let before = ledger(&api).await;
     kill9(&mut host);
     let (_host, url) = serve(&d, "serve-again", &d.join("state"), &args).await;
-    let api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     assert_eq!(ledger(&api).await, before);
     std::fs::write(d.join("release"), "0").unwrap();
 }
@@ -304,7 +304,7 @@ async fn a_move_that_never_takes_over_or_loses_its_destination_rolls_back_and_th
 async fn a_hostile_compact_policy_trips_its_breaker_and_nothing_moves() {
     let d = dir("live-compaction-hostile");
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--no-auto-compaction", "--breaker-failures", "2"]).await;
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     // A job with a command and no agent node: pending, so the policy sees a
     // pending shape and misbehaves.
     let job = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 2, true)), ..Default::default() }).await.unwrap().into_inner().job_id;

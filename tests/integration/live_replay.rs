@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use berth::serve::clock::ManualClock;
 use berth::serve::decisions::Filter;
-use berth::serve::pb;
+use berth::proto as pb;
 use berth::wasm::Limits;
 use berth_core::engine::Deciders;
 use berth_core::fleet::gpus_of;
@@ -52,7 +52,7 @@ fn workload(seed: u64, n: usize) -> Vec<(u64, u32, u32, u32, u32, u64, u64)> {
         .collect()
 }
 
-pub(crate) fn settle(live: &berth::serve::scheduler::Live) {
+pub(crate) fn settle(live: &berth::serve::state::Live) {
     assert!(live.wait_settled(0, Duration::from_secs(60)), "partition p0 did not settle");
 }
 

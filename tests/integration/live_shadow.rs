@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use berth::serve::breaker::BreakerConfig;
 use berth::serve::auth::Access;
-use berth::serve::pb;
+use berth::proto as pb;
 use berth::serve::server::ServeConfig;
 use berth::wasm::Limits;
 
@@ -66,7 +66,7 @@ fn typical_pods(shapes: &[usize]) -> String {
     serde_json::json!({ "typical_pods": pods }).to_string()
 }
 
-async fn upload(c: &mut berth::serve::cli::Client, name: &str, config: &str) -> pb::PolicyRef {
+async fn upload(c: &mut berth::client::Client, name: &str, config: &str) -> pb::PolicyRef {
     let component = std::fs::read(policy_path(name)).unwrap();
     let req = pb::UploadPolicyRequest { partition: "p0".into(), component, config: config.into(), note: format!("{name} with the workload's typical pods"), ..Default::default() };
     c.upload_policy(req).await.expect("upload").into_inner().policy.unwrap()

@@ -16,6 +16,7 @@ mod harvest;
 mod ha;
 mod html_report;
 mod languages;
+mod layout;
 mod live_compaction;
 mod live_replay;
 mod live_shadow;

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use berth::serve::pb;
+use berth::proto as pb;
 
 use crate::agent::{BERTH, agent, agent_job, alive, assert_one_owner, dir, free_port, jobs, node_info, serve, task_pid, until, Proc};
 use crate::common::repo_root;
@@ -122,7 +122,7 @@ async fn live_allocations(hub: &berth::agent::HubClient) -> Vec<(u64, String, Ve
 }
 
 /// Both views (jobs and allocations) agree that no GPU has two owners.
-async fn check_one_owner(api: &berth::serve::cli::Client, hub: &berth::agent::HubClient) -> Vec<(u64, String, Vec<u32>)> {
+async fn check_one_owner(api: &berth::client::Client, hub: &berth::agent::HubClient) -> Vec<(u64, String, Vec<u32>)> {
     assert_one_owner(&jobs(api).await, &[]);
     live_allocations(hub).await
 }
@@ -149,7 +149,7 @@ async fn a_partitioned_agent_keeps_its_task_its_gpus_are_fenced_and_reconciled_o
     let (_serve, _) = serve(&d, "serve", &d.join("state"), &args).await;
     let url = format!("https://localhost:{port}");
     let mut n1 = agent_in(&net.ns, &d, &url, &ca, "n1", "2xH20");
-    let api = berth::serve::cli::connect(&url, Some("ops-test-token"), Some(&ca), None).await.unwrap();
+    let api = berth::client::connect(&url, Some("ops-test-token"), Some(&ca), None).await.unwrap();
     let hub = berth::agent::connect_hub(&url, Some("ops-test-token"), Some(&ca)).await.unwrap();
     let sched = |name: &'static str| {
         let api = api.clone();

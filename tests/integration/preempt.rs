@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use berth::serve::pb;
+use berth::proto as pb;
 
 use crate::agent::{agent, agent_job, assert_one_owner, dir, free_port, jobs, kill9, serve, until, BERTH};
 use crate::common::{guest_path, policy_path};
@@ -20,7 +20,7 @@ fn low_job(d: &Path, gpus: u32) -> pb::JobSpec {
     agent_job(d, gpus, 1)
 }
 
-async fn upload_rank(api: &mut berth::serve::cli::Client, path: &Path) -> u32 {
+async fn upload_rank(api: &mut berth::client::Client, path: &Path) -> u32 {
     let component = std::fs::read(path).unwrap();
     let up = api
         .upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "rank".into(), ..Default::default() })
@@ -33,7 +33,7 @@ async fn upload_rank(api: &mut berth::serve::cli::Client, path: &Path) -> u32 {
     up.version
 }
 
-async fn running(api: &berth::serve::cli::Client, ids: &[u64]) -> Vec<pb::Job> {
+async fn running(api: &berth::client::Client, ids: &[u64]) -> Vec<pb::Job> {
     let ids = ids.to_vec();
     until("jobs running with their processes", Duration::from_secs(60), || {
         let api = api.clone();
@@ -49,7 +49,7 @@ async fn running(api: &berth::serve::cli::Client, ids: &[u64]) -> Vec<pb::Job> {
 }
 
 /// Waits until agent node `node` of p0 takes work.
-pub(crate) async fn schedulable(api: &berth::serve::cli::Client, node: &str) {
+pub(crate) async fn schedulable(api: &berth::client::Client, node: &str) {
     until("the agent node schedulable", Duration::from_secs(60), || {
         let mut api = api.clone();
         async move {
@@ -61,7 +61,7 @@ pub(crate) async fn schedulable(api: &berth::serve::cli::Client, node: &str) {
 }
 
 /// Waits until every job of p0 has finished.
-async fn all_finished(api: &berth::serve::cli::Client) {
+async fn all_finished(api: &berth::client::Client) {
     until("all done", Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
@@ -69,7 +69,7 @@ async fn all_finished(api: &berth::serve::cli::Client) {
     .await;
 }
 
-async fn evictions(api: &mut berth::serve::cli::Client) -> Vec<pb::Decision> {
+async fn evictions(api: &mut berth::client::Client) -> Vec<pb::Decision> {
     let req = pb::QueryDecisionsRequest { partition: "p0".into(), limit: 1000, ..Default::default() };
     api.query_decisions(req).await.unwrap().into_inner().decisions.into_iter().filter(|d| d.outcome == "evicted").collect()
 }
@@ -80,7 +80,7 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "1"]).await;
     let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
     let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
     let spot = upload_rank(&mut api, &policy_path("spot-gpu")).await;
 
@@ -158,7 +158,7 @@ async fn a_task_checkpoint_report_changes_who_is_preempted() {
     let d = dir("preempt-ckpt");
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0"]).await;
     let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
     upload_rank(&mut api, &policy_path("spot-gpu")).await;
     // A starts first: by time since start it has the most to recompute.
@@ -169,7 +169,7 @@ async fn a_task_checkpoint_report_changes_who_is_preempted() {
     running(&api, &[b]).await;
     tokio::time::sleep(Duration::from_millis(2200)).await;
     // Then A saves its work: now it has the least to recompute.
-    let asked = berth::serve::unix_ms();
+    let asked = berth::util::unix_ms();
     std::fs::write(d.join(format!("ckpt-now-{a}")), "").unwrap();
     let reported = until("A's checkpoint report reaches the host", Duration::from_secs(30), || {
         let api = api.clone();
@@ -178,7 +178,7 @@ async fn a_task_checkpoint_report_changes_who_is_preempted() {
     .await;
     assert!(d.join(format!("ckpt-done-{a}")).exists(), "`berth checkpointed` ran in the task");
     // Stamped when the task reported it: after it was asked to, not before.
-    assert!(reported >= asked && reported <= berth::serve::unix_ms(), "reported {reported}, asked {asked}");
+    assert!(reported >= asked && reported <= berth::util::unix_ms(), "reported {reported}, asked {asked}");
     let b_run = jobs(&api).await.into_iter().find(|j| j.id == b).unwrap().runs[0].clone();
     assert_eq!(b_run.checkpointed_unix_ms, 0, "B never reported one");
 
@@ -222,7 +222,7 @@ async fn a_hostile_rank_policy_trips_its_breaker_and_the_default_ranking_takes_o
     let d = dir("preempt-hostile");
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0"]).await;
     let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
     let hostile = upload_rank(&mut api, &guest_path("hostile")).await;
     let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)), ..Default::default() }).await.unwrap().into_inner().job_id;
@@ -256,9 +256,9 @@ async fn a_quote_matches_what_then_happens() {
     let d = dir("quote");
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000"]).await;
     let _n1 = agent(&d, &url, "n1", "4xH20", &["--switch-domain", "7"]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
-    let quote = |api: &berth::serve::cli::Client, gpus: u32| {
+    let quote = |api: &berth::client::Client, gpus: u32| {
         let mut api = api.clone();
         async move {
             let req = pb::QuoteRequest { partition: "p0".into(), gpus, cpu_milli: 1000, memory_mib: 1024, agent_nodes: true, deadline_h: 1.0, ..Default::default() };
@@ -317,7 +317,7 @@ async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     let args = ["--listen", listen.as_str(), "--agent-timeout-ms", "3000", "--notice-s", "0", "--max-interruptions-per-day", "1"];
     let (mut host, url) = serve(&d, "serve1", &d.join("state"), &args).await;
     let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
     upload_rank(&mut api, &policy_path("spot-gpu")).await;
     let low = api.submit_job(pb::SubmitJobRequest { job: Some(low_job(&d, 2)), ..Default::default() }).await.unwrap().into_inner().job_id;
@@ -345,7 +345,7 @@ async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     kill9(&mut host);
     let (_host, url2) = serve(&d, "serve2", &d.join("state"), &args).await;
     assert_eq!(url2, url);
-    let mut api = berth::serve::cli::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let j = jobs(&api).await.into_iter().find(|j| j.id == low).unwrap();

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use berth::serve::clock::{Clock, ManualClock};
-use berth::serve::pb;
-use berth::serve::retention::Retention;
-use berth::serve::scheduler::Live;
+use berth::proto as pb;
+use berth::serve::state::Retention;
+use berth::serve::state::Live;
 use tonic::Code;
 
 use crate::live_replay::settle;

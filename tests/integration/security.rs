@@ -196,13 +196,13 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", h.addr)).unwrap().connect().await.unwrap();
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
-    let codec = tonic_prost::ProstCodec::<berth::serve::pb::CancelJobRequest, berth::serve::pb::SubmitJobResponse>::default();
+    let codec = tonic_prost::ProstCodec::<berth::proto::CancelJobRequest, berth::proto::SubmitJobResponse>::default();
     let path = tonic::codegen::http::uri::PathAndQuery::from_static("/berth.v1.Berth/SubmitJob");
-    let e = grpc.unary(tonic::Request::new(berth::serve::pb::CancelJobRequest { job_id: 5 }), path, codec).await.unwrap_err();
+    let e = grpc.unary(tonic::Request::new(berth::proto::CancelJobRequest { job_id: 5 }), path, codec).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("not a valid protobuf message"), "{e:?}");
 
-    let with = |f: &dyn Fn(&mut berth::serve::pb::JobSpec)| {
+    let with = |f: &dyn Fn(&mut berth::proto::JobSpec)| {
         let mut j = job("p0", 1);
         f(j.job.as_mut().unwrap());
         j
@@ -216,7 +216,7 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
     refused(alice.submit_job(with(&|j| j.env = [("K".to_string(), "v".repeat(100_000))].into())).await.unwrap_err(), "job spec");
     refused(alice.submit_job(with(&|j| j.name = "n".repeat(300))).await.unwrap_err(), "job.name");
     refused(alice.submit_job(with(&|j| j.priority = u32::MAX)).await.unwrap_err(), "priority");
-    let note = berth::serve::pb::UploadPolicyRequest {
+    let note = berth::proto::UploadPolicyRequest {
         partition: "p0".into(),
         component: std::fs::read(crate::common::policy_path("spread")).unwrap(),
         note: "n".repeat(2000),
@@ -237,11 +237,11 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
         .unwrap()
         .into_inner()
         .job_id;
-    let env_of = |all: Vec<berth::serve::pb::Job>| all.into_iter().find(|j| j.id == secret).expect("listed").spec.unwrap().env;
+    let env_of = |all: Vec<berth::proto::Job>| all.into_iter().find(|j| j.id == secret).expect("listed").spec.unwrap().env;
     assert_eq!(env_of(jobs(&mut alice, "p2").await).get("PASSWORD").map(String::as_str), Some("hunter2"));
     assert_eq!(env_of(jobs(&mut ops, "p2").await).get("PASSWORD").map(String::as_str), Some("hunter2"));
     // Another tenant's job: a viewer of its partition sees it, not its env.
-    let e = carol.list_jobs(berth::serve::pb::ListJobsRequest { partition: "p2".into(), ..Default::default() }).await.unwrap_err();
+    let e = carol.list_jobs(berth::proto::ListJobsRequest { partition: "p2".into(), ..Default::default() }).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "carol has no role in p2: {e:?}");
     let mut other = job("p0", 1);
     other.job.as_mut().unwrap().env = [("TOKEN".to_string(), "s3cret".to_string())].into();
@@ -251,11 +251,11 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
 
     // Permission before existence: carol cannot tell alice's p2 job from a
     // job that does not exist, nor p2 from a partition that does not.
-    let hidden = carol.cancel_job(berth::serve::pb::CancelJobRequest { job_id: secret }).await.unwrap_err();
-    let absent = carol.cancel_job(berth::serve::pb::CancelJobRequest { job_id: 987_654 }).await.unwrap_err();
+    let hidden = carol.cancel_job(berth::proto::CancelJobRequest { job_id: secret }).await.unwrap_err();
+    let absent = carol.cancel_job(berth::proto::CancelJobRequest { job_id: 987_654 }).await.unwrap_err();
     assert_eq!((hidden.code(), absent.code()), (Code::NotFound, Code::NotFound));
     assert_eq!(hidden.message().replace(&secret.to_string(), "N"), absent.message().replace("987654", "N"));
-    let e = carol.explain_job(berth::serve::pb::ExplainJobRequest { job_id: secret }).await.unwrap_err();
+    let e = carol.explain_job(berth::proto::ExplainJobRequest { job_id: secret }).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
     let real = carol.submit_job(job("p2", 1)).await.unwrap_err();
     let fake = carol.submit_job(job("nowhere", 1)).await.unwrap_err();
@@ -265,7 +265,7 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
     // Node names are unique across the fleet: an operator of p0 cannot
     // register an agent named like a node of p1.
     let p1_node = ops
-        .list_nodes(berth::serve::pb::ListNodesRequest { partition: "p1".into() })
+        .list_nodes(berth::proto::ListNodesRequest { partition: "p1".into() })
         .await
         .unwrap()
         .into_inner()
@@ -274,7 +274,7 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
         .name;
     let mut hub = berth::agent::connect_hub(&format!("http://{}", h.addr), Some("ops-test-token"), None).await.unwrap();
     let e = hub
-        .register(berth::serve::pb::RegisterAgentRequest {
+        .register(berth::proto::RegisterAgentRequest {
             node: p1_node.clone(),
             partition: "p0".into(),
             source: "synthetic".into(),
@@ -291,10 +291,10 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
 
 /// Polls the partition's history until the breaker has acted (a liveness
 /// bound only).
-async fn breaker_event(c: &mut berth::serve::cli::Client, partition: &str) -> String {
+async fn breaker_event(c: &mut berth::client::Client, partition: &str) -> String {
     let limit = Instant::now() + Duration::from_secs(90);
     loop {
-        let h = c.policy_history(berth::serve::pb::PolicyHistoryRequest { partition: partition.into(), ..Default::default() }).await.unwrap().into_inner();
+        let h = c.policy_history(berth::proto::PolicyHistoryRequest { partition: partition.into(), ..Default::default() }).await.unwrap().into_inner();
         if let Some(e) = h.events.iter().find(|e| e.kind == "breaker") {
             return e.detail.clone();
         }
@@ -306,9 +306,9 @@ async fn breaker_event(c: &mut berth::serve::cli::Client, partition: &str) -> St
 async fn hostile_with(h: &berth::serve::ServeHandle, partition: &str, config: &str) -> u32 {
     let mut ops = client(h, "ops-test-token").await;
     let component = std::fs::read(guest_path("hostile")).unwrap();
-    let req = berth::serve::pb::UploadPolicyRequest { partition: partition.into(), component, config: config.into(), ..Default::default() };
+    let req = berth::proto::UploadPolicyRequest { partition: partition.into(), component, config: config.into(), ..Default::default() };
     let v = ops.upload_policy(req).await.expect("upload").into_inner().policy.unwrap().version;
-    ops.activate_policy(berth::serve::pb::ActivatePolicyRequest { partition: partition.into(), version: v, ..Default::default() }).await.expect("activate");
+    ops.activate_policy(berth::proto::ActivatePolicyRequest { partition: partition.into(), version: v, ..Default::default() }).await.expect("activate");
     v
 }
 
@@ -443,7 +443,7 @@ async fn eight_mib_errors_on_every_call_keep_the_host_under_100_mb() {
     // Until at least 100 calls of 8 MiB each failed (800 MiB of guest text).
     let started = Instant::now();
     let failed = loop {
-        let req = berth::serve::pb::QueryDecisionsRequest { partition: "p2".into(), limit: 100_000, ..Default::default() };
+        let req = berth::proto::QueryDecisionsRequest { partition: "p2".into(), limit: 100_000, ..Default::default() };
         let decisions = ops.query_decisions(req).await.expect("the decision log stays readable").into_inner().decisions;
         let failed: Vec<_> = decisions.into_iter().filter(|d| d.job_id != 0 && d.placements.is_empty()).collect();
         if failed.len() >= 100 {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use berth::serve::breaker::BreakerConfig;
-use berth::serve::cli::{connect, Client};
-use berth::serve::pb;
+use berth::client::{connect, Client};
+use berth::proto as pb;
 use berth::serve::server::{ServeConfig, TlsFiles, DEFAULT_FLEET};
 use berth::serve::{auth::Access, ServeHandle};
 use berth::wasm::Limits;
@@ -295,7 +295,7 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     assert_eq!(trip.version, 1);
     assert!(trip.detail.contains("rolled back from version 2"), "{}", trip.detail);
     let v = hist.versions.iter().find(|v| v.policy.as_ref().unwrap().version == hostile).unwrap();
-    assert!(v.blocked_until_unix_ms > berth::serve::unix_ms());
+    assert!(v.blocked_until_unix_ms > berth::util::unix_ms());
     assert_eq!(v.uploaded_by, "ops");
 
     let again = ops.activate_policy(pb::ActivatePolicyRequest { partition: "p2".into(), version: hostile, ..Default::default() }).await.unwrap_err();

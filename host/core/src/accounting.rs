@@ -12,7 +12,7 @@ use crate::fleet::{Allocation, Fleet, Node};
 use crate::predicate::{self, Unfit};
 use crate::capacity::{fitting_tasks, tasks_on_node};
 use crate::task::TaskShape;
-use crate::MILLI_PER_GPU;
+use crate::units::MILLI_PER_GPU;
 
 /// GPUs (in whole GPUs, fractional where shared) of one group of nodes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]

@@ -40,7 +40,7 @@ pub fn domain_table_among(fleet: &Fleet, shape: &TaskShape, keep: &dyn Fn(NodeId
         e[1] += 1;
         e[2] += u64::from(node.is_idle());
         e[3] += node.gpus.len() as u64;
-        e[4] += node.gpus.iter().filter(|&&g| g == crate::MILLI_PER_GPU).count() as u64;
+        e[4] += node.gpus.iter().filter(|&&g| g == crate::units::MILLI_PER_GPU).count() as u64;
         e[5] += u64::from(tasks_on_node(node, shape));
     }
     let mut d = berth_sdk::Domains::default();

@@ -62,7 +62,7 @@ use crate::policy::PolicyError;
 use crate::capacity::tasks_on_node;
 use crate::job::Job;
 use crate::task::TaskShape;
-use crate::MILLI_PER_GPU;
+use crate::units::MILLI_PER_GPU;
 
 /// A policy that plans compaction (the WIT `compact` hook). The wasm host
 /// and native builds implement it; tests use doubles.

@@ -17,10 +17,10 @@ use crate::capacity::{fitting_tasks_among, tasks_on_node};
 use crate::compaction::{CompactionConfig, CompactionPolicy, CompactionState, Ledger};
 use crate::fleet::{Allocation, Fleet, Node, NodeId};
 use crate::harvest::Harvest;
-use crate::job::Job;
+use crate::job::{Job, PriorityContract};
 use crate::placement::{place_fitting_gang, Placer};
 use crate::policy::{PlacementPolicy, PolicyError};
-use crate::preemption::{evict, select_victims, Candidate, EvictionLatency, PreemptionPolicy, PriorityContract};
+use crate::preemption::{evict, select_victims, Candidate, EvictionLatency, PreemptionPolicy};
 use crate::task::TaskShape;
 
 /// What happened to one job.
@@ -790,7 +790,7 @@ impl Engine {
         let held = &self.runs.held[j];
         self.runs.planned_end[j].is_some()
             && !self.sleeping.contains_key(&j)
-            && self.jobs[j].shape.gpu_milli >= crate::MILLI_PER_GPU
+            && self.jobs[j].shape.gpu_milli >= crate::units::MILLI_PER_GPU
             && !held.is_empty()
             && held.iter().all(|a| self.lent.get(&a.node).is_none_or(|m| m & a.gpus == 0))
     }
@@ -882,7 +882,7 @@ impl Engine {
                 // Any borrower on the node only once its GPUs are free (CPU
                 // or memory is what is short): a GPU held by something that
                 // cannot be taken back fails the wake at once.
-                let gpus_free = || crate::fleet::gpus_of(a.gpus).all(|g| fleet.nodes()[a.node as usize].gpus[g] == crate::MILLI_PER_GPU);
+                let gpus_free = || crate::fleet::gpus_of(a.gpus).all(|g| fleet.nodes()[a.node as usize].gpus[g] == crate::units::MILLI_PER_GPU);
                 let Some(v) = self.runs.running_low.iter().copied().find(overlaps).or_else(|| if gpus_free() { self.runs.running_low.iter().copied().find(on_node) } else { None }) else {
                     ok = false;
                     break;
@@ -1442,7 +1442,7 @@ impl GangBounds {
 /// Milli-GPUs in use on lent GPUs (borrowed from sleeping replicas).
 fn lent_in_use(fleet: &Fleet, lent: &HashMap<NodeId, u64>) -> u64 {
     lent.iter()
-        .map(|(&id, &mask)| crate::fleet::gpus_of(mask).map(|g| u64::from(crate::MILLI_PER_GPU - fleet.nodes()[id as usize].gpus[g])).sum::<u64>())
+        .map(|(&id, &mask)| crate::fleet::gpus_of(mask).map(|g| u64::from(crate::units::MILLI_PER_GPU - fleet.nodes()[id as usize].gpus[g])).sum::<u64>())
         .sum()
 }
 

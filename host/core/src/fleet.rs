@@ -2,12 +2,8 @@
 //! checked allocate / release that never over-commit.
 
 use crate::task::TaskShape;
-use crate::{MAX_GPUS_PER_NODE, MILLI_PER_GPU};
-
-/// Index of a GPU model in [`Fleet::models`].
-pub type ModelId = u32;
-/// Index of a node in [`Fleet::nodes`].
-pub type NodeId = u32;
+use crate::units::{MAX_GPUS_PER_NODE, MILLI_PER_GPU};
+pub use crate::units::{ModelId, NodeId};
 
 /// Errors from changing fleet state. Nothing changes when one is returned.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -1,7 +1,6 @@
 //! A job as the scheduler sees it: the shared vocabulary of the engine,
 //! replay, compaction, preemption and the live host.
 
-use crate::preemption::PriorityContract;
 use crate::task::TaskShape;
 
 /// One job: `tasks` identical tasks (a gang when more than one), each of
@@ -35,5 +34,31 @@ pub struct Job {
 impl Job {
     pub fn gpus(&self) -> u64 {
         u64::from(self.tasks) * u64::from(self.shape.gpu_count)
+    }
+}
+
+/// What a low-priority job is promised when it is preempted.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PriorityContract {
+    /// Warning given before the capacity is taken back.
+    pub notice_s: u64,
+    /// Whether the job writes a checkpoint when given notice (then it loses
+    /// nothing if it vacates in time).
+    pub checkpoint_on_notice: bool,
+    /// Extra time after the notice before a forced termination.
+    pub grace_s: u64,
+    /// The job is not taken more often than this in any 24 hours.
+    pub max_interruptions_per_day: u32,
+    /// Periodic checkpoint interval: a forced or unwarned eviction loses the
+    /// work since the last one.
+    pub checkpoint_every_s: u64,
+}
+
+impl Default for PriorityContract {
+    /// 30 s notice and 30 s grace (ASI's eviction takes 13 s on average,
+    /// 48 s at p95), no checkpoint on notice, at most 3 interruptions a day,
+    /// hourly checkpoints.
+    fn default() -> Self {
+        PriorityContract { notice_s: 30, checkpoint_on_notice: false, grace_s: 30, max_interruptions_per_day: 3, checkpoint_every_s: 3600 }
     }
 }

@@ -19,16 +19,13 @@ pub mod preemption;
 pub mod predicate;
 pub mod sim;
 pub mod task;
+pub mod units;
 
 pub use engine::{Decision, Engine, Event, Hook, World};
-pub use fleet::{Allocation, Fleet, FleetError, ModelId, Node, NodeId};
+pub use fleet::{Allocation, Fleet, FleetError, Node};
 pub use job::Job;
-pub use placement::{Placement, Placer, TaskMeta};
+pub use placement::{Placement, Placer};
 pub use policy::{PlacementPolicy, PolicyError};
 pub use predicate::Unfit;
-pub use task::TaskShape;
-
-/// Thousandths of one GPU in a whole GPU.
-pub const MILLI_PER_GPU: u32 = 1000;
-/// Most GPUs a node may hold (GPU sets cross the boundary as u64 masks).
-pub const MAX_GPUS_PER_NODE: usize = 64;
+pub use task::{TaskMeta, TaskShape};
+pub use units::{ModelId, NodeId, MAX_GPUS_PER_NODE, MILLI_PER_GPU};

@@ -10,8 +10,9 @@ use crate::fleet::{gpus_of, Allocation, Fleet, Node, NodeId};
 use crate::job::Job;
 use crate::policy::{PlacementPolicy, PolicyError};
 use crate::predicate::{self, Unfit};
+pub use crate::task::{fill_task, TaskMeta};
 use crate::task::TaskShape;
-use crate::MILLI_PER_GPU;
+use crate::units::MILLI_PER_GPU;
 
 /// Where a task goes.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,15 +22,6 @@ pub struct Placement {
     pub gpus: u64,
     /// The winning score.
     pub score: f64,
-}
-
-/// Identity and class of the task being placed, passed through to policies.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct TaskMeta {
-    pub job_id: u64,
-    pub priority: u32,
-    pub gang_size: u32,
-    pub gang_index: u32,
 }
 
 /// Places tasks one at a time. Keeps its column buffers between calls so a
@@ -313,20 +305,6 @@ fn chosen_gpus(node: &Node, shape: &TaskShape, policy_mask: Option<u64>) -> u64 
     }
 }
 
-/// Fills the contract's task record from a shape and its identity.
-pub fn fill_task(t: &mut Task, shape: &TaskShape, meta: TaskMeta) {
-    t.job_id = meta.job_id;
-    t.gpu_count = shape.gpu_count;
-    t.gpu_milli = shape.gpu_milli;
-    t.cpu_milli = shape.cpu_milli;
-    t.memory_mib = shape.memory_mib;
-    t.models.clear();
-    t.models.extend_from_slice(&shape.models);
-    t.priority = meta.priority;
-    t.gang_size = meta.gang_size.max(1);
-    t.gang_index = meta.gang_index;
-}
-
 /// Checks a policy's GPU mask for one candidate: 0 (host chooses), or
 /// exactly the task's GPU count, all existing and each with enough free.
 pub fn validate_mask(node: &Node, id: NodeId, shape: &TaskShape, mask: u64) -> Result<(), PolicyError> {
@@ -406,7 +384,7 @@ pub fn place_fitting_gang(
     if job.tasks > 1 {
         let (mut domains, _) = crate::capacity::domain_table_among(fleet, &job.shape, keep);
         let mut task = berth_sdk::Task::default();
-        crate::placement::fill_task(&mut task, &job.shape, TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 });
+        fill_task(&mut task, &job.shape, TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 });
         if let Some(scores) = policy.score_domains(&task, &mut domains)? {
             if scores.len() != domains.len() || scores.iter().any(|s| !s.is_finite()) {
                 return Err(PolicyError::InvalidOutput(format!("{} domain scores for {} domains, or one not finite", scores.len(), domains.len())));

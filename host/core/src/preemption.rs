@@ -10,9 +10,9 @@ use std::collections::HashSet;
 
 use crate::fleet::{Allocation, Fleet, Node, NodeId};
 use crate::job::Job;
-use crate::placement::TaskMeta;
+pub use crate::job::PriorityContract;
 use crate::policy::PolicyError;
-use crate::task::TaskShape;
+use crate::task::{TaskMeta, TaskShape};
 
 /// Ranks candidate victims for a demand (the contract's `rank` hook).
 pub trait PreemptionPolicy {
@@ -25,32 +25,6 @@ pub trait PreemptionPolicy {
     /// contract as placement scoring: columns may be moved out while the
     /// call runs but must be put back.
     fn rank(&mut self, demand: &Task, victims: &mut Allocations) -> Result<Option<Vec<u32>>, PolicyError>;
-}
-
-/// What a low-priority job is promised when it is preempted.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PriorityContract {
-    /// Warning given before the capacity is taken back.
-    pub notice_s: u64,
-    /// Whether the job writes a checkpoint when given notice (then it loses
-    /// nothing if it vacates in time).
-    pub checkpoint_on_notice: bool,
-    /// Extra time after the notice before a forced termination.
-    pub grace_s: u64,
-    /// The job is not taken more often than this in any 24 hours.
-    pub max_interruptions_per_day: u32,
-    /// Periodic checkpoint interval: a forced or unwarned eviction loses the
-    /// work since the last one.
-    pub checkpoint_every_s: u64,
-}
-
-impl Default for PriorityContract {
-    /// 30 s notice and 30 s grace (ASI's eviction takes 13 s on average,
-    /// 48 s at p95), no checkpoint on notice, at most 3 interruptions a day,
-    /// hourly checkpoints.
-    fn default() -> Self {
-        PriorityContract { notice_s: 30, checkpoint_on_notice: false, grace_s: 30, max_interruptions_per_day: 3, checkpoint_every_s: 3600 }
-    }
 }
 
 /// How long an evicted job takes to vacate its GPUs: lognormal.
@@ -195,7 +169,7 @@ fn ranked_candidates(ranker: &mut dyn PreemptionPolicy, demand: &Job, candidates
         return Ok(None);
     }
     let mut task = Task::default();
-    crate::placement::fill_task(&mut task, &demand.shape, TaskMeta { job_id: demand.id, priority: demand.priority, gang_size: demand.tasks, gang_index: 0 });
+    crate::task::fill_task(&mut task, &demand.shape, TaskMeta { job_id: demand.id, priority: demand.priority, gang_size: demand.tasks, gang_index: 0 });
     let order = match ranker.rank(&task, &mut victims)? {
         Some(order) => order,
         None => berth_sdk::default_rank(&victims),

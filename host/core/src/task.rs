@@ -1,8 +1,10 @@
 //! The resource shape of one task: what the predicate checks and what an
 //! allocation holds.
 
-use crate::fleet::ModelId;
-use crate::MILLI_PER_GPU;
+use berth_sdk::Task;
+
+use crate::units::ModelId;
+use crate::units::MILLI_PER_GPU;
 
 /// What one task (a job, or one task of a gang) asks of a single node.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -37,8 +39,8 @@ impl TaskShape {
         if self.gpu_count > 1 && self.gpu_milli < MILLI_PER_GPU {
             return Err(format!("{} shared GPUs of {} milli: a shared GPU must be a single GPU", self.gpu_count, self.gpu_milli));
         }
-        if self.gpu_count as usize > crate::MAX_GPUS_PER_NODE {
-            return Err(format!("{} GPUs on one node exceeds {}", self.gpu_count, crate::MAX_GPUS_PER_NODE));
+        if self.gpu_count as usize > crate::units::MAX_GPUS_PER_NODE {
+            return Err(format!("{} GPUs on one node exceeds {}", self.gpu_count, crate::units::MAX_GPUS_PER_NODE));
         }
         Ok(())
     }
@@ -49,4 +51,27 @@ impl TaskShape {
             Some(m) => self.models.is_empty() || self.models.contains(&m),
         }
     }
+}
+
+/// Identity and class of the task being placed, passed through to policies.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TaskMeta {
+    pub job_id: u64,
+    pub priority: u32,
+    pub gang_size: u32,
+    pub gang_index: u32,
+}
+
+/// Fills the contract's task record from a shape and its identity.
+pub fn fill_task(t: &mut Task, shape: &TaskShape, meta: TaskMeta) {
+    t.job_id = meta.job_id;
+    t.gpu_count = shape.gpu_count;
+    t.gpu_milli = shape.gpu_milli;
+    t.cpu_milli = shape.cpu_milli;
+    t.memory_mib = shape.memory_mib;
+    t.models.clear();
+    t.models.extend_from_slice(&shape.models);
+    t.priority = meta.priority;
+    t.gang_size = meta.gang_size.max(1);
+    t.gang_index = meta.gang_index;
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use berth_core::accounting::{quote, PendingShape, Quote};
 use berth_core::compaction::{CompactionConfig, CompactionPolicy, Ledger};
 use berth_core::harvest::Harvest;
-use berth_core::preemption::PriorityContract;
+use berth_core::job::PriorityContract;
 use berth_core::sim::{simulate_with, Deciders, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
 use serde::Serialize;

@@ -12,12 +12,12 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use berth_core::PlacementPolicy;
-use serde::Serialize;
 
 use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
 use crate::{catalog, native};
 use fgd::Experiment;
-use report::{Curve, ResultRow};
+pub use report::{ReplayOutcome, RunSummary};
+use report::Curve;
 
 /// What to replay.
 #[derive(Clone, Debug)]
@@ -61,25 +61,6 @@ pub fn parse_extra_config(text: &str) -> anyhow::Result<serde_json::Map<String, 
         anyhow::ensure!(!map.contains_key(key), "key {key:?} is set by replay itself");
     }
     Ok(map)
-}
-
-/// The outcome of a replay.
-#[derive(Debug, Serialize)]
-pub struct ReplayOutcome {
-    /// Policy names in the order given.
-    pub policies: Vec<String>,
-    pub rows: Vec<ResultRow>,
-    /// Per (policy, seed): pods offered and placed, final unallocated %.
-    pub runs: Vec<RunSummary>,
-}
-
-#[derive(Debug, Serialize, Clone)]
-pub struct RunSummary {
-    pub policy: String,
-    pub seed: u64,
-    pub pods_offered: usize,
-    pub pods_placed: usize,
-    pub final_unallocated_pct: f64,
 }
 
 /// The configuration every replayed policy receives: the seed (for

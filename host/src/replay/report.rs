@@ -6,6 +6,25 @@ use std::path::Path;
 
 use serde::Serialize;
 
+/// The outcome of a replay.
+#[derive(Debug, Serialize)]
+pub struct ReplayOutcome {
+    /// Policy names in the order given.
+    pub policies: Vec<String>,
+    pub rows: Vec<ResultRow>,
+    /// Per (policy, seed): pods offered and placed, final unallocated %.
+    pub runs: Vec<RunSummary>,
+}
+
+#[derive(Debug, Serialize, Clone)]
+pub struct RunSummary {
+    pub policy: String,
+    pub seed: u64,
+    pub pods_offered: usize,
+    pub pods_placed: usize,
+    pub final_unallocated_pct: f64,
+}
+
 /// Highest arrival point recorded, in % of cluster GPU capacity.
 pub const MAX_ARRIVAL_PCT: usize = 130;
 /// The arrival points of the summary table.
@@ -246,7 +265,7 @@ pub fn curves_svg(title: &str, rows: &[ResultRow], policies: &[String], publishe
 }
 
 /// The whole report as one HTML page with no external resources.
-pub fn html(meta: &HtmlMeta, outcome: &super::ReplayOutcome, published: &Published) -> anyhow::Result<String> {
+pub fn html(meta: &HtmlMeta, outcome: &ReplayOutcome, published: &Published) -> anyhow::Result<String> {
     use std::fmt::Write;
     let e = escape_html;
     let title = format!("Unallocated GPUs: {}", meta.source);
@@ -342,7 +361,7 @@ pub fn html(meta: &HtmlMeta, outcome: &super::ReplayOutcome, published: &Publish
 }
 
 /// Writes the HTML report (see [`html`]).
-pub fn write_html(path: &Path, meta: &HtmlMeta, outcome: &super::ReplayOutcome, published: &Published) -> anyhow::Result<()> {
+pub fn write_html(path: &Path, meta: &HtmlMeta, outcome: &ReplayOutcome, published: &Published) -> anyhow::Result<()> {
     let page = html(meta, outcome, published)?;
     std::fs::write(path, page).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
 }

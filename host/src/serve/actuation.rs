@@ -15,35 +15,13 @@ use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 
 use super::decisions::Placed;
 use super::lifecycle::{Report, TaskState};
-use super::scheduler::{JobState, Live, Partition, PartitionState, Start, TaskRun};
-use super::ServeError;
+use super::state::{AgentTopology, JobState, Live, Partition, PartitionState, Start, TaskRun, MAX_DECLARED_SWITCH};
+use super::error::ServeError;
 
 /// Agent nodes get switch domains of their own, apart from simulated ones:
 /// one per node unless the agent declares its access switch (and
 /// aggregation switch), in a space apart again.
 const AGENT_DOMAIN_BASE: u32 = 1 << 20;
-const DECLARED_DOMAIN_BASE: u32 = 1 << 24;
-/// Largest switch or aggregation id an agent may declare.
-pub const MAX_DECLARED_SWITCH: u32 = (1 << 24) - 1;
-
-/// The fat-tree position an agent declares for its node (`berth agent
-/// --switch-domain --aggregation`): nodes declaring the same access switch
-/// form one switch domain for gang placement.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct AgentTopology {
-    pub switch_domain: Option<u32>,
-    pub aggregation: Option<u32>,
-}
-
-impl AgentTopology {
-    /// The node's (switch domain, aggregation) in the fleet, given the id
-    /// it gets when it declares nothing.
-    fn place(&self, own: u32) -> (u32, u32) {
-        let domain = self.switch_domain.map_or(own, |d| DECLARED_DOMAIN_BASE + d);
-        (domain, self.aggregation.map_or(domain, |a| DECLARED_DOMAIN_BASE + a))
-    }
-}
-
 /// A migration under way: the job, and the new copy's allocation.
 #[derive(Clone, Debug)]
 pub struct Migration {
@@ -298,7 +276,7 @@ impl Live {
             if job.state != JobState::Running {
                 return Err(ServeError::FailedPrecondition(format!("job {job_id} is {}", job.state.as_str())));
             }
-            if job.sleep != super::scheduler::SleepState::Awake {
+            if job.sleep != super::state::SleepState::Awake {
                 return Err(ServeError::FailedPrecondition(format!("job {job_id} is {}: only an awake job migrates", job.sleep.as_str())));
             }
             if let Some(m) = job.runs.iter().find(|r| r.replaces != 0) {
@@ -339,7 +317,7 @@ impl Live {
                 let keep = |id: NodeId, n: &Node| id != src_id && n.schedulable && agents.contains(&id);
                 let task = berth_core::Job { id: job_id, tasks: 1, shape: job.spec.job.shape.clone(), priority: job.spec.job.priority, ..berth_core::Job::default() };
                 let mut scratch = st.fleet.clone();
-                let run = super::scheduler::run_arm(&arm, &mut scratch, &mut berth_core::Placer::new(), &task, &keep);
+                let run = super::deciding::run_arm(&arm, &mut scratch, &mut berth_core::Placer::new(), &task, &keep);
                 let chosen = match run.result {
                     Ok(Some((allocations, _))) => allocations.into_iter().next(),
                     Ok(None) => None,
@@ -495,12 +473,12 @@ impl Live {
             // same GPUs are taken at once by the fenced allocations below.
             // An asleep job's GPUs are lent, not its: its sleeping processes
             // are orphans to stop when the node returns, holding nothing.
-            let asleep = st.jobs[&id].sleep == super::scheduler::SleepState::Asleep;
+            let asleep = st.jobs[&id].sleep == super::state::SleepState::Asleep;
             if let Some(&slot) = st.slots.get(&id) {
                 st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Requeue(slot));
             }
             let job = st.jobs.get_mut(&id).expect("listed above");
-            job.sleep = super::scheduler::SleepState::Awake;
+            job.sleep = super::state::SleepState::Awake;
             if asleep {
                 for r in job.runs.iter_mut().filter(|r| r.holds) {
                     st.by_alloc.remove(&r.alloc_id);
@@ -771,7 +749,7 @@ impl Live {
                 if job.state == JobState::Running {
                     let ok = job.runs.iter().all(|r| !r.state.failed(r.exit_code, r.signal));
                     job.state = if ok { JobState::Finished } else { JobState::Failed };
-                    job.sleep = super::scheduler::SleepState::Awake;
+                    job.sleep = super::state::SleepState::Awake;
                     job.ended_unix_ms = self.now_ms();
                     self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
                     self.metrics.jobs.with_label_values(&[&part.name, job.state.as_str()]).inc();

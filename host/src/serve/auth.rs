@@ -31,7 +31,7 @@ use anyhow::Context;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::ServeError;
+use super::error::ServeError;
 
 /// What an identity may do in a partition; each role includes the ones
 /// before it.

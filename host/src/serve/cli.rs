@@ -4,16 +4,15 @@
 //! upload|activate|rollback|history|shadow|report`).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 use super::auth::Access;
 use super::breaker::BreakerConfig;
-use super::pb::{self, berth_client::BerthClient};
+use crate::client::{connect, status, Client};
+use crate::proto as pb;
 use super::server::{Scheduling, ServeConfig, StoreChoice, TlsFiles, DEFAULT_FLEET};
 use crate::store::etcd::EtcdConfig;
 use crate::asi::fleet::FleetConfig;
@@ -187,7 +186,7 @@ impl ServeArgs {
             max_upload_bytes: self.max_upload_bytes,
             scheduling: Scheduling {
                 high_priority: self.high_priority,
-                contract: berth_core::preemption::PriorityContract {
+                contract: berth_core::job::PriorityContract {
                     notice_s: self.notice_s,
                     max_interruptions_per_day: self.max_interruptions_per_day,
                     ..Default::default()
@@ -205,7 +204,7 @@ impl ServeArgs {
                 retention: {
                     anyhow::ensure!(self.retain_ended_h.is_finite() && self.retain_ended_h >= 0.0, "--retain-ended-h must be a number of hours, 0 or more");
                     anyhow::ensure!(self.decision_log_mib >= 1, "--decision-log-mib must be at least 1");
-                    crate::serve::retention::Retention {
+                    crate::serve::state::Retention {
                         ended_for: Duration::from_secs_f64(self.retain_ended_h.min(100.0 * 365.0 * 24.0) * 3600.0),
                         ended_max: self.retain_ended_jobs,
                         decision_log_bytes: self.decision_log_mib << 20,
@@ -353,45 +352,6 @@ pub struct Conn {
     /// Private key (PEM) of the client certificate (--cert).
     #[arg(long, requires = "cert")]
     key: Option<PathBuf>,
-}
-
-/// Adds the bearer token to every call.
-#[derive(Clone)]
-pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
-
-impl tonic::service::Interceptor for Bearer {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-pub type Client = BerthClient<InterceptedService<Channel, Bearer>>;
-
-/// Connects to a server: TLS when `ca` is given (and the client identity
-/// for mTLS), a bearer token when given.
-pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> anyhow::Result<Client> {
-    let mut endpoint = Channel::from_shared(server.to_string()).with_context(|| format!("server URL {server:?}"))?;
-    if ca.is_some() || identity.is_some() {
-        let mut tls = ClientTlsConfig::new();
-        if let Some(ca) = ca {
-            tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?));
-        }
-        if let Some((cert, key)) = identity {
-            tls = tls.identity(Identity::from_pem(std::fs::read(cert)?, std::fs::read(key)?));
-        }
-        endpoint = endpoint.tls_config(tls)?;
-    }
-    let channel = endpoint.connect().await.with_context(|| format!("connecting to {server}"))?;
-    let bearer = match token {
-        Some(t) => Some(format!("Bearer {t}").parse().context("token is not valid header text")?),
-        None => None,
-    };
-    // Replies are cut to 3 MiB by the server; a larger receive limit keeps
-    // an older or differently configured server's reply readable.
-    Ok(BerthClient::with_interceptor(channel, Bearer(bearer)).max_encoding_message_size(64 << 20).max_decoding_message_size(64 << 20))
 }
 
 /// Client commands at the top level of `berth`.
@@ -778,20 +738,6 @@ async fn client(conn: &Conn) -> anyhow::Result<Client> {
     connect(&conn.server, conn.token.as_deref(), conn.ca.as_deref(), identity).await
 }
 
-/// Every job `req` selects, read page by page (a page is at most 10,000
-/// jobs and 4 MiB).
-pub async fn list_all_jobs(mut api: Client, mut req: pb::ListJobsRequest) -> anyhow::Result<Vec<pb::Job>> {
-    let mut all = Vec::new();
-    loop {
-        let page = api.list_jobs(req.clone()).await.map_err(status)?.into_inner();
-        all.extend(page.jobs);
-        if page.next_before_id == 0 {
-            return Ok(all);
-        }
-        req.before_id = page.next_before_id;
-    }
-}
-
 /// Submits, retrying (with the same idempotency key) when the reply was
 /// lost: the host unreachable, or gone mid-call. A retry of a submission
 /// that was stored answers with the stored job, so none is made twice.
@@ -816,11 +762,6 @@ async fn submit_with_retries(conn: &Conn, req: pb::SubmitJobRequest) -> anyhow::
         }
     }
     Err(last.unwrap_or_else(|| anyhow::anyhow!("no attempt made")).context(format!("submitting ({TRIES} tries with idempotency key {})", req.idempotency_key)))
-}
-
-/// Turns a gRPC status into an error that names its code.
-fn status(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", s.code(), esc(s.message()))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -1092,7 +1033,7 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.policy_history(pb::PolicyHistoryRequest { partition: partition.clone(), hook }).await.map_err(status)?.into_inner();
             println!("{partition}: active version {}", r.active_version);
             for v in &r.versions {
-                let blocked = if v.blocked_until_unix_ms > super::unix_ms() { "  [breaker backoff]" } else { "" };
+                let blocked = if v.blocked_until_unix_ms > crate::util::unix_ms() { "  [breaker backoff]" } else { "" };
                 println!("  {}  by {} at {}  contract {}{}", policy(&v.policy), esc(&v.uploaded_by), ms_to_time(v.uploaded_unix_ms), esc(&v.contract), blocked);
             }
             println!("events:");

@@ -25,149 +25,18 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use berth_core::compaction::{self, ChainDecision, CompactionConfig, Cursor, PlannedMove, Running, Tier, Wanted};
-use berth_core::fleet::NodeId;
+use berth_core::units::NodeId;
 use berth_core::PolicyError;
-use serde::{Deserialize, Serialize};
 
 use super::breaker::Call;
-use super::control::PolicyHook;
-use super::scheduler::{JobState, Live, Partition, PartitionState, SleepState};
+use super::state::{ChainRecord, InFlight, JobState, Live, MoveRecord, Origin, Partition, PartitionState, PolicyHook, RunState, SleepState, LEDGER_KEEP};
 use super::lifecycle::{ChainState, MoveState};
-use super::{unix_ms, ServeError};
+use super::error::ServeError;
+use crate::util::unix_ms;
 use crate::store::Op;
 
 /// How often a blocked whole-node job may trigger a step.
 const BLOCKED_RETRY: Duration = Duration::from_secs(30);
-/// Chains kept in memory per partition (the store keeps every one).
-const LEDGER_KEEP: usize = 1000;
-
-/// One move of a chain, as planned and as it went.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct MoveRecord {
-    pub job_id: u64,
-    pub from_allocation: u64,
-    /// The new copy (0 until started).
-    pub to_allocation: u64,
-    pub from_node: String,
-    pub to_node: String,
-    pub to_gpus: Vec<u32>,
-    pub tier: String,
-    pub state_bytes: u64,
-    pub state: MoveState,
-    /// Both copies held GPUs: from the new copy's start to the old one's exit.
-    pub overlap_ms: u64,
-    /// From the new copy's start to its takeover (running, or ready).
-    pub warmup_ms: u64,
-    pub cause: String,
-}
-
-/// One chain run live: the ledger entry.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct ChainRecord {
-    pub id: u64,
-    pub policy: String,
-    pub state: ChainState,
-    pub cause: String,
-    pub started_unix_ms: u64,
-    pub ended_unix_ms: u64,
-    /// Planned by selection: nodes freed, benefit and cost in GPU-seconds.
-    pub nodes_freed: i64,
-    pub benefit_gpu_s: f64,
-    pub cost_gpu_s: f64,
-    pub moves: Vec<MoveRecord>,
-    /// Bytes moved by completed moves: same switch, same aggregation, across.
-    pub bytes_by_tier: [u64; 3],
-    pub idle_nodes_before: u32,
-    pub idle_nodes_after: u32,
-    pub pending_startable_before: u32,
-    pub pending_startable_after: u32,
-}
-
-/// Where a snapshot row came from: the job, its task and the allocation.
-#[derive(Clone, Copy, Debug)]
-struct Origin {
-    job_id: u64,
-    task: usize,
-    alloc_id: u64,
-}
-
-/// The move in flight.
-#[derive(Debug)]
-struct InFlight {
-    /// The plan's chain number, and its ledger id.
-    chain: u32,
-    chain_id: u64,
-    index: usize,
-    job_id: u64,
-    old_alloc: u64,
-    new_alloc: u64,
-    started: Instant,
-    took_over: Option<Instant>,
-    /// Why the host stopped the new copy (a start timeout), if it did.
-    stopped_for: Option<String>,
-}
-
-/// A step's chosen moves being run.
-#[derive(Debug)]
-struct RunState {
-    cursor: Cursor,
-    origins: Vec<Origin>,
-    /// Plan chain number to ledger id, and each move's index in its record.
-    chain_ids: HashMap<u32, u64>,
-    next_in_chain: HashMap<u64, usize>,
-    /// The plan chain whose moves are being handed out.
-    chain: Option<u32>,
-    current: Option<InFlight>,
-    nodes: Vec<NodeId>,
-    pending: Vec<Wanted>,
-}
-
-/// A partition's live compaction: settings, the run in progress, the ledger.
-#[derive(Debug, Default)]
-pub struct LiveCompaction {
-    pub config: CompactionConfig,
-    /// Steps on their own (periodic, blocked whole-node jobs); off: on demand only.
-    pub auto: bool,
-    /// Hysteresis of the periodic step.
-    active: bool,
-    run: Option<RunState>,
-    /// Newest last.
-    pub records: Vec<ChainRecord>,
-    next_id: u64,
-    next_periodic: Option<Instant>,
-    next_blocked: Option<Instant>,
-    /// Allocation id of a moved-in copy -> Unix s of the move (minimum residence).
-    moved_at: HashMap<u64, u64>,
-}
-
-impl LiveCompaction {
-    pub fn new(config: CompactionConfig, auto: bool) -> LiveCompaction {
-        LiveCompaction { config, auto, next_id: 1, ..LiveCompaction::default() }
-    }
-
-    fn record_mut(&mut self, id: u64) -> Option<&mut ChainRecord> {
-        self.records.iter_mut().rev().find(|r| r.id == id)
-    }
-
-    /// Takes back the ledger from the store; a chain left running by a
-    /// host that stopped is abandoned (its move in flight, if any, is an
-    /// ordinary migration the recovered jobs finish or roll back).
-    pub(crate) fn restore(&mut self, mut records: Vec<ChainRecord>) -> Vec<ChainRecord> {
-        records.sort_by_key(|r| r.id);
-        let mut changed = Vec::new();
-        for r in records.iter_mut().filter(|r| r.state == ChainState::Running) {
-            r.state = ChainState::Abandoned;
-            r.cause = "the host restarted during the chain".into();
-            r.ended_unix_ms = unix_ms();
-            changed.push(r.clone());
-        }
-        self.next_id = records.last().map_or(1, |r| r.id + 1);
-        let skip = records.len().saturating_sub(LEDGER_KEEP);
-        self.records = records.into_iter().skip(skip).collect();
-        changed
-    }
-}
-
 pub(crate) fn chain_key(partition: &str, id: u64) -> String {
     format!("compactions/{partition}/{id:020}")
 }
@@ -332,12 +201,12 @@ impl Live {
         };
         let took = started.elapsed();
         // A candidate in shadow plans on the same snapshot; never run.
-        if let Some(cand) = part.compact_candidate.lock().unwrap().clone() {
+        if let Some(cand) = part.compact.candidate.lock().unwrap().clone() {
             let shadow = {
                 let mut policy = cand.policy.lock().unwrap();
                 compaction::plan(&st.fleet, &nodes, &rows, &pending, &mut *policy, &config, now_s)
             };
-            let mut stats = part.compact_stats.lock().unwrap();
+            let mut stats = part.compact.stats.lock().unwrap();
             stats.steps += 1;
             stats.active.add(&planned);
             match &shadow.rejected {
@@ -359,14 +228,14 @@ impl Live {
             self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &version.to_string(), super::breaker::kind(&error)]).inc();
             tracing::warn!(target: "berth::serve", partition = %part.name, version, "compaction plan not used: {reason}");
             if super::breaker::counts(&error) {
-                let tripped = part.compact_breaker.lock().unwrap().record(version, Call::Failed(&error), &self.breaker);
+                let tripped = part.compact.breaker.lock().unwrap().record(version, Call::Failed(&error), &self.breaker);
                 if let Some(why) = tripped {
                     self.trip_aux(p, PolicyHook::Compact, &arm, &why);
                 }
             }
             return Ok(report);
         }
-        part.compact_breaker.lock().unwrap().record(version, Call::Answered(took), &self.breaker);
+        part.compact.breaker.lock().unwrap().record(version, Call::Answered(took), &self.breaker);
         for m in &planned.moves {
             let o = origins[m.index];
             let node = |id: NodeId| st.fleet.nodes()[id as usize].name.clone();

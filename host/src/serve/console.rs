@@ -24,9 +24,9 @@ use serde_json::{json, Value};
 use tonic::Code;
 
 use super::auth::Identity;
-use super::pb::{self, berth_server::Berth};
+use crate::proto::{self as pb, berth_server::Berth};
 use super::service::Service;
-use super::ServeError;
+use super::error::ServeError;
 
 const PAGE: &str = include_str!("console.html");
 const SCRIPT: &str = include_str!("console.js");

@@ -10,9 +10,11 @@ use berth_core::{Placer, TaskShape};
 use berth_sdk::Hooks;
 
 use super::registry::{Event, ShadowSetting, VersionMeta};
-use super::scheduler::{Arm, Candidate, Live, Trip};
+use super::deciding::Trip;
+use super::state::{hook_key, Arm, Candidate, Live, PolicyHook};
 use super::shadow::{self, Mode};
-use super::{unix_ms, ServeError};
+use super::error::ServeError;
+use crate::util::unix_ms;
 use crate::wasm::{LoadedPolicy, WasmPolicy};
 
 /// Longest policy configuration an upload may carry, in bytes.
@@ -26,53 +28,6 @@ pub struct Swap {
     pub previous: Option<VersionMeta>,
     /// From the request to the new version being the one that decides.
     pub took: Duration,
-}
-
-/// The policy hooks a partition versions separately: placement scoring,
-/// preemption ranking and compaction planning.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PolicyHook {
-    Place,
-    Rank,
-    Compact,
-}
-
-impl PolicyHook {
-    /// `place` (or empty), `rank` and `compact`.
-    pub fn parse(s: &str) -> Result<PolicyHook, ServeError> {
-        match s {
-            "" | "place" => Ok(PolicyHook::Place),
-            "rank" => Ok(PolicyHook::Rank),
-            "compact" => Ok(PolicyHook::Compact),
-            other => Err(ServeError::Invalid(format!("unknown hook \"{}\": place, rank or compact", crate::text::printable(other, 64)))),
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PolicyHook::Place => "place",
-            PolicyHook::Rank => "rank",
-            PolicyHook::Compact => "compact",
-        }
-    }
-
-    /// What decides when the hook has no active version.
-    fn fallback(self) -> &'static str {
-        match self {
-            PolicyHook::Place => "the previous version",
-            PolicyHook::Rank => "the default ranking",
-            PolicyHook::Compact => "nothing (live compaction stops)",
-        }
-    }
-}
-
-/// The registry key of a partition's hook: its name for placement, and
-/// `<name>:rank` or `<name>:compact` for the others.
-pub fn hook_key(partition: &str, hook: PolicyHook) -> String {
-    match hook {
-        PolicyHook::Place => partition.to_string(),
-        other => format!("{partition}:{}", other.as_str()),
-    }
 }
 
 /// Activation-like events, newest last: the versions a partition ran.
@@ -268,10 +223,10 @@ impl Live {
             }
             Ok(())
         })?;
-        let previous = part.active.lock().unwrap().replace(arm);
+        let previous = part.place.active.lock().unwrap().replace(arm);
         let took = started.elapsed();
         if promoted {
-            *part.candidate.lock().unwrap() = None;
+            *part.place.candidate.lock().unwrap() = None;
         }
         part.poke(true);
         self.metrics.swaps.with_label_values(&[partition, kind]).inc();
@@ -356,8 +311,8 @@ impl Live {
             r.events.push(Event { unix_ms: now, kind: kind.into(), version: version.unwrap_or(0), by: by.into(), detail: String::new() });
             Ok(())
         })?;
-        *part.rank_stats.lock().unwrap() = shadow::RankStats::default();
-        *part.compact_stats.lock().unwrap() = shadow::CompactStats::default();
+        *part.rank.stats.lock().unwrap() = shadow::RankStats::default();
+        *part.compact.stats.lock().unwrap() = shadow::CompactStats::default();
         *part.aux_candidate(hook).lock().unwrap() = arm;
         Ok(())
     }
@@ -414,7 +369,7 @@ impl Live {
                 r.events.push(Event { unix_ms: now, kind: "shadow-off".into(), version: 0, by: by.into(), detail: String::new() });
                 Ok(())
             })?;
-            *part.candidate.lock().unwrap() = None;
+            *part.place.candidate.lock().unwrap() = None;
             return Ok(());
         };
         if let Mode::Split(f) = mode
@@ -440,8 +395,8 @@ impl Live {
             r.events.push(Event { unix_ms: now, kind: kind.into(), version, by: by.into(), detail });
             Ok(())
         })?;
-        *part.stats.lock().unwrap() = shadow::Stats::default();
-        *part.candidate.lock().unwrap() = Some(Arc::new(Candidate { arm, mode }));
+        *part.place.stats.lock().unwrap() = shadow::Stats::default();
+        *part.place.candidate.lock().unwrap() = Some(Arc::new(Candidate { arm, mode }));
         part.poke(false);
         Ok(())
     }
@@ -454,7 +409,7 @@ impl Live {
         match record.active {
             Some(v) => {
                 let meta = record.version(v).cloned().ok_or_else(|| ServeError::UnknownVersion { partition: partition.into(), version: v })?;
-                *self.partitions[p].active.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
+                *self.partitions[p].place.active.lock().unwrap() = Some(Arc::new(self.load_arm(&meta)?));
             }
             None => {
                 let (meta, _) = self.upload("system", partition, default, "", "default policy")?;
@@ -488,7 +443,7 @@ impl Live {
         tracing::warn!(target: "berth::serve", partition = %part.name, version, "circuit breaker tripped: {reason}; {backoff}");
 
         if !is_active {
-            *part.candidate.lock().unwrap() = None;
+            *part.place.candidate.lock().unwrap() = None;
             let _ = self.registry.update(&part.name, |r| {
                 r.shadow = None;
                 r.events.push(Event { unix_ms: now, kind: "breaker".into(), version, by: "breaker".into(), detail: format!("candidate dropped: {reason}") });
@@ -506,7 +461,7 @@ impl Live {
             .filter(|&v| v != version)
             .filter(|&v| record.version(v).is_some_and(|m| m.blocked_until_unix_ms <= now))
             .collect();
-        let proven = usable.iter().copied().find(|&v| part.breaker.lock().unwrap().is_proven(v));
+        let proven = usable.iter().copied().find(|&v| part.place.breaker.lock().unwrap().is_proven(v));
         for target in proven.into_iter().chain(usable.iter().copied()) {
             let meta = record.version(target).cloned().expect("filtered above");
             let Ok(good) = self.load_arm(&meta) else { continue };
@@ -521,12 +476,12 @@ impl Live {
                 });
                 Ok(())
             });
-            *part.active.lock().unwrap() = Some(Arc::new(good));
+            *part.place.active.lock().unwrap() = Some(Arc::new(good));
             self.metrics.swaps.with_label_values(&[&part.name, "breaker"]).inc();
             tracing::warn!(target: "berth::serve", partition = %part.name, "rolled back from version {version} to version {target}");
             return Trip::Replaced;
         }
-        *part.active.lock().unwrap() = None;
+        *part.place.active.lock().unwrap() = None;
         let _ = self.registry.update(&part.name, |r| {
             r.active = None;
             r.events.push(Event {

@@ -20,9 +20,11 @@ use berth_core::preemption::PreemptionPolicy;
 use berth_core::{Allocation, Fleet, Job, PlacementPolicy, Placer, PolicyError};
 use berth_sdk::{Allocations, Domains, Nodes, Scores, Task};
 
-use super::decisions::DecisionRecord;
-use super::scheduler::{input_digest, partly_used, run_arm, Arm, ArmRun, Candidate, JobState, Live, Partition, PartitionState, Trip};
-use super::shadow::{self, Mode};
+use super::breaker;
+use super::decisions::{DecisionRecord, Placed};
+use super::state::{Arm, Candidate, JobState, Live, Partition, PartitionState};
+use super::shadow::{self, Mode, Recording};
+use sha2::{Digest, Sha256};
 
 
 /// What the deciding arms did for the job being placed: shared by the
@@ -173,12 +175,12 @@ impl LiveObserver<'_> {
 
 impl Observer for LiveObserver<'_> {
     fn after_rank(&mut self, fleet: &Fleet, demand: &Job, candidates: &[berth_core::preemption::Candidate], keep: &dyn Fn(NodeId, &Node) -> bool, chosen: Option<&[usize]>) {
-        let Some(shadow) = self.part.rank_candidate.lock().unwrap().clone() else { return };
+        let Some(shadow) = self.part.rank.candidate.lock().unwrap().clone() else { return };
         let theirs = berth_core::preemption::select_victims(fleet, &mut *shadow.policy.lock().unwrap(), demand, candidates, keep);
         let lost = |picked: &[usize]| -> f64 {
             picked.iter().map(|&k| candidates[k].held.iter().map(|a| a.gpu_milli_total()).sum::<u64>() as f64 / 1000.0 * candidates[k].since_checkpoint_s as f64).sum()
         };
-        let mut s = self.part.rank_stats.lock().unwrap();
+        let mut s = self.part.rank.stats.lock().unwrap();
         s.samples += 1;
         let mine = chosen.unwrap_or_default();
         s.active_victims += mine.len() as u64;
@@ -234,7 +236,7 @@ impl Observer for LiveObserver<'_> {
             self.live.log(&base, "candidate", true, cand, &run, fleet);
             let trip = self.live.after_call(self.p, cand, &run, false);
             self.note_trip(trip);
-            self.part.stats.lock().unwrap().arms[1].record(at.candidate_latency.as_micros() as u64, None, true, partly_used(fleet));
+            self.part.place.stats.lock().unwrap().arms[1].record(at.candidate_latency.as_micros() as u64, None, true, partly_used(fleet));
         }
         let (arm, name, latency) = match (&split, at.candidate) {
             (Some(c), true) => (c.clone(), "candidate", at.candidate_latency),
@@ -246,7 +248,7 @@ impl Observer for LiveObserver<'_> {
         self.note_trip(trip);
         if split.is_some() {
             let idx = usize::from(name == "candidate");
-            self.part.stats.lock().unwrap().arms[idx].record(latency.as_micros() as u64, outcome(&run.result), run.result.is_err(), partly_used(fleet));
+            self.part.place.stats.lock().unwrap().arms[idx].record(latency.as_micros() as u64, outcome(&run.result), run.result.is_err(), partly_used(fleet));
         }
         if let Some((srun, scratch, sd)) = self.shadow_run.take() {
             self.live.compare(self.part, job, &run, fleet, &srun, &scratch, sd);
@@ -321,7 +323,7 @@ impl Live {
             && pass.decisions.iter().any(|d| matches!(d, Decision::Evict { wake: false, .. }))
         {
             // The rank version answered (its answer was used).
-            part.rank_breaker.lock().unwrap().record(arm.meta.version, super::breaker::Call::Answered(Duration::ZERO), &self.breaker);
+            part.rank.breaker.lock().unwrap().record(arm.meta.version, super::breaker::Call::Answered(Duration::ZERO), &self.breaker);
         }
         for d in pass.decisions {
             self.apply_decision(part, st, d, &last, ranker.as_deref(), pass_us);
@@ -367,11 +369,11 @@ impl Live {
             return Trip::None;
         }
         // Bound first: trip_aux() does not take the lock, but keep it short.
-        let tripped = part.rank_breaker.lock().unwrap().record(v, super::breaker::Call::Failed(e), &self.breaker);
+        let tripped = part.rank.breaker.lock().unwrap().record(v, super::breaker::Call::Failed(e), &self.breaker);
         match tripped {
             None => Trip::None,
             Some(reason) => {
-                self.trip_aux(p, super::control::PolicyHook::Rank, arm, &reason);
+                self.trip_aux(p, super::state::PolicyHook::Rank, arm, &reason);
                 Trip::Replaced
             }
         }
@@ -381,7 +383,7 @@ impl Live {
     pub(super) fn apply_decision(&self, part: &Partition, st: &mut PartitionState, d: Decision, last: &HashMap<u64, (String, u64, u32)>, ranker: Option<&Arm>, pass_us: u64) {
         match d {
             Decision::Place { slot, job: id, allocations, victims, start_s, .. } => {
-                let fleet_names = super::scheduler::placed(&st.fleet, &allocations);
+                let fleet_names = placed(&st.fleet, &allocations);
                 // A simulated job starts once its victims have vacated (the
                 // engine's start) and runs for what it has left (the work
                 // it kept before a preemption taken off).
@@ -397,7 +399,7 @@ impl Live {
                 waiting_on.sort_unstable();
                 waiting_on.dedup();
                 let Some(record) = st.jobs.get_mut(&id) else { return };
-                record.sleep = super::scheduler::SleepState::Awake;
+                record.sleep = super::state::SleepState::Awake;
                 let agent_job = !record.spec.argv.is_empty();
                 let ends_at = if agent_job {
                     (!record.spec.duration.is_zero()).then(|| clock_now + record.spec.duration)
@@ -535,10 +537,10 @@ impl Live {
         record.placements.clear();
         record.interruptions += 1;
         record.interrupted_s.push(self.now_s());
-        if record.interrupted_s.len() > super::scheduler::KEPT_INTERRUPTIONS {
+        if record.interrupted_s.len() > super::state::KEPT_INTERRUPTIONS {
             record.interrupted_s.remove(0);
         }
-        record.sleep = super::scheduler::SleepState::Awake;
+        record.sleep = super::state::SleepState::Awake;
         record.last_decision = detail.clone();
         record.detail = detail;
         if record.spec.argv.is_empty() {
@@ -594,7 +596,7 @@ impl Live {
             .collect();
         for jid in ready {
             let j = &st.jobs[&jid];
-            if j.sleep == super::scheduler::SleepState::Waking && !j.runs.is_empty() {
+            if j.sleep == super::state::SleepState::Waking && !j.runs.is_empty() {
                 tracing::info!(target: "berth::serve", job = jid, "borrowers are gone: waking");
                 self.finish_wake(part, st, jid);
             } else {
@@ -604,5 +606,144 @@ impl Live {
         }
         st.dirty = true;
         part.wake.notify_all();
+    }
+}
+
+/// What a breaker trip did to the partition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trip {
+    None,
+    /// The version is out of service; another decides (or the candidate is gone).
+    Replaced,
+    /// No good version to fall back to: decisions wait for an operator.
+    Paused,
+}
+/// One arm's run on one job.
+pub(super) struct ArmRun {
+    pub result: Result<Option<(Vec<Allocation>, u32)>, PolicyError>,
+    pub first: Option<(Vec<u32>, Vec<f64>)>,
+    pub latency: Duration,
+}
+type Keep<'a> = &'a dyn Fn(NodeId, &Node) -> bool;
+pub(super) fn run_arm(arm: &Arm, fleet: &mut Fleet, placer: &mut Placer, job: &Job, keep: Keep<'_>) -> ArmRun {
+    let mut policy = arm.policy.lock().unwrap();
+    let mut recording = Recording { inner: &mut *policy, first: None };
+    let started = Instant::now();
+    let mut placements = 0;
+    let result = berth_core::sim::place_gang(fleet, placer, &mut recording, job, &mut placements, keep);
+    ArmRun { latency: started.elapsed(), first: recording.first, result }
+}
+/// Nodes neither idle nor full: a measure of fragmentation.
+pub(super) fn partly_used(fleet: &Fleet) -> u64 {
+    fleet.nodes().iter().filter(|n| !n.gpus.is_empty() && n.gpu_free_milli() > 0 && n.gpu_free_milli() < n.gpu_total_milli()).count() as u64
+}
+/// SHA-256 (16 hex) of the job and the free capacity the policy sees.
+pub(super) fn input_digest(fleet: &Fleet, job: &Job) -> String {
+    let mut h = Sha256::new();
+    let s = &job.shape;
+    h.update(format!("{}|{}|{}|{}|{}|{}|{}|{:?}", job.id, job.priority, job.tasks, s.gpu_count, s.gpu_milli, s.cpu_milli, s.memory_mib, s.models));
+    for n in fleet.nodes() {
+        h.update([u8::from(n.schedulable)]);
+        h.update(n.cpu_free_milli.to_le_bytes());
+        h.update(n.memory_free_mib.to_le_bytes());
+        for g in &n.gpus {
+            h.update(g.to_le_bytes());
+        }
+    }
+    hex::encode(&h.finalize()[..8])
+}
+pub(super) fn placed(fleet: &Fleet, allocs: &[Allocation]) -> Vec<Placed> {
+    allocs
+        .iter()
+        .map(|a| Placed {
+            node: fleet.nodes()[a.node as usize].name.clone(),
+            gpus: berth_core::fleet::gpus_of(a.gpus).map(|g| g as u32).collect(),
+        })
+        .collect()
+}
+
+impl Live {
+    /// Records a shadow comparison of the two arms' decisions on one job.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn compare(&self, part: &Partition, job: &Job, active: &ArmRun, fleet: &Fleet, cand: &ArmRun, scratch: &Fleet, shadow_decision: u64) {
+        let mut stats = part.place.stats.lock().unwrap();
+        let (Ok(a), Ok(c)) = (&active.result, &cand.result) else {
+            if cand.result.is_err() {
+                stats.candidate_errors += 1;
+            }
+            return;
+        };
+        let agree = match (a, c) {
+            (Some((x, _)), Some((y, _))) => x == y,
+            (None, None) => true,
+            _ => false,
+        };
+        let picks = a.as_ref().zip(c.as_ref()).map(|((x, _), (y, _))| (x[0].node, y[0].node));
+        let sample = shadow::Sample {
+            job_id: job.id,
+            agree,
+            candidate_gap: picks.and_then(|(ap, cp)| shadow::score_gap(&cand.first, cp, ap)),
+            active_gap: picks.and_then(|(ap, cp)| shadow::score_gap(&active.first, ap, cp)),
+            domains: a.as_ref().zip(c.as_ref()).filter(|_| job.tasks > 1).map(|((_, da), (_, dc))| (*da, *dc)),
+            partial_after: (partly_used(fleet), partly_used(scratch)),
+        };
+        let diff = (!agree).then(|| shadow::Diff {
+            decision_id: shadow_decision,
+            job_id: job.id,
+            active: a.as_ref().map(|(x, _)| placed(fleet, x)).unwrap_or_default(),
+            candidate: c.as_ref().map(|(y, _)| placed(scratch, y)).unwrap_or_default(),
+            note: match (a, c) {
+                (Some(_), None) => "candidate found no room".into(),
+                (None, Some(_)) => "active found no room".into(),
+                _ => "different nodes or GPUs".into(),
+            },
+        });
+        self.metrics.shadow_samples.with_label_values(&[part.name.as_str(), if agree { "true" } else { "false" }]).inc();
+        stats.add_sample(sample, diff);
+    }
+    /// Logs one arm's decision and counts it; returns the decision id.
+    pub(super) fn log(&self, base: &DecisionRecord, arm_name: &str, actuated: bool, arm: &Arm, run: &ArmRun, fleet: &Fleet) -> u64 {
+        let (outcome, detail, placements) = match &run.result {
+            Ok(Some((allocs, domains))) => ("placed", format!("{} task(s) in {domains} switch domain(s)", allocs.len()), placed(fleet, allocs)),
+            Ok(None) => ("unplaced", "no room for every task now".to_string(), Vec::new()),
+            Err(e) => ("error", e.to_string(), Vec::new()),
+        };
+        let m = &arm.meta;
+        let version = m.version.to_string();
+        self.metrics.decisions.with_label_values(&[&base.partition, &m.name, &version, arm_name, outcome]).inc();
+        self.metrics.decision_seconds.with_label_values(&[&base.partition, &m.name, &version, arm_name]).observe(run.latency.as_secs_f64());
+        self.decisions.append(DecisionRecord {
+            arm: arm_name.into(),
+            actuated,
+            policy: m.name.clone(),
+            policy_semver: m.semver.clone(),
+            policy_version: m.version,
+            sha256: m.sha256.clone(),
+            outcome: outcome.into(),
+            detail,
+            placements,
+            latency_us: run.latency.as_micros() as u64,
+            ..base.clone()
+        })
+    }
+    /// Feeds the breaker; on a trip, takes the version out of service.
+    pub(super) fn after_call(&self, p: usize, arm: &Arc<Arm>, run: &ArmRun, is_active: bool) -> Trip {
+        let part = &self.partitions[p];
+        let v = arm.meta.version;
+        let call = match &run.result {
+            Ok(_) => breaker::Call::Answered(run.latency),
+            Err(e) if breaker::counts(e) => {
+                self.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &v.to_string(), breaker::kind(e)]).inc();
+                tracing::warn!(target: "berth::serve", partition = %part.name, version = v, "policy call failed: {e}");
+                breaker::Call::Failed(e)
+            }
+            Err(_) => return Trip::None,
+        };
+        // Bound first: trip() takes the breaker's lock again.
+        let tripped = part.place.breaker.lock().unwrap().record(v, call, &self.breaker);
+        match tripped {
+            None => Trip::None,
+            Some(reason) => self.trip(p, arm, &reason, is_active),
+        }
     }
 }

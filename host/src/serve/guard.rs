@@ -5,8 +5,8 @@
 use berth_core::engine::{Guards, StarvationGuard};
 use serde::{Deserialize, Serialize};
 
-use super::scheduler::Live;
-use super::ServeError;
+use super::state::Live;
+use super::error::ServeError;
 use crate::store::{Op, Store};
 
 /// Longest wait an operator may set before a reservation (30 days).

@@ -13,8 +13,8 @@ use std::collections::HashMap;
 use berth_core::engine::Event;
 
 use super::decisions::DecisionRecord;
-use super::scheduler::{JobState, Live, Partition, PartitionState, SleepState};
-use super::ServeError;
+use super::state::{JobState, Live, Partition, PartitionState, SleepState};
+use super::error::ServeError;
 
 impl Live {
     /// Asks running job `id` of partition `p` to sleep; returns where it is
@@ -205,7 +205,7 @@ impl Live {
 
     /// Sends each task of `job` that holds its GPUs the agent's sleep or
     /// wake command.
-    fn tell_tasks(&self, job: &super::scheduler::JobRecord, wake: bool) {
+    fn tell_tasks(&self, job: &super::state::JobRecord, wake: bool) {
         if let Some(act) = self.actuator() {
             for r in job.runs.iter().filter(|r| r.holds) {
                 act.sleep(r.alloc_id, &r.node, wake);

@@ -16,11 +16,11 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::serve::actuation::AgentTopology;
+use crate::serve::state::AgentTopology;
 use crate::serve::auth::{check_node_name, Identity, Role};
-use crate::serve::pb::{self, agent_hub_server::AgentHub};
+use crate::proto::{self as pb, agent_hub_server::AgentHub};
 use crate::serve::lifecycle::{Report, TaskState};
-use crate::serve::scheduler::{Actuator, Live, Start};
+use crate::serve::state::{Actuator, Live, Start};
 
 /// Host-side agent settings.
 #[derive(Clone, Copy, Debug)]
@@ -627,7 +627,7 @@ impl AgentHub for Arc<Hub> {
                 Some(p) if id.role_in(&p) == Some(Role::Operator) => p,
                 _ => return Err(Status::not_found(format!("no agent node {} where {} is an operator", r.node, id.name))),
             };
-            crate::serve::service::check_task_command(&r.argv, &r.env).map_err(Status::invalid_argument)?;
+            crate::serve::bounds::check_task_command(&r.argv, &r.env).map_err(Status::invalid_argument)?;
             let uuids = {
                 let st = self.state.lock().unwrap();
                 let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;

@@ -21,10 +21,11 @@ use berth_core::engine::Slot;
 use berth_core::{Allocation, TaskShape};
 use serde::{Deserialize, Serialize};
 
-use super::actuation::AgentTopology;
+use super::state::AgentTopology;
 use super::decisions::Placed;
-use super::scheduler::{JobRecord, JobSpec, JobState, Live, PartitionState, TaskRun};
-use super::{unix_ms, ServeError};
+use super::state::{JobRecord, JobSpec, JobState, Live, PartitionState, TaskRun};
+use super::error::ServeError;
+use crate::util::unix_ms;
 use crate::store::{Op, Store, StoreError};
 
 #[derive(Serialize, Deserialize)]
@@ -87,7 +88,7 @@ struct StoredJob {
     interrupted_s: Vec<u64>,
     /// Sleep-state harvesting (absent: awake).
     #[serde(default)]
-    sleep: super::scheduler::SleepState,
+    sleep: super::state::SleepState,
     /// The submission's idempotency key and spec digest (absent: none).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     idempotency_key: String,
@@ -376,7 +377,7 @@ impl Live {
                 }
                 let (evicting, waiting_on, interruptions, started_unix_ms, sleep) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms, j.sleep);
                 let mut interrupted_s = j.interrupted_s;
-                let extra = interrupted_s.len().saturating_sub(super::scheduler::KEPT_INTERRUPTIONS);
+                let extra = interrupted_s.len().saturating_sub(super::state::KEPT_INTERRUPTIONS);
                 interrupted_s.drain(..extra); // stored text is input too: the latest only
                 running += usize::from(state == JobState::Running);
                 jobs += 1;
@@ -424,7 +425,7 @@ impl Live {
                 );
                 if !j.idempotency_key.is_empty() {
                     let owner = st.jobs[&j.id].owner.clone();
-                    self.idempotency.lock().unwrap().insert((owner, j.idempotency_key), super::scheduler::KeyedJob { job: j.id, digest: j.spec_digest, stored: true });
+                    self.idempotency.lock().unwrap().insert((owner, j.idempotency_key), super::state::KeyedJob { job: j.id, digest: j.spec_digest, stored: true });
                 }
                 // Live jobs go back into the engine: waiting, stopping after
                 // a preemption, or running on what they hold.
@@ -433,7 +434,7 @@ impl Live {
                     let now = self.now_s();
                     if evicting {
                         // Its drains are restored below, after the running jobs.
-                    } else if state == JobState::Running && sleep == super::scheduler::SleepState::Asleep {
+                    } else if state == JobState::Running && sleep == super::state::SleepState::Asleep {
                         // Its GPUs are lent (borrowers may hold them): a claim, not an allocation.
                         st.engine.restore_sleeping(slot, holding, started_unix_ms / 1000);
                     } else if state == JobState::Pending {
@@ -474,7 +475,7 @@ impl Live {
         }
         self.next_job.fetch_max(max_job + 1, Ordering::SeqCst);
         for part in &self.partitions {
-            if let Some(floor) = stored_number(store, &super::retention::job_id_floor_key(&part.name))? {
+            if let Some(floor) = stored_number(store, &job_id_floor_key(&part.name))? {
                 // Pruned jobs' ids are never handed out again.
                 self.pruned_job_floor.fetch_max(floor, Ordering::SeqCst);
                 self.next_job.fetch_max(floor + 1, Ordering::SeqCst);
@@ -487,4 +488,10 @@ impl Live {
         }
         Ok((jobs, running, held))
     }
+}
+
+/// Where the largest pruned job id of a partition is stored: a restarted
+/// host numbers new jobs past it even when every stored job was pruned.
+pub(crate) fn job_id_floor_key(partition: &str) -> String {
+    format!("meta/job-id-floor/{partition}")
 }

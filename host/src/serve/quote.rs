@@ -8,7 +8,7 @@
 use berth_core::accounting::{self, PendingShape, Quote};
 use berth_core::Allocation;
 
-use super::scheduler::{JobState, PartitionState};
+use super::state::{JobState, PartitionState};
 
 impl PartitionState {
     /// Quotes `request` on the nodes of this partition that such a job may
@@ -28,7 +28,7 @@ impl PartitionState {
             .jobs
             .values()
             // An asleep job holds nothing: its GPUs are lent.
-            .filter(|j| j.state == JobState::Running && j.sleep != super::scheduler::SleepState::Asleep)
+            .filter(|j| j.state == JobState::Running && j.sleep != super::state::SleepState::Asleep)
             .filter_map(|j| {
                 let end = j.ends_at?;
                 // What the job still holds (tasks seen to end hold nothing).

@@ -22,7 +22,8 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use super::{unix_ms, ServeError};
+use super::error::ServeError;
+use crate::util::unix_ms;
 use crate::store::Store;
 
 /// One uploaded version of a partition's policy.

@@ -9,37 +9,9 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::persist::job_key;
-use super::scheduler::{Live, Partition, PartitionState};
+use super::persist::{job_id_floor_key, job_key};
+use super::state::{Live, Partition, PartitionState, Retention};
 use crate::store::Op;
-
-/// How much ended work the host keeps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Retention {
-    /// An ended job is kept (listed, explained, its idempotency key
-    /// honoured) this long after it ended.
-    pub ended_for: Duration,
-    /// At most this many ended jobs per partition; the oldest leave first.
-    pub ended_max: usize,
-    /// The decision log's file is rotated past this many bytes.
-    pub decision_log_bytes: u64,
-    /// Rotated decision-log files kept beside the current one.
-    pub decision_log_files: usize,
-    /// Ended agent allocations the hub lists (the oldest leave first).
-    pub ended_allocations: usize,
-}
-
-impl Default for Retention {
-    fn default() -> Self {
-        Retention { ended_for: Duration::from_secs(7 * 86_400), ended_max: 50_000, decision_log_bytes: 64 << 20, decision_log_files: 2, ended_allocations: 10_000 }
-    }
-}
-
-/// Where the largest pruned job id of a partition is stored: a restarted
-/// host numbers new jobs past it even when every stored job was pruned.
-pub(crate) fn job_id_floor_key(partition: &str) -> String {
-    format!("meta/job-id-floor/{partition}")
-}
 
 /// How often partitions look for ended jobs past retention.
 pub(crate) const PRUNE_EVERY: Duration = Duration::from_secs(2);
@@ -71,7 +43,7 @@ impl PartitionState {
 
     /// Takes job `id` out of memory: its record and its allocation ids (a
     /// late report about one is then an orphan's, stopped on sight).
-    fn drop_job(&mut self, id: u64) -> Option<super::scheduler::JobRecord> {
+    fn drop_job(&mut self, id: u64) -> Option<super::state::JobRecord> {
         let record = self.jobs.remove(&id)?;
         for r in &record.runs {
             if self.by_alloc.get(&r.alloc_id) == Some(&id) {

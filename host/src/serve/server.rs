@@ -12,9 +12,9 @@ use tonic::transport::{Certificate, Identity as TlsIdentity, Server, ServerTlsCo
 use super::auth::Access;
 use super::breaker::BreakerConfig;
 use super::decisions::DecisionLog;
-use super::pb::berth_server::BerthServer;
+use crate::proto::berth_server::BerthServer;
 use super::registry::Registry;
-use super::scheduler::{Live, Partition};
+use super::state::{Live, Partition};
 use super::service::Service;
 use crate::asi::fleet::FleetConfig;
 use crate::wasm::{Limits, PolicyEngine};
@@ -84,7 +84,7 @@ pub struct ServeConfig {
 #[derive(Clone, Debug)]
 pub struct Scheduling {
     pub high_priority: u32,
-    pub contract: berth_core::preemption::PriorityContract,
+    pub contract: berth_core::job::PriorityContract,
     /// Live compaction's settings (the cost model, payback, hysteresis,
     /// period, start deadline), and whether steps run on their own.
     pub compaction: berth_core::compaction::CompactionConfig,
@@ -95,7 +95,7 @@ pub struct Scheduling {
     /// What the host decides by: the system's clock, or a test's.
     pub clock: std::sync::Arc<dyn super::clock::Clock>,
     /// How much ended work is kept (jobs, decisions, agent allocations).
-    pub retention: super::retention::Retention,
+    pub retention: super::state::Retention,
 }
 
 impl Default for Scheduling {
@@ -104,7 +104,7 @@ impl Default for Scheduling {
     fn default() -> Self {
         Scheduling {
             high_priority: 1,
-            contract: berth_core::preemption::PriorityContract::default(),
+            contract: berth_core::job::PriorityContract::default(),
             compaction: Default::default(),
             auto_compaction: true,
             harvest: None,
@@ -203,7 +203,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
             let part = Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine(guard));
             {
                 let mut st = part.state.lock().unwrap();
-                st.compaction = super::compacting::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
+                st.compaction = super::state::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
                 st.clock = config.scheduling.clock.clone();
                 st.harvest = config.scheduling.harvest;
             }
@@ -219,7 +219,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         }
     };
     // Each partition's placement versions, and its rank hook's.
-    use super::control::{hook_key, PolicyHook};
+    use super::state::{hook_key, PolicyHook};
     let keys: Vec<String> = names.iter().flat_map(|n| [n.clone(), hook_key(n, PolicyHook::Rank), hook_key(n, PolicyHook::Compact)]).collect();
     let registry = Registry::open_in(&config.state_dir, &keys, store.clone())?;
     let engine = Arc::new(PolicyEngine::new(Some(registry.artifact_dir()))?);
@@ -277,13 +277,13 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     // an oversized component with RESOURCE_EXHAUSTED and the limit; larger
     // ones the transport refuses with OUT_OF_RANGE before reading them.
     let hub = crate::serve::hub::Hub::new(live.clone(), agents);
-    let actuator: Arc<dyn super::scheduler::Actuator> = hub.clone();
+    let actuator: Arc<dyn super::state::Actuator> = hub.clone();
     let _ = live.actuator.set(Arc::downgrade(&actuator));
     tasks.push(hub.spawn_sweeper(stopped.clone()));
     let console_hub = hub.clone();
     let handle_hub = hub.clone();
     let service = BerthServer::new(Service { live: live.clone(), agents: Some(hub.clone()) }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
-    let router = builder.add_service(service).add_service(super::pb::agent_hub_server::AgentHubServer::new(hub));
+    let router = builder.add_service(service).add_service(crate::proto::agent_hub_server::AgentHubServer::new(hub));
     let mut rx = stopped.clone();
     tasks.push(tokio::spawn(async move {
         // Without TCP_NODELAY a small reply waits for the client's delayed

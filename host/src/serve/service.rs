@@ -10,14 +10,15 @@ use berth_core::sim::Job;
 use berth_core::{predicate, TaskShape};
 use tonic::{Request, Response, Status};
 
+use super::bounds;
 use super::auth::{Identity, Role};
-use super::control::{hook_key, PolicyHook};
+use super::state::{hook_key, PolicyHook};
 use super::decisions::{DecisionRecord, Filter, Placed};
-use super::pb::{self, berth_server::Berth};
+use crate::proto::{self as pb, berth_server::Berth};
 use super::registry::VersionMeta;
-use super::scheduler::{IdempotencyKey, JobRecord, JobSpec, JobState, Live, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
+use super::state::{IdempotencyKey, JobRecord, JobSpec, JobState, Live, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
 use super::shadow::{self, Mode};
-use super::ServeError;
+use super::error::ServeError;
 
 pub struct Service {
     pub live: Arc<Live>,
@@ -26,27 +27,6 @@ pub struct Service {
 }
 
 type Reply<T> = Result<Response<T>, Status>;
-
-/// Bounds on what a caller may send (INVALID_ARGUMENT past them, naming the
-/// field) and on what one reply may hold. docs/src/security.md lists them.
-pub mod bounds {
-    /// Bytes of a job's argv, env (names and values) and name together.
-    pub const JOB_SPEC_BYTES: usize = 64 << 10;
-    /// Arguments of a job's argv.
-    pub const ARGV: usize = 1024;
-    /// Variables of a job's env.
-    pub const ENV: usize = 256;
-    /// Bytes of a job's name.
-    pub const JOB_NAME_BYTES: usize = 256;
-    /// GPU models a job may accept.
-    pub const MODELS: usize = 64;
-    /// Priority a tenant may give a job where the access file sets no
-    /// ceiling for the partition; operators are not capped.
-    pub const TENANT_PRIORITY: u32 = 100;
-    /// Bytes of one list reply (jobs, decisions): under gRPC's default 4 MiB
-    /// receive limit, so every client can read it. A longer list is cut.
-    pub const REPLY_BYTES: usize = 3 << 20;
-}
 
 /// The longest prefix of `items` whose encoding fits in a reply.
 fn fit_reply<T: prost::Message>(items: &mut Vec<T>) {
@@ -242,28 +222,6 @@ fn check_job_size(s: &pb::JobSpec) -> Result<(), ServeError> {
         + s.partition.len();
     if total > bounds::JOB_SPEC_BYTES {
         return bad(format!("job spec (name, argv, env, models) is {total} bytes: at most {}", bounds::JOB_SPEC_BYTES));
-    }
-    Ok(())
-}
-
-/// Bounds of a manual allocation's command (`StartAllocation`): those of a
-/// job's argv and env.
-pub fn check_task_command(argv: &[String], env: &std::collections::HashMap<String, String>) -> Result<(), String> {
-    if argv.first().is_none_or(|a| a.is_empty()) {
-        return Err("argv is empty, or argv[0] is".into());
-    }
-    if argv.len() > bounds::ARGV {
-        return Err(format!("argv has {} arguments: at most {}", argv.len(), bounds::ARGV));
-    }
-    if env.len() > bounds::ENV {
-        return Err(format!("env has {} variables: at most {}", env.len(), bounds::ENV));
-    }
-    let total = argv.iter().map(|a| a.len() + 1).sum::<usize>() + env.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>();
-    if total > bounds::JOB_SPEC_BYTES {
-        return Err(format!("argv and env are {total} bytes: at most {}", bounds::JOB_SPEC_BYTES));
-    }
-    if let Some(k) = env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
-        return Err(format!("env name \"{}\" is empty or contains '=' or NUL", crate::text::printable(k, 64)));
     }
     Ok(())
 }
@@ -903,8 +861,8 @@ impl Berth for Service {
         let id = self.who(&req)?;
         let r = req.into_inner();
         self.require(&id, &r.partition, Role::Operator)?;
-        let hook = super::control::PolicyHook::parse(&r.hook)?;
-        if hook != super::control::PolicyHook::Place {
+        let hook = super::state::PolicyHook::parse(&r.hook)?;
+        if hook != super::state::PolicyHook::Place {
             let version = match pb::ShadowMode::try_from(r.mode) {
                 Ok(pb::ShadowMode::Off) => None,
                 Ok(pb::ShadowMode::Shadow) => Some(r.version),
@@ -932,11 +890,11 @@ impl Berth for Service {
             let partition = r.partition;
             self.require(&id, &partition, Role::Viewer)?;
             let part = &self.live.partitions[self.live.partition_index(&partition)?];
-            let hook = super::control::PolicyHook::parse(&r.hook)?;
-            if hook == super::control::PolicyHook::Compact {
-                let candidate = part.compact_candidate.lock().unwrap().clone();
-                let active = part.compactor.lock().unwrap().clone();
-                let s = part.compact_stats.lock().unwrap().clone();
+            let hook = super::state::PolicyHook::parse(&r.hook)?;
+            if hook == super::state::PolicyHook::Compact {
+                let candidate = part.compact.candidate.lock().unwrap().clone();
+                let active = part.compact.active.lock().unwrap().clone();
+                let s = part.compact.stats.lock().unwrap().clone();
                 let tally = |t: &super::shadow::CompactTally| pb::CompactTally {
                     chains: t.chains,
                     moves: t.moves,
@@ -955,9 +913,9 @@ impl Berth for Service {
                     ..Default::default()
                 }));
             }
-            if hook == super::control::PolicyHook::Rank {
-                let candidate = part.rank_candidate.lock().unwrap().clone();
-                let s = part.rank_stats.lock().unwrap().clone();
+            if hook == super::state::PolicyHook::Rank {
+                let candidate = part.rank.candidate.lock().unwrap().clone();
+                let s = part.rank.stats.lock().unwrap().clone();
                 return Ok(Response::new(pb::ShadowReportResponse {
                     mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
                     active: part.ranker().map(|a| policy_ref(&a.meta)),
@@ -979,7 +937,7 @@ impl Berth for Service {
             }
             let active = part.active();
             let candidate = part.candidate();
-            let s = part.stats.lock().unwrap().clone();
+            let s = part.place.stats.lock().unwrap().clone();
             let arm = |name: &str, a: &shadow::ArmStats, m: Option<&VersionMeta>| pb::ArmOutcome {
                 arm: name.into(),
                 policy: m.map(policy_ref),

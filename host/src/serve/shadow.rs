@@ -160,7 +160,7 @@ impl Stats {
         self.samples += 1;
         self.agree += u64::from(s.agree);
         self.points.push_back(Point {
-            unix_ms: super::unix_ms(),
+            unix_ms: crate::util::unix_ms(),
             job_id: s.job_id,
             agree: s.agree,
             candidate_gap: s.candidate_gap,
