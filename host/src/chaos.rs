@@ -2,7 +2,8 @@
 //! testing and TigerBeetle's VOPR. A seed makes a list of operations
 //! (submit high and low priority work, cancel at any moment, let processes
 //! end, move the clock, migrate a task, cut an agent's link until its node
-//! is given up, restart an agent, kill and restart the host on its store);
+//! is given up, restart an agent, refuse the store's writes for a while,
+//! kill and restart the host on its store);
 //! they drive the real `berth serve` code (the gRPC API, the agent
 //! hub, the partition loop, the engine, the store) on a manual clock, with
 //! simulated agents in-process speaking the real agent protocol.
@@ -14,7 +15,8 @@
 //! - every process belongs to a job the host holds it for, or has been
 //!   told to stop;
 //! - nothing of a cancelled or ended job runs without a stop;
-//! - every accepted job is listed exactly once;
+//! - every accepted job is listed exactly once, and no refused one is;
+//! - nothing of a job whose cancel was acknowledged runs without a stop;
 //! - the host's fleet accounting is consistent.
 //!
 //! A failure names the seed and the shortest operation list found (by
@@ -22,6 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -74,6 +77,9 @@ pub enum Op {
     /// timeout and the grace the host gives the node up.
     CutAgent { node: u32 },
     RestartAgent { node: u32 },
+    /// The store refuses every write (a full disk, a lost etcd quorum) for
+    /// this many operations (this one included), or until the host restarts.
+    StoreOutage { ops: u32 },
     RestartHost,
 }
 
@@ -94,7 +100,8 @@ pub fn operations(seed: u64, count: usize, nodes: usize) -> Vec<Op> {
             84..86 => Op::SwapPolicy { pick: rng.random() },
             86..91 => Op::Migrate { pick: rng.random(), checkpoint: rng.random_bool(0.5) },
             91..93 => Op::CutAgent { node: rng.random_range(0..nodes as u32) },
-            93..98 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
+            93..96 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
+            96..98 => Op::StoreOutage { ops: rng.random_range(1..6) },
             _ => Op::RestartHost,
         })
         .collect()
@@ -124,6 +131,11 @@ pub struct RunStats {
     /// Placement versions activated by the run (a hostile one is rolled
     /// back by its breaker).
     pub policy_swaps: usize,
+    /// Store outages, the writes they refused, and the calls the host
+    /// refused because of them.
+    pub store_outages: usize,
+    pub writes_refused: u64,
+    pub calls_refused: usize,
 }
 
 /// A process on a simulated node: the physical truth.
@@ -141,6 +153,8 @@ struct SimAgent {
     session: u64,
     hub: HubClient,
     commands: mpsc::UnboundedReceiver<pb::AgentCommand>,
+    /// Commands taken from the stream, against the hub's count of those sent.
+    received: u64,
     /// Reads the command stream; aborted with the agent (a host shuts down
     /// gracefully only once its streams are closed).
     reader: tokio::task::JoinHandle<()>,
@@ -150,6 +164,37 @@ impl Drop for SimAgent {
     fn drop(&mut self) {
         self.reader.abort();
     }
+}
+
+/// The host's embedded store, with injected write failures: while
+/// `failing`, every write is refused (reads pass).
+struct FaultyStore {
+    inner: crate::store::redb::RedbStore,
+    failing: Arc<AtomicBool>,
+    refused: Arc<AtomicU64>,
+}
+
+impl crate::store::Store for FaultyStore {
+    fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, crate::store::StoreError> {
+        self.inner.list(prefix)
+    }
+
+    fn apply(&self, ops: Vec<crate::store::Op>) -> Result<(), crate::store::StoreError> {
+        if self.failing.load(Ordering::SeqCst) {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(crate::store::StoreError::Backend("injected write failure (the simulation's store outage)".into()));
+        }
+        self.inner.apply(ops)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (simulated outages)", self.inner.describe())
+    }
+}
+
+/// Whether a call was refused because a store write failed.
+fn store_refused(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Internal && s.message().contains("injected write failure")
 }
 
 /// The simulated host's one partition, and its callers' tokens.
@@ -177,6 +222,10 @@ struct World {
     unsent: Vec<(usize, pb::AllocationReport)>,
     /// Every job accepted, with whether it was cancelled and when (ms).
     accepted: BTreeMap<u64, Option<u64>>,
+    /// Set while the store refuses writes; operations left in the outage.
+    store_failing: Arc<AtomicBool>,
+    writes_refused: Arc<AtomicU64>,
+    outage_left: u32,
     stats: RunStats,
 }
 
@@ -208,7 +257,11 @@ pub fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<Manu
 
 impl World {
     async fn start_host(&mut self) -> anyhow::Result<()> {
-        let cfg = serve_config(&self.dir, &self.config, self.clock.clone())?;
+        let mut cfg = serve_config(&self.dir, &self.config, self.clock.clone())?;
+        std::fs::create_dir_all(&self.dir)?;
+        let inner = crate::store::redb::RedbStore::open(&self.dir.join("state.redb"))?;
+        let store = FaultyStore { inner, failing: self.store_failing.clone(), refused: self.writes_refused.clone() };
+        cfg.store = crate::serve::server::StoreChoice::Given(crate::store::SharedStore(Arc::new(store)));
         // The hub's timers run on the host's (manual) clock: a node whose
         // link is cut goes silent, is unreachable after 30 s and given up 20
         // s later. Connected agents heartbeat before every clock move of at
@@ -248,15 +301,20 @@ impl World {
                 }
             }
         });
-        let mut agent = SimAgent { name, session, hub, commands: rx, reader };
+        let mut agent = SimAgent { name, session, hub, commands: rx, received: 0, reader };
         // The first heartbeat carries what runs here, and what ended while
         // the link was down (its reports follow): the host reconciles.
         let running = self.running_on(i);
         agent.hub.heartbeat(pb::HeartbeatRequest { node: agent.name.clone(), session, running, ..Default::default() }).await.context("heartbeat")?;
-        for (_, r) in self.unsent.iter().filter(|(n, _)| *n == i) {
-            agent.hub.report_allocation(r.clone()).await.with_context(|| format!("late report of allocation {}", r.allocation_id))?;
+        let (late, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.unsent).into_iter().partition(|(n, _)| *n == i);
+        self.unsent = others;
+        for (n, r) in late {
+            match agent.hub.report_allocation(r.clone()).await {
+                Ok(_) => {}
+                Err(s) if store_refused(&s) => self.unsent.push((n, r)),
+                Err(s) => return Err(anyhow::Error::from(s).context(format!("late report of allocation {}", r.allocation_id))),
+            }
         }
-        self.unsent.retain(|(n, _)| *n != i);
         Ok(agent)
     }
 
@@ -277,6 +335,12 @@ impl World {
             let running = self.running_on(i);
             let a = &mut self.agents[i];
             a.hub.heartbeat(pb::HeartbeatRequest { node: a.name.clone(), session: a.session, running, ..Default::default() }).await.with_context(|| format!("heartbeat of {}", a.name))?;
+            // Reports the host refused before go again.
+            let (late, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.unsent).into_iter().partition(|(n, _)| *n == i);
+            self.unsent = others;
+            for (_, r) in late {
+                self.report(i, r).await?;
+            }
         }
         Ok(())
     }
@@ -287,42 +351,43 @@ impl World {
 
     /// Waits until the partition has decided everything due, and the
     /// agents have acted on every command it sent (applying each to the
-    /// physical truth and reporting back), until nothing more happens.
+    /// physical truth and reporting back), until nothing more happens: the
+    /// hub counts the commands it sent each agent, the agents count those
+    /// they received.
     async fn settle(&mut self) -> anyhow::Result<()> {
-        self.settle_quiet(Duration::from_millis(4)).await
-    }
-
-    /// [`World::settle`], counting the commands in once none has come for
-    /// `quiet` (commands travel a gRPC stream).
-    async fn settle_quiet(&mut self, quiet: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             while !self.live().settled(0) {
                 anyhow::ensure!(Instant::now() < deadline, "the host did not settle in 60 s");
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            let mut got = Vec::new();
-            let mut quiet_since = Instant::now();
-            while quiet_since.elapsed() < quiet {
-                let mut any = false;
-                for (i, a) in self.agents.iter_mut().enumerate() {
-                    while let Ok(cmd) = a.commands.try_recv() {
-                        got.push((i, cmd));
-                        any = true;
-                    }
-                }
-                if any {
-                    quiet_since = Instant::now();
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            let got = self.take_commands();
             if got.is_empty() {
-                return Ok(());
+                let hub = &self.host.as_ref().expect("the host runs").hub;
+                let in_flight = self.agents.iter().filter(|a| hub.commands_sent(&a.name, a.session).is_some_and(|sent| sent > a.received)).map(|a| a.name.clone()).collect::<Vec<_>>();
+                if in_flight.is_empty() {
+                    return Ok(());
+                }
+                anyhow::ensure!(Instant::now() < deadline, "commands to {} did not arrive in 60 s", in_flight.join(", "));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                continue;
             }
             for (i, cmd) in got {
                 self.act(i, cmd).await?;
             }
         }
+    }
+
+    /// The commands every agent has received, in order per agent.
+    fn take_commands(&mut self) -> Vec<(usize, pb::AgentCommand)> {
+        let mut got = Vec::new();
+        for (i, a) in self.agents.iter_mut().enumerate() {
+            while let Ok(cmd) = a.commands.try_recv() {
+                a.received += 1;
+                got.push((i, cmd));
+            }
+        }
+        got
     }
 
     /// One command on simulated node `i`.
@@ -367,9 +432,22 @@ impl World {
             }
             _ => return Ok(()), // sleep and wake: not driven here
         };
-        let hub = &mut self.agents[i].hub;
-        hub.report_allocation(msg).await.with_context(|| format!("report of allocation {id}"))?;
-        Ok(())
+        self.report(i, msg).await
+    }
+
+    /// Sends a report; one the host refuses for want of a store write is
+    /// kept and sent again with the next heartbeat (as the agent does).
+    async fn report(&mut self, i: usize, r: pb::AllocationReport) -> anyhow::Result<()> {
+        let id = r.allocation_id;
+        match self.agents[i].hub.report_allocation(r.clone()).await {
+            Ok(_) => Ok(()),
+            Err(s) if store_refused(&s) => {
+                self.stats.calls_refused += 1;
+                self.unsent.push((i, r));
+                Ok(())
+            }
+            Err(s) => Err(anyhow::Error::from(s).context(format!("report of allocation {id}"))),
+        }
     }
 
     /// Processes whose stop delay ran out exit (signal 15), reported.
@@ -384,14 +462,12 @@ impl World {
 
     async fn end_process(&mut self, alloc: u64, code: i32, signal: i32) -> anyhow::Result<()> {
         let Some(p) = self.processes.remove(&alloc) else { return Ok(()) };
-        let agent = &mut self.agents[p.node];
-        let r = pb::AllocationReport { node: agent.name.clone(), allocation_id: alloc, state: "exited".into(), pid: alloc as u32, exit_code: code, signal, detail: String::new() };
+        let r = pb::AllocationReport { node: self.agents[p.node].name.clone(), allocation_id: alloc, state: "exited".into(), pid: alloc as u32, exit_code: code, signal, detail: String::new() };
         if self.cut.contains(&p.node) {
             self.unsent.push((p.node, r));
             return Ok(());
         }
-        agent.hub.report_allocation(r).await.with_context(|| format!("exit report of allocation {alloc}"))?;
-        Ok(())
+        self.report(p.node, r).await
     }
 
     async fn apply(&mut self, op: &Op) -> anyhow::Result<()> {
@@ -409,7 +485,14 @@ impl World {
                     ..Default::default()
                 };
                 let api = self.api.as_mut().expect("connected");
-                let id = api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await?.into_inner().job_id;
+                let id = match api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await {
+                    Ok(r) => r.into_inner().job_id,
+                    Err(s) if store_refused(&s) => {
+                        self.stats.calls_refused += 1;
+                        return self.end_op().await;
+                    }
+                    Err(s) => return Err(s.into()),
+                };
                 anyhow::ensure!(self.accepted.insert(id, None).is_none(), "job id {id} was given twice");
                 self.stats.submitted += 1;
             }
@@ -424,6 +507,7 @@ impl World {
                         self.accepted.insert(id, Some(self.clock.unix_ms()));
                     }
                     Err(s) if s.code() == tonic::Code::FailedPrecondition => {} // already ended
+                    Err(s) if store_refused(&s) => self.stats.calls_refused += 1,
                     Err(s) => anyhow::bail!("cancel of job {id}: {s:?}"),
                 }
             }
@@ -463,6 +547,7 @@ impl World {
                     Ok(_) => self.stats.migrations += 1,
                     // Not running (yet, or any more), migrating already, or no room.
                     Err(s) if matches!(s.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound) => {}
+                    Err(s) if store_refused(&s) => self.stats.calls_refused += 1,
                     Err(s) => anyhow::bail!("migration of allocation {alloc}: {s:?}"),
                 }
             }
@@ -473,12 +558,20 @@ impl World {
                 let k = pick as usize % (self.config.alternates.len() + 1);
                 let (component, config) = if k == 0 { (self.config.placement.clone(), String::new()) } else { self.config.alternates[k - 1].clone() };
                 let api = self.api.as_mut().expect("connected");
-                let up = api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component, config, ..Default::default() }).await?.into_inner();
+                let up = match api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component, config, ..Default::default() }).await {
+                    Ok(up) => up.into_inner(),
+                    Err(s) if store_refused(&s) => {
+                        self.stats.calls_refused += 1;
+                        return self.end_op().await;
+                    }
+                    Err(s) => return Err(s.into()),
+                };
                 let version = up.policy.context("an upload names its version")?.version;
                 match api.activate_policy(pb::ActivatePolicyRequest { partition: PARTITION.into(), version, ..Default::default() }).await {
                     Ok(_) => self.stats.policy_swaps += 1,
                     // Active already, or tripped (a tripped version is not activated again).
                     Err(s) if s.code() == tonic::Code::FailedPrecondition => {}
+                    Err(s) if store_refused(&s) => self.stats.calls_refused += 1,
                     Err(s) => anyhow::bail!("activation of version {version}: {s:?}"),
                 }
             }
@@ -490,11 +583,31 @@ impl World {
             }
             Op::RestartAgent { node } => {
                 let i = node as usize % self.agents.len();
-                self.cut.remove(&i);
-                self.agents[i] = self.connect_agent(i).await?;
-                self.stats.agent_restarts += 1;
+                match self.connect_agent(i).await {
+                    Ok(a) => {
+                        self.cut.remove(&i);
+                        self.agents[i] = a;
+                        self.stats.agent_restarts += 1;
+                    }
+                    // Its registration was not stored: the agent is as good
+                    // as cut off, and tries again at its next restart.
+                    Err(e) if e.chain().any(|c| c.downcast_ref::<tonic::Status>().is_some_and(store_refused)) => {
+                        self.cut.insert(i);
+                        self.stats.calls_refused += 1;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Op::StoreOutage { ops } => {
+                self.store_failing.store(true, Ordering::SeqCst);
+                self.outage_left = ops.max(1);
+                self.stats.store_outages += 1;
             }
             Op::RestartHost => {
+                // An outage ends before the host is back (a host that cannot
+                // write does not start).
+                self.store_failing.store(false, Ordering::SeqCst);
+                self.outage_left = 0;
                 self.agents.clear();
                 self.api = None;
                 if let Some(h) = self.host.take() {
@@ -509,8 +622,21 @@ impl World {
                 self.stats.host_restarts += 1;
             }
         }
+        self.end_op().await
+    }
+
+    /// The end of every operation: due exits, a settled host, and one
+    /// operation less of a store outage.
+    async fn end_op(&mut self) -> anyhow::Result<()> {
         self.exits_due().await?;
-        self.settle().await
+        self.settle().await?;
+        if self.outage_left > 0 {
+            self.outage_left -= 1;
+            if self.outage_left == 0 {
+                self.store_failing.store(false, Ordering::SeqCst);
+            }
+        }
+        Ok(())
     }
 
     /// [`World::check`] within [`STEP_LIMIT`]: a hung check is a violation.
@@ -547,6 +673,11 @@ impl World {
                 return Err(format!("accepted job {id} is not listed"));
             }
         }
+        // Only this run submits: a job listed that it was not told was
+        // accepted is one whose submission was refused (or invented).
+        if let Some(j) = jobs.iter().find(|j| !self.accepted.contains_key(&j.id)) {
+            return Err(format!("job {} ({}) is listed, but its submission was refused", j.id, j.state));
+        }
         // Every live process is held for its job by the host, or stopping.
         for (&a, p) in &self.processes {
             // Stopping; or on a node cut off, where no stop can arrive (the
@@ -555,6 +686,15 @@ impl World {
                 continue;
             }
             let Some(j) = listed.get(&p.job) else { return Err(format!("allocation {a} runs for job {} the host does not list", p.job)) };
+            if let Some(Some(at)) = self.accepted.get(&p.job) {
+                return Err(format!(
+                    "allocation {a} of job {} runs on sim-{} with no stop, after the job's cancel was acknowledged (at {} ms of the run); the host shows it {}",
+                    p.job,
+                    p.node,
+                    at - T0_MS,
+                    j.state
+                ));
+            }
             let held = j.runs.iter().any(|r| r.allocation_id == a && matches!(r.state.as_str(), "starting" | "running" | "sleeping"));
             if !held {
                 return Err(format!("allocation {a} of job {} ({}) runs on sim-{} with no stop, and the host does not hold it: {:?}", p.job, j.state, p.node, j.runs));
@@ -565,9 +705,11 @@ impl World {
         }
         // The host found no record of its own inconsistent (it logs and
         // counts those instead of panicking).
-        let breaks = self.live().metrics.invariant_breaks.with_label_values(&[PARTITION, "release"]).get();
-        if breaks > 0 {
-            return Err(format!("the host counted {breaks} broken invariants (berth_invariant_breaks_total): a release of capacity the fleet did not hold"));
+        for (what, means) in [("release", "a release of capacity the fleet did not hold"), ("restore", "a stored task holding GPUs another stored record holds")] {
+            let breaks = self.live().metrics.invariant_breaks.with_label_values(&[PARTITION, what]).get();
+            if breaks > 0 {
+                return Err(format!("the host counted {breaks} broken invariants (berth_invariant_breaks_total, {what}): {means}"));
+            }
         }
         // The host's fleet accounting is consistent.
         let st = self.live().partitions[0].lock_state();
@@ -603,6 +745,9 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
         cut: Default::default(),
         unsent: Vec::new(),
         accepted: BTreeMap::new(),
+        store_failing: Arc::new(AtomicBool::new(false)),
+        writes_refused: Arc::new(AtomicU64::new(0)),
+        outage_left: 0,
         stats: RunStats::default(),
     };
     bounded("the start", async {
@@ -627,9 +772,10 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
         w.stats.operations += 1;
         let mut judged = w.check_bounded().await;
         if judged.is_err() {
-            // A command late on its stream (a loaded machine) is not a
-            // violation: wait longer for stragglers, then judge.
-            judged = match bounded("the check", w.settle_quiet(Duration::from_millis(250))).await {
+            // A report the host takes in after its pass (a loaded machine)
+            // is not a violation: let it settle again, then judge.
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            judged = match bounded("the check", w.settle()).await {
                 Ok(()) => w.check_bounded().await,
                 Err(e) => Err(format!("operation failed: {e:#}")),
             };
@@ -648,6 +794,7 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
         outcome = Err(Violation { step: ops.len().saturating_sub(1), what: format!("the host did not shut down within {} s", STEP_LIMIT.as_secs()) });
     }
     let _ = std::fs::remove_dir_all(&dir);
+    w.stats.writes_refused = w.writes_refused.load(Ordering::SeqCst);
     Ok(outcome.map(|()| w.stats))
 }
 
@@ -686,7 +833,7 @@ impl std::fmt::Display for RunStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up, {} policy swaps",
+            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up, {} policy swaps, {} store outages ({} writes and {} calls refused)",
             self.operations,
             self.submitted,
             self.processes_started,
@@ -696,7 +843,10 @@ impl std::fmt::Display for RunStats {
             self.migrations,
             self.links_cut,
             self.nodes_given_up,
-            self.policy_swaps
+            self.policy_swaps,
+            self.store_outages,
+            self.writes_refused,
+            self.calls_refused
         )
     }
 }
@@ -713,6 +863,9 @@ impl RunStats {
         self.links_cut += o.links_cut;
         self.nodes_given_up += o.nodes_given_up;
         self.policy_swaps += o.policy_swaps;
+        self.store_outages += o.store_outages;
+        self.writes_refused += o.writes_refused;
+        self.calls_refused += o.calls_refused;
     }
 }
 
@@ -727,26 +880,67 @@ pub struct Summary {
     pub failure: Option<(u64, Violation, Vec<Op>)>,
 }
 
-/// Runs seeds `first..` until `seeds` are done or `time` has passed; stops
-/// at the first failure, shrunk.
-pub async fn soak(config: &ChaosConfig, first: u64, seeds: u64, time: Duration) -> anyhow::Result<Summary> {
+/// Runs seeds `first..` until `seeds` are done or `time` has passed,
+/// `parallel` at a time (each with its own host, store and agents); stops
+/// starting seeds at the first failure, and shrinks the failure of the
+/// lowest failing seed once the others have finished.
+pub async fn soak(config: &ChaosConfig, first: u64, seeds: u64, time: Duration, parallel: usize) -> anyhow::Result<Summary> {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    #[derive(Default)]
+    struct Shared {
+        next: u64,
+        summary: Summary,
+        failed: Option<(u64, Violation, Vec<Op>)>,
+        error: Option<anyhow::Error>,
+    }
     let started = Instant::now();
-    let mut s = Summary::default();
-    for seed in first..first.saturating_add(seeds) {
-        if started.elapsed() >= time {
-            break;
-        }
-        let ops = operations(seed, config.operations, config.nodes);
-        s.seeds += 1;
-        match run(config, seed, &ops).await? {
-            Ok(r) => s.total.add(&r),
-            Err(v) => {
-                s.total.operations += v.step + 1;
-                let shortest = shrink(config, seed, &ops[..=v.step], Duration::from_secs(120)).await?;
-                s.failure = Some((seed, v, shortest));
-                break;
+    let end = first.saturating_add(seeds);
+    let shared = Rc::new(RefCell::new(Shared { next: first, ..Default::default() }));
+    let config = Rc::new(config.clone());
+    // One thread drives every run (they wait on the host, not on the CPU);
+    // the hosts' own threads and the runtime's workers do the work.
+    let local = tokio::task::LocalSet::new();
+    for _ in 0..parallel.max(1) {
+        let (shared, config) = (shared.clone(), config.clone());
+        local.spawn_local(async move {
+            loop {
+                let seed = {
+                    let mut s = shared.borrow_mut();
+                    if s.failed.is_some() || s.error.is_some() || s.next >= end || started.elapsed() >= time {
+                        return;
+                    }
+                    s.next += 1;
+                    s.summary.seeds += 1;
+                    s.next - 1
+                };
+                let ops = operations(seed, config.operations, config.nodes);
+                let outcome = run(&config, seed, &ops).await;
+                let mut s = shared.borrow_mut();
+                match outcome {
+                    Ok(Ok(r)) => s.summary.total.add(&r),
+                    Ok(Err(v)) => {
+                        s.summary.total.operations += v.step + 1;
+                        if s.failed.as_ref().is_none_or(|(other, _, _)| seed < *other) {
+                            s.failed = Some((seed, v, ops));
+                        }
+                    }
+                    Err(e) => {
+                        s.error.get_or_insert(e.context(format!("seed {seed}")));
+                    }
+                }
             }
-        }
+        });
+    }
+    local.await;
+    let Shared { summary: mut s, failed, error, .. } = Rc::into_inner(shared).expect("every run has finished").into_inner();
+    if let Some(e) = error {
+        return Err(e);
+    }
+    if let Some((seed, v, ops)) = failed {
+        let shortest = shrink(&config, seed, &ops[..=v.step], Duration::from_secs(120)).await?;
+        s.failure = Some((seed, v, shortest));
     }
     s.elapsed = started.elapsed();
     Ok(s)

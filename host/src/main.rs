@@ -321,6 +321,9 @@ enum BenchCommand {
         /// Where the runs keep their hosts' stores.
         #[arg(long, default_value = "target/chaos")]
         state_dir: PathBuf,
+        /// Seeds run side by side, each with its own host, store and agents.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+        parallel: u16,
     },
     /// A long-lived host's footprint: an in-process `berth serve` on a manual
     /// clock runs many one-second jobs in rounds; at each tenth it prints
@@ -498,7 +501,7 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, alternates, state_dir } } => {
+        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, alternates, state_dir, parallel } } => {
             let config = berth::chaos::ChaosConfig {
                 nodes,
                 operations,
@@ -509,10 +512,10 @@ fn main() -> anyhow::Result<()> {
                 notice_s: 5,
             };
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            let s = rt.block_on(berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds)))?;
+            let s = rt.block_on(berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds), usize::from(parallel)))?;
             let secs = s.elapsed.as_secs_f64();
             println!(
-                "chaos: {} seeds from {seed} in {secs:.1} s ({:.0} operations/s), {}; violations: {}",
+                "chaos: {} seeds from {seed} ({parallel} at a time) in {secs:.1} s ({:.0} operations/s), {}; violations: {}",
                 s.seeds,
                 s.total.operations as f64 / secs.max(1e-9),
                 s.total,

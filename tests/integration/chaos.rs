@@ -27,7 +27,7 @@ fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
     let seconds: u64 = std::env::var("BERTH_CHAOS_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(45);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let cfg = config(150);
-    let s = rt.block_on(berth::chaos::soak(&cfg, 1, u64::MAX, Duration::from_secs(seconds)));
+    let s = rt.block_on(berth::chaos::soak(&cfg, 1, u64::MAX, Duration::from_secs(seconds), 1));
     // A host left hung by a failed run must not keep the test from reporting.
     rt.shutdown_timeout(Duration::from_secs(10));
     let s = s.unwrap();
@@ -41,6 +41,7 @@ fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
     assert!(t.processes_started > 0 && t.evictions_seen > 0 && t.host_restarts > 0 && t.agent_restarts > 0, "{s:?}");
     assert!(t.migrations > 0 && t.links_cut > 0 && t.nodes_given_up > 0, "migrations and node losses were driven: {s:?}");
     assert!(t.policy_swaps > 0, "placement versions were swapped: {s:?}");
+    assert!(t.store_outages > 0 && t.writes_refused > 0, "the store refused writes: {s:?}");
 }
 
 /// The generator is a function of the seed: a failure's seed reproduces it.
@@ -49,7 +50,7 @@ fn a_seed_gives_one_operation_list() {
     let a = berth::chaos::operations(7, 500, 3);
     assert_eq!(a, berth::chaos::operations(7, 500, 3));
     assert_ne!(a, berth::chaos::operations(8, 500, 3));
-    for kind in ["Submit", "Cancel", "Exit", "Advance", "Migrate", "SwapPolicy", "CutAgent", "RestartAgent", "RestartHost"] {
+    for kind in ["Submit", "Cancel", "Exit", "Advance", "Migrate", "SwapPolicy", "CutAgent", "RestartAgent", "StoreOutage", "RestartHost"] {
         assert!(a.iter().any(|o| format!("{o:?}").starts_with(kind)), "no {kind} in 500 operations");
     }
 }

@@ -207,6 +207,10 @@ pub enum Event {
     End(Slot),
     /// A pending job is withdrawn, or a running one stopped and dropped.
     Cancel(Slot),
+    /// A running job is leaving (cancelled; its processes are stopping):
+    /// it holds its GPUs until its [`Event::End`], and meanwhile is
+    /// nobody's victim, not moved and not put to sleep.
+    Leaving(Slot),
     /// A running job goes back to the queue and gives up its allocations
     /// (its node was lost, its start failed).
     Requeue(Slot),
@@ -623,6 +627,12 @@ impl Engine {
                 self.outcome.jobs[j].end_s = Some(now);
                 self.stop_run(fleet, j);
             }
+            Event::Leaving(j) => {
+                if self.runs.planned_end[j].is_some() {
+                    self.runs.running_low.remove(&j);
+                    self.runs.leaving.insert(j);
+                }
+            }
             Event::Cancel(j) => {
                 self.pending.retain(|&p| p != j);
                 if self.runs.planned_end[j].take().is_some() {
@@ -742,6 +752,7 @@ impl Engine {
     /// Releases a run's allocations (its planned end already cleared).
     fn stop_run(&mut self, fleet: &mut Fleet, j: Slot) {
         self.runs.running_low.remove(&j);
+        self.runs.leaving.remove(&j);
         if let Some(allocs) = self.sleeping.remove(&j) {
             // Its GPUs were released when it fell asleep (borrowers may
             // hold them now): only the loan ends.
@@ -772,7 +783,7 @@ impl Engine {
     fn sleep(&mut self, fleet: &mut Fleet, now: u64) {
         let Some(h) = self.config.harvest else { return };
         self.freed = true;
-        let running_now: Vec<(usize, u64)> = self.runs.planned_end.iter().enumerate().filter_map(|(j, e)| e.map(|e| (j, e))).collect();
+        let running_now: Vec<(usize, u64)> = self.runs.planned_end.iter().enumerate().filter(|(j, _)| !self.runs.leaving.contains(j)).filter_map(|(j, e)| e.map(|e| (j, e))).collect();
         for (j, end) in running_now {
             let job = &self.jobs[j];
             // Replicas that will still run when it wakes.
@@ -789,6 +800,7 @@ impl Engine {
     pub fn can_sleep(&self, j: Slot) -> bool {
         let held = &self.runs.held[j];
         self.runs.planned_end[j].is_some()
+            && !self.runs.leaving.contains(&j)
             && !self.sleeping.contains_key(&j)
             && self.jobs[j].shape.gpu_milli >= crate::units::MILLI_PER_GPU
             && !held.is_empty()
@@ -975,9 +987,16 @@ impl Engine {
         if std::mem::take(&mut self.compact_due)
             && let Some((planner, cc)) = compaction.as_mut()
         {
-            // Sleeping replicas are off the fleet: not movable.
-            let running_now: Vec<(u64, usize)> =
-                self.runs.planned_end.iter().enumerate().filter(|(j, _)| !self.sleeping.contains_key(j)).filter_map(|(j, e)| e.map(|e| (e, j))).collect();
+            // Sleeping replicas are off the fleet, leaving jobs on their way
+            // out: not movable.
+            let running_now: Vec<(u64, usize)> = self
+                .runs
+                .planned_end
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| !self.sleeping.contains_key(j) && !self.runs.leaving.contains(j))
+                .filter_map(|(j, e)| e.map(|e| (e, j)))
+                .collect();
             match crate::compaction::step_jobs(fleet, &self.jobs, &mut self.runs.held, &running_now, &self.pending, *planner, cc, &mut self.compaction_state, now) {
                 Ok(step) => {
                     freed |= !step.applied.is_empty();
@@ -1466,6 +1485,8 @@ struct Runs {
     interrupted_at: HashMap<usize, Vec<u64>>,
     /// Running low-priority jobs: the candidate victims.
     running_low: BTreeSet<usize>,
+    /// Running jobs on their way out ([`Event::Leaving`]): held, untouched.
+    leaving: BTreeSet<usize>,
     /// Capacity held for processes that may still run on it (see [`Drain`]).
     drains: Vec<Drain>,
     /// A placed or waking job's victims (and what they waited for) whose
@@ -1518,6 +1539,7 @@ impl Runs {
         self.ready_at[v] = 0;
         self.interrupted_at.remove(&v);
         self.awaiting.remove(&v);
+        self.leaving.remove(&v);
     }
 
     fn push(&mut self) {

@@ -124,8 +124,27 @@ impl Live {
         let part = &self.partitions[p];
         let mut st = part.lock_state();
         let st = &mut *st;
-        let job = st.jobs.get_mut(&id).ok_or(ServeError::UnknownJob(id))?;
+        let job = st.jobs.get(&id).ok_or(ServeError::UnknownJob(id))?;
         let before = job.state;
+        if before.is_ended() {
+            return Err(ServeError::FailedPrecondition(format!("job {id} is already {}", before.as_str())));
+        }
+        // Stored before anything is done, or not done at all: a cancel that
+        // was acknowledged survives a restart (a running job's stops would
+        // otherwise be forgotten, and the job taken back as running).
+        let mut after = job.clone();
+        after.state = JobState::Cancelled;
+        after.sleep = SleepState::Awake;
+        after.ended_unix_ms = self.now_ms();
+        after.ends_at = None;
+        if before == JobState::Running && after.runs.is_empty() {
+            after.waiting_on.clear();
+            if job.waiting_on.is_empty() {
+                after.allocations.clear();
+            }
+        }
+        self.persist(vec![job_record_op(&part.name, id, &after, |a| st.alloc_out(a))])?;
+        let job = st.jobs.get_mut(&id).expect("found above");
         let slot = st.slots.get(&id).copied();
         match before {
             JobState::Pending => {
@@ -156,9 +175,16 @@ impl Live {
                     if let Some(slot) = slot {
                         st.engine.apply(&mut st.fleet, self.now_s(), Event::Cancel(slot));
                     }
-                } else if let Some(act) = self.actuator() {
-                    for r in job.runs.iter().filter(|r| r.holds) {
-                        act.stop(r.alloc_id, &r.node);
+                } else {
+                    if let Some(act) = self.actuator() {
+                        for r in job.runs.iter().filter(|r| r.holds) {
+                            act.stop(r.alloc_id, &r.node);
+                        }
+                    }
+                    // Until its processes are gone it holds their GPUs, and
+                    // is nobody's victim (a preemption would queue it again).
+                    if let Some(slot) = slot {
+                        st.engine.apply(&mut st.fleet, self.now_s(), Event::Leaving(slot));
                     }
                 }
             }
@@ -171,14 +197,13 @@ impl Live {
                     st.engine.apply(&mut st.fleet, self.now_s(), Event::Cancel(slot));
                 }
             }
-            JobState::Finished | JobState::Failed | JobState::Cancelled => {
-                return Err(ServeError::FailedPrecondition(format!("job {id} is already {}", before.as_str())));
-            }
+            JobState::Finished | JobState::Failed | JobState::Cancelled => {} // refused above
         }
         let job = st.jobs.get_mut(&id).expect("found above");
         job.state = JobState::Cancelled;
         job.sleep = SleepState::Awake;
-        job.ended_unix_ms = self.now_ms();
+        job.ended_unix_ms = after.ended_unix_ms;
+        // What the engine's cancel changed beside the record stored above.
         self.persist_logged(vec![st.job_op(&part.name, id)]);
         self.metrics.jobs.with_label_values(&[&part.name, before.as_str()]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, "cancelled"]).inc();

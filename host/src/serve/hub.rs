@@ -58,6 +58,9 @@ struct AgentRecord {
     heartbeats: u64,
     reachable: bool,
     commands: Option<mpsc::Sender<Result<pb::AgentCommand, Status>>>,
+    /// Commands put on the current stream: a driver that counts what it
+    /// received knows whether any is still in flight.
+    sent: u64,
     /// Allocations the fleet held here when the node registered; checked
     /// against the first heartbeat's running list.
     expected: Option<Vec<u64>>,
@@ -255,6 +258,7 @@ impl Hub {
                 heartbeats: 0,
                 reachable: true,
                 commands: None,
+                sent: 0,
                 expected: Some(expected),
                 stopped: Default::default(),
                 given_up: false,
@@ -303,15 +307,23 @@ impl Hub {
     }
 
     fn send(&self, node: &str, cmd: pb::AgentCommand) -> Result<(), Status> {
-        let tx = {
-            let st = self.state.lock().unwrap();
-            let a = st.agents.get(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
-            if !a.reachable {
-                return Err(Status::failed_precondition(format!("node {node} is unreachable")));
-            }
-            a.commands.clone().ok_or_else(|| Status::failed_precondition(format!("node {node} holds no command stream")))?
-        };
-        tx.try_send(Ok(cmd)).map_err(|e| Status::unavailable(format!("node {node}: command not delivered: {e}")))
+        let mut st = self.state.lock().unwrap();
+        let a = st.agents.get_mut(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
+        if !a.reachable {
+            return Err(Status::failed_precondition(format!("node {node} is unreachable")));
+        }
+        let tx = a.commands.as_ref().ok_or_else(|| Status::failed_precondition(format!("node {node} holds no command stream")))?;
+        // Never waits: a full stream is an undelivered command.
+        tx.try_send(Ok(cmd)).map_err(|e| Status::unavailable(format!("node {node}: command not delivered: {e}")))?;
+        a.sent += 1;
+        Ok(())
+    }
+
+    /// Commands sent to `node` on the stream of `session` (none if that
+    /// session is over or holds no stream).
+    pub fn commands_sent(&self, node: &str, session: u64) -> Option<u64> {
+        let st = self.state.lock().unwrap();
+        st.agents.get(node).filter(|a| a.session == session && a.commands.is_some()).map(|a| a.sent)
     }
 }
 
@@ -505,6 +517,7 @@ impl AgentHub for Arc<Hub> {
                     return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
                 }
                 a.commands = Some(tx);
+                a.sent = 0;
                 a.reachable
             };
             // Commands can reach it now: it may take work.

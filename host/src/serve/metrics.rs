@@ -25,6 +25,9 @@ pub struct Metrics {
     /// partition, what: a record the host found inconsistent with itself
     /// (logged and left fenced instead of a panic under the state lock)
     pub invariant_breaks: IntCounterVec,
+    /// Records of what happened whose store writes failed, waiting for the
+    /// next write that succeeds.
+    pub store_unwritten: prometheus::IntGauge,
     /// code (unauthenticated, permission_denied)
     pub api_denials: IntCounterVec,
     /// Preemptions by how the victim was told (notice or forced), and the
@@ -86,6 +89,11 @@ impl Metrics {
             jobs,
             jobs_pruned: counter("berth_jobs_pruned_total", "Ended jobs removed from memory and the store past their retention", &["partition"]),
             invariant_breaks: counter("berth_invariant_breaks_total", "Records the host found inconsistent (logged, left held; never a panic): any is a bug", &["partition", "what"]),
+            store_unwritten: {
+                let g = prometheus::IntGauge::new("berth_store_unwritten", "Records whose store writes failed, written ahead of the next write that succeeds").expect("valid metric");
+                registry.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
             api_denials: counter("berth_api_denials_total", "API calls refused by access control", &["code"]),
             evictions: counter("berth_evictions_total", "Running jobs preempted for higher-priority work", &["partition", "kind"]),
             compaction_chains: counter("berth_compaction_chains_total", "Live compaction chains by how they ended", &["partition", "state"]),

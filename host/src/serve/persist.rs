@@ -21,10 +21,9 @@ use berth_core::engine::Slot;
 use berth_core::{Allocation, TaskShape};
 use serde::{Deserialize, Serialize};
 
-use super::state::AgentTopology;
 use super::decisions::Placed;
-use super::state::{JobRecord, JobSpec, JobState, Live, PartitionState, TaskRun};
 use super::error::ServeError;
+use super::state::{AgentTopology, JobRecord, JobSpec, JobState, Live, PartitionState, TaskRun};
 use crate::util::unix_ms;
 use crate::store::{Op, Store, StoreError};
 
@@ -133,6 +132,15 @@ fn stored_number(store: &dyn Store, key: &str) -> anyhow::Result<Option<u64>> {
     Ok(Some(n))
 }
 
+/// Records kept from failed writes go back to the store this many at a time.
+const UNWRITTEN_BATCH: usize = 64;
+
+fn op_key(op: &Op) -> &str {
+    match op {
+        Op::Put(k, _) | Op::Delete(k) => k,
+    }
+}
+
 fn store_err(e: StoreError) -> ServeError {
     match e {
         StoreError::Fenced(_) => ServeError::Unavailable(format!("this host is {e}; ask the current leader")),
@@ -141,7 +149,7 @@ fn store_err(e: StoreError) -> ServeError {
 }
 
 impl PartitionState {
-    fn alloc_out(&self, a: &Allocation) -> StoredAlloc {
+    pub(crate) fn alloc_out(&self, a: &Allocation) -> StoredAlloc {
         StoredAlloc { lost: false, node: self.fleet.nodes()[a.node as usize].name.clone(), gpus: a.gpus, gpu_milli: a.gpu_milli, cpu_milli: a.cpu_milli, memory_mib: a.memory_mib }
     }
 
@@ -228,20 +236,62 @@ impl PartitionState {
 }
 
 impl Live {
-    /// Writes ops to the store. A refusal because this host lost the
-    /// leadership stops it deciding: the new leader owns the state now.
+    /// Writes ops to the store, or none of them (the caller undoes what it
+    /// did). A refusal because this host lost the leadership stops it
+    /// deciding: the new leader owns the state now.
     pub(crate) fn persist(&self, ops: Vec<Op>) -> Result<(), ServeError> {
+        self.write(ops, false)
+    }
+
+    /// Writes the record of something that has happened already (a
+    /// process exited, a node came back without a task): the host goes on
+    /// from it whether or not the write succeeds. A failed write is kept
+    /// and written ahead of the next batch that succeeds, so a store that
+    /// comes back catches up with what the host did while it was away,
+    /// and a restart never finds a record older than a later one.
+    pub(crate) fn persist_logged(&self, ops: Vec<Op>) {
+        let _ = self.write(ops, true);
+    }
+
+    fn write(&self, ops: Vec<Op>, keep_on_failure: bool) -> Result<(), ServeError> {
         let Some(store) = self.store.get() else { return Ok(()) };
-        match store.apply(ops) {
-            Ok(()) => Ok(()),
+        // Held across the store call: records kept from failed writes
+        // never overtake newer values of their keys.
+        let mut unwritten = self.unwritten.lock().unwrap();
+        let result = (|| {
+            if !unwritten.is_empty() {
+                let new: std::collections::HashSet<&str> = ops.iter().map(op_key).collect();
+                let behind: Vec<Op> = unwritten.iter().filter(|(k, _)| !new.contains(k.as_str())).map(|(_, op)| op.clone()).collect();
+                // In small batches (etcd bounds a transaction's operations).
+                for chunk in behind.chunks(UNWRITTEN_BATCH) {
+                    store.apply(chunk.to_vec())?;
+                    for op in chunk {
+                        unwritten.remove(op_key(op));
+                    }
+                }
+            }
+            store.apply(ops.clone())
+        })();
+        match result {
+            Ok(()) => {
+                for op in &ops {
+                    unwritten.remove(op_key(op));
+                }
+                self.metrics.store_unwritten.set(unwritten.len() as i64);
+                Ok(())
+            }
             Err(e) => {
+                if keep_on_failure {
+                    unwritten.extend(ops.into_iter().map(|op| (op_key(&op).to_string(), op)));
+                }
+                self.metrics.store_unwritten.set(unwritten.len() as i64);
                 if matches!(e, StoreError::Fenced(_)) && !self.fenced.swap(true, Ordering::SeqCst) {
                     tracing::error!(target: "berth::serve", "{e}: this host stops deciding");
                     // Callers hold a partition's lock: the schedulers see the
                     // flag within their next wait (at most a second), unpoked.
                     self.shutdown.store(true, Ordering::SeqCst);
                 } else {
-                    tracing::error!(target: "berth::serve", "state not written: {e}");
+                    tracing::error!(target: "berth::serve", unwritten = unwritten.len(), "state not written: {e}");
                 }
                 Err(store_err(e))
             }
@@ -262,12 +312,6 @@ impl Live {
             *ceiling = end;
         }
         Ok(id)
-    }
-
-    /// [`Live::persist`] where the change is already made and acted on:
-    /// a failure is logged (and fences the host when leadership is lost).
-    pub(crate) fn persist_logged(&self, ops: Vec<Op>) {
-        let _ = self.persist(ops);
     }
 
     /// Rebuilds the partitions from the store: agent nodes (unschedulable
@@ -446,20 +490,41 @@ impl Live {
                     st.engine.restore_interruptions(slot, interrupted_s, now);
                 }
             }
+            // The fences are stored as such (and the jobs' records as not
+            // holding), so the fence's end, stored when the process is seen
+            // gone, is the last word on those GPUs at the next start too.
+            let mut normalized: BTreeMap<String, Op> = BTreeMap::new();
             for (alloc_id, a) in ended_holding {
+                let job = st.by_alloc.get(&alloc_id).copied().filter(|&j| j != 0);
+                if let Some(j) = job {
+                    let op = st.job_op(name, j);
+                    normalized.insert(op_key(&op).to_string(), op);
+                }
                 if let Err(e) = st.fleet.allocate(&a) {
                     // Another restored holder has these GPUs: the stored state
                     // disagrees with itself. The process is still stopped.
-                    tracing::error!(target: "berth::serve", allocation = alloc_id, "the GPUs of an ended job's task are held by another: {e}");
+                    self.metrics.invariant_breaks.with_label_values(&[name, "restore"]).inc();
+                    tracing::error!(target: "berth::serve", allocation = alloc_id, "broken invariant: the GPUs of an ended job's task are held by another: {e}");
                     continue;
                 }
                 st.manual.insert(alloc_id, a);
                 st.lost.insert(alloc_id);
                 st.by_alloc.insert(alloc_id, 0);
+                let op = st.held_op(name, alloc_id);
+                normalized.insert(op_key(&op).to_string(), op);
+            }
+            let normalized: Vec<Op> = normalized.into_values().collect();
+            for chunk in normalized.chunks(UNWRITTEN_BATCH) {
+                store.apply(chunk.to_vec()).map_err(|e| anyhow::anyhow!("storing the fences of ended jobs' tasks: {e}"))?;
             }
             for (id, still) in evicting_runs {
                 let slot = st.slots[&id];
                 st.engine.restore_evicting(&mut st.fleet, slot, &still);
+                // Cancelled while its processes were stopping: its GPUs
+                // drain until they are gone, and it never runs again.
+                if st.jobs[&id].state.is_ended() {
+                    st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Cancel(slot));
+                }
             }
             for (id, victims) in awaiting {
                 let slot = st.slots[&id];

@@ -142,12 +142,18 @@ impl Live {
             let job = st.jobs.get_mut(&id).expect("running jobs are recorded");
             if !job.runs.is_empty() {
                 // A time limit: stop the processes; their exits free the GPUs.
-                job.ends_at = None;
+                // The job keeps its stored end: a host restarted before they
+                // are gone finds it past and stops them again.
                 job.detail = "time limit reached: stopped".into();
                 if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
                         act.stop(r.alloc_id, &r.node);
                     }
+                }
+                // On its way out: nobody's victim (a preemption would
+                // queue it to run again), not moved, not put to sleep.
+                if let Some(&slot) = st.slots.get(&id) {
+                    st.engine.apply(&mut st.fleet, self.now_s(), Event::Leaving(slot));
                 }
                 self.persist_logged(vec![st.job_op(partition, id)]);
                 continue;

@@ -133,6 +133,8 @@ pub enum StoreChoice {
     /// etcd, with leader election: the host waits as a standby (serving
     /// nothing) until it leads, then loads the state from etcd.
     Etcd(crate::store::etcd::EtcdConfig),
+    /// A store the caller built.
+    Given(crate::store::SharedStore),
 }
 
 /// A running server.
@@ -213,6 +215,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     let store: Option<Arc<dyn crate::store::Store>> = match &config.store {
         StoreChoice::Embedded => Some(Arc::new(crate::store::redb::RedbStore::open(&config.state_dir.join("state.redb"))?)),
         StoreChoice::Memory => None,
+        StoreChoice::Given(s) => Some(s.0.clone()),
         StoreChoice::Etcd(etcd) => {
             let etcd = etcd.clone();
             Some(Arc::new(tokio::task::spawn_blocking(move || crate::store::etcd::EtcdStore::lead(etcd)).await??))

@@ -10,15 +10,14 @@ use berth_core::sim::Job;
 use berth_core::{predicate, TaskShape};
 use tonic::{Request, Response, Status};
 
-use super::bounds;
 use super::auth::{Identity, Role};
-use super::state::{hook_key, PolicyHook};
+use super::bounds;
 use super::decisions::{DecisionRecord, Filter, Placed};
-use crate::proto::{self as pb, berth_server::Berth};
-use super::registry::VersionMeta;
-use super::state::{IdempotencyKey, JobRecord, JobSpec, JobState, Live, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
-use super::shadow::{self, Mode};
 use super::error::ServeError;
+use super::registry::VersionMeta;
+use super::shadow::{self, Mode};
+use super::state::{hook_key, IdempotencyKey, JobRecord, JobSpec, JobState, Live, PolicyHook, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
+use crate::proto::{self as pb, berth_server::Berth};
 
 pub struct Service {
     pub live: Arc<Live>,

@@ -579,6 +579,9 @@ pub struct Live {
     pub actuator: std::sync::OnceLock<std::sync::Weak<dyn Actuator>>,
     /// Where state is written (none: in memory only, for tests of the core paths).
     pub store: std::sync::OnceLock<Arc<dyn crate::store::Store>>,
+    /// Records of what happened whose writes failed, by key (the latest
+    /// value): written ahead of the next write that succeeds.
+    pub(crate) unwritten: Mutex<std::collections::BTreeMap<String, crate::store::Op>>,
     /// The store refused a write: another host leads; this one stopped.
     pub fenced: AtomicBool,
     pub shutdown: AtomicBool,
@@ -633,6 +636,7 @@ impl Live {
             next_job: AtomicU64::new(decisions.max_job_id() + 1),
             next_alloc: AtomicU64::new(1),
             alloc_ceiling: Mutex::new(0),
+            unwritten: Mutex::new(Default::default()),
             actuator: std::sync::OnceLock::new(),
             store: std::sync::OnceLock::new(),
             fenced: AtomicBool::new(false),

@@ -26,6 +26,17 @@ pub enum StoreError {
     Fenced(String),
 }
 
+/// A store the caller built, shared (the simulation test wraps the embedded
+/// one to inject write failures).
+#[derive(Clone)]
+pub struct SharedStore(pub std::sync::Arc<dyn Store>);
+
+impl std::fmt::Debug for SharedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.describe())
+    }
+}
+
 pub trait Store: Send + Sync {
     /// Every key under `prefix` with its value, in key order.
     fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError>;
