@@ -251,6 +251,10 @@ impl Live {
         self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, JobState::Pending.as_str()]).inc();
         st.retry_at = Some(self.clock.now() + Duration::from_secs(1));
+        // Queued again: stored so (kept and written with the next write
+        // that succeeds when this one fails), or a restart would find it
+        // holding GPUs given to others since.
+        self.persist_logged(vec![st.job_op(&part.name, id)]);
     }
 
     /// Make-before-break migration of a job's running task to another
@@ -678,6 +682,8 @@ impl Live {
                 let node = st.agent_ids.get(&r.node).copied();
                 if job.runs.iter().all(|r| !r.holds) {
                     self.vacated(part, st, job_id);
+                } else {
+                    self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 }
                 if let Some(node) = node {
                     st.apply_holds(node);

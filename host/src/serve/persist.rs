@@ -375,8 +375,13 @@ impl Live {
                 } else {
                     allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds && r.replaces == 0).map(|(a, _)| a).collect()
                 };
-                let copies: Vec<Allocation> =
-                    allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds && r.replaces != 0 && !j.evicting).map(|(a, _)| a.clone()).collect();
+                // (An ended job's copies are fenced below with its other tasks.)
+                let copies: Vec<Allocation> = allocations
+                    .iter()
+                    .zip(&j.runs)
+                    .filter(|(_, r)| r.holds && r.replaces != 0 && !j.evicting && !state.is_ended())
+                    .map(|(a, _)| a.clone())
+                    .collect();
                 for c in &copies {
                     st.fleet.allocate(c).map_err(|e| anyhow::anyhow!("{key}: GPUs held twice in the stored state (a migrating copy): {e}"))?;
                 }
