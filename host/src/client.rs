@@ -29,9 +29,19 @@ impl tonic::service::Interceptor for Bearer {
 
 pub type Client = BerthClient<InterceptedService<Channel, Bearer>>;
 
-/// Connects to a server: TLS when `ca` is given (and the client identity
-/// for mTLS), a bearer token when given.
-pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> anyhow::Result<Client> {
+impl Bearer {
+    /// The interceptor for `token` (none: calls go without one).
+    pub fn new(token: Option<&str>) -> anyhow::Result<Bearer> {
+        Ok(Bearer(match token {
+            Some(t) => Some(format!("Bearer {t}").parse().context("token is not valid header text")?),
+            None => None,
+        }))
+    }
+}
+
+/// A connected channel to `server`: TLS when `ca` is given (and the client
+/// identity for mTLS). The API client and the agent's hub client share it.
+pub async fn channel(server: &str, ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> anyhow::Result<Channel> {
     let mut endpoint = Channel::from_shared(server.to_string()).with_context(|| format!("server URL {server:?}"))?;
     if ca.is_some() || identity.is_some() {
         let mut tls = ClientTlsConfig::new();
@@ -43,14 +53,16 @@ pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, ident
         }
         endpoint = endpoint.tls_config(tls)?;
     }
-    let channel = endpoint.connect().await.with_context(|| format!("connecting to {server}"))?;
-    let bearer = match token {
-        Some(t) => Some(format!("Bearer {t}").parse().context("token is not valid header text")?),
-        None => None,
-    };
+    endpoint.connect().await.with_context(|| format!("connecting to {server}"))
+}
+
+/// Connects to a server: TLS when `ca` is given (and the client identity
+/// for mTLS), a bearer token when given.
+pub async fn connect(server: &str, token: Option<&str>, ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> anyhow::Result<Client> {
+    let channel = channel(server, ca, identity).await?;
     // Replies are cut to 3 MiB by the server; a larger receive limit keeps
     // an older or differently configured server's reply readable.
-    Ok(BerthClient::with_interceptor(channel, Bearer(bearer)).max_encoding_message_size(64 << 20).max_decoding_message_size(64 << 20))
+    Ok(BerthClient::with_interceptor(channel, Bearer::new(token)?).max_encoding_message_size(64 << 20).max_decoding_message_size(64 << 20))
 }
 
 /// Every job `req` selects, read page by page (a page is at most 10,000

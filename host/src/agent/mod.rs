@@ -21,38 +21,15 @@ pub mod run;
 
 use std::path::Path;
 
-use anyhow::Context;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+use tonic::transport::Channel;
 
 use crate::proto::agent_hub_client::AgentHubClient;
 
-/// Adds the bearer token to every call.
-#[derive(Clone)]
-pub struct Token(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
-
-impl tonic::service::Interceptor for Token {
-    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
-            req.metadata_mut().insert("authorization", v.clone());
-        }
-        Ok(req)
-    }
-}
-
-pub type HubClient = AgentHubClient<InterceptedService<Channel, Token>>;
+pub type HubClient = AgentHubClient<InterceptedService<Channel, crate::client::Bearer>>;
 
 /// Connects to the agent service of a `berth serve` (TLS when `ca` is given).
 pub async fn connect_hub(server: &str, token: Option<&str>, ca: Option<&Path>) -> anyhow::Result<HubClient> {
-    let mut endpoint = Channel::from_shared(server.to_string()).with_context(|| format!("server URL {server:?}"))?;
-    if let Some(ca) = ca {
-        let pem = std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?;
-        endpoint = endpoint.tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)))?;
-    }
-    let channel = endpoint.connect().await.with_context(|| format!("connecting to {server}"))?;
-    let token = match token {
-        Some(t) => Some(format!("Bearer {t}").parse().context("token is not valid header text")?),
-        None => None,
-    };
-    Ok(AgentHubClient::with_interceptor(channel, Token(token)))
+    let channel = crate::client::channel(server, ca, None).await?;
+    Ok(AgentHubClient::with_interceptor(channel, crate::client::Bearer::new(token)?))
 }
