@@ -881,12 +881,12 @@ pub struct Summary {
 }
 
 /// Runs seeds `first..` until `seeds` are done or `time` has passed,
-/// `parallel` at a time (each with its own host, store and agents); stops
-/// starting seeds at the first failure, and shrinks the failure of the
-/// lowest failing seed once the others have finished.
-pub async fn soak(config: &ChaosConfig, first: u64, seeds: u64, time: Duration, parallel: usize) -> anyhow::Result<Summary> {
-    use std::cell::RefCell;
-    use std::rc::Rc;
+/// `parallel` at a time, each lane on its own thread with its own runtime
+/// (a host that hangs stalls only its lane, and its steps' time limits
+/// still fire); stops starting seeds at the first failure, and shrinks the
+/// failure of the lowest failing seed once the others have finished.
+pub fn soak(config: &ChaosConfig, first: u64, seeds: u64, time: Duration, parallel: usize) -> anyhow::Result<Summary> {
+    use std::sync::Mutex;
 
     #[derive(Default)]
     struct Shared {
@@ -897,50 +897,59 @@ pub async fn soak(config: &ChaosConfig, first: u64, seeds: u64, time: Duration, 
     }
     let started = Instant::now();
     let end = first.saturating_add(seeds);
-    let shared = Rc::new(RefCell::new(Shared { next: first, ..Default::default() }));
-    let config = Rc::new(config.clone());
-    // One thread drives every run (they wait on the host, not on the CPU);
-    // the hosts' own threads and the runtime's workers do the work.
-    let local = tokio::task::LocalSet::new();
-    for _ in 0..parallel.max(1) {
-        let (shared, config) = (shared.clone(), config.clone());
-        local.spawn_local(async move {
-            loop {
-                let seed = {
-                    let mut s = shared.borrow_mut();
-                    if s.failed.is_some() || s.error.is_some() || s.next >= end || started.elapsed() >= time {
+    let shared = Mutex::new(Shared { next: first, ..Default::default() });
+    let runtime = || tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build();
+    std::thread::scope(|scope| {
+        for _ in 0..parallel.max(1) {
+            let shared = &shared;
+            scope.spawn(move || {
+                let rt = match runtime() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        shared.lock().unwrap().error.get_or_insert(e.into());
                         return;
                     }
-                    s.next += 1;
-                    s.summary.seeds += 1;
-                    s.next - 1
                 };
-                let ops = operations(seed, config.operations, config.nodes);
-                let outcome = run(&config, seed, &ops).await;
-                let mut s = shared.borrow_mut();
-                match outcome {
-                    Ok(Ok(r)) => s.summary.total.add(&r),
-                    Ok(Err(v)) => {
-                        s.summary.total.operations += v.step + 1;
-                        if s.failed.as_ref().is_none_or(|(other, _, _)| seed < *other) {
-                            s.failed = Some((seed, v, ops));
+                loop {
+                    let seed = {
+                        let mut s = shared.lock().unwrap();
+                        if s.failed.is_some() || s.error.is_some() || s.next >= end || started.elapsed() >= time {
+                            break;
+                        }
+                        s.next += 1;
+                        s.summary.seeds += 1;
+                        s.next - 1
+                    };
+                    let ops = operations(seed, config.operations, config.nodes);
+                    let outcome = rt.block_on(run(config, seed, &ops));
+                    let mut s = shared.lock().unwrap();
+                    match outcome {
+                        Ok(Ok(r)) => s.summary.total.add(&r),
+                        Ok(Err(v)) => {
+                            s.summary.total.operations += v.step + 1;
+                            if s.failed.as_ref().is_none_or(|(other, _, _)| seed < *other) {
+                                s.failed = Some((seed, v, ops));
+                            }
+                        }
+                        Err(e) => {
+                            s.error.get_or_insert(e.context(format!("seed {seed}")));
                         }
                     }
-                    Err(e) => {
-                        s.error.get_or_insert(e.context(format!("seed {seed}")));
-                    }
                 }
-            }
-        });
-    }
-    local.await;
-    let Shared { summary: mut s, failed, error, .. } = Rc::into_inner(shared).expect("every run has finished").into_inner();
+                // A host left hung by a failed run must not keep the soak from reporting.
+                rt.shutdown_timeout(Duration::from_secs(10));
+            });
+        }
+    });
+    let Shared { summary: mut s, failed, error, .. } = shared.into_inner().unwrap();
     if let Some(e) = error {
         return Err(e);
     }
     if let Some((seed, v, ops)) = failed {
-        let shortest = shrink(&config, seed, &ops[..=v.step], Duration::from_secs(120)).await?;
-        s.failure = Some((seed, v, shortest));
+        let rt = runtime()?;
+        let shortest = rt.block_on(shrink(config, seed, &ops[..=v.step], Duration::from_secs(120)));
+        rt.shutdown_timeout(Duration::from_secs(10));
+        s.failure = Some((seed, v, shortest?));
     }
     s.elapsed = started.elapsed();
     Ok(s)

@@ -511,8 +511,7 @@ fn main() -> anyhow::Result<()> {
                 alternates: alternates.iter().map(|a| Ok((std::fs::read(catalog::resolve(a)?)?, String::new()))).collect::<anyhow::Result<_>>()?,
                 notice_s: 5,
             };
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            let s = rt.block_on(berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds), usize::from(parallel)))?;
+            let s = berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds), usize::from(parallel))?;
             let secs = s.elapsed.as_secs_f64();
             println!(
                 "chaos: {} seeds from {seed} ({parallel} at a time) in {secs:.1} s ({:.0} operations/s), {}; violations: {}",
