@@ -306,12 +306,10 @@ impl World {
         // the link was down (its reports follow): the host reconciles.
         let running = self.running_on(i);
         agent.hub.heartbeat(pb::HeartbeatRequest { node: agent.name.clone(), session, running, ..Default::default() }).await.context("heartbeat")?;
-        let (late, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.unsent).into_iter().partition(|(n, _)| *n == i);
-        self.unsent = others;
-        for (n, r) in late {
+        for r in self.take_unsent(i) {
             match agent.hub.report_allocation(r.clone()).await {
                 Ok(_) => {}
-                Err(s) if store_refused(&s) => self.unsent.push((n, r)),
+                Err(s) if store_refused(&s) => self.unsent.push((i, r)),
                 Err(s) => return Err(anyhow::Error::from(s).context(format!("late report of allocation {}", r.allocation_id))),
             }
         }
@@ -326,6 +324,13 @@ impl World {
         running
     }
 
+    /// The reports node `i` has not had acknowledged, taken to send again.
+    fn take_unsent(&mut self, i: usize) -> Vec<pb::AllocationReport> {
+        let (late, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.unsent).into_iter().partition(|(n, _)| *n == i);
+        self.unsent = others;
+        late.into_iter().map(|(_, r)| r).collect()
+    }
+
     /// Every connected agent heartbeats (what runs on its node).
     async fn heartbeats(&mut self) -> anyhow::Result<()> {
         for i in 0..self.agents.len() {
@@ -336,9 +341,7 @@ impl World {
             let a = &mut self.agents[i];
             a.hub.heartbeat(pb::HeartbeatRequest { node: a.name.clone(), session: a.session, running, ..Default::default() }).await.with_context(|| format!("heartbeat of {}", a.name))?;
             // Reports the host refused before go again.
-            let (late, others): (Vec<_>, Vec<_>) = std::mem::take(&mut self.unsent).into_iter().partition(|(n, _)| *n == i);
-            self.unsent = others;
-            for (_, r) in late {
+            for r in self.take_unsent(i) {
                 self.report(i, r).await?;
             }
         }

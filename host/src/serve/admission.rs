@@ -199,12 +199,9 @@ impl Live {
             }
             JobState::Finished | JobState::Failed | JobState::Cancelled => {} // refused above
         }
-        let job = st.jobs.get_mut(&id).expect("found above");
-        job.state = JobState::Cancelled;
-        job.sleep = SleepState::Awake;
-        job.ended_unix_ms = after.ended_unix_ms;
-        // What the engine's cancel changed beside the record stored above.
-        self.persist_logged(vec![st.job_op(&part.name, id)]);
+        // The record is the one stored above (the branches changed the
+        // engine and the timers, and the same fields of the record).
+        st.jobs.insert(id, after);
         self.metrics.jobs.with_label_values(&[&part.name, before.as_str()]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, "cancelled"]).inc();
         st.dirty = true;
