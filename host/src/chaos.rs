@@ -1,9 +1,12 @@
 //! The simulation test of the live host, after FoundationDB's simulation
 //! testing and TigerBeetle's VOPR. A seed makes a list of operations
 //! (submit high and low priority work, cancel at any moment, let processes
-//! end, move the clock, migrate a task, cut an agent's link until its node
-//! is given up, restart an agent, refuse the store's writes for a while,
-//! kill and restart the host on its store);
+//! end, move the clock, migrate a task, compact the partition live, put
+//! inference replicas to sleep and wake them (by hand and on the harvest
+//! schedule), swap placement and rank versions (hostile ones among them),
+//! cut an agent's link until its node is given up, restart an agent, refuse
+//! or slow the store's writes for a while, kill and restart the host on its
+//! store);
 //! they drive the real `berth serve` code (the gRPC API, the agent
 //! hub, the partition loop, the engine, the store) on a manual clock, with
 //! simulated agents in-process speaking the real agent protocol.
@@ -11,7 +14,8 @@
 //! The simulated agents are the physical truth: which processes run on
 //! which GPUs. After every operation, once the host has settled, the
 //! invariants are checked against them, not against the host's records:
-//! - no GPU is used by two live processes;
+//! - no GPU is used by two live processes (an asleep replica has let its
+//!   GPUs go: a borrower may use them until it wakes);
 //! - every process belongs to a job the host holds it for, or has been
 //!   told to stop;
 //! - nothing of a cancelled or ended job runs without a stop;
@@ -56,13 +60,30 @@ pub struct ChaosConfig {
     pub alternates: Vec<(Vec<u8>, String)>,
     /// Seconds of the preemption notice (and of the stop grace after it).
     pub notice_s: u64,
+    /// The compact component (live compaction); without one, none happens.
+    pub compact: Option<Vec<u8>>,
+    /// Other rank versions a run swaps to (`rank` is swapped back to).
+    pub rank_alternates: Vec<Vec<u8>>,
+    /// A harvest schedule: sleepable replicas sleep 1 minute into the run
+    /// and wake 3 minutes into it (simulated time).
+    pub harvest: bool,
 }
 
 /// One operation. Indexes (`pick`) choose among what exists when it runs,
 /// modulo its count, so a list stays meaningful with operations removed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
+    /// A job: low-priority ones are movable (live compaction may move them).
     Submit { high: bool, tasks: u32, gpus: u32, limit_s: u32 },
+    /// An inference replica: high priority, whole GPUs, sleepable, movable,
+    /// no time limit.
+    SubmitReplica { gpus: u32 },
+    /// Ask a job to sleep (lending its GPUs once its tasks are asleep), or
+    /// wake it (borrowers evicted first).
+    Sleep { pick: u32 },
+    Wake { pick: u32 },
+    /// One live compaction step on demand (ejection chains, make-before-break).
+    Compact,
     Cancel { pick: u32 },
     /// A running process ends on its own (exit 0, or a failure).
     Exit { pick: u32, code: i32 },
@@ -72,6 +93,8 @@ pub enum Op {
     /// Upload (again: the same bytes are the same version) and activate a
     /// placement version: `placement` or one of the alternates.
     SwapPolicy { pick: u32 },
+    /// Upload and activate a rank version: `rank` or one of its alternates.
+    SwapRank { pick: u32 },
     /// The node's link goes down: no heartbeats, commands and reports lost
     /// (its processes go on), until the agent restarts. Past the heartbeat
     /// timeout and the grace the host gives the node up.
@@ -80,6 +103,9 @@ pub enum Op {
     /// The store refuses every write (a full disk, a lost etcd quorum) for
     /// this many operations (this one included), or until the host restarts.
     StoreOutage { ops: u32 },
+    /// Every store write takes this long (a slow disk, a distant etcd) for
+    /// this many operations.
+    SlowStore { ops: u32, ms: u32 },
     RestartHost,
 }
 
@@ -87,21 +113,27 @@ pub enum Op {
 pub fn operations(seed: u64, count: usize, nodes: usize) -> Vec<Op> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..count)
-        .map(|_| match rng.random_range(0..100u32) {
-            0..30 => {
+        .map(|_| match rng.random_range(0..200u32) {
+            0..46 => {
                 let gpus = [1, 2, 4, 8][rng.random_range(0..4usize)];
                 let tasks = if gpus == 8 && rng.random_bool(0.3) { 2 } else { 1 };
                 let limit_s = if rng.random_bool(0.3) { rng.random_range(5..60) } else { 0 };
                 Op::Submit { high: rng.random_bool(0.3), tasks, gpus, limit_s }
             }
-            30..42 => Op::Cancel { pick: rng.random() },
-            42..58 => Op::Exit { pick: rng.random(), code: if rng.random_bool(0.2) { 1 } else { 0 } },
-            58..84 => Op::Advance { seconds: rng.random_range(1..20) },
-            84..86 => Op::SwapPolicy { pick: rng.random() },
-            86..91 => Op::Migrate { pick: rng.random(), checkpoint: rng.random_bool(0.5) },
-            91..93 => Op::CutAgent { node: rng.random_range(0..nodes as u32) },
-            93..96 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
-            96..98 => Op::StoreOutage { ops: rng.random_range(1..6) },
+            46..60 => Op::SubmitReplica { gpus: [1, 2, 4][rng.random_range(0..3usize)] },
+            60..80 => Op::Cancel { pick: rng.random() },
+            80..108 => Op::Exit { pick: rng.random(), code: if rng.random_bool(0.2) { 1 } else { 0 } },
+            108..156 => Op::Advance { seconds: rng.random_range(1..20) },
+            156..159 => Op::SwapPolicy { pick: rng.random() },
+            159..160 => Op::SwapRank { pick: rng.random() },
+            160..168 => Op::Migrate { pick: rng.random(), checkpoint: rng.random_bool(0.5) },
+            168..172 => Op::Sleep { pick: rng.random() },
+            172..175 => Op::Wake { pick: rng.random() },
+            175..177 => Op::Compact,
+            177..180 => Op::CutAgent { node: rng.random_range(0..nodes as u32) },
+            180..186 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
+            186..190 => Op::StoreOutage { ops: rng.random_range(1..6) },
+            190..193 => Op::SlowStore { ops: rng.random_range(1..4), ms: rng.random_range(10..150) },
             _ => Op::RestartHost,
         })
         .collect()
@@ -131,6 +163,18 @@ pub struct RunStats {
     /// Placement versions activated by the run (a hostile one is rolled
     /// back by its breaker).
     pub policy_swaps: usize,
+    pub rank_swaps: usize,
+    /// Sleeps and wakes the host accepted, and asleep reports (by hand or
+    /// on the harvest schedule).
+    pub sleeps: usize,
+    pub wakes: usize,
+    pub tasks_asleep: usize,
+    pub tasks_woken: usize,
+    /// Live compaction steps, and the chains they started.
+    pub compactions: usize,
+    pub chains_started: usize,
+    /// Operations with a slow store.
+    pub slow_store_ops: usize,
     /// Store outages, the writes they refused, and the calls the host
     /// refused because of them.
     pub store_outages: usize,
@@ -146,6 +190,8 @@ struct Process {
     job: u64,
     /// Told to stop: it exits at this clock time (ms).
     exits_at_ms: Option<u64>,
+    /// Asleep (its sleep hook ran): its GPUs are free for a borrower.
+    asleep: bool,
 }
 
 struct SimAgent {
@@ -167,11 +213,13 @@ impl Drop for SimAgent {
 }
 
 /// The host's embedded store, with injected write failures: while
-/// `failing`, every write is refused (reads pass).
+/// `failing`, every write is refused (reads pass); while `slow_ms` is not
+/// 0, every write takes that long first.
 struct FaultyStore {
     inner: crate::store::redb::RedbStore,
     failing: Arc<AtomicBool>,
     refused: Arc<AtomicU64>,
+    slow_ms: Arc<AtomicU64>,
 }
 
 impl crate::store::Store for FaultyStore {
@@ -180,6 +228,10 @@ impl crate::store::Store for FaultyStore {
     }
 
     fn apply(&self, ops: Vec<crate::store::Op>) -> Result<(), crate::store::StoreError> {
+        let slow = self.slow_ms.load(Ordering::SeqCst);
+        if slow > 0 {
+            std::thread::sleep(Duration::from_millis(slow));
+        }
         if self.failing.load(Ordering::SeqCst) {
             self.refused.fetch_add(1, Ordering::SeqCst);
             return Err(crate::store::StoreError::Backend("injected write failure (the simulation's store outage)".into()));
@@ -222,10 +274,14 @@ struct World {
     unsent: Vec<(usize, pb::AllocationReport)>,
     /// Every job accepted, with whether it was cancelled and when (ms).
     accepted: BTreeMap<u64, Option<u64>>,
+    /// The accepted inference replicas (sleepable).
+    replicas: std::collections::BTreeSet<u64>,
     /// Set while the store refuses writes; operations left in the outage.
     store_failing: Arc<AtomicBool>,
     writes_refused: Arc<AtomicU64>,
     outage_left: u32,
+    store_slow_ms: Arc<AtomicU64>,
+    slow_left: u32,
     stats: RunStats,
 }
 
@@ -239,6 +295,9 @@ pub fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<Manu
          [[identities]]\nname = \"chaos-agents\"\ntoken = \"{AGENT}\"\nroles = {{ \"{PARTITION}\" = \"agent\" }}\nnodes = [\"sim-*\"]\n"
     );
     let contract = berth_core::job::PriorityContract { notice_s: config.notice_s, grace_s: config.notice_s, ..Default::default() };
+    // The run starts at 08:00 UTC: the trough is 08:01 to 08:03.
+    let day_s = T0_MS / 1000 % 86_400;
+    let harvest = config.harvest.then_some(berth_core::harvest::Harvest { class: 0, sleep_at_s: day_s + 60, wake_at_s: day_s + 180, share: 0.7 });
     Ok(ServeConfig {
         listen: "127.0.0.1:0".parse()?,
         metrics_listen: None,
@@ -251,16 +310,16 @@ pub fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<Manu
         breaker: Default::default(),
         max_upload_bytes: 16 << 20,
         store: Default::default(),
-        scheduling: crate::serve::server::Scheduling { high_priority: 1, contract, auto_compaction: false, clock, ..Default::default() },
+        scheduling: crate::serve::server::Scheduling { high_priority: 1, contract, auto_compaction: false, clock, harvest, ..Default::default() },
     })
 }
 
 impl World {
-    async fn start_host(&mut self) -> anyhow::Result<()> {
+    async fn start_host(&mut self, fresh: bool) -> anyhow::Result<()> {
         let mut cfg = serve_config(&self.dir, &self.config, self.clock.clone())?;
         std::fs::create_dir_all(&self.dir)?;
         let inner = crate::store::redb::RedbStore::open(&self.dir.join("state.redb"))?;
-        let store = FaultyStore { inner, failing: self.store_failing.clone(), refused: self.writes_refused.clone() };
+        let store = FaultyStore { inner, failing: self.store_failing.clone(), refused: self.writes_refused.clone(), slow_ms: self.store_slow_ms.clone() };
         cfg.store = crate::serve::server::StoreChoice::Given(crate::store::SharedStore(Arc::new(store)));
         // The hub's timers run on the host's (manual) clock: a node whose
         // link is cut goes silent, is unreachable after 30 s and given up 20
@@ -269,19 +328,44 @@ impl World {
         let hub = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(HEARTBEAT_TIMEOUT_S), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(20)) };
         let h = crate::serve::server::start_with_agents(cfg, hub).await?;
         self.url = format!("http://{}", h.addr);
-        let mut api = crate::client::connect(&self.url, Some(OPERATOR), None, None).await?;
-        if let Some(rank) = &self.config.rank {
-            let up = api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component: rank.clone(), hook: "rank".into(), ..Default::default() }).await;
-            // A restarted host keeps its active rank version: uploading the same bytes again is refused or a no-op.
-            if let Ok(up) = up
-                && let Some(p) = up.into_inner().policy
-            {
-                api.activate_policy(pb::ActivatePolicyRequest { partition: PARTITION.into(), version: p.version, hook: "rank".into() }).await?;
+        self.api = Some(crate::client::connect(&self.url, Some(OPERATOR), None, None).await?);
+        self.host = Some(h);
+        // A fresh host starts with the run's rank and compact versions; a
+        // restarted one keeps its active ones.
+        if fresh {
+            if let Some(rank) = self.config.rank.clone() {
+                self.swap(rank, String::new(), "rank").await?;
+            }
+            if let Some(compact) = self.config.compact.clone() {
+                self.swap(compact, String::new(), "compact").await?;
             }
         }
-        self.api = Some(api);
-        self.host = Some(h);
         Ok(())
+    }
+
+    /// Uploads and activates a version for `hook`; whether it is active now
+    /// (an active or tripped version is not activated again; a call the
+    /// store refused is counted).
+    async fn swap(&mut self, component: Vec<u8>, config: String, hook: &str) -> anyhow::Result<bool> {
+        let api = self.api.as_mut().expect("connected");
+        let up = match api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component, config, hook: hook.into(), ..Default::default() }).await {
+            Ok(up) => up.into_inner(),
+            Err(s) if store_refused(&s) => {
+                self.stats.calls_refused += 1;
+                return Ok(false);
+            }
+            Err(s) => return Err(anyhow::Error::from(s).context(format!("upload of a {hook} version"))),
+        };
+        let version = up.policy.context("an upload names its version")?.version;
+        match api.activate_policy(pb::ActivatePolicyRequest { partition: PARTITION.into(), version, hook: hook.into() }).await {
+            Ok(_) => Ok(true),
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => Ok(false),
+            Err(s) if store_refused(&s) => {
+                self.stats.calls_refused += 1;
+                Ok(false)
+            }
+            Err(s) => anyhow::bail!("activation of {hook} version {version}: {s:?}"),
+        }
     }
 
     async fn connect_agent(&mut self, i: usize) -> anyhow::Result<SimAgent> {
@@ -310,6 +394,7 @@ impl World {
             match agent.hub.report_allocation(r.clone()).await {
                 Ok(_) => {}
                 Err(s) if store_refused(&s) => self.unsent.push((i, r)),
+                Err(s) if s.code() == tonic::Code::NotFound && r.state == "exited" => {} // dropped, as in `report`
                 Err(s) => return Err(anyhow::Error::from(s).context(format!("late report of allocation {}", r.allocation_id))),
             }
         }
@@ -418,14 +503,16 @@ impl World {
                 let gpus: Vec<u32> = cmd.gpu_uuids.iter().filter_map(|u| u.strip_prefix(&prefix).and_then(|g| g.parse().ok())).collect();
                 anyhow::ensure!(gpus.len() == cmd.gpu_uuids.len(), "allocation {id}: GPUs {:?} are not node {i}'s", cmd.gpu_uuids);
                 let job = cmd.env.get("BERTH_JOB").and_then(|j| j.parse().ok()).unwrap_or(0);
-                self.processes.insert(id, Process { node: i, gpus, job, exits_at_ms: None });
+                self.processes.insert(id, Process { node: i, gpus, job, exits_at_ms: None, asleep: false });
                 self.stats.processes_started += 1;
                 report("running", 0, 0)
             }
             "stop" => {
                 let Some(p) = self.processes.get_mut(&id) else { return Ok(()) };
                 // Gone within the stop grace: some at once, some at the end.
-                let delay = splitmix(self.seed ^ id) % (self.config.notice_s * 1000 + 1);
+                // One frozen asleep is killed where it stands (the agent's
+                // SIGKILL): it never wakes onto its lent GPUs.
+                let delay = if p.asleep { 0 } else { splitmix(self.seed ^ id) % (self.config.notice_s * 1000 + 1) };
                 p.exits_at_ms.get_or_insert(now + delay);
                 return Ok(());
             }
@@ -433,7 +520,23 @@ impl World {
                 self.stats.evictions_seen += 1;
                 return Ok(());
             }
-            _ => return Ok(()), // sleep and wake: not driven here
+            // The sleep hook ran: the replica let its GPUs go. The wake
+            // hook: it takes them back (whoever else is on them).
+            "sleep" | "wake" => {
+                let Some(p) = self.processes.get_mut(&id) else { return Ok(()) };
+                if p.exits_at_ms.is_some() {
+                    return Ok(()); // stopping: the hook does nothing
+                }
+                p.asleep = cmd.action == "sleep";
+                if p.asleep {
+                    self.stats.tasks_asleep += 1;
+                    report("sleeping", 0, 0)
+                } else {
+                    self.stats.tasks_woken += 1;
+                    report("running", 0, 0)
+                }
+            }
+            _ => return Ok(()),
         };
         self.report(i, msg).await
     }
@@ -449,6 +552,10 @@ impl World {
                 self.unsent.push((i, r));
                 Ok(())
             }
+            // The exit of a process the host holds nothing for (an orphan it
+            // told to stop): dropped, as the real agent drops it. (Whether
+            // the host should hold it is judged against its records.)
+            Err(s) if s.code() == tonic::Code::NotFound && r.state == "exited" => Ok(()),
             Err(s) => Err(anyhow::Error::from(s).context(format!("report of allocation {id}"))),
         }
     }
@@ -456,9 +563,9 @@ impl World {
     /// Processes whose stop delay ran out exit (signal 15), reported.
     async fn exits_due(&mut self) -> anyhow::Result<()> {
         let now = self.clock.unix_ms();
-        let due: Vec<u64> = self.processes.iter().filter(|(_, p)| p.exits_at_ms.is_some_and(|t| t <= now)).map(|(&a, _)| a).collect();
-        for a in due {
-            self.end_process(a, 0, libc::SIGTERM).await?;
+        let due: Vec<(u64, bool)> = self.processes.iter().filter(|(_, p)| p.exits_at_ms.is_some_and(|t| t <= now)).map(|(&a, p)| (a, p.asleep)).collect();
+        for (a, asleep) in due {
+            self.end_process(a, 0, if asleep { libc::SIGKILL } else { libc::SIGTERM }).await?;
         }
         Ok(())
     }
@@ -475,17 +582,12 @@ impl World {
 
     async fn apply(&mut self, op: &Op) -> anyhow::Result<()> {
         match *op {
-            Op::Submit { high, tasks, gpus, limit_s } => {
-                let spec = pb::JobSpec {
-                    partition: PARTITION.into(),
-                    tasks,
-                    gpus,
-                    cpu_milli: 1000,
-                    memory_mib: 1024,
-                    priority: if high { 5 } else { 0 },
-                    duration_s: f64::from(limit_s),
-                    argv: vec!["simulated-task".into()],
-                    ..Default::default()
+            Op::Submit { .. } | Op::SubmitReplica { .. } => {
+                let base = pb::JobSpec { partition: PARTITION.into(), cpu_milli: 1000, memory_mib: 1024, argv: vec!["simulated-task".into()], ..Default::default() };
+                let spec = match *op {
+                    Op::Submit { high, tasks, gpus, limit_s } => pb::JobSpec { tasks, gpus, priority: if high { 5 } else { 0 }, duration_s: f64::from(limit_s), movable: !high, ..base },
+                    Op::SubmitReplica { gpus } => pb::JobSpec { tasks: 1, gpus, priority: 5, sleepable: true, movable: true, ..base },
+                    _ => unreachable!("matched above"),
                 };
                 let api = self.api.as_mut().expect("connected");
                 let id = match api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await {
@@ -497,6 +599,9 @@ impl World {
                     Err(s) => return Err(s.into()),
                 };
                 anyhow::ensure!(self.accepted.insert(id, None).is_none(), "job id {id} was given twice");
+                if matches!(op, Op::SubmitReplica { .. }) {
+                    self.replicas.insert(id);
+                }
                 self.stats.submitted += 1;
             }
             Op::Cancel { pick } => {
@@ -515,7 +620,8 @@ impl World {
                 }
             }
             Op::Exit { pick, code } => {
-                let live: Vec<u64> = self.processes.iter().filter(|(_, p)| p.exits_at_ms.is_none()).map(|(&a, _)| a).collect();
+                // (A frozen process does not end on its own.)
+                let live: Vec<u64> = self.processes.iter().filter(|(_, p)| p.exits_at_ms.is_none() && !p.asleep).map(|(&a, _)| a).collect();
                 if !live.is_empty() {
                     self.end_process(live[pick as usize % live.len()], code, 0).await?;
                 }
@@ -560,22 +666,52 @@ impl World {
                 }
                 let k = pick as usize % (self.config.alternates.len() + 1);
                 let (component, config) = if k == 0 { (self.config.placement.clone(), String::new()) } else { self.config.alternates[k - 1].clone() };
+                if self.swap(component, config, "place").await? {
+                    self.stats.policy_swaps += 1;
+                }
+            }
+            Op::SwapRank { pick } => {
+                let Some(rank) = self.config.rank.clone() else { return Ok(()) };
+                let k = pick as usize % (self.config.rank_alternates.len() + 1);
+                let component = if k == 0 { rank } else { self.config.rank_alternates[k - 1].clone() };
+                if self.swap(component, String::new(), "rank").await? {
+                    self.stats.rank_swaps += 1;
+                }
+            }
+            Op::Sleep { pick } | Op::Wake { pick } => {
+                // Among the replicas (other jobs are refused the same way, and
+                // the pick would mostly land on them).
+                let replicas: Vec<u64> = self.replicas.iter().copied().collect();
+                if replicas.is_empty() {
+                    return Ok(());
+                }
+                let id = replicas[pick as usize % replicas.len()];
+                let sleep = matches!(op, Op::Sleep { .. });
                 let api = self.api.as_mut().expect("connected");
-                let up = match api.upload_policy(pb::UploadPolicyRequest { partition: PARTITION.into(), component, config, ..Default::default() }).await {
-                    Ok(up) => up.into_inner(),
-                    Err(s) if store_refused(&s) => {
-                        self.stats.calls_refused += 1;
-                        return self.end_op().await;
-                    }
-                    Err(s) => return Err(s.into()),
-                };
-                let version = up.policy.context("an upload names its version")?.version;
-                match api.activate_policy(pb::ActivatePolicyRequest { partition: PARTITION.into(), version, ..Default::default() }).await {
-                    Ok(_) => self.stats.policy_swaps += 1,
-                    // Active already, or tripped (a tripped version is not activated again).
+                let r = if sleep { api.sleep_job(pb::SleepJobRequest { job_id: id }).await } else { api.wake_job(pb::SleepJobRequest { job_id: id }).await };
+                match r {
+                    Ok(_) if sleep => self.stats.sleeps += 1,
+                    Ok(_) => self.stats.wakes += 1,
+                    // Not running, not awake (or not asleep), migrating, ...
                     Err(s) if s.code() == tonic::Code::FailedPrecondition => {}
                     Err(s) if store_refused(&s) => self.stats.calls_refused += 1,
-                    Err(s) => anyhow::bail!("activation of version {version}: {s:?}"),
+                    Err(s) => anyhow::bail!("{} of job {id}: {s:?}", if sleep { "sleep" } else { "wake" }),
+                }
+            }
+            Op::Compact => {
+                if self.config.compact.is_none() {
+                    return Ok(());
+                }
+                let api = self.api.as_mut().expect("connected");
+                match api.compact_live(pb::CompactLiveRequest { partition: PARTITION.into(), dry_run: false }).await {
+                    Ok(r) => {
+                        self.stats.compactions += 1;
+                        self.stats.chains_started += r.into_inner().chain_ids.len();
+                    }
+                    // A step running already.
+                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {}
+                    Err(s) if store_refused(&s) => self.stats.calls_refused += 1,
+                    Err(s) => anyhow::bail!("live compaction: {s:?}"),
                 }
             }
             Op::CutAgent { node } => {
@@ -606,6 +742,10 @@ impl World {
                 self.outage_left = ops.max(1);
                 self.stats.store_outages += 1;
             }
+            Op::SlowStore { ops, ms } => {
+                self.store_slow_ms.store(u64::from(ms), Ordering::SeqCst);
+                self.slow_left = ops.max(1);
+            }
             Op::RestartHost => {
                 // An outage ends before the host is back (a host that cannot
                 // write does not start).
@@ -616,7 +756,7 @@ impl World {
                 if let Some(h) = self.host.take() {
                     h.shutdown().await;
                 }
-                self.start_host().await?;
+                self.start_host(false).await?;
                 self.cut.clear();
                 for i in 0..self.config.nodes {
                     let a = self.connect_agent(i).await?;
@@ -639,6 +779,13 @@ impl World {
                 self.store_failing.store(false, Ordering::SeqCst);
             }
         }
+        if self.slow_left > 0 {
+            self.stats.slow_store_ops += 1;
+            self.slow_left -= 1;
+            if self.slow_left == 0 {
+                self.store_slow_ms.store(0, Ordering::SeqCst);
+            }
+        }
         Ok(())
     }
 
@@ -651,7 +798,7 @@ impl World {
     async fn check(&mut self) -> Result<(), String> {
         // No GPU used by two live processes.
         let mut owner: BTreeMap<(usize, u32), u64> = BTreeMap::new();
-        for (&a, p) in &self.processes {
+        for (&a, p) in self.processes.iter().filter(|(_, p)| !p.asleep) {
             for &g in &p.gpus {
                 if let Some(other) = owner.insert((p.node, g), a) {
                     let (x, y) = (&self.processes[&other], p);
@@ -748,13 +895,16 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
         cut: Default::default(),
         unsent: Vec::new(),
         accepted: BTreeMap::new(),
+        replicas: Default::default(),
         store_failing: Arc::new(AtomicBool::new(false)),
         writes_refused: Arc::new(AtomicU64::new(0)),
         outage_left: 0,
+        store_slow_ms: Arc::new(AtomicU64::new(0)),
+        slow_left: 0,
         stats: RunStats::default(),
     };
     bounded("the start", async {
-        w.start_host().await?;
+        w.start_host(true).await?;
         for i in 0..config.nodes {
             let a = w.connect_agent(i).await?;
             w.agents.push(a);
@@ -836,7 +986,7 @@ impl std::fmt::Display for RunStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up, {} policy swaps, {} store outages ({} writes and {} calls refused)",
+            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up, {} placement and {} rank swaps, {} sleeps and {} wakes asked ({} tasks put to sleep, {} woken), {} compaction steps ({} chains), {} store outages ({} writes and {} calls refused), {} operations on a slow store",
             self.operations,
             self.submitted,
             self.processes_started,
@@ -847,9 +997,17 @@ impl std::fmt::Display for RunStats {
             self.links_cut,
             self.nodes_given_up,
             self.policy_swaps,
+            self.rank_swaps,
+            self.sleeps,
+            self.wakes,
+            self.tasks_asleep,
+            self.tasks_woken,
+            self.compactions,
+            self.chains_started,
             self.store_outages,
             self.writes_refused,
-            self.calls_refused
+            self.calls_refused,
+            self.slow_store_ops
         )
     }
 }
@@ -866,6 +1024,14 @@ impl RunStats {
         self.links_cut += o.links_cut;
         self.nodes_given_up += o.nodes_given_up;
         self.policy_swaps += o.policy_swaps;
+        self.rank_swaps += o.rank_swaps;
+        self.sleeps += o.sleeps;
+        self.wakes += o.wakes;
+        self.tasks_asleep += o.tasks_asleep;
+        self.tasks_woken += o.tasks_woken;
+        self.compactions += o.compactions;
+        self.chains_started += o.chains_started;
+        self.slow_store_ops += o.slow_store_ops;
         self.store_outages += o.store_outages;
         self.writes_refused += o.writes_refused;
         self.calls_refused += o.calls_refused;

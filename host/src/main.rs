@@ -287,7 +287,9 @@ enum BenchCommand {
         json: bool,
     },
     /// The simulation test of the live host as a soak: seeded operations
-    /// (submit, cancel, exits, clock moves, agent and host restarts) on an
+    /// (submit, cancel, exits, clock moves, migrations, live compaction,
+    /// sleep and wake, policy swaps, agent and host restarts, store outages
+    /// and slow stores) on an
     /// in-process `berth serve` with simulated agents, checking the
     /// invariants against the agents' processes after each. Prints the
     /// figures; exits non-zero with the seed and the shortest failing
@@ -318,6 +320,16 @@ enum BenchCommand {
         /// flag; bundled names or .wasm paths).
         #[arg(long = "swap-to", default_value = "spread")]
         alternates: Vec<String>,
+        /// Rank policies the runs swap to and back from (repeat the flag).
+        #[arg(long = "rank-swap-to", default_value = "newest-first")]
+        rank_alternates: Vec<String>,
+        /// Compact policy for live compaction steps ("none": no compaction).
+        #[arg(long, default_value = "ipc")]
+        compact: String,
+        /// No harvest schedule (by default sleepable replicas sleep 1 and
+        /// wake 3 simulated minutes into each run).
+        #[arg(long)]
+        no_harvest: bool,
         /// Where the runs keep their hosts' stores.
         #[arg(long, default_value = "target/chaos")]
         state_dir: PathBuf,
@@ -501,7 +513,7 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, alternates, state_dir, parallel } } => {
+        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, alternates, rank_alternates, compact, no_harvest, state_dir, parallel } } => {
             let config = berth::chaos::ChaosConfig {
                 nodes,
                 operations,
@@ -510,6 +522,9 @@ fn main() -> anyhow::Result<()> {
                 rank: Some(std::fs::read(catalog::resolve(&rank)?)?),
                 alternates: alternates.iter().map(|a| Ok((std::fs::read(catalog::resolve(a)?)?, String::new()))).collect::<anyhow::Result<_>>()?,
                 notice_s: 5,
+                compact: if compact == "none" { None } else { Some(std::fs::read(catalog::resolve(&compact)?)?) },
+                rank_alternates: rank_alternates.iter().map(|a| Ok(std::fs::read(catalog::resolve(a)?)?)).collect::<anyhow::Result<_>>()?,
+                harvest: !no_harvest,
             };
             let s = berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds), usize::from(parallel))?;
             let secs = s.elapsed.as_secs_f64();

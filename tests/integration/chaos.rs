@@ -19,6 +19,9 @@ fn config(operations: usize) -> berth::chaos::ChaosConfig {
         // odd job's call fails until its breaker trips and rolls it back.
         alternates: vec![(std::fs::read(policy_path("spread")).unwrap(), String::new()), (std::fs::read(crate::common::guest_path("hostile")).unwrap(), "flaky".into())],
         notice_s: 5,
+        compact: Some(std::fs::read(policy_path("ipc")).unwrap()),
+        rank_alternates: vec![std::fs::read(policy_path("newest-first")).unwrap()],
+        harvest: true,
     }
 }
 
@@ -38,6 +41,8 @@ fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
     assert!(t.migrations > 0 && t.links_cut > 0 && t.nodes_given_up > 0, "migrations and node losses were driven: {s:?}");
     assert!(t.policy_swaps > 0, "placement versions were swapped: {s:?}");
     assert!(t.store_outages > 0 && t.writes_refused > 0, "the store refused writes: {s:?}");
+    assert!(t.sleeps > 0 && t.tasks_asleep > 0 && t.tasks_woken > 0, "replicas slept and woke (by hand or on the harvest schedule): {s:?}");
+    assert!(t.compactions > 0 && t.rank_swaps > 0 && t.slow_store_ops > 0, "compaction steps, rank swaps and a slow store: {s:?}");
 }
 
 /// The generator is a function of the seed: a failure's seed reproduces it.
@@ -46,7 +51,7 @@ fn a_seed_gives_one_operation_list() {
     let a = berth::chaos::operations(7, 500, 3);
     assert_eq!(a, berth::chaos::operations(7, 500, 3));
     assert_ne!(a, berth::chaos::operations(8, 500, 3));
-    for kind in ["Submit", "Cancel", "Exit", "Advance", "Migrate", "SwapPolicy", "CutAgent", "RestartAgent", "StoreOutage", "RestartHost"] {
+    for kind in ["Submit", "SubmitReplica", "Cancel", "Exit", "Advance", "Migrate", "SwapPolicy", "SwapRank", "Sleep", "Wake", "Compact", "CutAgent", "RestartAgent", "StoreOutage", "SlowStore", "RestartHost"] {
         assert!(a.iter().any(|o| format!("{o:?}").starts_with(kind)), "no {kind} in 500 operations");
     }
 }
@@ -249,4 +254,20 @@ fn a_fence_a_restart_made_is_stored() {
     ];
     let stats = replay("fence-stored", &ops);
     assert_eq!(stats.processes_started, 5, "{stats:?}");
+}
+
+/// Found by the simulation test (seed 107, on the harvest schedule): an
+/// asleep replica cancelled while a borrower ran on its lent GPUs was
+/// stored as awake with its task holding; the next start fenced those GPUs
+/// for it and found them held by the borrower (a broken invariant). Here
+/// two whole nodes are taken, the replica and a low job share the third,
+/// the replica sleeps, a borrower takes its GPUs, the replica is
+/// cancelled and the host restarts.
+#[test]
+fn a_replica_cancelled_asleep_leaves_its_lent_gpus_to_the_borrower_across_a_restart() {
+    let low4 = Op::Submit { high: false, tasks: 1, gpus: 4, limit_s: 0 };
+    let ops = [low8(), low8(), low4.clone(), Op::SubmitReplica { gpus: 4 }, Op::Sleep { pick: 0 }, low4, Op::Cancel { pick: 3 }, Op::RestartHost, Op::Advance { seconds: 10 }];
+    let stats = replay("cancelled-asleep", &ops);
+    assert!(stats.sleeps == 1 && stats.tasks_asleep == 1, "the replica slept: {stats:?}");
+    assert_eq!(stats.processes_started, 5, "every job ran, the borrower among them: {stats:?}");
 }

@@ -174,6 +174,62 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     up(&api, "the replica finished", |j| j.state == "finished", r).await;
 }
 
+/// Found by the simulation test: a replica cancelled while asleep was
+/// stopped with SIGTERM and continued (SIGCONT) to act on it, back onto
+/// GPUs lent to a borrower; and its stored record said awake, so a restart
+/// fenced GPUs the borrower held. Now the frozen process is killed where it
+/// stands (SIGKILL, never seen running again) while the borrower runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_cancelled_asleep_is_killed_frozen_not_woken_onto_its_lent_gpus() {
+    let d = dir("harvest-cancel");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let extra = ["--listen", listen.as_str(), "--agent-timeout-ms", "3000", "--notice-s", "1"];
+    let (_host, url) = serve(&d, "serve", &d.join("state"), &extra).await;
+    let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let find = |api: &berth::client::Client, what: &'static str, f: fn(&pb::Job) -> bool, id: u64| {
+        let api = api.clone();
+        until(what, Duration::from_secs(60), move || {
+            let api = api.clone();
+            async move { jobs(&api).await.into_iter().find(|j| j.id == id && f(j)) }
+        })
+    };
+    let mut replica = agent_job(&d, 4, 1);
+    replica.priority = 5;
+    let r = api.submit_job(pb::SubmitJobRequest { job: Some(replica), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let awake = |j: &pb::Job| j.state == "running" && !j.runs.is_empty() && j.runs.iter().all(|r| r.state == "running");
+    let rj = find(&api, "the replica running", awake, r).await;
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    let allocs = hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner().allocations;
+    let pid = allocs.iter().find(|a| a.id == rj.runs[0].allocation_id).expect("the replica's allocation").pid;
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    cli(&url, "sleep", r);
+    find(&api, "the borrower running on lent GPUs", awake, low).await;
+    assert_eq!(proc_state(pid), "T", "the replica's process is frozen");
+
+    api.cancel_job(pb::CancelJobRequest { job_id: r }).await.unwrap();
+    // From the cancel until the process is gone it is never seen running.
+    let mut states = std::collections::BTreeSet::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = proc_state(pid);
+        if s == "gone" || s == "Z" {
+            break;
+        }
+        states.insert(s);
+        assert!(std::time::Instant::now() < deadline, "the cancelled replica's process {pid} still exists after 30 s: {states:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(states.iter().all(|s| s == "T"), "the frozen replica ran again before it was gone: process states {states:?}");
+    let ended = find(&api, "the replica's task gone", |j| j.runs.iter().all(|r| r.state != "sleeping" && r.state != "running"), r).await;
+    assert_eq!(ended.state, "cancelled", "{ended:?}");
+    assert_eq!(ended.runs[0].signal, libc::SIGKILL, "killed where it stood: {ended:?}");
+    assert_eq!(ended.sleep, "awake", "a job with no process left has none asleep: {ended:?}");
+    let js = jobs(&api).await;
+    assert_eq!(job(&js, low).state, "running", "the borrower runs on: {:?}", job(&js, low));
+    assert_eq!(shared_gpus(&js), None);
+}
+
 /// The harvest schedule of `berth serve --harvest 2-3:1`, on a clock moved
 /// by hand: at 02:00 the running `sleepable` job sleeps (a job without
 /// processes sleeps at once) and a waiting low-priority job takes its GPUs;

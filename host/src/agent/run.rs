@@ -92,6 +92,8 @@ pub struct AgentArgs {
     json: bool,
     /// Hook commands (run with `sh -c`, with BERTH_ALLOCATION and BERTH_PID
     /// set); by default SIGSTOP, SIGCONT and SIGUSR1 to the child's group.
+    /// A child frozen by the default sleep is stopped with SIGKILL (its GPUs
+    /// are lent: continuing it to act on SIGTERM would put it back on them).
     #[arg(long)]
     sleep_hook: Option<String>,
     /// Command run to wake an allocation (default: SIGCONT to its group).
@@ -713,7 +715,7 @@ impl Agent {
                 });
             }
             action @ ("stop" | "sleep" | "wake" | "checkpoint") => {
-                let Some(pid) = self.children.lock().unwrap().get(&id).map(|c| c.pid) else {
+                let Some((pid, frozen)) = self.children.lock().unwrap().get(&id).map(|c| (c.pid, c.sleeping && self.args.sleep_hook.is_none())) else {
                     tracing::warn!(target: "berth::agent", allocation = id, "{action}: no such child here");
                     return;
                 };
@@ -737,6 +739,10 @@ impl Agent {
                         "sleep" => signal_group(pid, libc::SIGSTOP),
                         "wake" => signal_group(pid, libc::SIGCONT),
                         "checkpoint" => signal_group(pid, libc::SIGUSR1),
+                        // Frozen by the default sleep (SIGSTOP): its GPUs are
+                        // lent, so it is killed where it stands rather than
+                        // continued onto them to act on SIGTERM.
+                        _ if frozen => signal_group(pid, libc::SIGKILL),
                         _ => {
                             let r = signal_group(pid, libc::SIGTERM);
                             // A stopped child cannot act on SIGTERM until continued.

@@ -752,10 +752,11 @@ impl Live {
                 }
             }
             if job.runs.iter().all(|r| !r.holds) {
+                // Its processes are gone: none is asleep.
+                job.sleep = super::state::SleepState::Awake;
                 if job.state == JobState::Running {
                     let ok = job.runs.iter().all(|r| !r.state.failed(r.exit_code, r.signal));
                     job.state = if ok { JobState::Finished } else { JobState::Failed };
-                    job.sleep = super::state::SleepState::Awake;
                     job.ended_unix_ms = self.now_ms();
                     self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
                     self.metrics.jobs.with_label_values(&[&part.name, job.state.as_str()]).inc();

@@ -404,13 +404,18 @@ impl Live {
                 // An ended job (cancelled, timed out, failed) whose processes
                 // were not seen to exit: what they hold is fenced (owned by
                 // no job) until their exit is reported, and they are stopped
-                // as orphans when their node reports them.
+                // as orphans when their node reports them. An asleep job's
+                // GPUs were lent (borrowers may hold them): its frozen
+                // processes hold nothing, and are killed, not woken.
                 let mut runs = j.runs.clone();
                 if state.is_ended() && !j.evicting {
+                    let lent = j.sleep == super::state::SleepState::Asleep;
                     for (a, r) in allocations.iter().zip(runs.iter_mut()).filter(|(_, r)| r.holds) {
                         r.holds = false;
                         r.state = super::lifecycle::TaskState::Lost;
-                        ended_holding.push((r.alloc_id, a.clone()));
+                        if !lent {
+                            ended_holding.push((r.alloc_id, a.clone()));
+                        }
                     }
                 }
                 for r in &j.runs {
@@ -424,7 +429,9 @@ impl Live {
                 if state == JobState::Pending {
                     st.pending.push(j.id);
                 }
-                let (evicting, waiting_on, interruptions, started_unix_ms, sleep) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms, j.sleep);
+                // An ended job holds no task, asleep or not (see above).
+                let sleep = if state.is_ended() { super::state::SleepState::Awake } else { j.sleep };
+                let (evicting, waiting_on, interruptions, started_unix_ms) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms);
                 let mut interrupted_s = j.interrupted_s;
                 let extra = interrupted_s.len().saturating_sub(super::state::KEPT_INTERRUPTIONS);
                 interrupted_s.drain(..extra); // stored text is input too: the latest only
