@@ -194,8 +194,17 @@ async fn a_replica_cancelled_asleep_is_killed_frozen_not_woken_onto_its_lent_gpu
             async move { jobs(&api).await.into_iter().find(|j| j.id == id && f(j)) }
         })
     };
+    // The replica beats while it runs and notes a SIGTERM it acts on: either
+    // after the freeze means it ran again on GPUs it had lent.
+    let (beats, termed) = (d.join("beats"), d.join("termed"));
+    let script = format!(
+        "trap 'echo term > {}; exit 3' TERM; while :; do echo beat >> {}; sleep 0.02; done",
+        termed.display(),
+        beats.display()
+    );
     let mut replica = agent_job(&d, 4, 1);
     replica.priority = 5;
+    replica.argv = vec!["sh".into(), "-c".into(), script];
     let r = api.submit_job(pb::SubmitJobRequest { job: Some(replica), ..Default::default() }).await.unwrap().into_inner().job_id;
     let awake = |j: &pb::Job| j.state == "running" && !j.runs.is_empty() && j.runs.iter().all(|r| r.state == "running");
     let rj = find(&api, "the replica running", awake, r).await;
@@ -206,21 +215,20 @@ async fn a_replica_cancelled_asleep_is_killed_frozen_not_woken_onto_its_lent_gpu
     cli(&url, "sleep", r);
     find(&api, "the borrower running on lent GPUs", awake, low).await;
     assert_eq!(proc_state(pid), "T", "the replica's process is frozen");
+    let beats_frozen = std::fs::read_to_string(&beats).unwrap().lines().count();
+    assert!(beats_frozen > 0, "the replica never beat");
 
     api.cancel_job(pb::CancelJobRequest { job_id: r }).await.unwrap();
-    // From the cancel until the process is gone it is never seen running.
-    let mut states = std::collections::BTreeSet::new();
+    // The process state is no witness here: a stopped task woken by SIGKILL
+    // shows "R" while it exits. What it did is: no beat, no SIGTERM handled.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let s = proc_state(pid);
-        if s == "gone" || s == "Z" {
-            break;
-        }
-        states.insert(s);
-        assert!(std::time::Instant::now() < deadline, "the cancelled replica's process {pid} still exists after 30 s: {states:?}");
-        std::thread::sleep(Duration::from_millis(1));
+    while !matches!(proc_state(pid).as_str(), "gone" | "Z") {
+        assert!(std::time::Instant::now() < deadline, "the cancelled replica's process {pid} still exists after 30 s");
+        std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(states.iter().all(|s| s == "T"), "the frozen replica ran again before it was gone: process states {states:?}");
+    assert!(!termed.exists(), "the frozen replica was continued and acted on SIGTERM");
+    let beats_after = std::fs::read_to_string(&beats).unwrap().lines().count();
+    assert_eq!(beats_after, beats_frozen, "the frozen replica ran again before it was gone");
     let ended = find(&api, "the replica's task gone", |j| j.runs.iter().all(|r| r.state != "sleeping" && r.state != "running"), r).await;
     assert_eq!(ended.state, "cancelled", "{ended:?}");
     assert_eq!(ended.runs[0].signal, libc::SIGKILL, "killed where it stood: {ended:?}");
