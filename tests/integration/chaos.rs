@@ -152,10 +152,15 @@ fn an_agent_report_of_an_unknown_state_is_refused() {
 /// Runs `ops` on a fresh simulated host (seed 0: the stop delays), and
 /// fails with the violation if the invariants break.
 fn replay(name: &str, ops: &[berth::chaos::Op]) -> berth::chaos::RunStats {
+    replay_seeded(name, 0, ops)
+}
+
+/// [`replay`] with the stop delays of `seed` (a soak's failing seed).
+fn replay_seeded(name: &str, seed: u64, ops: &[berth::chaos::Op]) -> berth::chaos::RunStats {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let mut cfg = config(ops.len());
     cfg.state_dir = cfg.state_dir.join(name);
-    let outcome = rt.block_on(berth::chaos::run(&cfg, 0, ops)).unwrap();
+    let outcome = rt.block_on(berth::chaos::run(&cfg, seed, ops)).unwrap();
     rt.shutdown_timeout(Duration::from_secs(10));
     match outcome {
         Ok(stats) => stats,
@@ -270,4 +275,26 @@ fn a_replica_cancelled_asleep_leaves_its_lent_gpus_to_the_borrower_across_a_rest
     let stats = replay("cancelled-asleep", &ops);
     assert!(stats.sleeps == 1 && stats.tasks_asleep == 1, "the replica slept: {stats:?}");
     assert_eq!(stats.processes_started, 5, "every job ran, the borrower among them: {stats:?}");
+}
+
+/// Found by the simulation test (seed 200033 of a soak): a replica whose
+/// wake failed (a GPU it had lent was still draining for a borrower evicted
+/// by another replica's wake) was sent back with its record saying awake
+/// and its frozen task holding; a host restarted then gave that task a
+/// drain on the lent GPU, ahead of the borrower still running there, and
+/// the GPU was handed to a new job when the replica was cancelled. Now a
+/// replica sent back asleep stays asleep on record until its processes are
+/// gone, and a restart gives them no drain.
+#[test]
+fn a_replica_sent_back_from_a_failed_wake_gets_no_drain_on_its_lent_gpus_at_a_restart() {
+    let low = |gpus, limit_s| Op::Submit { high: false, tasks: 1, gpus, limit_s };
+    let adv = |seconds| Op::Advance { seconds };
+    let ops = [
+        adv(12), low(8, 27), low(4, 0), adv(6), adv(4), adv(2), low(1, 0), Op::SubmitReplica { gpus: 1 }, adv(17), Op::SubmitReplica { gpus: 1 }, adv(18), Op::SubmitReplica { gpus: 1 }, adv(19),
+        Op::Exit { pick: 1564048512, code: 0 }, adv(4), Op::SubmitReplica { gpus: 2 }, low(2, 0), adv(12), adv(17), low(4, 0), adv(4), Op::SubmitReplica { gpus: 2 }, low(8, 0),
+        Op::Exit { pick: 4282023252, code: 0 }, adv(18), adv(17), Op::Exit { pick: 3132371332, code: 0 }, adv(19), Op::CutAgent { node: 2 }, adv(12), low(2, 0), low(2, 11), Op::RestartHost,
+        low(1, 57), Op::Submit { high: true, tasks: 1, gpus: 2, limit_s: 0 }, Op::Cancel { pick: 2155904270 }, adv(8), low(2, 28), low(1, 28),
+    ];
+    let stats = replay_seeded("failed-wake", 200_033, &ops);
+    assert!(stats.tasks_asleep >= 2 && stats.host_restarts == 1, "replicas slept on the harvest schedule before the restart: {stats:?}");
 }

@@ -540,7 +540,11 @@ impl Live {
         if record.interrupted_s.len() > super::state::KEPT_INTERRUPTIONS {
             record.interrupted_s.remove(0);
         }
-        record.sleep = super::state::SleepState::Awake;
+        // A job asleep when sent back (its wake failed) keeps saying so
+        // until its frozen processes are gone: their GPUs were lent, so
+        // they hold nothing, and a restart gives them no drain.
+        let asleep = record.sleep == super::state::SleepState::Asleep && !record.spec.argv.is_empty();
+        record.sleep = if asleep { super::state::SleepState::Asleep } else { super::state::SleepState::Awake };
         record.last_decision = detail.clone();
         record.detail = detail;
         if record.spec.argv.is_empty() {
@@ -583,6 +587,7 @@ impl Live {
         if let Some(r) = st.jobs.get_mut(&id) {
             r.evicting = false;
             r.runs.clear();
+            r.sleep = super::state::SleepState::Awake;
         }
         self.persist_logged(vec![st.job_op(&part.name, id)]);
         let ready: Vec<u64> = st

@@ -388,10 +388,16 @@ impl Live {
                 let holding: Vec<Allocation> = if j.evicting { Vec::new() } else { holding.into_iter().cloned().collect() };
                 if j.evicting {
                     let mut still = Vec::new();
+                    // Sent back asleep (a failed wake): its frozen processes
+                    // are stopped but hold nothing; their GPUs were lent.
+                    let lent = j.sleep == super::state::SleepState::Asleep;
                     for r in j.runs.iter().filter(|r| r.holds) {
                         // Its stop, due when its notice runs out (at once
                         // when the deadline passed, or was not stored).
                         st.stops.push((instant_of(r.stop_at_unix_ms), r.alloc_id, r.node.clone()));
+                        if lent {
+                            continue;
+                        }
                         let gpus = r.gpus.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
                         let stored = StoredAlloc { lost: false, node: r.node.clone(), gpus, gpu_milli: j.gpu_milli, cpu_milli: j.cpu_milli, memory_mib: j.memory_mib };
                         still.push(st.alloc_in(&stored).map_err(|e| anyhow::anyhow!("{key}: {e}"))?);
@@ -429,8 +435,11 @@ impl Live {
                 if state == JobState::Pending {
                     st.pending.push(j.id);
                 }
-                // An ended job holds no task, asleep or not (see above).
-                let sleep = if state.is_ended() { super::state::SleepState::Awake } else { j.sleep };
+                // An ended job holds no task, asleep or not (see above),
+                // unless its processes are still being stopped (evicting):
+                // asleep, they keep holding nothing.
+                let stopping_asleep = j.evicting && j.sleep == super::state::SleepState::Asleep;
+                let sleep = if state.is_ended() && !stopping_asleep { super::state::SleepState::Awake } else { j.sleep };
                 let (evicting, waiting_on, interruptions, started_unix_ms) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms);
                 let mut interrupted_s = j.interrupted_s;
                 let extra = interrupted_s.len().saturating_sub(super::state::KEPT_INTERRUPTIONS);
