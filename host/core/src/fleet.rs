@@ -1,6 +1,8 @@
 //! Fleet state: nodes with per-GPU milli-GPU accounting, CPU and memory, and
 //! checked allocate / release that never over-commit.
 
+use std::collections::HashMap;
+
 use crate::task::TaskShape;
 use crate::units::{MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 pub use crate::units::{ModelId, NodeId};
@@ -20,6 +22,11 @@ pub enum FleetError {
     /// Releasing more than is allocated: the allocation was not held.
     #[error("node {node}: releasing {what} that is not allocated")]
     NotAllocated { node: NodeId, what: &'static str },
+    /// A tracked fleet holds no allocation equal to the one released (a
+    /// second release of it, or one never made): capacity alone would
+    /// hide it when another holder's share is on the same GPUs.
+    #[error("node {node}: releasing GPUs {gpus:#x} ({gpu_milli} milli each), an allocation that is not outstanding")]
+    NotOutstanding { node: NodeId, gpus: u64, gpu_milli: u32 },
     /// The GPU mask does not name exactly the shape's GPU count.
     #[error("mask {mask:#x} names {named} GPUs, shape wants {wanted}")]
     GpuCountMismatch { mask: u64, named: u32, wanted: u32 },
@@ -134,12 +141,23 @@ impl Allocation {
 
 /// The fleet: GPU model names and nodes. Totals are kept incrementally so
 /// accounting is O(1) per event.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct Fleet {
     pub models: Vec<String>,
     nodes: Vec<Node>,
     gpu_total_milli: u64,
     gpu_allocated_milli: u64,
+    /// The outstanding allocations (how many of each), on a tracked fleet
+    /// (the live host's): a release must name one of them.
+    ledger: Option<HashMap<Allocation, u32>>,
+}
+
+/// A clone is a scratch view (a trial placement, a quote): it checks
+/// capacity only, and does not copy the ledger.
+impl Clone for Fleet {
+    fn clone(&self) -> Fleet {
+        Fleet { models: self.models.clone(), nodes: self.nodes.clone(), gpu_total_milli: self.gpu_total_milli, gpu_allocated_milli: self.gpu_allocated_milli, ledger: None }
+    }
 }
 
 impl Fleet {
@@ -157,7 +175,29 @@ impl Fleet {
             gpu_total_milli += node.gpu_total_milli();
             gpu_allocated_milli += node.gpu_total_milli() - node.gpu_free_milli();
         }
-        Ok(Fleet { models, nodes, gpu_total_milli, gpu_allocated_milli })
+        Ok(Fleet { models, nodes, gpu_total_milli, gpu_allocated_milli, ledger: None })
+    }
+
+    /// From now on every allocation is recorded and a release must match
+    /// an outstanding one (a double release fails even where capacity
+    /// would allow it). For a fleet with nothing allocated yet.
+    pub fn track_allocations(&mut self) {
+        debug_assert_eq!(self.gpu_allocated_milli, 0, "tracking starts on an empty fleet");
+        self.ledger = Some(HashMap::new());
+    }
+
+    /// The same fleet with its nodes replaced (a node added, or an idle one
+    /// redefined): the outstanding allocations carry over.
+    pub fn with_nodes(&mut self, models: Vec<String>, nodes: Vec<Node>) -> Result<(), FleetError> {
+        let mut next = Fleet::new(models, nodes)?;
+        next.ledger = self.ledger.take();
+        *self = next;
+        Ok(())
+    }
+
+    /// How many allocations are outstanding, on a tracked fleet.
+    pub fn outstanding(&self) -> Option<usize> {
+        self.ledger.as_ref().map(|l| l.values().map(|&n| n as usize).sum())
     }
 
     pub fn nodes(&self) -> &[Node] {
@@ -213,11 +253,19 @@ impl Fleet {
         }
         self.gpu_allocated_milli += alloc.gpu_milli_total();
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
+        if let Some(ledger) = &mut self.ledger {
+            *ledger.entry(alloc.clone()).or_insert(0) += 1;
+        }
         Ok(())
     }
 
     /// Returns `alloc` to its node. Checks first; on error nothing changed.
     pub fn release(&mut self, alloc: &Allocation) -> Result<(), FleetError> {
+        if let Some(ledger) = &self.ledger
+            && !ledger.contains_key(alloc)
+        {
+            return Err(FleetError::NotOutstanding { node: alloc.node, gpus: alloc.gpus, gpu_milli: alloc.gpu_milli });
+        }
         let node = self.nodes.get_mut(alloc.node as usize).ok_or(FleetError::UnknownNode(alloc.node))?;
         check_mask(alloc.node, node, alloc.gpus)?;
         if node.cpu_total_milli - node.cpu_free_milli < alloc.cpu_milli {
@@ -242,6 +290,14 @@ impl Fleet {
         }
         self.gpu_allocated_milli -= alloc.gpu_milli_total();
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
+        if let Some(ledger) = &mut self.ledger
+            && let Some(n) = ledger.get_mut(alloc)
+        {
+            *n -= 1;
+            if *n == 0 {
+                ledger.remove(alloc);
+            }
+        }
         Ok(())
     }
 
@@ -255,6 +311,29 @@ impl Fleet {
         }
         if allocated != self.gpu_allocated_milli {
             return Err(format!("allocated total {} != sum over nodes {allocated}", self.gpu_allocated_milli));
+        }
+        if let Some(ledger) = &self.ledger {
+            // What each node has in use is exactly its outstanding allocations.
+            let mut used: Vec<(u64, u64, Vec<u32>)> = self.nodes.iter().map(|n| (0, 0, vec![0; n.gpus.len()])).collect();
+            for (a, &count) in ledger {
+                let u = used.get_mut(a.node as usize).ok_or_else(|| format!("an outstanding allocation on unknown node {}", a.node))?;
+                u.0 += u64::from(a.cpu_milli) * u64::from(count);
+                u.1 += a.memory_mib * u64::from(count);
+                for g in gpus_of(a.gpus) {
+                    *u.2.get_mut(g).ok_or_else(|| format!("an outstanding allocation on GPU {g} of node {}, which it lacks", a.node))? += a.gpu_milli * count;
+                }
+            }
+            for (n, (cpu, memory, gpus)) in self.nodes.iter().zip(used) {
+                let in_use: Vec<u32> = n.gpus.iter().map(|&free| MILLI_PER_GPU - free).collect();
+                if cpu != u64::from(n.cpu_total_milli - n.cpu_free_milli) || memory != n.memory_total_mib - n.memory_free_mib || gpus != in_use {
+                    return Err(format!(
+                        "node {}: in use (CPU {}, memory {}, GPUs {in_use:?}) is not its outstanding allocations (CPU {cpu}, memory {memory}, GPUs {gpus:?})",
+                        n.name,
+                        n.cpu_total_milli - n.cpu_free_milli,
+                        n.memory_total_mib - n.memory_free_mib
+                    ));
+                }
+            }
         }
         Ok(())
     }

@@ -98,6 +98,12 @@ impl Live {
                     )));
                 }
                 (fresh.switch_domain, fresh.aggregation) = (domain, aggregation);
+                // Its health holds go with the old definition (released, so
+                // the fleet's ledger no longer counts them).
+                let applied: Vec<_> = st.health.iter().filter(|&(&(n, _), &applied)| n == id && applied).map(|(&k, _)| k).collect();
+                for (n, g) in applied {
+                    self.release_checked(&part.name, &mut st.fleet, &super::state::health_hold(n, g), 0);
+                }
                 st.health.retain(|&(n, _), _| n != id);
                 st.activity.remove(&id);
                 nodes[id as usize] = fresh;
@@ -111,7 +117,7 @@ impl Live {
                 nodes.push(fresh);
             }
         }
-        st.fleet = Fleet::new(models, nodes).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        st.fleet.with_nodes(models, nodes).map_err(|e| ServeError::Invalid(e.to_string()))?;
         part.models.lock().unwrap().clone_from(&st.fleet.models);
         let id = st.agent_ids[node];
         st.topology.insert(id, topology);

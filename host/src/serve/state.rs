@@ -458,7 +458,9 @@ pub struct Partition {
 }
 
 impl Partition {
-    pub fn new(name: String, fleet: Fleet, engine: EngineConfig) -> Partition {
+    pub fn new(name: String, mut fleet: Fleet, engine: EngineConfig) -> Partition {
+        // Every release on the live fleet must name an outstanding allocation.
+        fleet.track_allocations();
         Partition {
             name,
             models: Mutex::new(fleet.models.clone()),
