@@ -298,3 +298,29 @@ fn a_replica_sent_back_from_a_failed_wake_gets_no_drain_on_its_lent_gpus_at_a_re
     let stats = replay_seeded("failed-wake", 200_033, &ops);
     assert!(stats.tasks_asleep >= 2 && stats.host_restarts == 1, "replicas slept on the harvest schedule before the restart: {stats:?}");
 }
+
+/// Found by the simulation test (seed 300301 of a soak): a replica woken
+/// while the store refused writes had its tasks woken first and its record
+/// written after (kept for later when refused); a host restarted before
+/// the store came back found it asleep, lent its GPUs, and placed a job on
+/// them beside the woken process. Now the wake is stored before its tasks
+/// are told; a refused write leaves the job waking, tried again.
+#[test]
+fn a_wake_the_store_refuses_does_not_wake_the_replica() {
+    let low8 = || Op::Submit { high: false, tasks: 1, gpus: 8, limit_s: 0 };
+    let ops = [
+        Op::SubmitReplica { gpus: 8 },
+        Op::Sleep { pick: 0 },
+        Op::Advance { seconds: 1 },
+        Op::StoreOutage { ops: 2 },
+        Op::Wake { pick: 0 },
+        Op::RestartHost,
+        low8(),
+        low8(),
+        low8(),
+        Op::Advance { seconds: 1 },
+    ];
+    let stats = replay("unstored-wake", &ops);
+    assert!(stats.tasks_asleep == 1 && stats.host_restarts == 1, "the replica slept before the outage: {stats:?}");
+    assert!(stats.calls_refused >= 1, "the wake met the outage and was answered so: {stats:?}");
+}

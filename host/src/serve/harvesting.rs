@@ -66,9 +66,18 @@ impl Live {
     /// Wakes job `id`: a sleep not yet confirmed is called off; an asleep
     /// job gets its GPUs back (borrowers evicted under their contracts)
     /// and its tasks are woken once the borrowers are gone.
+    /// A wake the store refused to record is an error to the caller (the
+    /// job stays waking, and wakes once the record is stored; a host
+    /// restarted before then finds it asleep, as the store says).
     pub fn wake_job(&self, p: usize, id: u64) -> Result<SleepState, ServeError> {
         let part = &self.partitions[p];
-        self.wake_locked(part, &mut part.lock_state(), id)
+        let mut st = part.lock_state();
+        let now = self.wake_locked(part, &mut st, id)?;
+        if st.unstored_wakes.contains(&id) {
+            let why = st.jobs.get(&id).map(|j| j.last_decision.clone()).unwrap_or_default();
+            return Err(ServeError::Store(std::io::Error::other(format!("job {id}: {why}; a host restarted before then finds it asleep"))));
+        }
+        Ok(now)
     }
 
     fn wake_locked(&self, part: &Partition, st: &mut PartitionState, id: u64) -> Result<SleepState, ServeError> {
@@ -194,13 +203,43 @@ impl Live {
     }
 
     /// Nothing else runs on a waking job's GPUs any more: its tasks wake.
+    /// Stored before the tasks are told: a host restarted from a record
+    /// that still says asleep lends the job's GPUs, and its woken processes
+    /// would share them with the borrowers. A refused write leaves the job
+    /// waking, tried again by [`Live::retry_unstored_wakes`].
     pub(super) fn finish_wake(&self, part: &Partition, st: &mut PartitionState, id: u64) {
         let Some(job) = st.jobs.get_mut(&id) else { return };
-        self.tell_tasks(job, true);
         job.sleep = SleepState::Awake;
-        job.last_decision = "awake on its own GPUs".into();
-        tracing::info!(target: "berth::serve", job = id, "woken on its GPUs");
-        self.persist_logged(vec![st.job_op(&part.name, id)]);
+        let stored = self.persist(vec![st.job_op(&part.name, id)]);
+        let Some(job) = st.jobs.get_mut(&id) else { return };
+        match stored {
+            Ok(()) => {
+                job.last_decision = "awake on its own GPUs".into();
+                self.tell_tasks(job, true);
+                tracing::info!(target: "berth::serve", job = id, "woken on its GPUs");
+                st.unstored_wakes.remove(&id);
+            }
+            Err(e) => {
+                job.sleep = SleepState::Waking;
+                job.last_decision = format!("waking: its GPUs are its own again; its tasks wake once that is stored ({e})");
+                tracing::warn!(target: "berth::serve", job = id, "{}", job.last_decision);
+                st.unstored_wakes.insert(id);
+            }
+        }
+    }
+
+    /// Finishes the wakes whose record the store refused (see
+    /// [`Live::finish_wake`]); a job ended or sent back since is dropped.
+    pub(super) fn retry_unstored_wakes(&self, part: &Partition, st: &mut PartitionState) {
+        if st.unstored_wakes.is_empty() {
+            return;
+        }
+        for id in std::mem::take(&mut st.unstored_wakes) {
+            let ready = st.jobs.get(&id).is_some_and(|j| j.state == JobState::Running && j.sleep == SleepState::Waking && j.waiting_on.is_empty() && !j.runs.is_empty());
+            if ready {
+                self.finish_wake(part, st, id);
+            }
+        }
     }
 
     /// Sends each task of `job` that holds its GPUs the agent's sleep or

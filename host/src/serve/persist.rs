@@ -538,6 +538,7 @@ impl Live {
             for chunk in normalized.chunks(UNWRITTEN_BATCH) {
                 store.apply(chunk.to_vec()).map_err(|e| anyhow::anyhow!("storing the fences of ended jobs' tasks: {e}"))?;
             }
+            let evicting_ids: std::collections::HashSet<u64> = evicting_runs.iter().map(|(id, _)| *id).collect();
             for (id, still) in evicting_runs {
                 let slot = st.slots[&id];
                 st.engine.restore_evicting(&mut st.fleet, slot, &still);
@@ -547,11 +548,22 @@ impl Live {
                     st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Cancel(slot));
                 }
             }
+            // Waited for the victims still stopping only: one whose end was
+            // stored before this job's record caught up is gone already.
             for (id, victims) in awaiting {
+                let victims: Vec<u64> = victims.into_iter().filter(|v| evicting_ids.contains(v)).collect();
+                if let Some(j) = st.jobs.get_mut(&id) {
+                    j.waiting_on.clone_from(&victims);
+                }
                 let slot = st.slots[&id];
                 let victims: Vec<Slot> = victims.iter().filter_map(|v| st.slots.get(v).copied()).collect();
                 st.engine.restore_awaiting(slot, victims);
             }
+            // A wake whose borrowers are gone but whose end was not stored
+            // (the store refused it, or the host stopped first): its tasks
+            // are told once its record says awake.
+            let waking = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.sleep == super::state::SleepState::Waking && j.waiting_on.is_empty()).map(|(&id, _)| id);
+            st.unstored_wakes = waking.collect();
             let ids: Vec<u32> = st.agent_ids.values().copied().collect();
             for id in ids {
                 st.apply_holds(id);

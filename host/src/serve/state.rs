@@ -264,6 +264,10 @@ pub struct PartitionState {
     /// The harvest schedule, and when it last looked (seconds on the clock).
     pub(crate) harvest: Option<berth_core::harvest::Harvest>,
     pub(crate) harvest_seen_s: Option<u64>,
+    /// Waking jobs whose GPUs are theirs again but whose wake the store
+    /// refused: their tasks are told to wake once it is stored (a restart
+    /// that found them asleep would lend GPUs their woken processes use).
+    pub(crate) unstored_wakes: BTreeSet<u64>,
     /// Held: no decisions are made (submissions and ends are taken in).
     pub(crate) held: bool,
     /// A pass is running outside the lock.
@@ -488,6 +492,7 @@ impl Partition {
                 clock: Arc::new(super::clock::SystemClock),
                 harvest: None,
                 harvest_seen_s: None,
+                unstored_wakes: BTreeSet::new(),
                 held: false,
                 in_pass: false,
             }),
