@@ -103,6 +103,38 @@ pub(crate) async fn until<T, F: std::future::Future<Output = Option<T>>>(what: &
     }
 }
 
+/// `until`, and on a timeout the last lines of every log in `d` (the
+/// hosts', agents' and etcd's), so a failure seen once in CI can be read.
+pub(crate) async fn until_logged<T, F: std::future::Future<Output = Option<T>>>(d: &Path, what: &str, limit: Duration, mut f: impl FnMut() -> F) -> T {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if Instant::now() >= end {
+            panic!("timed out waiting for {what}\n{}", log_tails(d, 40));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The last `lines` lines of each `*.log` in `d`, headed by its name.
+pub(crate) fn log_tails(d: &Path, lines: usize) -> String {
+    let mut logs: Vec<PathBuf> = std::fs::read_dir(d).into_iter().flatten().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "log")).collect();
+    logs.sort();
+    let mut out = String::new();
+    for p in logs {
+        let text = plain(&std::fs::read_to_string(&p).unwrap_or_default());
+        let all: Vec<&str> = text.lines().collect();
+        out += &format!("--- {} (last {} of {} lines)\n", p.display(), lines.min(all.len()), all.len());
+        for l in &all[all.len().saturating_sub(lines)..] {
+            out += l;
+            out.push('\n');
+        }
+    }
+    out
+}
+
 #[test]
 fn once_without_a_driver_says_so_in_one_line_and_synthetic_gpus_work() {
     let out = Command::new(BERTH).args(["agent", "--once", "--json", "--node", "n0"]).output().unwrap();

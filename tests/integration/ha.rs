@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use berth::proto as pb;
 
-use crate::agent::{agent, agent_job, assert_one_owner, dir, free_port, held_gpus, jobs, kill9, node_info, plain, serve, spawn, until, Proc};
+use crate::agent::{agent, agent_job, assert_one_owner, dir, free_port, held_gpus, jobs, kill9, node_info, plain, serve, spawn, until, until_logged, Proc};
 
 /// A single-member etcd on free loopback ports, or None (with a message)
 /// where etcd is not installed and this is not CI.
@@ -170,7 +170,7 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
 
     // The agent moves to the new leader; its task is adopted and keeps its
     // GPUs: 2 free on n1.
-    until("n1 back on the new leader with its task", Duration::from_secs(60), || {
+    until_logged(&d, "n1 back on the new leader with its task", Duration::from_secs(60), || {
         let api = api.clone();
         async move { node_info(&api, "n1").await.filter(|n| n.schedulable && n.gpus_idle == 2) }
     })
@@ -178,7 +178,7 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
     let three = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 3, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     assert!(three > before.iter().map(|j| j.id).max().unwrap(), "job ids continue on the new leader");
     let two = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
-    until("a new 2-GPU task beside the adopted one", Duration::from_secs(60), || {
+    until_logged(&d, "a new 2-GPU task beside the adopted one", Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.into_iter().find(|j| j.id == two && j.state == "running" && j.runs.iter().all(|r| r.state == "running")) }
     })
@@ -188,7 +188,7 @@ async fn the_standby_takes_over_from_etcd_when_the_leader_is_killed() {
     assert_eq!(now.iter().find(|j| j.id == three).unwrap().state, "pending", "3 GPUs cannot fit beside 2 + 2");
     // The adopted task's exit reaches the new leader.
     std::fs::write(d.join(format!("release-{held}")), "0").unwrap();
-    until("the task started by the old leader finished", Duration::from_secs(60), || {
+    until_logged(&d, "the task started by the old leader finished", Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.into_iter().find(|j| j.id == held && j.state == "finished") }
     })
