@@ -5,8 +5,8 @@
 //! inference replicas to sleep and wake them (by hand and on the harvest
 //! schedule), swap placement and rank versions (hostile ones among them),
 //! cut an agent's link until its node is given up, restart an agent, refuse
-//! or slow the store's writes for a while, kill and restart the host on its
-//! store);
+//! or slow the store's writes for a while or refuse one write among many,
+//! kill and restart the host on its store);
 //! they drive the real `berth serve` code (the gRPC API, the agent
 //! hub, the partition loop, the engine, the store) on a manual clock, with
 //! simulated agents in-process speaking the real agent protocol.
@@ -22,6 +22,11 @@
 //! - every accepted job is listed exactly once, and no refused one is;
 //! - nothing of a job whose cancel was acknowledged runs without a stop;
 //! - the host's fleet accounting is consistent.
+//!
+//! Once the operations are done, every fault ends (the store takes writes,
+//! cut links come back) and the clock runs past every notice and grace;
+//! then nothing may be stuck: every job the host shows running has its
+//! processes on the nodes.
 //!
 //! A failure names the seed and the shortest operation list found (by
 //! removing operations while it still fails) that reproduces it.
@@ -106,6 +111,10 @@ pub enum Op {
     /// Every store write takes this long (a slow disk, a distant etcd) for
     /// this many operations.
     SlowStore { ops: u32, ms: u32 },
+    /// The store refuses `count` writes in a row (transient errors), after
+    /// `after` more have gone through: within one operation some of the
+    /// host's writes succeed and others fail.
+    RefuseWrites { after: u32, count: u32 },
     RestartHost,
 }
 
@@ -113,7 +122,7 @@ pub enum Op {
 pub fn operations(seed: u64, count: usize, nodes: usize) -> Vec<Op> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..count)
-        .map(|_| match rng.random_range(0..200u32) {
+        .map(|_| match rng.random_range(0..202u32) {
             0..46 => {
                 let gpus = [1, 2, 4, 8][rng.random_range(0..4usize)];
                 let tasks = if gpus == 8 && rng.random_bool(0.3) { 2 } else { 1 };
@@ -134,6 +143,7 @@ pub fn operations(seed: u64, count: usize, nodes: usize) -> Vec<Op> {
             180..186 => Op::RestartAgent { node: rng.random_range(0..nodes as u32) },
             186..190 => Op::StoreOutage { ops: rng.random_range(1..6) },
             190..193 => Op::SlowStore { ops: rng.random_range(1..4), ms: rng.random_range(10..150) },
+            193..195 => Op::RefuseWrites { after: rng.random_range(0..6), count: rng.random_range(1..3) },
             _ => Op::RestartHost,
         })
         .collect()
@@ -175,6 +185,8 @@ pub struct RunStats {
     pub chains_started: usize,
     /// Operations with a slow store.
     pub slow_store_ops: usize,
+    /// Times the store was set to refuse a few writes among others.
+    pub write_refusals: usize,
     /// Store outages, the writes they refused, and the calls the host
     /// refused because of them.
     pub store_outages: usize,
@@ -214,13 +226,18 @@ impl Drop for SimAgent {
 
 /// The host's embedded store, with injected write failures: while
 /// `failing`, every write is refused (reads pass); while `slow_ms` is not
-/// 0, every write takes that long first.
+/// 0, every write takes that long first; with `refusal` (writes to let
+/// through, then writes to refuse) set, those writes are refused.
 struct FaultyStore {
     inner: crate::store::redb::RedbStore,
     failing: Arc<AtomicBool>,
     refused: Arc<AtomicU64>,
     slow_ms: Arc<AtomicU64>,
+    refusal: Refusal,
 }
+
+/// Writes to let through, then writes to refuse; `None`: none to refuse.
+type Refusal = Arc<std::sync::Mutex<Option<(u32, u32)>>>;
 
 impl crate::store::Store for FaultyStore {
     fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, crate::store::StoreError> {
@@ -235,6 +252,26 @@ impl crate::store::Store for FaultyStore {
         if self.failing.load(Ordering::SeqCst) {
             self.refused.fetch_add(1, Ordering::SeqCst);
             return Err(crate::store::StoreError::Backend("injected write failure (the simulation's store outage)".into()));
+        }
+        // Counted under one lock: writes come from the partition loop and
+        // the handlers at once.
+        let refuse = {
+            let mut refusal = self.refusal.lock().unwrap();
+            match *refusal {
+                Some((0, left)) => {
+                    *refusal = (left > 1).then(|| (0, left - 1));
+                    true
+                }
+                Some((after, left)) => {
+                    *refusal = Some((after - 1, left));
+                    false
+                }
+                None => false,
+            }
+        };
+        if refuse {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(crate::store::StoreError::Backend("injected write failure (the simulation's refused writes)".into()));
         }
         self.inner.apply(ops)
     }
@@ -282,6 +319,8 @@ struct World {
     outage_left: u32,
     store_slow_ms: Arc<AtomicU64>,
     slow_left: u32,
+    /// Writes to let through, then writes to refuse.
+    refusal: Refusal,
     stats: RunStats,
 }
 
@@ -319,7 +358,13 @@ impl World {
         let mut cfg = serve_config(&self.dir, &self.config, self.clock.clone())?;
         std::fs::create_dir_all(&self.dir)?;
         let inner = crate::store::redb::RedbStore::open(&self.dir.join("state.redb"))?;
-        let store = FaultyStore { inner, failing: self.store_failing.clone(), refused: self.writes_refused.clone(), slow_ms: self.store_slow_ms.clone() };
+        let store = FaultyStore {
+            inner,
+            failing: self.store_failing.clone(),
+            refused: self.writes_refused.clone(),
+            slow_ms: self.store_slow_ms.clone(),
+            refusal: self.refusal.clone(),
+        };
         cfg.store = crate::serve::server::StoreChoice::Given(crate::store::SharedStore(Arc::new(store)));
         // The hub's timers run on the host's (manual) clock: a node whose
         // link is cut goes silent, is unreachable after 30 s and given up 20
@@ -746,11 +791,16 @@ impl World {
                 self.store_slow_ms.store(u64::from(ms), Ordering::SeqCst);
                 self.slow_left = ops.max(1);
             }
+            Op::RefuseWrites { after, count } => {
+                *self.refusal.lock().unwrap() = (count > 0).then_some((after, count));
+                self.stats.write_refusals += 1;
+            }
             Op::RestartHost => {
                 // An outage ends before the host is back (a host that cannot
                 // write does not start).
                 self.store_failing.store(false, Ordering::SeqCst);
                 self.outage_left = 0;
+                *self.refusal.lock().unwrap() = None;
                 self.agents.clear();
                 self.api = None;
                 if let Some(h) = self.host.take() {
@@ -784,6 +834,48 @@ impl World {
             self.slow_left -= 1;
             if self.slow_left == 0 {
                 self.store_slow_ms.store(0, Ordering::SeqCst);
+            }
+        }
+        Ok(())
+    }
+
+    /// After the last operation: every fault ends (the store takes writes,
+    /// cut links come back) and the clock moves past every notice and stop
+    /// grace, twice (a job queued again by the first may start in the
+    /// second), so whatever the run left waiting can happen.
+    async fn quiesce(&mut self) -> anyhow::Result<()> {
+        self.store_failing.store(false, Ordering::SeqCst);
+        self.outage_left = 0;
+        self.store_slow_ms.store(0, Ordering::SeqCst);
+        self.slow_left = 0;
+        *self.refusal.lock().unwrap() = None;
+        for i in self.cut.clone() {
+            self.apply(&Op::RestartAgent { node: i as u32 }).await?;
+        }
+        let past = u32::try_from(self.config.notice_s * 2 + 20).unwrap_or(u32::MAX);
+        for _ in 0..2 {
+            self.apply(&Op::Advance { seconds: past }).await?;
+        }
+        Ok(())
+    }
+
+    /// Once the host was left to settle ([`World::quiesce`]): nothing is
+    /// stuck. Every job it shows running has tasks, each with its process
+    /// (running or asleep) on the node the host says.
+    async fn check_live(&mut self) -> Result<(), String> {
+        let api = self.api.clone().expect("connected");
+        let jobs = crate::client::list_all_jobs(api, pb::ListJobsRequest { partition: PARTITION.into(), ..Default::default() }).await.map_err(|e| format!("ListJobs: {e:#}"))?;
+        for j in jobs.iter().filter(|j| j.state == "running") {
+            let tasks: Vec<&pb::TaskRun> = j.runs.iter().filter(|r| matches!(r.state.as_str(), "starting" | "running" | "sleeping")).collect();
+            let missing = tasks.iter().find(|r| !self.processes.get(&r.allocation_id).is_some_and(|p| self.agents[p.node].name == r.node));
+            if tasks.is_empty() || missing.is_some() {
+                return Err(format!(
+                    "once every fault had ended and every notice run out, job {} shows running with no process for {} on the nodes (its tasks: {:?}; detail: {:?})",
+                    j.id,
+                    missing.map_or("any task".to_string(), |r| format!("allocation {} on {}", r.allocation_id, r.node)),
+                    j.runs.iter().map(|r| (r.allocation_id, r.node.as_str(), r.state.as_str())).collect::<Vec<_>>(),
+                    crate::text::printable(&j.detail, 200)
+                ));
             }
         }
         Ok(())
@@ -901,6 +993,7 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
         outage_left: 0,
         store_slow_ms: Arc::new(AtomicU64::new(0)),
         slow_left: 0,
+        refusal: Default::default(),
         stats: RunStats::default(),
     };
     bounded("the start", async {
@@ -937,6 +1030,19 @@ pub async fn run(config: &ChaosConfig, seed: u64, ops: &[Op]) -> anyhow::Result<
             outcome = Err(Violation { step, what });
             break;
         }
+    }
+    if outcome.is_ok() && !ops.is_empty() {
+        // Judged at the last operation: the shortest list that still
+        // leaves something stuck ends where it was left.
+        let step = ops.len() - 1;
+        outcome = match bounded("settling after the run", w.quiesce()).await {
+            Ok(()) => match w.check_bounded().await {
+                Ok(()) => bounded("the liveness check", async { Ok(w.check_live().await) }).await.unwrap_or_else(|e| Err(format!("{e:#}"))),
+                Err(what) => Err(what),
+            },
+            Err(e) => Err(format!("settling after the run: {e:#}")),
+        }
+        .map_err(|what| Violation { step, what });
     }
     w.agents.clear();
     w.api = None;
@@ -986,7 +1092,7 @@ impl std::fmt::Display for RunStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up, {} placement and {} rank swaps, {} sleeps and {} wakes asked ({} tasks put to sleep, {} woken), {} compaction steps ({} chains), {} store outages ({} writes and {} calls refused), {} operations on a slow store",
+            "{} operations: {} jobs submitted, {} processes started, {} preemption notices, {} host restarts, {} agent restarts, {} migrations, {} links cut, {} nodes given up, {} placement and {} rank swaps, {} sleeps and {} wakes asked ({} tasks put to sleep, {} woken), {} compaction steps ({} chains), {} store outages and {} short write refusals ({} writes and {} calls refused in all), {} operations on a slow store",
             self.operations,
             self.submitted,
             self.processes_started,
@@ -1005,6 +1111,7 @@ impl std::fmt::Display for RunStats {
             self.compactions,
             self.chains_started,
             self.store_outages,
+            self.write_refusals,
             self.writes_refused,
             self.calls_refused,
             self.slow_store_ops
@@ -1032,6 +1139,7 @@ impl RunStats {
         self.compactions += o.compactions;
         self.chains_started += o.chains_started;
         self.slow_store_ops += o.slow_store_ops;
+        self.write_refusals += o.write_refusals;
         self.store_outages += o.store_outages;
         self.writes_refused += o.writes_refused;
         self.calls_refused += o.calls_refused;

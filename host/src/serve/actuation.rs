@@ -238,6 +238,24 @@ impl Live {
     /// A job just placed whose start could not be stored: nothing of it was
     /// sent; it goes back to the queue, tried again after a pause.
     fn not_started(&self, part: &Partition, st: &mut PartitionState, id: u64, e: &ServeError) {
+        self.queue_again(part, st, id, format!("not started: {e}; tried again"));
+        st.retry_at = Some(self.clock.now() + Duration::from_secs(1));
+    }
+
+    /// Queues again the placed agent jobs a restart found never started
+    /// (see [`PartitionState::unstarted`]); one changed since is left as it is.
+    pub(super) fn requeue_unstarted(&self, part: &Partition, st: &mut PartitionState) {
+        for id in std::mem::take(&mut st.unstarted) {
+            let still = st.jobs.get(&id).is_some_and(|j| j.state == JobState::Running && j.runs.is_empty() && j.waiting_on.is_empty());
+            if still {
+                self.queue_again(part, st, id, "placed but never started before a restart: queued again".into());
+            }
+        }
+    }
+
+    /// A placed job none of whose tasks was sent goes back to the queue:
+    /// the engine takes its GPUs back, and its record says why.
+    fn queue_again(&self, part: &Partition, st: &mut PartitionState, id: u64, why: String) {
         let Some(job) = st.jobs.get_mut(&id) else { return };
         for r in job.runs.drain(..) {
             st.by_alloc.remove(&r.alloc_id);
@@ -245,8 +263,8 @@ impl Live {
         job.allocations.clear();
         job.placements.clear();
         job.state = JobState::Pending;
-        job.detail = format!("not started: {e}; tried again");
-        tracing::error!(target: "berth::serve", job = id, "{}", job.detail);
+        job.detail = why;
+        tracing::warn!(target: "berth::serve", job = id, "{}", job.detail);
         if let Some(t) = job.ends_at.take() {
             st.running.remove(&(t, id));
         }
@@ -256,7 +274,6 @@ impl Live {
         }
         self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, JobState::Pending.as_str()]).inc();
-        st.retry_at = Some(self.clock.now() + Duration::from_secs(1));
         // Queued again: stored so (kept and written with the next write
         // that succeeds when this one fails), or a restart would find it
         // holding GPUs given to others since.

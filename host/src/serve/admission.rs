@@ -80,7 +80,7 @@ impl Live {
         };
         // The id is a receipt only once the job is stored. A pending job
         // holds no allocations, so its record names no node.
-        let stored = self.persist(vec![job_record_op(&part.name, id, &record, |_| unreachable!("a new job holds nothing"))]);
+        let stored = self.persist(vec![job_record_op(&*self.clock, &part.name, id, &record, |_| unreachable!("a new job holds nothing"))]);
         // Queued before a retry with its key can be answered with it.
         if stored.is_ok() {
             part.inbox.lock().unwrap().push((id, record));
@@ -148,7 +148,7 @@ impl Live {
                 after.allocations.clear();
             }
         }
-        self.persist(vec![job_record_op(&part.name, id, &after, |a| st.alloc_out(a))])?;
+        self.persist(vec![job_record_op(&*self.clock, &part.name, id, &after, |a| st.alloc_out(a))])?;
         let job = st.jobs.get_mut(&id).expect("found above");
         let slot = st.slots.get(&id).copied();
         match before {

@@ -21,10 +21,10 @@ use berth_core::engine::Slot;
 use berth_core::{Allocation, TaskShape};
 use serde::{Deserialize, Serialize};
 
+use super::clock::Clock;
 use super::decisions::Placed;
 use super::error::ServeError;
 use super::state::{AgentTopology, JobRecord, JobSpec, JobState, Live, PartitionState, TaskRun};
-use crate::util::unix_ms;
 use crate::store::{Op, Store, StoreError};
 
 #[derive(Serialize, Deserialize)]
@@ -120,9 +120,9 @@ const ALLOC_ID_BLOCK: u64 = 1024;
 /// Where the end of the reserved allocation ids is stored.
 const ALLOC_CEILING_KEY: &str = "meta/alloc-id-ceiling";
 
-fn instant_of(unix: u64) -> Instant {
-    let now = unix_ms();
-    if unix >= now { Instant::now() + Duration::from_millis(unix - now) } else { Instant::now().checked_sub(Duration::from_millis(now - unix)).unwrap_or_else(Instant::now) }
+fn instant_of(clock: &dyn Clock, unix: u64) -> Instant {
+    let (now_ms, now) = (clock.unix_ms(), clock.now());
+    if unix >= now_ms { now + Duration::from_millis(unix - now_ms) } else { now.checked_sub(Duration::from_millis(now_ms - unix)).unwrap_or(now) }
 }
 
 /// The number stored at `key` (a high-water mark), if any.
@@ -160,13 +160,13 @@ impl PartitionState {
 
     /// The op that records job `id` as it is now.
     pub(crate) fn job_op(&self, partition: &str, id: u64) -> Op {
-        job_record_op(partition, id, &self.jobs[&id], |a| self.alloc_out(a))
+        job_record_op(&*self.clock, partition, id, &self.jobs[&id], |a| self.alloc_out(a))
     }
 }
 
 /// The op that records job `id` as `j` says, with `alloc_out` naming its
 /// allocations' nodes.
-pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: impl Fn(&Allocation) -> StoredAlloc) -> Op {
+pub(crate) fn job_record_op(clock: &dyn Clock, partition: &str, id: u64, j: &JobRecord, alloc_out: impl Fn(&Allocation) -> StoredAlloc) -> Op {
     let s = &j.spec;
     let stored = StoredJob {
         id,
@@ -190,7 +190,8 @@ pub(crate) fn job_record_op(partition: &str, id: u64, j: &JobRecord, alloc_out: 
         submitted_unix_ms: j.submitted_unix_ms,
         started_unix_ms: j.started_unix_ms,
         ended_unix_ms: j.ended_unix_ms,
-        ends_unix_ms: j.ends_at.map_or(0, |t| unix_ms() + t.saturating_duration_since(Instant::now()).as_millis() as u64),
+        // On the host's clock (a simulation's runs on a manual one).
+        ends_unix_ms: j.ends_at.map_or(0, |t| clock.unix_ms() + t.saturating_duration_since(clock.now()).as_millis() as u64),
         allocations: j.allocations.iter().map(alloc_out).collect(),
         placements: j.placements.clone(),
         runs: j.runs.clone(),
@@ -394,7 +395,7 @@ impl Live {
                     for r in j.runs.iter().filter(|r| r.holds) {
                         // Its stop, due when its notice runs out (at once
                         // when the deadline passed, or was not stored).
-                        st.stops.push((instant_of(r.stop_at_unix_ms), r.alloc_id, r.node.clone()));
+                        st.stops.push((instant_of(&*self.clock, r.stop_at_unix_ms), r.alloc_id, r.node.clone()));
                         if lent {
                             continue;
                         }
@@ -428,7 +429,7 @@ impl Live {
                     st.by_alloc.insert(r.alloc_id, j.id);
                     max_alloc = max_alloc.max(r.alloc_id);
                 }
-                let ends_at = (state == JobState::Running && j.ends_unix_ms > 0).then(|| instant_of(j.ends_unix_ms));
+                let ends_at = (state == JobState::Running && j.ends_unix_ms > 0).then(|| instant_of(&*self.clock, j.ends_unix_ms));
                 if let Some(t) = ends_at {
                     st.running.insert((t, j.id));
                 }
@@ -466,7 +467,7 @@ impl Live {
                         },
                         owner: j.owner,
                         state,
-                        submitted_at: instant_of(j.submitted_unix_ms),
+                        submitted_at: instant_of(&*self.clock, j.submitted_unix_ms),
                         submitted_unix_ms: j.submitted_unix_ms,
                         started_unix_ms: j.started_unix_ms,
                         ended_unix_ms: j.ended_unix_ms,
@@ -564,6 +565,11 @@ impl Live {
             // are told once its record says awake.
             let waking = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.sleep == super::state::SleepState::Waking && j.waiting_on.is_empty()).map(|(&id, _)| id);
             st.unstored_wakes = waking.collect();
+            // Placed, with nothing to wait for and no task sent: the host
+            // stopped between the placement's record and its start, or the
+            // victims it waited for ended before its record caught up.
+            let unstarted = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && !j.spec.argv.is_empty() && j.runs.is_empty() && j.waiting_on.is_empty());
+            st.unstarted = unstarted.map(|(&id, _)| id).collect();
             let ids: Vec<u32> = st.agent_ids.values().copied().collect();
             for id in ids {
                 st.apply_holds(id);

@@ -45,6 +45,7 @@ impl Live {
             self.compaction_tick(p, &mut st, now);
             self.harvest_tick(part, &mut st);
             self.retry_unstored_wakes(part, &mut st);
+            self.requeue_unstarted(part, &mut st);
             if part.inbox_waiting() {
                 // Taken in by lock_state.
                 drop(st);

@@ -268,6 +268,10 @@ pub struct PartitionState {
     /// refused: their tasks are told to wake once it is stored (a restart
     /// that found them asleep would lend GPUs their woken processes use).
     pub(crate) unstored_wakes: BTreeSet<u64>,
+    /// Agent jobs a restart found placed but never started (no tasks, no
+    /// victims left to wait for): queued again by the partition loop, since
+    /// nothing else would start them.
+    pub(crate) unstarted: BTreeSet<u64>,
     /// Held: no decisions are made (submissions and ends are taken in).
     pub(crate) held: bool,
     /// A pass is running outside the lock.
@@ -493,6 +497,7 @@ impl Partition {
                 harvest: None,
                 harvest_seen_s: None,
                 unstored_wakes: BTreeSet::new(),
+                unstarted: BTreeSet::new(),
                 held: false,
                 in_pass: false,
             }),
