@@ -330,6 +330,11 @@ enum BenchCommand {
         /// wake 3 simulated minutes into each run).
         #[arg(long)]
         no_harvest: bool,
+        /// Judge safety only: no liveness check at the end of each run
+        /// (that every job shown running has its processes once the faults
+        /// are over).
+        #[arg(long)]
+        no_liveness: bool,
         /// Where the runs keep their hosts' stores.
         #[arg(long, default_value = "target/chaos")]
         state_dir: PathBuf,
@@ -513,7 +518,7 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, alternates, rank_alternates, compact, no_harvest, state_dir, parallel } } => {
+        Command::Bench { what: BenchCommand::Chaos { seconds, seed, seeds, operations, nodes, policy, rank, alternates, rank_alternates, compact, no_harvest, no_liveness, state_dir, parallel } } => {
             let config = berth::chaos::ChaosConfig {
                 nodes,
                 operations,
@@ -525,6 +530,7 @@ fn main() -> anyhow::Result<()> {
                 compact: if compact == "none" { None } else { Some(std::fs::read(catalog::resolve(&compact)?)?) },
                 rank_alternates: rank_alternates.iter().map(|a| Ok(std::fs::read(catalog::resolve(a)?)?)).collect::<anyhow::Result<_>>()?,
                 harvest: !no_harvest,
+                liveness: !no_liveness,
             };
             let s = berth::chaos::soak(&config, seed, seeds, std::time::Duration::from_secs(seconds), usize::from(parallel))?;
             let secs = s.elapsed.as_secs_f64();

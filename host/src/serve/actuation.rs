@@ -455,6 +455,27 @@ impl Live {
                 self.end_task(part, st, a, TaskState::Lost, -1, 0, &format!("node {node} came back without it"));
             }
         }
+        if expected.is_some() {
+            // Back (after a restart of either side, or a link that was
+            // down): a preempted task's stop may have been lost on the way
+            // or sent while it was away. One whose notice ran out is
+            // stopped again; its preemptor waits for it.
+            let now_ms = self.now_ms();
+            let overdue: Vec<u64> = st
+                .jobs
+                .values()
+                .filter(|j| j.evicting)
+                .flat_map(|j| j.runs.iter().filter(|r| r.holds && r.node == node && r.stop_at_unix_ms <= now_ms).map(|r| r.alloc_id))
+                .filter(|a| running.contains(a) && !st.stops.iter().any(|s| s.1 == *a))
+                .collect();
+            if !overdue.is_empty() {
+                tracing::info!(target: "berth::serve", node, allocations = ?overdue, "preempted tasks past their notice on a node back: stopped again");
+                let now = self.clock.now();
+                st.stops.extend(overdue.into_iter().map(|a| (now, a, node.to_string())));
+                st.dirty = true;
+                part.wake.notify_all();
+            }
+        }
         orphans
     }
 

@@ -566,7 +566,9 @@ impl Live {
             for r in record.runs.iter().filter(|r| r.holds) {
                 match (&act, notice) {
                     (Some(act), Some(_)) => act.checkpoint(r.alloc_id, &r.node),
-                    (Some(act), None) => act.stop(r.alloc_id, &r.node),
+                    (Some(act), None) => {
+                        act.stop(r.alloc_id, &r.node);
+                    }
                     (None, _) => {}
                 }
                 if notice.is_some() {

@@ -769,10 +769,12 @@ impl Actuator for Hub {
         })
     }
 
-    fn stop(&self, alloc_id: u64, node: &str) {
-        if let Err(e) = self.send(node, pb::AgentCommand { allocation_id: alloc_id, action: "stop".into(), ..Default::default() }) {
+    fn stop(&self, alloc_id: u64, node: &str) -> bool {
+        let sent = self.send(node, pb::AgentCommand { allocation_id: alloc_id, action: "stop".into(), ..Default::default() });
+        if let Err(e) = &sent {
             tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "stop not delivered: {}", e.message());
         }
+        sent.is_ok()
     }
 
     fn checkpoint(&self, alloc_id: u64, node: &str) {

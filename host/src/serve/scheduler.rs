@@ -12,6 +12,8 @@ use super::state::{JobState, Live, PartitionState, SleepState};
 
 /// How often ended jobs are taken out of a partition's engine.
 const FORGET_EVERY: Duration = Duration::from_secs(1);
+/// How soon a stop that did not reach its node is sent again.
+const STOP_RETRY: Duration = Duration::from_secs(5);
 
 impl Live {
     /// Stops the scheduler threads (they finish the decision in hand).
@@ -121,16 +123,20 @@ impl Live {
         st.next_due(now).map(|t| self.now_s() + t.saturating_duration_since(now).as_millis().div_ceil(1000) as u64)
     }
 
-    /// Stops preempted processes whose notice ran out.
+    /// Stops preempted processes whose notice ran out. A stop that does
+    /// not reach its node (not connected yet after a restart, or away) is
+    /// tried again while the process still holds its GPUs: dropped, the
+    /// victim would run on and its preemptor wait for it forever.
     fn due_stops(&self, st: &mut PartitionState, now: Instant) {
         if st.stops.iter().all(|s| s.0 > now) {
             return;
         }
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut st.stops).into_iter().partition(|s| s.0 <= now);
         st.stops = later;
-        if let Some(act) = self.actuator() {
-            for (_, alloc, node) in due {
-                act.stop(alloc, &node);
+        let Some(act) = self.actuator() else { return };
+        for (_, alloc, node) in due {
+            if !act.stop(alloc, &node) && st.by_alloc.contains_key(&alloc) {
+                st.stops.push((now + STOP_RETRY, alloc, node));
             }
         }
     }

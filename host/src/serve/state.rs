@@ -121,8 +121,9 @@ pub trait Actuator: Send + Sync {
     /// Starts one task; an error means it was not delivered.
     fn start(&self, start: Start<'_>) -> Result<(), String>;
     /// Asks the node to stop an allocation (best effort: the exit report
-    /// is what frees the GPUs).
-    fn stop(&self, alloc_id: u64, node: &str);
+    /// is what frees the GPUs). Whether the command reached the node's
+    /// stream (a node not connected, after a restart say, has none).
+    fn stop(&self, alloc_id: u64, node: &str) -> bool;
     /// Sends a checkpoint notice to an allocation (best effort).
     fn checkpoint(&self, alloc_id: u64, node: &str);
     /// Puts an allocation's processes to sleep, or wakes them (the agent's
