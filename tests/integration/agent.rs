@@ -92,27 +92,25 @@ fn spawn_into(args: &[&str], log: std::fs::File) -> Proc {
 
 /// Polls `f` until it returns Some, for at most `limit` (a liveness bound:
 /// it only fails a test that would otherwise hang).
-pub(crate) async fn until<T, F: std::future::Future<Output = Option<T>>>(what: &str, limit: Duration, mut f: impl FnMut() -> F) -> T {
-    let end = Instant::now() + limit;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+pub(crate) async fn until<T, F: std::future::Future<Output = Option<T>>>(what: &str, limit: Duration, f: impl FnMut() -> F) -> T {
+    until_or(what, limit, f, String::new).await
 }
 
 /// `until`, and on a timeout the last lines of every log in `d` (the
 /// hosts', agents' and etcd's), so a failure seen once in CI can be read.
-pub(crate) async fn until_logged<T, F: std::future::Future<Output = Option<T>>>(d: &Path, what: &str, limit: Duration, mut f: impl FnMut() -> F) -> T {
+pub(crate) async fn until_logged<T, F: std::future::Future<Output = Option<T>>>(d: &Path, what: &str, limit: Duration, f: impl FnMut() -> F) -> T {
+    until_or(what, limit, f, || format!("\n{}", log_tails(d, 40))).await
+}
+
+/// The poll of `until`; a timeout's message ends with `context()`.
+async fn until_or<T, F: std::future::Future<Output = Option<T>>>(what: &str, limit: Duration, mut f: impl FnMut() -> F, context: impl FnOnce() -> String) -> T {
     let end = Instant::now() + limit;
     loop {
         if let Some(v) = f().await {
             return v;
         }
         if Instant::now() >= end {
-            panic!("timed out waiting for {what}\n{}", log_tails(d, 40));
+            panic!("timed out waiting for {what}{}", context());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

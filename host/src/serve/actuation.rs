@@ -246,8 +246,7 @@ impl Live {
     /// (see [`PartitionState::unstarted`]); one changed since is left as it is.
     pub(super) fn requeue_unstarted(&self, part: &Partition, st: &mut PartitionState) {
         for id in std::mem::take(&mut st.unstarted) {
-            let still = st.jobs.get(&id).is_some_and(|j| j.state == JobState::Running && j.runs.is_empty() && j.waiting_on.is_empty());
-            if still {
+            if st.jobs.get(&id).is_some_and(|j| j.placed_unstarted()) {
                 self.queue_again(part, st, id, "placed but never started before a restart: queued again".into());
             }
         }

@@ -568,8 +568,7 @@ impl Live {
             // Placed, with nothing to wait for and no task sent: the host
             // stopped between the placement's record and its start, or the
             // victims it waited for ended before its record caught up.
-            let unstarted = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && !j.spec.argv.is_empty() && j.runs.is_empty() && j.waiting_on.is_empty());
-            st.unstarted = unstarted.map(|(&id, _)| id).collect();
+            st.unstarted = st.jobs.iter().filter(|(_, j)| j.placed_unstarted()).map(|(&id, _)| id).collect();
             let ids: Vec<u32> = st.agent_ids.values().copied().collect();
             for id in ids {
                 st.apply_holds(id);

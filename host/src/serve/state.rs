@@ -205,6 +205,12 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// An agent job placed (running on record) with no task sent and no
+    /// victim left to wait for: nothing will start it but a requeue.
+    pub(crate) fn placed_unstarted(&self) -> bool {
+        self.state == JobState::Running && !self.spec.argv.is_empty() && self.runs.is_empty() && self.waiting_on.is_empty()
+    }
+
     /// The state callers see: an evicted job whose processes still run is
     /// "evicting" (its GPUs are not free yet), not "pending".
     pub fn shown_state(&self) -> &'static str {
