@@ -29,12 +29,7 @@ fn config(operations: usize) -> berth::chaos::ChaosConfig {
 #[test]
 fn the_live_host_keeps_its_invariants_under_seeded_operations_and_faults() {
     let seconds: u64 = std::env::var("BERTH_CHAOS_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(45);
-    let mut cfg = config(150);
-    // Safety only for now: the liveness check still finds a job stuck
-    // under load (seed 26 of this run, on a machine running the whole
-    // suite; the thread interleaving decides). The short lists below and
-    // `berth bench chaos` judge liveness too.
-    cfg.liveness = false;
+    let cfg = config(150);
     let s = berth::chaos::soak(&cfg, 1, u64::MAX, Duration::from_secs(seconds), 2).unwrap();
     if let Some(report) = s.failure_report() {
         panic!("{report}");

@@ -66,6 +66,7 @@ impl Live {
                 st.in_pass = false;
                 continue;
             }
+            st.swept_at = Some(now);
             let until = st.next_due(now).unwrap_or(now + Duration::from_secs(1));
             let wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
             st = part.wake.wait_timeout(st, wait).unwrap().0;
@@ -102,7 +103,8 @@ impl Live {
     }
 
     /// Whether partition `p` has taken in and decided everything due at
-    /// its clock's now (nothing waits in the inbox, no pass is running or
+    /// its clock's now (nothing waits in the inbox, the loop has run its
+    /// timers (stops, ends, ticks) at this instant, no pass is running or
     /// wanted, no end or modelled vacate time is due).
     pub fn settled(&self, p: usize) -> bool {
         let part = &self.partitions[p];
@@ -111,7 +113,7 @@ impl Live {
         }
         let st = part.lock_state();
         let now = self.clock.now();
-        !st.in_pass && !st.wants_pass(now) && st.running.first().is_none_or(|(t, _)| *t > now) && st.engine.next_wakeup().is_none_or(|t| t > self.now_s())
+        st.swept_at.is_some_and(|t| t >= now) && !st.in_pass && !st.wants_pass(now) && st.running.first().is_none_or(|(t, _)| *t > now) && st.engine.next_wakeup().is_none_or(|t| t > self.now_s())
     }
 
     /// The next moment something is due in partition `p` on its own (a

@@ -283,6 +283,10 @@ pub struct PartitionState {
     pub(crate) held: bool,
     /// A pass is running outside the lock.
     pub(super) in_pass: bool,
+    /// The clock's instant at which the loop last ran every timer (stops,
+    /// ends, ticks) and found no pass wanted: a manual-clock driver knows
+    /// a moment is done only once the loop has looked at it.
+    pub(super) swept_at: Option<Instant>,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -507,6 +511,7 @@ impl Partition {
                 unstarted: BTreeSet::new(),
                 held: false,
                 in_pass: false,
+                swept_at: None,
             }),
             wake: Condvar::new(),
             place: HookSlot::default(),
