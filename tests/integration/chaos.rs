@@ -330,6 +330,32 @@ fn a_replica_sent_back_from_a_failed_wake_gets_no_drain_on_its_lent_gpus_at_a_re
     assert!(stats.tasks_asleep >= 2 && stats.host_restarts == 1, "replicas slept on the harvest schedule before the restart: {stats:?}");
 }
 
+/// Found by the soak (seed 115, 150 operations, two CPU hogs): a replica
+/// cancelled while waking (its borrower evicted, the borrower's stop lost
+/// on a cut link) was stored as awake, so a restarted host fenced its lent
+/// GPUs for its frozen task, ahead of the borrower still running there; the
+/// fence went with the frozen task's exit and a new job was placed on the
+/// borrower's GPUs. A waking job's tasks are frozen like an asleep one's:
+/// cancelled or sent back, it stays asleep on record and gets no fence.
+#[test]
+fn a_replica_cancelled_while_waking_leaves_its_lent_gpus_to_the_borrower_across_a_restart() {
+    let ops = [
+        Op::SubmitReplica { gpus: 8 },
+        low8(),
+        low8(),
+        Op::Sleep { pick: 0 },
+        low8(),
+        Op::Wake { pick: 0 },
+        Op::CutAgent { node: 0 },
+        Op::Advance { seconds: 6 },
+        Op::Cancel { pick: 0 },
+        Op::RestartHost,
+        low8(),
+    ];
+    let stats = replay("cancelled-waking", &ops);
+    assert!(stats.sleeps == 1 && stats.wakes == 1 && stats.evictions_seen == 1, "the replica slept, lent its GPUs and woke: {stats:?}");
+}
+
 /// Found by the simulation test (seed 300301 of a soak): a replica woken
 /// while the store refused writes had its tasks woken first and its record
 /// written after (kept for later when refused); a host restarted before

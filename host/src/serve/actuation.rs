@@ -520,7 +520,7 @@ impl Live {
             // same GPUs are taken at once by the fenced allocations below.
             // An asleep job's GPUs are lent, not its: its sleeping processes
             // are orphans to stop when the node returns, holding nothing.
-            let asleep = st.jobs[&id].sleep == super::state::SleepState::Asleep;
+            let asleep = st.jobs[&id].sleep.frozen();
             if let Some(&slot) = st.slots.get(&id) {
                 st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Requeue(slot));
             }

@@ -134,12 +134,11 @@ impl Live {
         // otherwise be forgotten, and the job taken back as running).
         let mut after = job.clone();
         after.state = JobState::Cancelled;
-        // An asleep job's GPUs stay lent until its frozen processes are
-        // gone (they are killed, never woken onto them): the stored record
-        // says so, and a restart does not fence GPUs its borrowers hold.
-        if after.sleep != SleepState::Asleep {
-            after.sleep = SleepState::Awake;
-        }
+        // An asleep (or still waking) job's GPUs stay lent until its frozen
+        // processes are gone (they are killed, never woken onto them): the
+        // stored record says asleep, and a restart does not fence GPUs its
+        // borrowers hold.
+        after.sleep = if after.sleep.frozen() { SleepState::Asleep } else { SleepState::Awake };
         after.ended_unix_ms = self.now_ms();
         after.ends_at = None;
         if before == JobState::Running && after.runs.is_empty() {

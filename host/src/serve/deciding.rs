@@ -543,7 +543,7 @@ impl Live {
         // A job asleep when sent back (its wake failed) keeps saying so
         // until its frozen processes are gone: their GPUs were lent, so
         // they hold nothing, and a restart gives them no drain.
-        let asleep = record.sleep == super::state::SleepState::Asleep && !record.spec.argv.is_empty();
+        let asleep = record.sleep.frozen() && !record.spec.argv.is_empty();
         record.sleep = if asleep { super::state::SleepState::Asleep } else { super::state::SleepState::Awake };
         record.last_decision = detail.clone();
         record.detail = detail;

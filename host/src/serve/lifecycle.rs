@@ -62,6 +62,14 @@ impl SleepState {
             SleepState::Waking => "waking",
         }
     }
+
+    /// Its processes are frozen and hold nothing: their GPUs were lent and
+    /// borrowers may still use them (a waking job's tasks are told to wake
+    /// only once the borrowers are gone). Ended or sent back in this
+    /// state, its processes are killed, never woken, and get no fence.
+    pub fn frozen(self) -> bool {
+        matches!(self, SleepState::Asleep | SleepState::Waking)
+    }
 }
 
 /// One task's process, as the host knows it. Stored by name (`"running"`),

@@ -391,7 +391,7 @@ impl Live {
                     let mut still = Vec::new();
                     // Sent back asleep (a failed wake): its frozen processes
                     // are stopped but hold nothing; their GPUs were lent.
-                    let lent = j.sleep == super::state::SleepState::Asleep;
+                    let lent = j.sleep.frozen();
                     for r in j.runs.iter().filter(|r| r.holds) {
                         // Its stop, due when its notice runs out (at once
                         // when the deadline passed, or was not stored).
@@ -416,7 +416,7 @@ impl Live {
                 // processes hold nothing, and are killed, not woken.
                 let mut runs = j.runs.clone();
                 if state.is_ended() && !j.evicting {
-                    let lent = j.sleep == super::state::SleepState::Asleep;
+                    let lent = j.sleep.frozen();
                     for (a, r) in allocations.iter().zip(runs.iter_mut()).filter(|(_, r)| r.holds) {
                         r.holds = false;
                         r.state = super::lifecycle::TaskState::Lost;
@@ -439,8 +439,13 @@ impl Live {
                 // An ended job holds no task, asleep or not (see above),
                 // unless its processes are still being stopped (evicting):
                 // asleep, they keep holding nothing.
-                let stopping_asleep = j.evicting && j.sleep == super::state::SleepState::Asleep;
-                let sleep = if state.is_ended() && !stopping_asleep { super::state::SleepState::Awake } else { j.sleep };
+                let sleep = if j.evicting && j.sleep.frozen() {
+                    super::state::SleepState::Asleep
+                } else if state.is_ended() {
+                    super::state::SleepState::Awake
+                } else {
+                    j.sleep
+                };
                 let (evicting, waiting_on, interruptions, started_unix_ms) = (j.evicting, j.waiting_on.clone(), j.interruptions, j.started_unix_ms);
                 let mut interrupted_s = j.interrupted_s;
                 let extra = interrupted_s.len().saturating_sub(super::state::KEPT_INTERRUPTIONS);
