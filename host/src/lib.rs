@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod asi;
 pub mod bench;
+pub mod bench_fleet;
 pub mod bench_live;
 pub mod bench_retention;
 pub mod catalog;

@@ -390,6 +390,48 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// One live host for a fleet of agent nodes: `berth serve` in-process
+    /// with N eight-GPU agent nodes (over the real agent API, beating with
+    /// telemetry) in switch domains, the ASI workload arriving at a
+    /// speed-up, preemption, live compaction and an operator polling.
+    /// Reports decision and pass times, submit to start, heartbeat cost,
+    /// CPU, memory and store size.
+    Fleet {
+        /// Eight-GPU agent nodes (20000: an ASI-sized fleet).
+        #[arg(long, default_value_t = 2000)]
+        nodes: u32,
+        /// Nodes per access switch.
+        #[arg(long, default_value_t = 48)]
+        nodes_per_switch: u32,
+        /// Each node's heartbeat period, ms (the agent's default).
+        #[arg(long, default_value_t = 1000)]
+        heartbeat_ms: u64,
+        /// Wall-clock seconds of arrivals.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Simulated seconds per wall-clock second (arrivals and durations).
+        #[arg(long, default_value_t = 600.0)]
+        speedup: f64,
+        /// Start this many hours into the workload: the jobs alive then are
+        /// submitted at once (the fleet in its steady state).
+        #[arg(long, default_value_t = 24.0)]
+        warm_hours: f64,
+        /// Workload: a preset (asi, backlog) or a TOML file.
+        #[arg(long, default_value = "asi")]
+        workload: String,
+        /// Placement policy (bundled name or .wasm path).
+        #[arg(long, default_value = "binpack")]
+        policy: String,
+        /// Rank policy (bundled name or .wasm path).
+        #[arg(long, default_value = "spot-gpu")]
+        rank: String,
+        /// Compact policy for live compaction steps, or `none`.
+        #[arg(long, default_value = "ipc")]
+        compact: String,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Live compaction at scale: `berth serve` with N eight-GPU agent nodes
     /// (in-process agents over the real agent API) half filled with movable
     /// one-GPU tasks and whole-node jobs waiting; times dry-run steps, then
@@ -558,6 +600,16 @@ fn main() -> anyhow::Result<()> {
                     );
                 }
             })?;
+        }
+        Command::Bench { what: BenchCommand::Fleet { nodes, nodes_per_switch, heartbeat_ms, seconds, speedup, warm_hours, workload, policy, rank, compact, json } } => {
+            let compact = (compact != "none").then_some(compact);
+            let args = berth::bench_fleet::FleetArgs { nodes, nodes_per_switch, heartbeat_ms, seconds, speedup, warm_hours, workload, policy, rank, compact };
+            let r = berth::bench_fleet::fleet(&args)?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                print!("{}", r.table());
+            }
         }
         Command::Bench { what: BenchCommand::Live { nodes, policy, rank, preemptions, json } } => {
             let r = berth::bench_live::live(&policy, &rank, nodes, preemptions)?;

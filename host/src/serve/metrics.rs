@@ -8,6 +8,8 @@ pub struct Metrics {
     pub decisions: IntCounterVec,
     /// partition, policy, version, arm
     pub decision_seconds: HistogramVec,
+    /// partition: one whole pass (queue walk, policy calls, actuation, store)
+    pub pass_seconds: HistogramVec,
     /// partition, policy, version, kind (trap, timeout, ...)
     pub policy_failures: IntCounterVec,
     /// partition, reason (activate, rollback, breaker)
@@ -70,6 +72,12 @@ impl Metrics {
                 "berth_decision_seconds",
                 "Latency of one placement decision (all tasks of a job)",
                 &["partition", "policy", "version", "arm"],
+                latency.clone(),
+            ),
+            pass_seconds: histogram(
+                "berth_pass_seconds",
+                "Duration of one whole pass of a partition (queue walk, policy calls, validation, actuation, store writes)",
+                &["partition"],
                 latency.clone(),
             ),
             policy_failures: counter(

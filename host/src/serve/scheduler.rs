@@ -60,7 +60,11 @@ impl Live {
                 st.in_pass = true;
                 drop(st);
                 part.deciding.store(true, Ordering::SeqCst);
+                let started = std::time::Instant::now();
                 self.pass(p);
+                let took = started.elapsed();
+                part.pass_times.lock().unwrap().push(took);
+                self.metrics.pass_seconds.with_label_values(&[&part.name]).observe(took.as_secs_f64());
                 part.deciding.store(false, Ordering::SeqCst);
                 st = part.lock_state();
                 st.in_pass = false;

@@ -474,6 +474,34 @@ pub struct Partition {
     /// The fleet's GPU models (agents add theirs), for validating a
     /// submission without the state lock.
     pub(crate) models: Mutex<Vec<String>>,
+    /// How long the latest passes took, whole (for benchmarks).
+    pub pass_times: Mutex<PassTimes>,
+}
+
+/// The durations of the latest passes of a partition, in microseconds: a
+/// ring of fixed size, so a host running for months keeps only the latest.
+#[derive(Debug, Default)]
+pub struct PassTimes {
+    latest: std::collections::VecDeque<u32>,
+    /// Passes since the host started (the ring keeps [`PassTimes::KEPT`]).
+    pub count: u64,
+}
+
+impl PassTimes {
+    pub const KEPT: usize = 65_536;
+
+    pub fn push(&mut self, took: Duration) {
+        if self.latest.len() == Self::KEPT {
+            self.latest.pop_front();
+        }
+        self.latest.push_back(u32::try_from(took.as_micros()).unwrap_or(u32::MAX));
+        self.count += 1;
+    }
+
+    /// The kept durations, oldest first.
+    pub fn latest_us(&self) -> Vec<u32> {
+        self.latest.iter().copied().collect()
+    }
 }
 
 impl Partition {
@@ -483,6 +511,7 @@ impl Partition {
         Partition {
             name,
             models: Mutex::new(fleet.models.clone()),
+            pass_times: Mutex::new(PassTimes::default()),
             state: Mutex::new(PartitionState {
                 fleet,
                 engine: Engine::new(engine),

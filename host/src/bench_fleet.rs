@@ -1,0 +1,670 @@
+//! `berth bench fleet`: one live host for a fleet of agent nodes. An
+//! in-process `berth serve` (real gRPC, wasm placement, rank and compact
+//! policies, the embedded store on disk) takes N eight-GPU agent nodes in
+//! switch domains, each registered over the agent API with an agent
+//! identity and beating with per-GPU telemetry at its period. The ASI
+//! workload (classes, gangs, priorities, durations) arrives at a speed-up of
+//! the wall clock; an operator polls `berth jobs` and the partitions.
+//!
+//! The agents run no processes: a start is reported running at once and
+//! its exit after the job's (sped-up) duration, a stop is reported exited.
+//! They share a few connections (as many nodes as HTTP/2 streams allow on
+//! one) and run on their own runtime, so the host's CPU can be told apart.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::agent::HubClient;
+use crate::asi::report::percentile;
+use crate::catalog;
+use crate::proto as pb;
+use crate::serve::auth::Access;
+use crate::serve::server::{Scheduling, ServeConfig, StoreChoice};
+
+const OPERATOR: &str = "fleet-bench-operator-token";
+const AGENT: &str = "fleet-bench-agent-token";
+/// Nodes per connection: well under the server's concurrent-stream limit
+/// (each node holds one command stream open).
+const NODES_PER_CONNECTION: u32 = 64;
+const THREAD_AGENTS: &str = "bench-agents";
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct FleetArgs {
+    pub nodes: u32,
+    pub nodes_per_switch: u32,
+    pub heartbeat_ms: u64,
+    /// Wall-clock seconds of arrivals.
+    pub seconds: u64,
+    /// Simulated seconds per wall-clock second (arrivals and durations).
+    pub speedup: f64,
+    /// The run starts this far into the workload: the jobs alive then are
+    /// submitted at once (the fleet in its steady state), with what is
+    /// left of their durations.
+    pub warm_hours: f64,
+    pub workload: String,
+    pub policy: String,
+    pub rank: String,
+    /// A compact policy (live compaction steps run on their own), or none.
+    pub compact: Option<String>,
+}
+
+/// What `berth bench fleet` measured (one run).
+#[derive(Debug, Serialize)]
+pub struct FleetBench {
+    pub nodes: u32,
+    pub gpus: u32,
+    pub heartbeat_ms: u64,
+    pub seconds: u64,
+    pub speedup: f64,
+    pub workload: String,
+    pub register_s: f64,
+    /// The warm start: jobs submitted at once, and until the host had
+    /// decided them all.
+    pub warm_jobs: usize,
+    pub warm_s: f64,
+    pub warm_tasks_running: u32,
+    /// From here on, the measured phase only.
+    pub jobs_submitted: usize,
+    pub jobs_started: usize,
+    pub jobs_ended: usize,
+    pub tasks_running_at_end: usize,
+    pub gpus_busy_at_end: f64,
+    pub preemptions: u64,
+    /// One placement decision (all tasks of a job, the policy's calls).
+    pub decisions: usize,
+    pub decision_p50_us: u64,
+    pub decision_p99_us: u64,
+    pub decision_max_us: u64,
+    /// One whole pass (queue walk, decisions, actuation, store writes).
+    pub passes: u64,
+    pub pass_p50_us: u64,
+    pub pass_p99_us: u64,
+    pub pass_max_us: u64,
+    /// From acceptance to the start sent, for jobs started without
+    /// waiting for a preemption (their GPUs were free when decided), and
+    /// for every started job.
+    pub submit_to_start_fit_p50_ms: u64,
+    pub submit_to_start_fit_p99_ms: u64,
+    pub submit_to_start_all_p99_ms: u64,
+    /// Heartbeats sent, their round trips, and the ones that went out
+    /// more than half a period late (the sender was starved).
+    pub heartbeats: u64,
+    pub heartbeat_p50_us: u64,
+    pub heartbeat_p99_us: u64,
+    pub heartbeats_late: u64,
+    /// Nodes the host showed unreachable when the arrivals ended, and the
+    /// most any poll saw (every node beats: any is a false alarm).
+    pub nodes_unreachable: usize,
+    pub nodes_unreachable_most: usize,
+    /// An operator's `berth jobs` (first page), partition and node listings.
+    pub list_jobs_p99_ms: f64,
+    pub list_partitions_p99_ms: f64,
+    pub list_nodes_p99_ms: f64,
+    /// CPU seconds of the host's threads, and of the benchmark's agents.
+    pub host_cpu_s: f64,
+    pub agents_cpu_s: f64,
+    /// The process's resident memory at the end and at its peak (the
+    /// agents' share included).
+    pub rss_mib: u64,
+    pub rss_peak_mib: u64,
+    pub store_bytes: u64,
+}
+
+pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
+    anyhow::ensure!((2..=20_000).contains(&args.nodes), "--nodes must be in 2..=20000");
+    anyhow::ensure!((1..=64).contains(&args.nodes_per_switch), "--nodes-per-switch must be in 1..=64");
+    anyhow::ensure!((100..=60_000).contains(&args.heartbeat_ms), "--heartbeat-ms must be in 100..=60000");
+    anyhow::ensure!((1..=3_600).contains(&args.seconds), "--seconds must be in 1..=3600");
+    anyhow::ensure!(args.speedup.is_finite() && (1.0..=100_000.0).contains(&args.speedup), "--speedup must be in 1..=100000");
+    anyhow::ensure!(args.warm_hours.is_finite() && (0.0..=168.0).contains(&args.warm_hours), "--warm-hours must be in 0..=168");
+    let workload = crate::asi::workload::WorkloadConfig::load(&args.workload)?;
+    // The arrivals: the workload on a fleet of the agents' shape.
+    let shape = format!(
+        "seed = 1\nnodes_per_switch = {}\nnodes_per_partition = {}\n\n[[shapes]]\nmodel = \"H800\"\ncount = {}\ngpus = 8\ncpu_cores = 128\nmemory_gib = 2048\n",
+        args.nodes_per_switch, args.nodes, args.nodes
+    );
+    let (model_fleet, _) = crate::asi::fleet::FleetConfig::parse(&shape, "bench")?.build()?;
+    let warm_s = args.warm_hours * 3600.0;
+    let horizon_s = warm_s + args.seconds as f64 * args.speedup;
+    let (warm, arrivals): (Vec<berth_core::job::Job>, Vec<berth_core::job::Job>) =
+        workload.generate(&model_fleet).into_iter().take_while(|j| (j.arrival_s as f64) < horizon_s).partition(|j| (j.arrival_s as f64) < warm_s);
+    // Alive at the warm start, with what is left of their run.
+    let warm: Vec<(berth_core::job::Job, f64)> =
+        warm.into_iter().filter_map(|j| ((j.arrival_s + j.duration_s) as f64 > warm_s).then(|| (j.clone(), (j.arrival_s + j.duration_s) as f64 - warm_s))).collect();
+    drop(model_fleet);
+
+    // One tiny simulated node makes partition p0; the agents join it.
+    let fleet = "seed = 1\nnodes_per_switch = 32\nnodes_per_partition = 1\n\n[[shapes]]\nmodel = \"H800\"\ncount = 1\ngpus = 8\ncpu_cores = 128\nmemory_gib = 2048\n";
+    let state_dir = std::env::temp_dir().join(format!("berth-bench-fleet-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state_dir);
+    let access = format!(
+        "[[identities]]\nname = \"operator\"\ntoken = \"{OPERATOR}\"\nroles = {{ \"*\" = \"operator\" }}\n\n\
+         [[identities]]\nname = \"fleet-agents\"\ntoken = \"{AGENT}\"\nroles = {{ \"p0\" = \"agent\" }}\nnodes = [\"fleet-*\"]\n"
+    );
+    let config = ServeConfig {
+        listen: "127.0.0.1:0".parse()?,
+        metrics_listen: None,
+        state_dir: state_dir.clone(),
+        fleet: crate::asi::fleet::FleetConfig::parse(fleet, "bench")?,
+        access: Access::parse(&access)?,
+        tls: None,
+        default_policy: std::fs::read(catalog::resolve(&args.policy)?)?,
+        limits: crate::wasm::Limits::default(),
+        breaker: Default::default(),
+        max_upload_bytes: 16 << 20,
+        store: StoreChoice::Embedded,
+        scheduling: Scheduling { auto_compaction: args.compact.is_some(), ..Scheduling::default() },
+    };
+    let rank = std::fs::read(catalog::resolve(&args.rank)?)?;
+    let compact = args.compact.as_deref().map(|c| catalog::resolve(c).and_then(|p| Ok(std::fs::read(p)?))).transpose()?;
+    // The heartbeat timeout of a real host; lost nodes would be requeued.
+    let hub_config = crate::serve::hub::HubConfig::default();
+
+    let host_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let agent_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(THREAD_AGENTS).enable_all().build()?;
+    let host = host_rt.block_on(crate::serve::server::start_with_agents(config, hub_config))?;
+    let url = format!("http://{}", host.addr);
+    let args = args.clone();
+    let log_dir = state_dir.clone();
+    let live = host.live.clone();
+    // On the agents' runtime: the operator's and the submitter's calls
+    // count with the agents, not the host.
+    let driver = agent_rt.spawn(async move {
+        let mut api = crate::client::connect(&url, Some(OPERATOR), None, None).await?;
+        for (hook, component) in [("rank", Some(rank)), ("compact", compact)] {
+            let Some(component) = component else { continue };
+            let up = api.upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: hook.into(), ..Default::default() }).await?.into_inner();
+            api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.policy.map_or(0, |p| p.version), hook: hook.into() }).await?;
+        }
+
+        // The agents: registered, each with its command stream and heartbeats.
+        let stats = Arc::new(AgentStats::default());
+        let registered = Instant::now();
+        let mut clients = Vec::new();
+        for _ in 0..args.nodes.div_ceil(NODES_PER_CONNECTION) {
+            clients.push(crate::agent::connect_hub(&url, Some(AGENT), None).await?);
+        }
+        let mut agents = Vec::with_capacity(args.nodes as usize);
+        for i in 0..args.nodes {
+            let hub = clients[(i / NODES_PER_CONNECTION) as usize].clone();
+            let node = BenchNode { name: format!("fleet-{i:05}"), index: i, per_switch: args.nodes_per_switch, period: Duration::from_millis(args.heartbeat_ms) };
+            let stats = stats.clone();
+            agents.push(tokio::spawn(async move {
+                if let Err(e) = node.run(hub, stats).await {
+                    eprintln!("bench agent: {e:#}");
+                }
+            }));
+        }
+        loop {
+            let listed = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await?.into_inner().nodes;
+            if listed.iter().filter(|n| n.name.starts_with("fleet-") && n.schedulable).count() == args.nodes as usize {
+                break;
+            }
+            anyhow::ensure!(registered.elapsed() < Duration::from_secs(600), "the agents did not register in 10 minutes");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let register_s = registered.elapsed().as_secs_f64();
+
+        // The operator: `berth jobs` and the partitions every 2 s.
+        let polling = Arc::new(Mutex::new(Polls::default()));
+        let poller = {
+            let (mut api, polling) = (api.clone(), polling.clone());
+            tokio::spawn(async move {
+                loop {
+                    let t = Instant::now();
+                    let jobs = api.list_jobs(pb::ListJobsRequest { partition: "p0".into(), limit: 50, ..Default::default() }).await;
+                    let jobs_ms = t.elapsed().as_secs_f64() * 1e3;
+                    let t = Instant::now();
+                    let parts = api.list_partitions(pb::ListPartitionsRequest {}).await;
+                    let parts_ms = t.elapsed().as_secs_f64() * 1e3;
+                    let t = Instant::now();
+                    let nodes = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await;
+                    let nodes_ms = t.elapsed().as_secs_f64() * 1e3;
+                    if let (Ok(_), Ok(_), Ok(nodes)) = (jobs, parts, nodes) {
+                        let unreachable = nodes.into_inner().nodes.iter().filter(|n| n.state == "unreachable").count();
+                        let mut p = polling.lock().unwrap();
+                        p.jobs_ms.push(jobs_ms);
+                        p.partitions_ms.push(parts_ms);
+                        p.nodes_ms.push(nodes_ms);
+                        p.most_unreachable = p.most_unreachable.max(unreachable);
+                    }
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            })
+        };
+
+        // The warm start: the jobs alive at that moment, from a few
+        // clients at once, until the host has decided every one.
+        let warm_started = Instant::now();
+        let warm_jobs = warm.len();
+        let mut fillers = tokio::task::JoinSet::new();
+        for k in 0..8 {
+            let (mut api, specs): (_, Vec<pb::JobSpec>) = (api.clone(), warm.iter().skip(k).step_by(8).map(|(j, left_s)| spec_of(j, *left_s / args.speedup)).collect());
+            fillers.spawn(async move {
+                for spec in specs {
+                    submit(&mut api, spec).await?;
+                }
+                anyhow::Ok(())
+            });
+        }
+        while let Some(done) = fillers.join_next().await {
+            done??;
+        }
+        // Decided: the running and waiting counts held for a second.
+        let (mut last, mut same) = ((u32::MAX, u32::MAX), 0);
+        let warm_tasks_running = loop {
+            let p = api.list_partitions(pb::ListPartitionsRequest {}).await?.into_inner().partitions.into_iter().find(|p| p.name == "p0");
+            let now = p.map_or((0, 0), |p| (p.running_jobs, p.pending_jobs));
+            same = if now == last { same + 1 } else { 0 };
+            last = now;
+            if same >= 4 {
+                break now.0;
+            }
+            anyhow::ensure!(warm_started.elapsed() < Duration::from_secs(1800), "the warm start was not decided in 30 minutes");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        let warm_s = warm_started.elapsed().as_secs_f64();
+
+        // The measured phase: the arrivals, at the speed-up.
+        let measured_from_ms = crate::util::unix_ms();
+        let passes_before = live.partitions[0].pass_times.lock().unwrap().count;
+        std::mem::take(&mut *stats.round_trip_us.lock().unwrap());
+        stats.late.store(0, Ordering::Relaxed);
+        *polling.lock().unwrap() = Polls::default();
+        let started = Instant::now();
+        let mut submitted = 0;
+        for j in &arrivals {
+            let at = Duration::from_secs_f64((j.arrival_s as f64 - args.warm_hours * 3600.0) / args.speedup);
+            if let Some(wait) = at.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+            if submit(&mut api, spec_of(j, j.duration_s as f64 / args.speedup)).await? {
+                submitted += 1;
+            }
+        }
+        let remaining = Duration::from_secs(args.seconds).saturating_sub(started.elapsed());
+        tokio::time::sleep(remaining).await;
+        poller.abort();
+
+        // What the host shows, and what the run cost.
+        let nodes_unreachable = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await?.into_inner().nodes.iter().filter(|n| n.name.starts_with("fleet-") && n.state == "unreachable").count();
+        let partition = api.list_partitions(pb::ListPartitionsRequest {}).await?.into_inner().partitions.into_iter().find(|p| p.name == "p0");
+        let jobs = crate::client::list_all_jobs(api.clone(), pb::ListJobsRequest { partition: "p0".into(), ..Default::default() }).await?;
+        let (host_cpu_s, agents_cpu_s) = thread_cpu_seconds();
+        let (rss_mib, rss_peak_mib) = rss_mib();
+        for a in agents {
+            a.abort();
+        }
+        let waited_for_victims: BTreeSet<u64> = decision_log(&log_dir)
+            .into_iter()
+            .filter(|d| d["outcome"] == "evicted")
+            .filter_map(|d| d["detail"].as_str().and_then(|s| s.strip_prefix("for job ").or_else(|| s.strip_prefix("preempted for job "))).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).and_then(|s| s.parse().ok()))
+            .collect();
+        let started_jobs: Vec<&pb::Job> = jobs.iter().filter(|j| j.started_unix_ms > 0 && j.submitted_unix_ms >= measured_from_ms).collect();
+        let mut fit: Vec<u64> = started_jobs.iter().filter(|j| !waited_for_victims.contains(&j.id)).map(|j| j.started_unix_ms.saturating_sub(j.submitted_unix_ms)).collect();
+        let mut all: Vec<u64> = started_jobs.iter().map(|j| j.started_unix_ms.saturating_sub(j.submitted_unix_ms)).collect();
+        fit.sort_unstable();
+        all.sort_unstable();
+        let running = jobs.iter().filter(|j| j.state == "running").flat_map(|j| &j.runs).filter(|r| r.state == "running").count();
+        let ended = jobs.iter().filter(|j| matches!(j.state.as_str(), "finished" | "failed" | "cancelled")).count();
+        let mut polls = std::mem::take(&mut *polling.lock().unwrap());
+        for v in [&mut polls.jobs_ms, &mut polls.partitions_ms, &mut polls.nodes_ms] {
+            v.sort_by(f64::total_cmp);
+        }
+        let mut beats = std::mem::take(&mut *stats.round_trip_us.lock().unwrap());
+        beats.sort_unstable();
+        Ok::<_, anyhow::Error>(Measured {
+            register_s,
+            warm_jobs,
+            warm_s,
+            warm_tasks_running,
+            measured_from_ms,
+            passes_before,
+            submitted,
+            started: started_jobs.len(),
+            ended,
+            running,
+            gpus_busy: partition.map_or(0.0, |p| p.gpus_busy),
+            fit,
+            all,
+            polls,
+            beats,
+            beats_late: stats.late.load(Ordering::Relaxed),
+            nodes_unreachable,
+            host_cpu_s,
+            agents_cpu_s,
+            rss_mib,
+            rss_peak_mib,
+        })
+    });
+    let result = agent_rt.block_on(driver);
+    let live = host.live.clone();
+    host_rt.block_on(host.shutdown());
+    drop(agent_rt);
+    let m = result??;
+    // The measured phase's passes (the latest the ring kept).
+    let (mut passes, pass_count) = {
+        let times = live.partitions[0].pass_times.lock().unwrap();
+        let latest = times.latest_us();
+        let measured = usize::try_from(times.count - m.passes_before).unwrap_or(usize::MAX).min(latest.len());
+        (latest[latest.len() - measured..].iter().map(|&us| u64::from(us)).collect::<Vec<u64>>(), times.count - m.passes_before)
+    };
+    passes.sort_unstable();
+    let decisions = decision_latencies(&state_dir, m.measured_from_ms);
+    let preemptions = live.metrics.evictions.with_label_values(&["p0", "notice"]).get() + live.metrics.evictions.with_label_values(&["p0", "forced"]).get();
+    let store_bytes = dir_bytes(&state_dir);
+    let _ = std::fs::remove_dir_all(&state_dir);
+    let ms = |v: &[f64], p: f64| if v.is_empty() { 0.0 } else { v[((v.len() - 1) as f64 * p / 100.0).round() as usize] };
+    Ok(FleetBench {
+        nodes: args.nodes,
+        gpus: args.nodes * 8,
+        heartbeat_ms: args.heartbeat_ms,
+        seconds: args.seconds,
+        speedup: args.speedup,
+        workload: args.workload.clone(),
+        register_s: m.register_s,
+        warm_jobs: m.warm_jobs,
+        warm_s: m.warm_s,
+        warm_tasks_running: m.warm_tasks_running,
+        jobs_submitted: m.submitted,
+        jobs_started: m.started,
+        jobs_ended: m.ended,
+        tasks_running_at_end: m.running,
+        gpus_busy_at_end: m.gpus_busy,
+        preemptions,
+        decisions: decisions.len(),
+        decision_p50_us: percentile(&decisions, 50.0),
+        decision_p99_us: percentile(&decisions, 99.0),
+        decision_max_us: decisions.last().copied().unwrap_or(0),
+        passes: pass_count,
+        pass_p50_us: percentile(&passes, 50.0),
+        pass_p99_us: percentile(&passes, 99.0),
+        pass_max_us: passes.last().copied().unwrap_or(0),
+        submit_to_start_fit_p50_ms: percentile(&m.fit, 50.0),
+        submit_to_start_fit_p99_ms: percentile(&m.fit, 99.0),
+        submit_to_start_all_p99_ms: percentile(&m.all, 99.0),
+        heartbeats: m.beats.len() as u64,
+        heartbeat_p50_us: percentile(&m.beats, 50.0),
+        heartbeat_p99_us: percentile(&m.beats, 99.0),
+        heartbeats_late: m.beats_late,
+        nodes_unreachable: m.nodes_unreachable,
+        nodes_unreachable_most: m.polls.most_unreachable,
+        list_jobs_p99_ms: ms(&m.polls.jobs_ms, 99.0),
+        list_partitions_p99_ms: ms(&m.polls.partitions_ms, 99.0),
+        list_nodes_p99_ms: ms(&m.polls.nodes_ms, 99.0),
+        host_cpu_s: m.host_cpu_s,
+        agents_cpu_s: m.agents_cpu_s,
+        rss_mib: m.rss_mib,
+        rss_peak_mib: m.rss_peak_mib,
+        store_bytes,
+    })
+}
+
+/// What the run saw, before it is summed up.
+struct Measured {
+    register_s: f64,
+    warm_jobs: usize,
+    warm_s: f64,
+    warm_tasks_running: u32,
+    measured_from_ms: u64,
+    passes_before: u64,
+    submitted: usize,
+    started: usize,
+    ended: usize,
+    running: usize,
+    gpus_busy: f64,
+    fit: Vec<u64>,
+    all: Vec<u64>,
+    polls: Polls,
+    beats: Vec<u64>,
+    beats_late: u64,
+    nodes_unreachable: usize,
+    host_cpu_s: f64,
+    agents_cpu_s: f64,
+    rss_mib: u64,
+    rss_peak_mib: u64,
+}
+
+/// The operator's polls: how long each listing took, and the most nodes
+/// any showed unreachable.
+#[derive(Default)]
+struct Polls {
+    jobs_ms: Vec<f64>,
+    partitions_ms: Vec<f64>,
+    nodes_ms: Vec<f64>,
+    most_unreachable: usize,
+}
+
+#[derive(Default)]
+struct AgentStats {
+    round_trip_us: Mutex<Vec<u64>>,
+    late: AtomicU64,
+}
+
+/// One agent node of the benchmark.
+struct BenchNode {
+    name: String,
+    index: u32,
+    per_switch: u32,
+    period: Duration,
+}
+
+impl BenchNode {
+    async fn run(self, mut hub: HubClient, stats: Arc<AgentStats>) -> anyhow::Result<()> {
+        let gpus = (0..8).map(|g| pb::GpuInfo { index: g, uuid: format!("GPU-{}-{g}", self.name), model: "H800".into(), memory_total_mib: 81_920, ..Default::default() }).collect();
+        let reg = pb::RegisterAgentRequest {
+            node: self.name.clone(),
+            partition: "p0".into(),
+            gpus,
+            source: "bench".into(),
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+            cpu_milli: 128_000,
+            memory_mib: 2 << 20,
+            switch_domain: Some(self.index / self.per_switch),
+            aggregation: Some(0),
+        };
+        let session = hub.register(reg).await?.into_inner().session;
+        let mut stream = hub.commands(pb::CommandsRequest { node: self.name.clone(), session }).await?.into_inner();
+        let running: Arc<Mutex<BTreeSet<u64>>> = Arc::default();
+        let beating = {
+            let (mut hub, node, running, period) = (hub.clone(), self.name.clone(), running.clone(), self.period);
+            // Spread over the period, as nodes started at different times.
+            let phase = period.mul_f64(f64::from(self.index % 997) / 997.0);
+            tokio::spawn(async move {
+                tokio::time::sleep(phase).await;
+                let mut tick = tokio::time::interval(period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut last = Instant::now();
+                loop {
+                    tick.tick().await;
+                    if last.elapsed() > period + period / 2 {
+                        stats.late.fetch_add(1, Ordering::Relaxed);
+                    }
+                    last = Instant::now();
+                    let running: Vec<u64> = running.lock().unwrap().iter().copied().collect();
+                    let busy = !running.is_empty();
+                    let telemetry = (0..8)
+                        .map(|g| pb::GpuTelemetry { index: g, sm_util_pct: if busy { 60 } else { 0 }, memory_used_mib: if busy { 40_000 } else { 0 }, temperature_c: 50, power_mw: 300_000, ..Default::default() })
+                        .collect();
+                    let t = Instant::now();
+                    if hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, gpus: telemetry, running }).await.is_ok() {
+                        stats.round_trip_us.lock().unwrap().push(t.elapsed().as_micros() as u64);
+                    }
+                }
+            })
+        };
+        let report = |mut hub: HubClient, node: String, allocation_id: u64, state: &'static str| async move {
+            let _ = hub.report_allocation(pb::AllocationReport { node, allocation_id, state: state.into(), ..Default::default() }).await;
+        };
+        while let Some(cmd) = stream.message().await? {
+            let a = cmd.allocation_id;
+            match cmd.action.as_str() {
+                "start" => {
+                    running.lock().unwrap().insert(a);
+                    report(hub.clone(), self.name.clone(), a, "running").await;
+                    // Its exit after the job's duration (argv: bench-run MS).
+                    let run_ms: u64 = cmd.argv.get(1).and_then(|s| s.parse().ok()).unwrap_or(1000);
+                    let (hub, node, running) = (hub.clone(), self.name.clone(), running.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(run_ms)).await;
+                        if running.lock().unwrap().remove(&a) {
+                            report(hub, node, a, "exited").await;
+                        }
+                    });
+                }
+                "stop" => {
+                    if running.lock().unwrap().remove(&a) {
+                        report(hub.clone(), self.name.clone(), a, "exited").await;
+                    }
+                }
+                "sleep" => report(hub.clone(), self.name.clone(), a, "sleeping").await,
+                "wake" => report(hub.clone(), self.name.clone(), a, "running").await,
+                _ => {}
+            }
+        }
+        beating.abort();
+        Ok(())
+    }
+}
+
+/// The request for one job of the workload, running `run_s` seconds.
+fn spec_of(j: &berth_core::job::Job, run_s: f64) -> pb::JobSpec {
+    let run_ms = (run_s * 1000.0).max(1.0) as u64;
+    pb::JobSpec {
+        partition: "p0".into(),
+        tasks: j.tasks,
+        gpus: j.shape.gpu_count,
+        gpu_milli: j.shape.gpu_milli,
+        cpu_milli: j.shape.cpu_milli,
+        memory_mib: j.shape.memory_mib,
+        priority: j.priority,
+        argv: vec!["bench-run".into(), run_ms.to_string()],
+        // Low-priority work may be moved by live compaction.
+        movable: j.priority == 0,
+        ..Default::default()
+    }
+}
+
+/// Submits one job; whether it was accepted (a shape no node has is not).
+async fn submit(api: &mut crate::client::Client, spec: pb::JobSpec) -> anyhow::Result<bool> {
+    match api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await {
+        Ok(_) => Ok(true),
+        Err(s) if s.code() == tonic::Code::InvalidArgument => Ok(false),
+        Err(s) => Err(anyhow::anyhow!("submit: {s}")),
+    }
+}
+
+/// Every record of the decision log, its rotated files included.
+fn decision_log(dir: &std::path::Path) -> Vec<serde_json::Value> {
+    let files = std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>()).unwrap_or_default();
+    files
+        .iter()
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("decisions") && n.ends_with(".jsonl")))
+        .flat_map(|p| std::fs::read_to_string(p).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect::<Vec<_>>())
+        .collect()
+}
+
+/// Placement decisions' latencies (µs) from the decision log, sorted.
+fn decision_latencies(dir: &std::path::Path, from_ms: u64) -> Vec<u64> {
+    let mut all: Vec<u64> = decision_log(dir)
+        .into_iter()
+        .filter(|d| d["arm"] == "active" && d["outcome"] != "evicted" && d["unix_ms"].as_u64().is_some_and(|t| t >= from_ms))
+        .filter_map(|d| d["latency_us"].as_u64())
+        .collect();
+    all.sort_unstable();
+    all
+}
+
+/// CPU seconds of the host (the process, less the benchmark's agents) and
+/// of the agents (their runtime's threads, all alive till the end).
+fn thread_cpu_seconds() -> (f64, f64) {
+    // utime and stime (fields 14 and 15) of a /proc stat line, in seconds;
+    // a process's include its threads that have ended.
+    let cpu = |path: &std::path::Path| -> Option<(String, f64)> {
+        let stat = std::fs::read_to_string(path).ok()?;
+        let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+        Some((stat[open + 1..close].to_string(), ticks / 100.0)) // USER_HZ
+    };
+    let total = cpu(std::path::Path::new("/proc/self/stat")).map_or(0.0, |c| c.1);
+    let agents: f64 = std::fs::read_dir("/proc/self/task")
+        .map(|tasks| tasks.flatten().filter_map(|t| cpu(&t.path().join("stat"))).filter(|(comm, _)| comm.starts_with(THREAD_AGENTS)).map(|c| c.1).sum())
+        .unwrap_or(0.0);
+    ((total - agents).max(0.0), agents)
+}
+
+/// The process's resident memory now and at its peak, MiB.
+fn rss_mib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.split_whitespace().next()).and_then(|k| k.parse::<u64>().ok()).map_or(0, |kb| kb / 1024);
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir).map(|d| d.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()).unwrap_or(0)
+}
+
+impl FleetBench {
+    /// The figures, one per line, for people.
+    pub fn table(&self) -> String {
+        let ms = |us: u64| us as f64 / 1e3;
+        format!(
+            "live host, {} agent nodes ({} GPUs), heartbeats every {} ms; {} workload for {} s at {}x\n\
+             registered in {:.1} s; warm start: {} jobs alive submitted and decided in {:.1} s, {} running\n\
+             measured phase: {} jobs submitted, {} started, {} ended, {} preemptions; at the end {} tasks running, {:.0} GPUs busy\n\
+             placement decision p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} decisions)\n\
+             whole pass p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} passes)\n\
+             submit to start, jobs that fit: p50 {} ms, p99 {} ms (every started job: p99 {} ms)\n\
+             heartbeats: {} sent, round trip p50 {:.2} ms, p99 {:.2} ms, {} late by over half a period; nodes unreachable: {} at the end, {} at most\n\
+             operator: berth jobs p99 {:.1} ms, partitions p99 {:.1} ms, nodes p99 {:.1} ms\n\
+             CPU: host {:.1} s, bench agents {:.1} s; RSS {} MiB (peak {} MiB, agents included); store {:.1} MiB\n",
+            self.nodes,
+            self.gpus,
+            self.heartbeat_ms,
+            self.workload,
+            self.seconds,
+            self.speedup,
+            self.register_s,
+            self.warm_jobs,
+            self.warm_s,
+            self.warm_tasks_running,
+            self.jobs_submitted,
+            self.jobs_started,
+            self.jobs_ended,
+            self.preemptions,
+            self.tasks_running_at_end,
+            self.gpus_busy_at_end,
+            ms(self.decision_p50_us),
+            ms(self.decision_p99_us),
+            ms(self.decision_max_us),
+            self.decisions,
+            ms(self.pass_p50_us),
+            ms(self.pass_p99_us),
+            ms(self.pass_max_us),
+            self.passes,
+            self.submit_to_start_fit_p50_ms,
+            self.submit_to_start_fit_p99_ms,
+            self.submit_to_start_all_p99_ms,
+            self.heartbeats,
+            ms(self.heartbeat_p50_us),
+            ms(self.heartbeat_p99_us),
+            self.heartbeats_late,
+            self.nodes_unreachable,
+            self.nodes_unreachable_most,
+            self.list_jobs_p99_ms,
+            self.list_partitions_p99_ms,
+            self.list_nodes_p99_ms,
+            self.host_cpu_s,
+            self.agents_cpu_s,
+            self.rss_mib,
+            self.rss_peak_mib,
+            self.store_bytes as f64 / (1 << 20) as f64
+        )
+    }
+}
