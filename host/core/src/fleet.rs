@@ -195,6 +195,42 @@ impl Fleet {
         Ok(())
     }
 
+    /// A node added (`id` None: it gets the next id) or an idle one
+    /// redefined, checking only it: the other nodes and the outstanding
+    /// allocations carry over, and the totals follow. A live host adds
+    /// agent nodes one at a time; rebuilding the fleet for each would cost
+    /// the whole fleet per registration. `models` must extend the current
+    /// list (an added model at its end).
+    pub fn put_node(&mut self, models: Vec<String>, id: Option<NodeId>, node: Node) -> Result<NodeId, FleetError> {
+        node.check().map_err(|reason| FleetError::InvalidNode { name: node.name.clone(), reason })?;
+        if let Some(m) = node.model
+            && m as usize >= models.len()
+        {
+            return Err(FleetError::InvalidNode { name: node.name.clone(), reason: format!("model index {m} unknown") });
+        }
+        if models.len() < self.models.len() || models[..self.models.len()] != self.models[..] {
+            return Err(FleetError::InvalidNode { name: node.name.clone(), reason: "the model list may only grow at its end".into() });
+        }
+        let (total, allocated) = (node.gpu_total_milli(), node.gpu_total_milli() - node.gpu_free_milli());
+        let id = match id {
+            Some(id) => {
+                let old = self.nodes.get_mut(id as usize).ok_or(FleetError::UnknownNode(id))?;
+                self.gpu_total_milli -= old.gpu_total_milli();
+                self.gpu_allocated_milli -= old.gpu_total_milli() - old.gpu_free_milli();
+                *old = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as NodeId
+            }
+        };
+        self.gpu_total_milli += total;
+        self.gpu_allocated_milli += allocated;
+        self.models = models;
+        Ok(id)
+    }
+
     /// How many allocations are outstanding, on a tracked fleet.
     pub fn outstanding(&self) -> Option<usize> {
         self.ledger.as_ref().map(|l| l.values().map(|&n| n as usize).sum())

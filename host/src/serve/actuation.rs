@@ -67,7 +67,7 @@ impl Live {
         for (q, other) in self.partitions.iter().enumerate() {
             let st = other.lock_state();
             let agent_here = q == p && st.agent_ids.contains_key(node);
-            if !agent_here && st.fleet.nodes().iter().any(|n| n.name == node) {
+            if !agent_here && st.node_names.contains_key(node) {
                 return Err(ServeError::FailedPrecondition(format!("node name {node:?} is already taken in the fleet")));
             }
         }
@@ -76,13 +76,12 @@ impl Live {
         let st = &mut *guard;
         let mut models = st.fleet.models.clone();
         let model_id = (gpus > 0).then(|| intern_model(&mut models, model));
-        let mut nodes = st.fleet.nodes().to_vec();
         let mut fresh = Node::new(node, model_id, gpus, cpu_milli, memory_mib);
         fresh.schedulable = false;
-        fresh.partition = nodes.first().map_or(0, |n| n.partition);
-        match st.agent_ids.get(node).copied() {
+        fresh.partition = st.fleet.nodes().first().map_or(0, |n| n.partition);
+        let put = match st.agent_ids.get(node).copied() {
             Some(id) => {
-                let old = &nodes[id as usize];
+                let old = &st.fleet.nodes()[id as usize];
                 let (domain, aggregation) = topology.place(AGENT_DOMAIN_BASE + id);
                 if old.gpus.len() == gpus && old.model == model_id && old.switch_domain == domain && old.aggregation == aggregation {
                     return Ok(());
@@ -106,20 +105,20 @@ impl Live {
                 }
                 st.health.retain(|&(n, _), _| n != id);
                 st.activity.remove(&id);
-                nodes[id as usize] = fresh;
+                Some(id)
             }
             None => {
-                if nodes.iter().any(|n| n.name == node) {
+                if st.node_names.contains_key(node) {
                     return Err(ServeError::Invalid(format!("node name {node:?} is a simulated node of partition {partition}")));
                 }
-                (fresh.switch_domain, fresh.aggregation) = topology.place(AGENT_DOMAIN_BASE + nodes.len() as u32);
-                st.agent_ids.insert(node.to_string(), nodes.len() as NodeId);
-                nodes.push(fresh);
+                (fresh.switch_domain, fresh.aggregation) = topology.place(AGENT_DOMAIN_BASE + st.fleet.nodes().len() as u32);
+                None
             }
-        }
-        st.fleet.with_nodes(models, nodes).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        };
+        let id = st.fleet.put_node(models, put, fresh).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        st.agent_ids.insert(node.to_string(), id);
+        st.node_names.insert(node.to_string(), id);
         part.models.lock().unwrap().clone_from(&st.fleet.models);
-        let id = st.agent_ids[node];
         st.topology.insert(id, topology);
         let op = st.node_op(partition, node).expect("just added");
         self.persist_logged(vec![op]);

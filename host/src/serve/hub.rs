@@ -73,6 +73,9 @@ struct AgentRecord {
 #[derive(Default)]
 struct HubState {
     agents: BTreeMap<String, AgentRecord>,
+    /// Which node registered each GPU UUID: a registration's duplicate
+    /// check without a scan of every node's GPUs.
+    gpu_owner: std::collections::HashMap<String, String>,
     allocations: BTreeMap<u64, pb::AllocationInfo>,
     /// Allocations that stopped holding GPUs, oldest first: listed until
     /// the retention's count of newer ones ended.
@@ -237,12 +240,20 @@ impl Hub {
         let mut gpus = r.gpus.into_iter().map(|info| GpuState { info, healthy: true, reason: String::new(), last: None }).collect::<Vec<_>>();
         // A node re-registering keeps the health marks of GPUs it still has.
         if let Some(p) = st.agents.remove(&r.node) {
+            for g in &p.gpus {
+                if st.gpu_owner.get(&g.info.uuid).is_some_and(|owner| *owner == r.node) {
+                    st.gpu_owner.remove(&g.info.uuid);
+                }
+            }
             for g in gpus.iter_mut() {
                 if let Some(old) = p.gpus.iter().find(|o| o.info.uuid == g.info.uuid && !o.healthy) {
                     g.healthy = false;
                     g.reason = old.reason.clone();
                 }
             }
+        }
+        for g in &gpus {
+            st.gpu_owner.insert(g.info.uuid.clone(), r.node.clone());
         }
         let unhealthy = gpus.iter().filter(|g| !g.healthy).map(|g| g.info.index).collect();
         tracing::info!(target: "berth::agent", node = %r.node, partition = %r.partition, gpus = gpus.len(), source = %r.source, by = %id.name, "agent registered");
@@ -422,9 +433,7 @@ impl AgentHub for Arc<Hub> {
             check_registration(&r)?;
             {
                 let st = self.state.lock().unwrap();
-                let taken = st.agents.iter().filter(|(name, _)| **name != r.node).find_map(|(name, a)| {
-                    a.gpus.iter().find(|g| r.gpus.iter().any(|n| n.uuid == g.info.uuid)).map(|g| (name.clone(), g.info.uuid.clone()))
-                });
+                let taken = r.gpus.iter().find_map(|g| st.gpu_owner.get(&g.uuid).filter(|owner| **owner != r.node).map(|owner| (owner.clone(), g.uuid.clone())));
                 if let Some((other, uuid)) = taken {
                     return Err(Status::already_exists(format!("node {}: GPU {uuid} is registered by node {other}", r.node)));
                 }

@@ -154,8 +154,8 @@ impl PartitionState {
     }
 
     fn alloc_in(&self, a: &StoredAlloc) -> Result<Allocation, String> {
-        let node = self.fleet.nodes().iter().position(|n| n.name == a.node).ok_or_else(|| format!("unknown node {:?}", a.node))?;
-        Ok(Allocation { node: node as u32, gpus: a.gpus, gpu_milli: a.gpu_milli, cpu_milli: a.cpu_milli, memory_mib: a.memory_mib })
+        let &node = self.node_names.get(&a.node).ok_or_else(|| format!("unknown node {:?}", a.node))?;
+        Ok(Allocation { node, gpus: a.gpus, gpu_milli: a.gpu_milli, cpu_milli: a.cpu_milli, memory_mib: a.memory_mib })
     }
 
     /// The op that records job `id` as it is now.

@@ -227,6 +227,9 @@ pub const SHOWN_STATES: [&str; 6] = ["pending", "evicting", "running", "finished
 
 pub struct PartitionState {
     pub fleet: Fleet,
+    /// Every node's name (simulated and agent), for a registration's
+    /// uniqueness check without a scan of the fleet.
+    pub(crate) node_names: HashMap<String, NodeId>,
     /// The partition's scheduling engine (the core's, shared with replay)
     /// and each live job's slot in it.
     pub engine: Engine,
@@ -513,6 +516,7 @@ impl Partition {
             models: Mutex::new(fleet.models.clone()),
             pass_times: Mutex::new(PassTimes::default()),
             state: Mutex::new(PartitionState {
+                node_names: fleet.nodes().iter().enumerate().map(|(i, n)| (n.name.clone(), i as NodeId)).collect(),
                 fleet,
                 engine: Engine::new(engine),
                 slots: HashMap::new(),
