@@ -93,3 +93,28 @@ fn use_no_outstanding_allocation_explains_is_an_invariant_break() {
     let e = f.check_invariants().unwrap_err();
     assert!(e.contains("node n1") && e.contains("outstanding"), "{e}");
 }
+
+/// A node added in place (a registering agent) keeps the outstanding
+/// allocations and their ledger, and the totals follow; an idle node
+/// redefined replaces its capacity; a bad node or a model list that does
+/// not extend the current one changes nothing.
+#[test]
+fn a_node_put_in_place_keeps_the_ledger_and_the_totals_follow() {
+    let mut f = fleet(true);
+    let held = share(0, 0b11, 1000, 1000);
+    f.allocate(&held).unwrap();
+    let before = (f.gpu_total_milli(), f.gpu_allocated_milli());
+    let id = f.put_node(vec!["A".into(), "B".into()], None, Node::new("n2", Some(1), 4, 64_000, 512_000)).unwrap();
+    assert_eq!(id, 2);
+    assert_eq!((f.gpu_total_milli(), f.gpu_allocated_milli()), (before.0 + 4000, before.1));
+    // Redefined: n2 now has 2 GPUs.
+    assert_eq!(f.put_node(vec!["A".into(), "B".into()], Some(2), Node::new("n2", Some(1), 2, 64_000, 512_000)).unwrap(), 2);
+    assert_eq!(f.gpu_total_milli(), before.0 + 2000);
+    // Refused without a change: an unknown model, a reordered model list.
+    assert!(f.put_node(vec!["A".into(), "B".into()], None, Node::new("n3", Some(5), 8, 64_000, 512_000)).is_err());
+    assert!(f.put_node(vec!["B".into(), "A".into()], None, Node::new("n3", Some(0), 8, 64_000, 512_000)).is_err());
+    assert_eq!((f.nodes().len(), f.gpu_total_milli()), (3, before.0 + 2000));
+    // The allocation made before is still the ledger's: released once, not twice.
+    f.release(&held).unwrap();
+    assert!(f.release(&held).is_err());
+}
