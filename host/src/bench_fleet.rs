@@ -476,18 +476,7 @@ struct BenchNode {
 
 impl BenchNode {
     async fn run(self, mut hub: HubClient, stats: Arc<AgentStats>) -> anyhow::Result<()> {
-        let gpus = (0..8).map(|g| pb::GpuInfo { index: g, uuid: format!("GPU-{}-{g}", self.name), model: "H800".into(), memory_total_mib: 81_920, ..Default::default() }).collect();
-        let reg = pb::RegisterAgentRequest {
-            node: self.name.clone(),
-            partition: "p0".into(),
-            gpus,
-            source: "bench".into(),
-            agent_version: env!("CARGO_PKG_VERSION").into(),
-            cpu_milli: 128_000,
-            memory_mib: 2 << 20,
-            switch_domain: Some(self.index / self.per_switch),
-            aggregation: Some(0),
-        };
+        let reg = crate::bench_live::bench_registration(&self.name, self.index / self.per_switch);
         let session = hub.register(reg).await?.into_inner().session;
         let mut stream = hub.commands(pb::CommandsRequest { node: self.name.clone(), session }).await?.into_inner();
         let running: Arc<Mutex<BTreeSet<u64>>> = Arc::default();

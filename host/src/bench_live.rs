@@ -170,23 +170,29 @@ pub struct CompactBench {
     pub whole_node_jobs_started: usize,
 }
 
-/// One agent node of the benchmark: registered through the hub's API, it
-/// reports every start as running and every stop as exited at once (no
-/// processes: the benchmark measures the host).
-async fn fake_agent(url: String, node: String, index: u32) -> anyhow::Result<()> {
-    let mut hub = crate::agent::connect_hub(&url, Some(TOKEN), None).await?;
+/// A benchmark agent node's registration in partition p0: eight H800 GPUs,
+/// 128 cores, 2 TiB, in access switch `switch_domain`.
+pub(crate) fn bench_registration(node: &str, switch_domain: u32) -> pb::RegisterAgentRequest {
     let gpus = (0..8).map(|g| pb::GpuInfo { index: g, uuid: format!("GPU-bench-{node}-{g}"), model: "H800".into(), memory_total_mib: 81_920, ..Default::default() }).collect();
-    let reg = pb::RegisterAgentRequest {
-        node: node.clone(),
+    pb::RegisterAgentRequest {
+        node: node.to_string(),
         partition: "p0".into(),
         gpus,
         source: "bench".into(),
         agent_version: env!("CARGO_PKG_VERSION").into(),
         cpu_milli: 128_000,
         memory_mib: 2 << 20,
-        switch_domain: Some(index / 32),
+        switch_domain: Some(switch_domain),
         aggregation: Some(0),
-    };
+    }
+}
+
+/// One agent node of the benchmark: registered through the hub's API, it
+/// reports every start as running and every stop as exited at once (no
+/// processes: the benchmark measures the host).
+async fn fake_agent(url: String, node: String, index: u32) -> anyhow::Result<()> {
+    let mut hub = crate::agent::connect_hub(&url, Some(TOKEN), None).await?;
+    let reg = bench_registration(&node, index / 32);
     let session = hub.register(reg).await?.into_inner().session;
     let mut stream = hub.commands(pb::CommandsRequest { node: node.clone(), session }).await?.into_inner();
     hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, ..Default::default() }).await?;
