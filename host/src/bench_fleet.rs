@@ -174,7 +174,6 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
     let host = host_rt.block_on(crate::serve::server::start_with_agents(config, hub_config))?;
     let url = format!("http://{}", host.addr);
     let args = args.clone();
-    let log_dir = state_dir.clone();
     let live = host.live.clone();
     // On the agents' runtime: the operator's and the submitter's calls
     // count with the agents, not the host.
@@ -310,20 +309,12 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         for a in agents {
             a.abort();
         }
-        let waited_for_victims: BTreeSet<u64> = decision_log(&log_dir)
-            .into_iter()
-            .filter(|d| d["outcome"] == "evicted")
-            .filter_map(|d| d["detail"].as_str().and_then(|s| s.strip_prefix("for job ").or_else(|| s.strip_prefix("preempted for job "))).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).and_then(|s| s.parse().ok()))
+        // Submitted in the measured phase and started: (id, high priority, ms from acceptance to start).
+        let started: Vec<(u64, bool, u64)> = jobs
+            .iter()
+            .filter(|j| j.started_unix_ms > 0 && j.submitted_unix_ms >= measured_from_ms)
+            .map(|j| (j.id, j.spec.as_ref().is_some_and(|s| s.priority >= 1), j.started_unix_ms.saturating_sub(j.submitted_unix_ms)))
             .collect();
-        let started_jobs: Vec<&pb::Job> = jobs.iter().filter(|j| j.started_unix_ms > 0 && j.submitted_unix_ms >= measured_from_ms).collect();
-        let waited = |j: &pb::Job| j.started_unix_ms.saturating_sub(j.submitted_unix_ms);
-        let high: Vec<&pb::Job> = started_jobs.iter().copied().filter(|j| j.spec.as_ref().is_some_and(|s| s.priority >= 1)).collect();
-        let mut high_ms: Vec<u64> = high.iter().map(|j| waited(j)).collect();
-        let mut free: Vec<u64> = high.iter().filter(|j| !waited_for_victims.contains(&j.id)).map(|j| waited(j)).collect();
-        let mut all: Vec<u64> = started_jobs.iter().map(|j| waited(j)).collect();
-        for v in [&mut high_ms, &mut free, &mut all] {
-            v.sort_unstable();
-        }
         let running = jobs.iter().filter(|j| j.state == "running").flat_map(|j| &j.runs).filter(|r| r.state == "running").count();
         let ended = jobs.iter().filter(|j| matches!(j.state.as_str(), "finished" | "failed" | "cancelled")).count();
         let mut polls = std::mem::take(&mut *polling.lock().unwrap());
@@ -341,13 +332,10 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
             measured_from_ms,
             passes_before,
             submitted,
-            started: started_jobs.len(),
+            started,
             ended,
             running,
             gpus_busy: partition.map_or(0.0, |p| p.gpus_busy),
-            high: high_ms,
-            free,
-            all,
             polls,
             beats,
             beats_late: stats.late.load(Ordering::Relaxed),
@@ -359,7 +347,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         })
     });
     let result = agent_rt.block_on(driver);
-    let live = host.live.clone();
+    let live = host.live.clone(); // the driver's clone went with it
     host_rt.block_on(host.shutdown());
     drop(agent_rt);
     let m = result??;
@@ -371,7 +359,23 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         (latest[latest.len() - measured..].iter().map(|&us| u64::from(us)).collect::<Vec<u64>>(), times.count - m.passes_before)
     };
     passes.sort_unstable();
-    let decisions = decision_latencies(&state_dir, m.measured_from_ms);
+    // One read of the decision log: placement latencies, and the jobs that
+    // waited for a victim.
+    let log = decision_log(&state_dir);
+    let decisions = decision_latencies(&log, m.measured_from_ms);
+    let waited_for_victims: BTreeSet<u64> = log
+        .iter()
+        .filter(|d| d["outcome"] == "evicted")
+        .filter_map(|d| d["detail"].as_str().and_then(|s| s.strip_prefix("for job ").or_else(|| s.strip_prefix("preempted for job "))).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).and_then(|s| s.parse().ok()))
+        .collect();
+    let sorted = |v: Vec<u64>| {
+        let mut v = v;
+        v.sort_unstable();
+        v
+    };
+    let high = sorted(m.started.iter().filter(|s| s.1).map(|s| s.2).collect());
+    let free = sorted(m.started.iter().filter(|s| s.1 && !waited_for_victims.contains(&s.0)).map(|s| s.2).collect());
+    let all = sorted(m.started.iter().map(|s| s.2).collect());
     let preemptions = live.metrics.evictions.with_label_values(&["p0", "notice"]).get() + live.metrics.evictions.with_label_values(&["p0", "forced"]).get();
     let store_bytes = dir_bytes(&state_dir);
     let _ = std::fs::remove_dir_all(&state_dir);
@@ -389,7 +393,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         warm_submit_s: m.warm_submit_s,
         warm_tasks_running: m.warm_tasks_running,
         jobs_submitted: m.submitted,
-        jobs_started: m.started,
+        jobs_started: m.started.len(),
         jobs_ended: m.ended,
         tasks_running_at_end: m.running,
         gpus_busy_at_end: m.gpus_busy,
@@ -402,10 +406,10 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         pass_p50_us: percentile(&passes, 50.0),
         pass_p99_us: percentile(&passes, 99.0),
         pass_max_us: passes.last().copied().unwrap_or(0),
-        submit_to_start_high_p50_ms: percentile(&m.high, 50.0),
-        submit_to_start_high_p99_ms: percentile(&m.high, 99.0),
-        submit_to_start_free_p99_ms: percentile(&m.free, 99.0),
-        submit_to_start_all_p99_ms: percentile(&m.all, 99.0),
+        submit_to_start_high_p50_ms: percentile(&high, 50.0),
+        submit_to_start_high_p99_ms: percentile(&high, 99.0),
+        submit_to_start_free_p99_ms: percentile(&free, 99.0),
+        submit_to_start_all_p99_ms: percentile(&all, 99.0),
         heartbeats: m.beats.len() as u64,
         heartbeat_p50_us: percentile(&m.beats, 50.0),
         heartbeat_p99_us: percentile(&m.beats, 99.0),
@@ -433,13 +437,10 @@ struct Measured {
     measured_from_ms: u64,
     passes_before: u64,
     submitted: usize,
-    started: usize,
+    started: Vec<(u64, bool, u64)>,
     ended: usize,
     running: usize,
     gpus_busy: f64,
-    high: Vec<u64>,
-    free: Vec<u64>,
-    all: Vec<u64>,
     polls: Polls,
     beats: Vec<u64>,
     beats_late: u64,
@@ -579,9 +580,9 @@ fn decision_log(dir: &std::path::Path) -> Vec<serde_json::Value> {
 }
 
 /// Placement decisions' latencies (µs) from the decision log, sorted.
-fn decision_latencies(dir: &std::path::Path, from_ms: u64) -> Vec<u64> {
-    let mut all: Vec<u64> = decision_log(dir)
-        .into_iter()
+fn decision_latencies(log: &[serde_json::Value], from_ms: u64) -> Vec<u64> {
+    let mut all: Vec<u64> = log
+        .iter()
         .filter(|d| d["arm"] == "active" && d["outcome"] != "evicted" && d["unix_ms"].as_u64().is_some_and(|t| t >= from_ms))
         .filter_map(|d| d["latency_us"].as_u64())
         .collect();

@@ -186,15 +186,6 @@ impl Fleet {
         self.ledger = Some(HashMap::new());
     }
 
-    /// The same fleet with its nodes replaced (a node added, or an idle one
-    /// redefined): the outstanding allocations carry over.
-    pub fn with_nodes(&mut self, models: Vec<String>, nodes: Vec<Node>) -> Result<(), FleetError> {
-        let mut next = Fleet::new(models, nodes)?;
-        next.ledger = self.ledger.take();
-        *self = next;
-        Ok(())
-    }
-
     /// A node added (`id` None: it gets the next id) or an idle one
     /// redefined, checking only it: the other nodes and the outstanding
     /// allocations carry over, and the totals follow. A live host adds

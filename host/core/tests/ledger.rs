@@ -68,9 +68,7 @@ fn clones_are_untracked_and_a_node_added_keeps_the_ledger() {
     f.allocate(&whole).unwrap();
     let scratch = f.clone();
     assert_eq!(scratch.outstanding(), None);
-    let mut nodes = f.nodes().to_vec();
-    nodes.push(Node::new("n2", Some(0), 4, 32_000, 256_000));
-    f.with_nodes(f.models.clone(), nodes).unwrap();
+    f.put_node(f.models.clone(), None, Node::new("n2", Some(0), 4, 32_000, 256_000)).unwrap();
     assert_eq!(f.outstanding(), Some(1));
     f.check_invariants().unwrap();
     f.release(&whole).unwrap();
@@ -78,8 +76,8 @@ fn clones_are_untracked_and_a_node_added_keeps_the_ledger() {
 }
 
 /// The invariant check compares each node's use with its outstanding
-/// allocations: a fleet rebuilt with a node in use that no allocation
-/// explains is caught.
+/// allocations: a node put back in use that no allocation explains is
+/// caught.
 #[test]
 fn use_no_outstanding_allocation_explains_is_an_invariant_break() {
     let mut f = fleet(true);
@@ -88,8 +86,7 @@ fn use_no_outstanding_allocation_explains_is_an_invariant_break() {
     let mut other = fleet(false);
     other.allocate(&share(1, 0b1, 1000, 1000)).unwrap();
     // n1 comes back with a GPU in use that the ledger never saw.
-    let nodes = vec![f.nodes()[0].clone(), other.nodes()[1].clone()];
-    f.with_nodes(f.models.clone(), nodes).unwrap();
+    f.put_node(f.models.clone(), Some(1), other.nodes()[1].clone()).unwrap();
     let e = f.check_invariants().unwrap_err();
     assert!(e.contains("node n1") && e.contains("outstanding"), "{e}");
 }

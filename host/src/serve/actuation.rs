@@ -108,9 +108,7 @@ impl Live {
                 Some(id)
             }
             None => {
-                if st.node_names.contains_key(node) {
-                    return Err(ServeError::Invalid(format!("node name {node:?} is a simulated node of partition {partition}")));
-                }
+                // (A simulated node of this name was refused above.)
                 (fresh.switch_domain, fresh.aggregation) = topology.place(AGENT_DOMAIN_BASE + st.fleet.nodes().len() as u32);
                 None
             }
