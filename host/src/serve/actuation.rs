@@ -8,6 +8,7 @@
 //! release: a GPU held by a job task, an operator allocation or an
 //! unhealthy-GPU hold cannot be allocated again, so no GPU has two owners.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use berth_core::fleet::{gpus_of, intern_model, Node, NodeId};
@@ -15,7 +16,7 @@ use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 
 use super::decisions::Placed;
 use super::lifecycle::{Report, TaskState};
-use super::state::{AgentTopology, JobState, Live, Partition, PartitionState, Start, TaskRun, MAX_DECLARED_SWITCH};
+use super::state::{AgentTopology, Beat, JobState, Live, Partition, PartitionState, Reconciled, Start, TaskRun, MAX_DECLARED_SWITCH};
 use super::error::ServeError;
 
 /// Agent nodes get switch domains of their own, apart from simulated ones:
@@ -149,14 +150,6 @@ impl Live {
             let op = st.node_op(partition, node).expect("an agent node");
             self.persist_logged(vec![op]);
         }
-    }
-
-    /// The GPUs of an agent node measured busy (SM utilisation at or above
-    /// the productive threshold) in its latest heartbeat.
-    pub fn agent_activity(&self, partition: &str, node: &str, active: &[u32]) {
-        let Ok((p, id)) = self.agent_node(partition, node) else { return };
-        let mask = active.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
-        self.partitions[p].lock_state().activity.insert(id, mask);
     }
 
     /// An operator's allocation of whole GPUs on an agent node: checked
@@ -407,72 +400,117 @@ impl Live {
         Ok(Migration { job_id, alloc_id: new_id, node: dest, gpus })
     }
 
-    /// Allocations the fleet expects on an agent node: tasks and operator
-    /// or fenced allocations still holding GPUs there.
-    pub fn expected_on(&self, partition: &str, node: &str) -> Vec<u64> {
-        let Ok((p, id)) = self.agent_node(partition, node) else { return Vec::new() };
-        let st = self.partitions[p].lock_state();
-        let mut out: Vec<u64> = st.manual.iter().filter(|(_, a)| a.node == id).map(|(&k, _)| k).collect();
-        for j in st.jobs.values() {
-            out.extend(j.runs.iter().filter(|r| r.holds && r.node == node).map(|r| r.alloc_id));
-        }
-        out
+    /// The first allocation id not issued yet: a registration's first
+    /// heartbeat judges the allocations numbered below it (see [`Beat`]).
+    pub fn registration_mark(&self) -> u64 {
+        self.next_alloc.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Reconciles what a node says it runs with what the fleet holds there.
-    /// Returns the orphans to stop: processes of no allocation, or of
-    /// allocations fenced when the node was given up (their jobs run
-    /// elsewhere now). With `expected` (the first heartbeat after a
-    /// registration), allocations the node no longer runs are ended as lost.
-    pub fn reconcile(&self, partition: &str, node: &str, running: &[u64], expected: Option<&[u64]>) -> Vec<u64> {
-        let Ok((p, nid)) = self.agent_node(partition, node) else { return running.to_vec() };
+    /// Queues a heartbeat for its partition's scheduler thread, which
+    /// reconciles it between passes; never waits for a pass.
+    pub fn beat(&self, partition: &str, beat: Beat) {
+        let Ok(p) = self.partition_index(partition) else { return };
         let part = &self.partitions[p];
-        let mut guard = part.lock_state();
-        let st = &mut *guard;
-        let mut orphans = Vec::new();
-        for &a in running {
-            let adopt = match st.by_alloc.get(&a) {
-                Some(0) => st.manual.get(&a).is_some_and(|m| m.node == nid) && !st.lost.contains(&a),
+        part.beats.lock().unwrap().push(beat);
+        part.wake.notify_all();
+    }
+
+    /// Reconciles the queued heartbeats with the state: what each node runs
+    /// against what the fleet holds there. Orphans (processes of no
+    /// allocation, or of allocations fenced when the node was given up) are
+    /// stopped; on a registration's first beat, allocations the node no
+    /// longer runs are ended as lost, and preempted tasks past their notice
+    /// are stopped again. One walk of the jobs serves every first beat of
+    /// the batch (a restarted host takes in thousands at once).
+    pub(super) fn take_beats(&self, part: &Partition, st: &mut PartitionState) {
+        let beats = part.beats.lock().unwrap().take();
+        if beats.is_empty() {
+            return;
+        }
+        let firsts: HashMap<&str, u64> = beats.iter().filter_map(|b| Some((b.node.as_str(), b.registered_below?))).collect();
+        // Per node of a first beat: allocations held there below its mark,
+        // and preempted tasks there past their notice.
+        let mut held_before: HashMap<String, Vec<u64>> = HashMap::new();
+        let mut overdue: HashMap<String, Vec<u64>> = HashMap::new();
+        if !firsts.is_empty() {
+            let now_ms = self.now_ms();
+            for (&a, m) in &st.manual {
+                let node = &st.fleet.nodes()[m.node as usize].name;
+                if firsts.get(node.as_str()).is_some_and(|&below| a < below) {
+                    held_before.entry(node.clone()).or_default().push(a);
+                }
+            }
+            for j in st.jobs.values() {
+                for r in j.runs.iter().filter(|r| r.holds) {
+                    let Some(&below) = firsts.get(r.node.as_str()) else { continue };
+                    if r.alloc_id < below {
+                        held_before.entry(r.node.clone()).or_default().push(r.alloc_id);
+                    }
+                    if j.evicting && r.stop_at_unix_ms <= now_ms {
+                        overdue.entry(r.node.clone()).or_default().push(r.alloc_id);
+                    }
+                }
+            }
+        }
+        let mut found = Vec::with_capacity(beats.len());
+        for beat in beats {
+            let Some(&nid) = st.agent_ids.get(&beat.node) else {
+                found.push(Reconciled { orphans: beat.running, node: beat.node, held: Vec::new() });
+                continue;
+            };
+            let mask = beat.active.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
+            st.activity.insert(nid, mask);
+            let first = beat.registered_below.is_some();
+            let expected = if first { held_before.remove(&beat.node).unwrap_or_default() } else { Vec::new() };
+            let overdue = if first { overdue.remove(&beat.node).unwrap_or_default() } else { Vec::new() };
+            found.push(self.reconcile(part, st, nid, beat, &expected, &overdue));
+        }
+        if let Some(act) = self.actuator() {
+            act.reconciled(found);
+        }
+    }
+
+    /// Reconciles one heartbeat of node `nid` (see [`Live::take_beats`]).
+    fn reconcile(&self, part: &Partition, st: &mut PartitionState, nid: NodeId, beat: Beat, expected: &[u64], overdue: &[u64]) -> Reconciled {
+        let node = beat.node.as_str();
+        let mut out = Reconciled { node: node.to_string(), ..Default::default() };
+        for &a in &beat.running {
+            let gpus = match st.by_alloc.get(&a) {
+                Some(0) => st.manual.get(&a).filter(|m| m.node == nid && !st.lost.contains(&a)).map(|m| gpus_of(m.gpus).map(|g| g as u32).collect()),
                 // A task of an ended job (cancelled, timed out) is stopped
                 // again: the stop may not have reached it. Its GPUs stay the
                 // job's until its exit is reported.
-                Some(j) => st.jobs.get(j).is_some_and(|j| {
-                    !j.state.is_ended() && j.runs.iter().any(|r| r.alloc_id == a && r.holds && r.node == node)
-                }),
-                None => false,
+                Some(j) => st
+                    .jobs
+                    .get(j)
+                    .filter(|j| !j.state.is_ended())
+                    .and_then(|j| j.runs.iter().find(|r| r.alloc_id == a && r.holds && r.node == node))
+                    .map(|r| r.gpus.clone()),
+                None => None,
             };
-            if !adopt {
-                orphans.push(a);
+            match gpus {
+                Some(gpus) => out.held.push((a, gpus)),
+                None => out.orphans.push(a),
             }
         }
-        for &a in expected.unwrap_or(&[]) {
-            if !running.contains(&a) {
+        for &a in expected {
+            if !beat.running.contains(&a) {
                 tracing::warn!(target: "berth::serve", allocation = a, node, "the node came back without this allocation: lost");
                 self.end_task(part, st, a, TaskState::Lost, -1, 0, &format!("node {node} came back without it"));
             }
         }
-        if expected.is_some() {
-            // Back (after a restart of either side, or a link that was
-            // down): a preempted task's stop may have been lost on the way
-            // or sent while it was away. One whose notice ran out is
-            // stopped again; its preemptor waits for it.
-            let now_ms = self.now_ms();
-            let overdue: Vec<u64> = st
-                .jobs
-                .values()
-                .filter(|j| j.evicting)
-                .flat_map(|j| j.runs.iter().filter(|r| r.holds && r.node == node && r.stop_at_unix_ms <= now_ms).map(|r| r.alloc_id))
-                .filter(|a| running.contains(a) && !st.stops.iter().any(|s| s.1 == *a))
-                .collect();
-            if !overdue.is_empty() {
-                tracing::info!(target: "berth::serve", node, allocations = ?overdue, "preempted tasks past their notice on a node back: stopped again");
-                let now = self.clock.now();
-                st.stops.extend(overdue.into_iter().map(|a| (now, a, node.to_string())));
-                st.dirty = true;
-                part.wake.notify_all();
-            }
+        // Back (after a restart of either side, or a link that was down): a
+        // preempted task's stop may have been lost on the way or sent while
+        // it was away. One whose notice ran out is stopped again; its
+        // preemptor waits for it.
+        let overdue: Vec<u64> = overdue.iter().copied().filter(|a| beat.running.contains(a) && !st.stops.iter().any(|s| s.1 == *a)).collect();
+        if !overdue.is_empty() {
+            tracing::info!(target: "berth::serve", node, allocations = ?overdue, "preempted tasks past their notice on a node back: stopped again");
+            let now = self.clock.now();
+            st.stops.extend(overdue.into_iter().map(|a| (now, a, node.to_string())));
+            st.dirty = true;
         }
-        orphans
+        out
     }
 
     /// A node unreachable past the grace: its jobs are requeued to run

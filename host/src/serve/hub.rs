@@ -20,7 +20,7 @@ use crate::serve::state::AgentTopology;
 use crate::serve::auth::{check_node_name, Identity, Role};
 use crate::proto::{self as pb, agent_hub_server::AgentHub};
 use crate::serve::lifecycle::{Report, TaskState};
-use crate::serve::state::{Actuator, Live, Start};
+use crate::serve::state::{Actuator, Beat, Live, Reconciled, Start};
 
 /// Host-side agent settings.
 #[derive(Clone, Copy, Debug)]
@@ -61,9 +61,9 @@ struct AgentRecord {
     /// Commands put on the current stream: a driver that counts what it
     /// received knows whether any is still in flight.
     sent: u64,
-    /// Allocations the fleet held here when the node registered; checked
-    /// against the first heartbeat's running list.
-    expected: Option<Vec<u64>>,
+    /// Until the first heartbeat after the registration: allocations
+    /// numbered below this, held here, must be in its running list.
+    registered_below: Option<u64>,
     /// Orphans already told to stop.
     stopped: std::collections::HashSet<u64>,
     /// Its jobs were requeued after the grace.
@@ -233,7 +233,7 @@ impl Hub {
 
     /// Records a registration; returns the reply and the GPUs that keep an
     /// unhealthy mark from before.
-    fn register_locked(&self, r: pb::RegisterAgentRequest, id: &Identity, expected: Vec<u64>) -> (pb::RegisterAgentResponse, Vec<u32>) {
+    fn register_locked(&self, r: pb::RegisterAgentRequest, id: &Identity, registered_below: u64) -> (pb::RegisterAgentResponse, Vec<u32>) {
         let mut st = self.state.lock().unwrap();
         let session = st.next_session;
         st.next_session += 1;
@@ -270,7 +270,7 @@ impl Hub {
                 reachable: true,
                 commands: None,
                 sent: 0,
-                expected: Some(expected),
+                registered_below: Some(registered_below),
                 stopped: Default::default(),
                 given_up: false,
             },
@@ -281,7 +281,7 @@ impl Hub {
     /// Records a heartbeat; returns GPUs newly unhealthy, GPUs measured
     /// active, and whether the node's schedulability changed.
     #[allow(clippy::type_complexity)]
-    fn heartbeat_locked(&self, r: &pb::HeartbeatRequest) -> Result<(Vec<u32>, Vec<u32>, Option<bool>, Option<Vec<u64>>), Status> {
+    fn heartbeat_locked(&self, r: &pb::HeartbeatRequest) -> Result<(Vec<u32>, Vec<u32>, Option<bool>, Option<u64>), Status> {
         let mut st = self.state.lock().unwrap();
         let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
         if a.session != r.session {
@@ -297,7 +297,7 @@ impl Hub {
         a.heartbeats += 1;
         a.reachable = true;
         a.given_up = false;
-        let expected = a.expected.take();
+        let registered_below = a.registered_below.take();
         let (mut unhealthy, mut active) = (Vec::new(), Vec::new());
         for t in &r.gpus {
             let Some(g) = a.gpus.iter_mut().find(|g| g.info.index == t.index) else { continue };
@@ -314,7 +314,7 @@ impl Hub {
             }
             g.last = Some(t.clone());
         }
-        Ok((unhealthy, active, schedulable, expected))
+        Ok((unhealthy, active, schedulable, registered_below))
     }
 
     fn send(&self, node: &str, cmd: pb::AgentCommand) -> Result<(), Status> {
@@ -448,8 +448,8 @@ impl AgentHub for Arc<Hub> {
             let topology = AgentTopology { switch_domain: r.switch_domain, aggregation: r.aggregation };
             self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib, topology)?;
             let (partition, node) = (r.partition.clone(), r.node.clone());
-            let expected = self.live.expected_on(&partition, &node);
-            let response = self.register_locked(r, &id, expected);
+            let mark = self.live.registration_mark();
+            let response = self.register_locked(r, &id, mark);
             // Until its command stream is held, the node takes no work.
             self.live.agent_node_schedulable(&partition, &node, false);
             for g in response.1 {
@@ -465,48 +465,19 @@ impl AgentHub for Arc<Hub> {
             let r = req.into_inner();
             let partition = self.agent_node_partition(&id, &r.node)?;
             check_heartbeat(&r)?;
-            let (unhealthy, active, schedulable, expected) = self.heartbeat_locked(&r)?;
-            // What the node runs against what the fleet holds there: adopt the
-            // known, stop the orphans, end what is gone.
-            let orphans = self.live.reconcile(&partition, &r.node, &r.running, expected.as_deref());
-            // Allocations the hub does not know yet (started before a restart):
-            // where the fleet holds them, looked up with the hub's lock free.
-            let unknown: Vec<u64> = {
-                let st = self.state.lock().unwrap();
-                r.running.iter().copied().filter(|a| !orphans.contains(a) && !st.allocations.contains_key(a)).collect()
-            };
-            let adopted: Vec<(u64, (String, Vec<u32>))> = unknown.into_iter().filter_map(|a| self.live.allocation_node(a).map(|at| (a, at))).collect();
-            let mut stop = Vec::new();
-            {
-                let mut st = self.state.lock().unwrap();
-                for &a in &r.running {
-                    if orphans.contains(&a) && st.agents.get_mut(&r.node).is_some_and(|x| x.stopped.insert(a)) {
-                        stop.push(a);
-                    }
-                }
-                for (a, (node, gpus)) in adopted {
-                    if let std::collections::btree_map::Entry::Vacant(slot) = st.allocations.entry(a) {
-                        tracing::info!(target: "berth::agent", allocation = a, node = %node, "allocation adopted");
-                        slot.insert(pb::AllocationInfo { id: a, node, gpus, state: "running".into(), ..Default::default() });
-                    }
-                }
-            }
-            for a in stop {
-                tracing::warn!(target: "berth::agent", allocation = a, node = %r.node, "orphan: telling the node to stop it");
-                if let Err(e) = self.send(&r.node, pb::AgentCommand { allocation_id: a, action: "stop".into(), ..Default::default() }) {
-                    tracing::warn!(target: "berth::agent", allocation = a, "stop not delivered: {}", e.message());
-                    if let Some(x) = self.state.lock().unwrap().agents.get_mut(&r.node) {
-                        x.stopped.remove(&a);
-                    }
-                }
-            }
+            let (unhealthy, active, schedulable, registered_below) = self.heartbeat_locked(&r)?;
+            // A node back, a GPU newly unhealthy: rare, taken in now.
             if let Some(on) = schedulable {
                 self.live.agent_node_schedulable(&partition, &r.node, on);
             }
             for g in unhealthy {
                 self.live.agent_gpu_unhealthy(&partition, &r.node, g);
             }
-            self.live.agent_activity(&partition, &r.node, &active);
+            // What the node runs against what the fleet holds there (adopt
+            // the known, stop the orphans, end what is gone) is reconciled
+            // by the partition's scheduler between passes: the reply never
+            // waits for a pass.
+            self.live.beat(&partition, Beat { node: r.node, running: r.running, active, registered_below });
             Ok(Response::new(pb::HeartbeatResponse {}))
         })
     }
@@ -789,6 +760,38 @@ impl Actuator for Hub {
     fn checkpoint(&self, alloc_id: u64, node: &str) {
         if let Err(e) = self.send(node, pb::AgentCommand { allocation_id: alloc_id, action: "checkpoint".into(), ..Default::default() }) {
             tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "checkpoint notice not delivered: {}", e.message());
+        }
+    }
+
+    fn reconciled(&self, found: Vec<Reconciled>) {
+        let mut stop = Vec::new();
+        {
+            let mut st = self.state.lock().unwrap();
+            for r in found {
+                // Allocations the hub does not know yet (started before a
+                // restart of the host).
+                for (a, gpus) in r.held {
+                    if let std::collections::btree_map::Entry::Vacant(slot) = st.allocations.entry(a) {
+                        tracing::info!(target: "berth::agent", allocation = a, node = %r.node, "allocation adopted");
+                        slot.insert(pb::AllocationInfo { id: a, node: r.node.clone(), gpus, state: "running".into(), ..Default::default() });
+                    }
+                }
+                let Some(agent) = st.agents.get_mut(&r.node) else { continue };
+                for a in r.orphans {
+                    if agent.stopped.insert(a) {
+                        stop.push((a, r.node.clone()));
+                    }
+                }
+            }
+        }
+        for (a, node) in stop {
+            tracing::warn!(target: "berth::agent", allocation = a, node = %node, "orphan: telling the node to stop it");
+            if let Err(e) = self.send(&node, pb::AgentCommand { allocation_id: a, action: "stop".into(), ..Default::default() }) {
+                tracing::warn!(target: "berth::agent", allocation = a, "stop not delivered: {}", e.message());
+                if let Some(x) = self.state.lock().unwrap().agents.get_mut(&node) {
+                    x.stopped.remove(&a);
+                }
+            }
         }
     }
 

@@ -30,6 +30,7 @@ impl Live {
         let mut st = part.lock_state();
         while !self.shutdown.load(Ordering::SeqCst) {
             let now = self.clock.now();
+            self.take_beats(part, &mut st);
             self.release_ended(&part.name, &mut st, now);
             self.due_stops(&mut st, now);
             if st.forget_at.is_none_or(|t| t <= now) {
@@ -49,7 +50,7 @@ impl Live {
             self.retry_unstored_wakes(part, &mut st);
             self.requeue_unstarted(part, &mut st);
             if part.inbox_waiting() {
-                // Taken in by lock_state.
+                // Jobs are taken in by lock_state, heartbeats at the top.
                 drop(st);
                 st = part.lock_state();
                 continue;

@@ -129,6 +129,67 @@ pub trait Actuator: Send + Sync {
     /// Puts an allocation's processes to sleep, or wakes them (the agent's
     /// hooks; best effort: the agent reports "sleeping" or "running").
     fn sleep(&self, alloc_id: u64, node: &str, wake: bool);
+    /// What reconciling a batch of heartbeats found: orphans to stop, and
+    /// the allocations held where their nodes run them (the hub learns
+    /// those it does not know, started before a restart).
+    fn reconciled(&self, found: Vec<Reconciled>);
+}
+
+/// One heartbeat as the partition sees it, taken in by the partition's
+/// scheduler thread between passes: an agent's heartbeat never waits for
+/// a pass, which holds the state through its policy calls.
+#[derive(Clone, Debug, Default)]
+pub struct Beat {
+    pub node: String,
+    /// Allocations the node says it runs.
+    pub running: Vec<u64>,
+    /// GPUs measured busy (the productive denominator).
+    pub active: Vec<u32>,
+    /// The first heartbeat after a registration: allocations numbered
+    /// below this, held on the node when the beat is taken in, must be in
+    /// `running`, or they are lost. (Ids only grow, so one started after
+    /// the registration is never judged by a list taken before it.)
+    pub registered_below: Option<u64>,
+}
+
+/// Heartbeats queued for a partition, at most two per node: the first
+/// after its latest registration (judged on its own) and the latest other.
+#[derive(Debug, Default)]
+pub struct Beats {
+    queued: HashMap<String, (Option<Beat>, Option<Beat>)>,
+}
+
+impl Beats {
+    /// Queues a beat; a later plain beat of a node replaces the one queued
+    /// (it says everything the older one did), a registration's first beat
+    /// replaces both (it judges everything held before it).
+    pub fn push(&mut self, beat: Beat) {
+        let slot = self.queued.entry(beat.node.clone()).or_default();
+        if beat.registered_below.is_some() {
+            *slot = (Some(beat), None);
+        } else {
+            slot.1 = Some(beat);
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queued.is_empty()
+    }
+
+    /// Every queued beat, each node's in order.
+    pub fn take(&mut self) -> Vec<Beat> {
+        std::mem::take(&mut self.queued).into_values().flat_map(|(first, latest)| first.into_iter().chain(latest)).collect()
+    }
+}
+
+/// What reconciling one heartbeat found, for the hub.
+#[derive(Debug, Default)]
+pub struct Reconciled {
+    pub node: String,
+    /// Processes of no allocation held there: to stop.
+    pub orphans: Vec<u64>,
+    /// Allocations the node runs that the fleet holds there, with their GPUs.
+    pub held: Vec<(u64, Vec<u32>)>,
 }
 
 pub struct Start<'a> {
@@ -471,6 +532,8 @@ pub struct Partition {
     /// waits for the state lock, which the deciding thread holds through its
     /// policy calls. Whoever takes the lock next moves them in.
     pub(super) inbox: Mutex<Vec<(u64, JobRecord)>>,
+    /// Heartbeats not yet reconciled with the state (see [`Beat`]).
+    pub(super) beats: Mutex<Beats>,
     /// A pass is running (read without the state's lock, which a pass holds
     /// through its policy calls).
     pub(super) deciding: AtomicBool,
@@ -551,6 +614,7 @@ impl Partition {
             rank: HookSlot::default(),
             compact: HookSlot::default(),
             inbox: Mutex::new(Vec::new()),
+            beats: Mutex::new(Beats::default()),
             deciding: AtomicBool::new(false),
         }
     }
@@ -566,9 +630,10 @@ impl Partition {
         st
     }
 
-    /// Whether accepted jobs wait to be moved into the state.
+    /// Whether accepted jobs wait to be moved into the state, or
+    /// heartbeats to be reconciled with it.
     pub(super) fn inbox_waiting(&self) -> bool {
-        !self.inbox.lock().unwrap().is_empty()
+        !self.inbox.lock().unwrap().is_empty() || !self.beats.lock().unwrap().is_empty()
     }
 
     /// The active version of a hook other than placement.
