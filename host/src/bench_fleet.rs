@@ -220,6 +220,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
             let (mut api, polling) = (api.clone(), polling.clone());
             tokio::spawn(async move {
                 loop {
+                    let phase = polling.lock().unwrap().phase;
                     let t = Instant::now();
                     let jobs = api.list_jobs(pb::ListJobsRequest { partition: "p0".into(), limit: 50, ..Default::default() }).await;
                     let jobs_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -232,6 +233,9 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
                     if let (Ok(_), Ok(_), Ok(nodes)) = (jobs, parts, nodes) {
                         let unreachable = nodes.into_inner().nodes.iter().filter(|n| n.state == "unreachable").count();
                         let mut p = polling.lock().unwrap();
+                        if p.phase != phase {
+                            continue;
+                        }
                         p.jobs_ms.push(jobs_ms);
                         p.partitions_ms.push(parts_ms);
                         p.nodes_ms.push(nodes_ms);
@@ -281,9 +285,16 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         // The measured phase: the arrivals, at the speed-up.
         let measured_from_ms = crate::util::unix_ms();
         let passes_before = live.partitions[0].pass_times.lock().unwrap().count;
-        std::mem::take(&mut *stats.round_trip_us.lock().unwrap());
+        {
+            let mut trips = stats.round_trip_us.lock().unwrap();
+            stats.phase.fetch_add(1, Ordering::SeqCst);
+            trips.clear();
+        }
         stats.late.store(0, Ordering::Relaxed);
-        *polling.lock().unwrap() = Polls::default();
+        {
+            let mut p = polling.lock().unwrap();
+            *p = Polls { phase: p.phase + 1, ..Polls::default() };
+        }
         let started = Instant::now();
         let mut submitted = 0;
         for j in &arrivals {
@@ -455,6 +466,9 @@ struct Measured {
 /// any showed unreachable.
 #[derive(Default)]
 struct Polls {
+    /// Bumped when the measured phase starts: a poll begun before is not
+    /// counted in it.
+    phase: u64,
     jobs_ms: Vec<f64>,
     partitions_ms: Vec<f64>,
     nodes_ms: Vec<f64>,
@@ -465,6 +479,9 @@ struct Polls {
 struct AgentStats {
     round_trip_us: Mutex<Vec<u64>>,
     late: AtomicU64,
+    /// Bumped when the measured phase starts: a round trip begun before
+    /// is not counted in it.
+    phase: AtomicU64,
 }
 
 /// One agent node of the benchmark.
@@ -501,9 +518,12 @@ impl BenchNode {
                     let telemetry = (0..8)
                         .map(|g| pb::GpuTelemetry { index: g, sm_util_pct: if busy { 60 } else { 0 }, memory_used_mib: if busy { 40_000 } else { 0 }, temperature_c: 50, power_mw: 300_000, ..Default::default() })
                         .collect();
-                    let t = Instant::now();
+                    let (t, phase) = (Instant::now(), stats.phase.load(Ordering::SeqCst));
                     if hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, gpus: telemetry, running }).await.is_ok() {
-                        stats.round_trip_us.lock().unwrap().push(t.elapsed().as_micros() as u64);
+                        let mut trips = stats.round_trip_us.lock().unwrap();
+                        if stats.phase.load(Ordering::SeqCst) == phase {
+                            trips.push(t.elapsed().as_micros() as u64);
+                        }
                     }
                 }
             })

@@ -115,3 +115,32 @@ fn a_node_put_in_place_keeps_the_ledger_and_the_totals_follow() {
     f.release(&held).unwrap();
     assert!(f.release(&held).is_err());
 }
+
+/// The fleet's state digest is kept as nodes change: it names the state,
+/// not the history (an allocation released again gives the digest back),
+/// tells states apart, and a fleet built from the same nodes agrees.
+#[test]
+fn the_state_digest_follows_every_change_and_names_the_state() {
+    let mut f = fleet(true);
+    let empty = f.state_digest();
+    assert_eq!(fleet(false).state_digest(), empty, "equal fleets, equal digests");
+    let a = share(1, 0b11, 1000, 4000);
+    f.allocate(&a).unwrap();
+    let held = f.state_digest();
+    assert_ne!(held, empty, "an allocation changes the digest");
+    // The same capacity taken on the other node is another state.
+    let mut g = fleet(true);
+    g.allocate(&share(0, 0b11, 1000, 4000)).unwrap();
+    assert_ne!(g.state_digest(), held, "the node is part of the state");
+    f.set_schedulable(0, false).unwrap();
+    assert_ne!(f.state_digest(), held, "cordoning changes the digest");
+    f.set_schedulable(0, true).unwrap();
+    assert_eq!(f.state_digest(), held);
+    assert_eq!(f.clone().state_digest(), held, "a scratch copy keeps it");
+    f.put_node(vec!["A".into()], None, Node::new("n2", Some(0), 8, 64_000, 512_000)).unwrap();
+    assert_ne!(f.state_digest(), held, "an added node changes it");
+    f.check_invariants().unwrap();
+    f.release(&a).unwrap();
+    let rebuilt = Fleet::new(vec!["A".into()], f.nodes().to_vec()).unwrap();
+    assert_eq!(f.state_digest(), rebuilt.state_digest(), "kept as it changed = computed from scratch");
+}

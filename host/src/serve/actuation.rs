@@ -116,6 +116,10 @@ impl Live {
         };
         let id = st.fleet.put_node(models, put, fresh).map_err(|e| ServeError::Invalid(e.to_string()))?;
         st.agent_ids.insert(node.to_string(), id);
+        if st.is_agent.len() <= id as usize {
+            st.is_agent.resize(id as usize + 1, false);
+        }
+        st.is_agent[id as usize] = true;
         st.node_names.insert(node.to_string(), id);
         part.models.lock().unwrap().clone_from(&st.fleet.models);
         st.topology.insert(id, topology);
@@ -328,9 +332,8 @@ impl Live {
                 // The partition's placement policy chooses, among the other
                 // schedulable agent nodes, on a scratch copy of the fleet.
                 let arm = part.active().ok_or_else(|| ServeError::FailedPrecondition(format!("partition {} has no active placement policy to choose a destination", part.name)))?;
-                let agents: std::collections::BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
                 let src_id = old.node;
-                let keep = |id: NodeId, n: &Node| id != src_id && n.schedulable && agents.contains(&id);
+                let keep = |id: NodeId, n: &Node| id != src_id && n.schedulable && st.agent(id);
                 let task = berth_core::Job { id: job_id, tasks: 1, shape: job.spec.job.shape.clone(), priority: job.spec.job.priority, ..berth_core::Job::default() };
                 let mut scratch = st.fleet.clone();
                 let run = super::deciding::run_arm(&arm, &mut scratch, &mut berth_core::Placer::new(), &task, &keep);
@@ -411,8 +414,11 @@ impl Live {
     pub fn beat(&self, partition: &str, beat: Beat) {
         let Ok(p) = self.partition_index(partition) else { return };
         let part = &self.partitions[p];
-        part.beats.lock().unwrap().push(beat);
-        part.wake.notify_all();
+        // The scheduler takes them in batches: told once per batch, a
+        // fleet's heartbeats do not wake it thousands of times a second.
+        if part.beats.lock().unwrap().push(beat) {
+            part.wake.notify_all();
+        }
     }
 
     /// Reconciles the queued heartbeats with the state: what each node runs

@@ -64,9 +64,7 @@ pub struct StepReport {
 
 impl PartitionState {
     fn agent_node_ids(&self) -> Vec<NodeId> {
-        let mut v: Vec<NodeId> = self.agent_ids.values().copied().collect();
-        v.sort_unstable();
-        v
+        (0..self.fleet.nodes().len() as NodeId).filter(|&id| self.agent(id)).collect()
     }
 
     /// The running tasks on agent nodes as compaction sees them, and where

@@ -9,7 +9,7 @@
 //! the priority contract.
 
 use std::cell::RefCell;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -301,8 +301,8 @@ impl Live {
             trip: Trip::None,
         };
         // Jobs with a command run on agent nodes only; simulated jobs never do.
-        let agent_nodes: BTreeSet<NodeId> = st.agent_ids.values().copied().collect();
-        let eligible = |job: &Job, id: NodeId, _: &Node| agent_nodes.contains(&id) == job.reports_exit;
+        let is_agent = std::mem::take(&mut st.is_agent);
+        let eligible = |job: &Job, id: NodeId, _: &Node| is_agent.get(id as usize).copied().unwrap_or(false) == job.reports_exit;
         let now = self.now_s();
         let started = Instant::now();
         let pass = {
@@ -310,6 +310,7 @@ impl Live {
             let mut world = World { eligible: Some(&eligible), observer: Some(&mut observer) };
             st.engine.handle(&mut st.fleet, now, [], &mut deciders, &mut world)
         };
+        st.is_agent = is_agent;
         // The whole decision: queue walk, placement and rank calls,
         // validation (an eviction's record carries it).
         let pass_us = started.elapsed().as_micros() as u64;
@@ -649,14 +650,8 @@ pub(super) fn input_digest(fleet: &Fleet, job: &Job) -> String {
     let mut h = Sha256::new();
     let s = &job.shape;
     h.update(format!("{}|{}|{}|{}|{}|{}|{}|{:?}", job.id, job.priority, job.tasks, s.gpu_count, s.gpu_milli, s.cpu_milli, s.memory_mib, s.models));
-    for n in fleet.nodes() {
-        h.update([u8::from(n.schedulable)]);
-        h.update(n.cpu_free_milli.to_le_bytes());
-        h.update(n.memory_free_mib.to_le_bytes());
-        for g in &n.gpus {
-            h.update(g.to_le_bytes());
-        }
-    }
+    // The fleet's state digest is kept as it changes (O(1) here).
+    h.update(fleet.state_digest().to_le_bytes());
     hex::encode(&h.finalize()[..8])
 }
 pub(super) fn placed(fleet: &Fleet, allocs: &[Allocation]) -> Vec<Placed> {

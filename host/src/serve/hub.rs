@@ -460,26 +460,33 @@ impl AgentHub for Arc<Hub> {
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
-            let r = req.into_inner();
-            let partition = self.agent_node_partition(&id, &r.node)?;
-            check_heartbeat(&r)?;
-            let (unhealthy, active, schedulable, registered_below) = self.heartbeat_locked(&r)?;
-            // A node back, a GPU newly unhealthy: rare, taken in now.
-            if let Some(on) = schedulable {
-                self.live.agent_node_schedulable(&partition, &r.node, on);
-            }
-            for g in unhealthy {
-                self.live.agent_gpu_unhealthy(&partition, &r.node, g);
-            }
-            // What the node runs against what the fleet holds there (adopt
-            // the known, stop the orphans, end what is gone) is reconciled
-            // by the partition's scheduler between passes: the reply never
-            // waits for a pass.
-            self.live.beat(&partition, Beat { node: r.node, running: r.running, active, registered_below });
-            Ok(Response::new(pb::HeartbeatResponse {}))
-        })
+        // Short locks only (the hub's, the beat queue's): run on the async
+        // worker. A fleet's heartbeats are most of the host's calls, and
+        // handing a worker's tasks to another thread per call costs more
+        // than the call.
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        let partition = self.agent_node_partition(&id, &r.node)?;
+        check_heartbeat(&r)?;
+        let (unhealthy, active, schedulable, registered_below) = self.heartbeat_locked(&r)?;
+        if schedulable.is_some() || !unhealthy.is_empty() {
+            // A node back, a GPU newly unhealthy: rare, taken in now (the
+            // partition's lock may be held by a pass).
+            crate::util::may_block(|| {
+                if let Some(on) = schedulable {
+                    self.live.agent_node_schedulable(&partition, &r.node, on);
+                }
+                for g in unhealthy {
+                    self.live.agent_gpu_unhealthy(&partition, &r.node, g);
+                }
+            });
+        }
+        // What the node runs against what the fleet holds there (adopt the
+        // known, stop the orphans, end what is gone) is reconciled by the
+        // partition's scheduler between passes: the reply never waits for a
+        // pass.
+        self.live.beat(&partition, Beat { node: r.node, running: r.running, active, registered_below });
+        Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
     type CommandsStream = CommandStream;

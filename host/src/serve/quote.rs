@@ -18,8 +18,7 @@ impl PartitionState {
         // are not schedulable (the predicate then skips them).
         let mut fleet = self.fleet.clone();
         for (i, node) in self.fleet.nodes().iter().enumerate() {
-            let is_agent = self.agent_ids.get(&node.name) == Some(&(i as u32));
-            if is_agent != agent_nodes && node.schedulable {
+            if self.agent(i as u32) != agent_nodes && node.schedulable {
                 fleet.set_schedulable(i as u32, false).expect("a node of this fleet");
             }
         }

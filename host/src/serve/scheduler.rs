@@ -14,6 +14,8 @@ use super::state::{JobState, Live, PartitionState, SleepState};
 const FORGET_EVERY: Duration = Duration::from_secs(1);
 /// How soon a stop that did not reach its node is sent again.
 const STOP_RETRY: Duration = Duration::from_secs(5);
+/// How often queued heartbeats are taken in, at most (real time).
+const BEAT_BATCH: Duration = Duration::from_millis(10);
 
 impl Live {
     /// Stops the scheduler threads (they finish the decision in hand).
@@ -30,7 +32,10 @@ impl Live {
         let mut st = part.lock_state();
         while !self.shutdown.load(Ordering::SeqCst) {
             let now = self.clock.now();
-            self.take_beats(part, &mut st);
+            if st.beats_taken.is_none_or(|t| t.elapsed() >= BEAT_BATCH) && !part.beats.lock().unwrap().is_empty() {
+                self.take_beats(part, &mut st);
+                st.beats_taken = Some(Instant::now());
+            }
             self.release_ended(&part.name, &mut st, now);
             self.due_stops(&mut st, now);
             if st.forget_at.is_none_or(|t| t <= now) {
@@ -49,8 +54,10 @@ impl Live {
             self.harvest_tick(part, &mut st);
             self.retry_unstored_wakes(part, &mut st);
             self.requeue_unstarted(part, &mut st);
-            if part.inbox_waiting() {
-                // Jobs are taken in by lock_state, heartbeats at the top.
+            // Heartbeats are taken in at the top, once per turn: a fleet's
+            // steady stream of them must not keep the pass from running.
+            if part.jobs_waiting() {
+                // Taken in by lock_state.
                 drop(st);
                 st = part.lock_state();
                 continue;
@@ -73,7 +80,12 @@ impl Live {
             }
             st.swept_at = Some(now);
             let until = st.next_due(now).unwrap_or(now + Duration::from_secs(1));
-            let wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
+            let mut wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
+            if !part.beats.lock().unwrap().is_empty() {
+                // Heartbeats wait for the next batch.
+                let next = st.beats_taken.map_or(Duration::ZERO, |t| BEAT_BATCH.saturating_sub(t.elapsed()));
+                wait = wait.min(next.max(Duration::from_millis(1)));
+            }
             st = part.wake.wait_timeout(st, wait).unwrap().0;
         }
     }

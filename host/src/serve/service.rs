@@ -423,16 +423,15 @@ impl Berth for Service {
             // Where it may run, as the engine decides: jobs with a command on
             // agent nodes only (simulated ones never), and a high-priority job
             // not on nodes with GPUs lent by a sleeping job.
-            let agent_nodes: std::collections::BTreeSet<u32> = st.agent_ids.values().copied().collect();
             let agent_job = !job.spec.argv.is_empty();
             let high = job.spec.job.priority >= st.engine.config.high_priority;
             let lent = st.engine.lent();
-            let may_run = |id: u32| agent_nodes.contains(&id) == agent_job && !(high && lent.contains_key(&id));
+            let may_run = |id: u32| st.agent(id) == agent_job && !(high && lent.contains_key(&id));
             let mut reasons: BTreeMap<berth_core::Unfit, u32> = BTreeMap::new();
             let mut lent_nodes = 0;
             for (id, node) in st.fleet.nodes().iter().enumerate() {
                 let id = id as u32;
-                if agent_nodes.contains(&id) != agent_job {
+                if st.agent(id) != agent_job {
                     continue;
                 }
                 if !may_run(id) {
@@ -445,7 +444,7 @@ impl Berth for Service {
                 }
             }
             out.fitting_tasks = berth_core::sim::fitting_tasks_among(&st.fleet, shape, u32::MAX, &|id, _| may_run(id));
-            let candidates = st.fleet.nodes().iter().enumerate().filter(|(id, _)| agent_nodes.contains(&(*id as u32)) == agent_job).count();
+            let candidates = st.fleet.nodes().iter().enumerate().filter(|(id, _)| st.agent(*id as u32) == agent_job).count();
             let mut ranked: Vec<(berth_core::Unfit, u32)> = reasons.into_iter().collect();
             ranked.sort_by_key(|&(why, n)| (std::cmp::Reverse(n), why));
             out.reasons = ranked.iter().map(|(why, n)| pb::UnfitCount { reason: why.to_string(), nodes: *n }).collect();

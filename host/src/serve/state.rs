@@ -163,13 +163,16 @@ impl Beats {
     /// Queues a beat; a later plain beat of a node replaces the one queued
     /// (it says everything the older one did), a registration's first beat
     /// replaces both (it judges everything held before it).
-    pub fn push(&mut self, beat: Beat) {
+    /// Whether the queue was empty before (the scheduler is told then).
+    pub fn push(&mut self, beat: Beat) -> bool {
+        let was_empty = self.queued.is_empty();
         let slot = self.queued.entry(beat.node.clone()).or_default();
         if beat.registered_below.is_some() {
             *slot = (Some(beat), None);
         } else {
             slot.1 = Some(beat);
         }
+        was_empty
     }
 
     pub fn is_empty(&self) -> bool {
@@ -308,6 +311,8 @@ pub struct PartitionState {
     pub paused: bool,
     /// Nodes registered by agents (`berth agent`), by name.
     pub agent_ids: BTreeMap<String, NodeId>,
+    /// Whether each node (by id) is an agent's: read by every pass.
+    pub(super) is_agent: Vec<bool>,
     /// Unhealthy agent GPUs; true once held out of placement by an
     /// allocation of their own (made when the GPU is free).
     pub health: BTreeMap<(NodeId, u32), bool>,
@@ -351,6 +356,9 @@ pub struct PartitionState {
     /// ends, ticks) and found no pass wanted: a manual-clock driver knows
     /// a moment is done only once the loop has looked at it.
     pub(super) swept_at: Option<Instant>,
+    /// When heartbeats were last taken in (real time: a batching rate, not
+    /// a decision time).
+    pub(super) beats_taken: Option<std::time::Instant>,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -459,12 +467,17 @@ impl PartitionState {
         out
     }
 
+    /// Whether node `id` is an agent's.
+    pub fn agent(&self, id: NodeId) -> bool {
+        self.is_agent.get(id as usize).copied().unwrap_or(false)
+    }
+
     /// Milli-GPU doing measured work on node `i`: simulated nodes always
     /// work; on agent nodes only GPUs whose SM utilisation reached the
     /// threshold (held unhealthy GPUs never).
     pub fn productive_milli(&self, i: usize, n: &Node) -> u64 {
         let id = i as NodeId;
-        if !self.agent_ids.values().any(|&a| a == id) {
+        if !self.agent(id) {
             return n.gpu_total_milli() - n.gpu_free_milli();
         }
         let mask = self.activity.get(&id).copied().unwrap_or(0);
@@ -591,6 +604,7 @@ impl Partition {
                 retry_at: None,
                 paused: false,
                 agent_ids: BTreeMap::new(),
+                is_agent: Vec::new(),
                 health: BTreeMap::new(),
                 manual: BTreeMap::new(),
                 lost: BTreeSet::new(),
@@ -608,6 +622,7 @@ impl Partition {
                 held: false,
                 in_pass: false,
                 swept_at: None,
+                beats_taken: None,
             }),
             wake: Condvar::new(),
             place: HookSlot::default(),
@@ -633,7 +648,12 @@ impl Partition {
     /// Whether accepted jobs wait to be moved into the state, or
     /// heartbeats to be reconciled with it.
     pub(super) fn inbox_waiting(&self) -> bool {
-        !self.inbox.lock().unwrap().is_empty() || !self.beats.lock().unwrap().is_empty()
+        self.jobs_waiting() || !self.beats.lock().unwrap().is_empty()
+    }
+
+    /// Whether accepted jobs wait to be moved into the state.
+    pub(super) fn jobs_waiting(&self) -> bool {
+        !self.inbox.lock().unwrap().is_empty()
     }
 
     /// The active version of a hook other than placement.
