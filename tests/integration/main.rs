@@ -27,4 +27,5 @@ mod preempt;
 mod replay;
 mod retention;
 mod security;
+mod scale;
 mod serve;
