@@ -116,6 +116,8 @@ pub struct FleetBench {
     /// agents' share included).
     pub rss_mib: u64,
     pub rss_peak_mib: u64,
+    /// The restart with everything running.
+    pub recovery: Recovery,
     pub store_bytes: u64,
 }
 
@@ -171,13 +173,18 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
 
     let host_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let agent_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(THREAD_AGENTS).enable_all().build()?;
-    let host = host_rt.block_on(crate::serve::server::start_with_agents(config, hub_config))?;
+    let host = host_rt.block_on(crate::serve::server::start_with_agents(config.clone(), hub_config))?;
     let url = format!("http://{}", host.addr);
-    let args = args.clone();
+    let (driver_args, recovery_args) = (args.clone(), args.clone());
     let live = host.live.clone();
     // On the agents' runtime: the operator's and the submitter's calls
     // count with the agents, not the host.
+    // What each node runs, kept across the host's restart.
+    let tasks: Vec<Tasks> = (0..args.nodes).map(|_| Tasks::default()).collect();
+    let stats = Arc::new(AgentStats::default());
+    let (driver_tasks, driver_stats) = (tasks.clone(), stats.clone());
     let driver = agent_rt.spawn(async move {
+        let (tasks, stats, args) = (driver_tasks, driver_stats, driver_args);
         let mut api = crate::client::connect(&url, Some(OPERATOR), None, None).await?;
         for (hook, component) in [("rank", Some(rank)), ("compact", compact)] {
             let Some(component) = component else { continue };
@@ -186,31 +193,9 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         }
 
         // The agents: registered, each with its command stream and heartbeats.
-        let stats = Arc::new(AgentStats::default());
         let registered = Instant::now();
-        let mut clients = Vec::new();
-        for _ in 0..args.nodes.div_ceil(NODES_PER_CONNECTION) {
-            clients.push(crate::agent::connect_hub(&url, Some(AGENT), None).await?);
-        }
-        let mut agents = Vec::with_capacity(args.nodes as usize);
-        for i in 0..args.nodes {
-            let hub = clients[(i / NODES_PER_CONNECTION) as usize].clone();
-            let node = BenchNode { name: format!("fleet-{i:05}"), index: i, per_switch: args.nodes_per_switch, period: Duration::from_millis(args.heartbeat_ms) };
-            let stats = stats.clone();
-            agents.push(tokio::spawn(async move {
-                if let Err(e) = node.run(hub, stats).await {
-                    eprintln!("bench agent: {e:#}");
-                }
-            }));
-        }
-        loop {
-            let listed = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await?.into_inner().nodes;
-            if listed.iter().filter(|n| n.name.starts_with("fleet-") && n.schedulable).count() == args.nodes as usize {
-                break;
-            }
-            anyhow::ensure!(registered.elapsed() < Duration::from_secs(600), "the agents did not register in 10 minutes");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let agents = spawn_agents(&url, &args, &stats, &tasks).await?;
+        all_schedulable(&mut api, args.nodes).await?;
         let register_s = registered.elapsed().as_secs_f64();
         eprintln!("bench fleet: {} nodes registered in {register_s:.1} s; submitting {} warm jobs", args.nodes, warm.len());
 
@@ -357,11 +342,15 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
             rss_peak_mib,
         })
     });
-    let result = agent_rt.block_on(driver);
+    let result = agent_rt.block_on(driver).map_err(anyhow::Error::from).and_then(|r| r);
     let live = host.live.clone(); // the driver's clone went with it
-    host_rt.block_on(host.shutdown());
-    drop(agent_rt);
-    let m = result??;
+    let m = match result {
+        Ok(m) => m,
+        Err(e) => {
+            host_rt.block_on(host.shutdown());
+            return Err(e);
+        }
+    };
     // The measured phase's passes (the latest the ring kept).
     let (mut passes, pass_count) = {
         let times = live.partitions[0].pass_times.lock().unwrap();
@@ -379,6 +368,59 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         .filter(|d| d["outcome"] == "evicted")
         .filter_map(|d| d["detail"].as_str().and_then(|s| s.strip_prefix("for job ").or_else(|| s.strip_prefix("preempted for job "))).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).and_then(|s| s.parse().ok()))
         .collect();
+    drop(log);
+    let preemptions = live.metrics.evictions.with_label_values(&["p0", "notice"]).get() + live.metrics.evictions.with_label_values(&["p0", "forced"]).get();
+    let store_bytes = dir_bytes(&state_dir);
+    drop(live);
+
+    // The restart with everything running: the host goes (every change is
+    // stored as it happens, so its stop writes nothing a kill -9 would
+    // lose) and a new one recovers from the store; the nodes' agents, their
+    // tasks still running, register again and are reconciled.
+    drop(agent_rt);
+    let stopped = Instant::now();
+    host_rt.block_on(host.shutdown());
+    let restarted = host_rt.block_on(crate::serve::server::start_with_agents(config, hub_config));
+    let host = match restarted {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&state_dir);
+            return Err(e.context("the host did not start again on its store"));
+        }
+    };
+    let back_s = stopped.elapsed().as_secs_f64();
+    let url = format!("http://{}", host.addr);
+    let agent_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(THREAD_AGENTS).enable_all().build()?;
+    let nodes = recovery_args.nodes;
+    let recovery = agent_rt.block_on(async move {
+        let mut api = crate::client::connect(&url, Some(OPERATOR), None, None).await?;
+        let recovered_jobs = running_jobs(&mut api).await?;
+        let agents = spawn_agents(&url, &recovery_args, &stats, &tasks).await?;
+        all_schedulable(&mut api, nodes).await?;
+        let rejoined_s = stopped.elapsed().as_secs_f64();
+        // Deciding again: one high-priority one-GPU job, submitted now.
+        let probe = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, gpu_milli: 1000, priority: 1, argv: vec!["bench-run".into(), "60000".into()], ..Default::default() };
+        let id = api.submit_job(pb::SubmitJobRequest { job: Some(probe), ..Default::default() }).await?.into_inner().job_id;
+        loop {
+            let page = api.list_jobs(pb::ListJobsRequest { partition: "p0".into(), limit: 1, ..Default::default() }).await?.into_inner().jobs;
+            if page.first().is_some_and(|j| j.id == id && (j.decision_id != 0 || j.state == "running")) {
+                break;
+            }
+            anyhow::ensure!(stopped.elapsed() < Duration::from_secs(600), "the restarted host decided nothing in 10 minutes");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let decided_s = stopped.elapsed().as_secs_f64();
+        let running_after = running_jobs(&mut api).await?;
+        for a in agents {
+            a.abort();
+        }
+        anyhow::Ok(Recovery { back_s, rejoined_s, decided_s, recovered_jobs, running_after })
+    });
+    host_rt.block_on(host.shutdown());
+    drop(agent_rt);
+    let _ = std::fs::remove_dir_all(&state_dir);
+    let recovery = recovery?;
+    eprintln!("bench fleet: restarted: back in {:.1} s, every node in {:.1} s, deciding in {:.1} s", recovery.back_s, recovery.rejoined_s, recovery.decided_s);
     let sorted = |v: Vec<u64>| {
         let mut v = v;
         v.sort_unstable();
@@ -387,9 +429,6 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
     let high = sorted(m.started.iter().filter(|s| s.1).map(|s| s.2).collect());
     let free = sorted(m.started.iter().filter(|s| s.1 && !waited_for_victims.contains(&s.0)).map(|s| s.2).collect());
     let all = sorted(m.started.iter().map(|s| s.2).collect());
-    let preemptions = live.metrics.evictions.with_label_values(&["p0", "notice"]).get() + live.metrics.evictions.with_label_values(&["p0", "forced"]).get();
-    let store_bytes = dir_bytes(&state_dir);
-    let _ = std::fs::remove_dir_all(&state_dir);
     let ms = |v: &[f64], p: f64| if v.is_empty() { 0.0 } else { v[((v.len() - 1) as f64 * p / 100.0).round() as usize] };
     Ok(FleetBench {
         nodes: args.nodes,
@@ -435,7 +474,25 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         rss_mib: m.rss_mib,
         rss_peak_mib: m.rss_peak_mib,
         store_bytes,
+        recovery,
     })
+}
+
+/// The restart: seconds from the stop until the host answered again (its
+/// store read), until every node was back and schedulable, and until it
+/// decided a new job; running jobs it recovered, and running after.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Recovery {
+    pub back_s: f64,
+    pub rejoined_s: f64,
+    pub decided_s: f64,
+    pub recovered_jobs: u32,
+    pub running_after: u32,
+}
+
+async fn running_jobs(api: &mut crate::client::Client) -> anyhow::Result<u32> {
+    let parts = api.list_partitions(pb::ListPartitionsRequest {}).await?.into_inner().partitions;
+    Ok(parts.into_iter().find(|p| p.name == "p0").map_or(0, |p| p.running_jobs))
 }
 
 /// What the run saw, before it is summed up.
@@ -493,11 +550,27 @@ struct BenchNode {
 }
 
 impl BenchNode {
-    async fn run(self, mut hub: HubClient, stats: Arc<AgentStats>) -> anyhow::Result<()> {
+    /// Registers and serves the node's commands until the host goes.
+    /// `running` (allocation, when it exits) outlives a host: a node whose
+    /// host restarts still runs its tasks and reports them when it is back.
+    async fn run(self, mut hub: HubClient, stats: Arc<AgentStats>, running: Tasks) -> anyhow::Result<()> {
         let reg = crate::bench_live::bench_registration(&self.name, self.index / self.per_switch);
         let session = hub.register(reg).await?.into_inner().session;
         let mut stream = hub.commands(pb::CommandsRequest { node: self.name.clone(), session }).await?.into_inner();
-        let running: Arc<Mutex<BTreeSet<u64>>> = Arc::default();
+        let report = |mut hub: HubClient, node: String, allocation_id: u64, state: &'static str| async move {
+            let _ = hub.report_allocation(pb::AllocationReport { node, allocation_id, state: state.into(), ..Default::default() }).await;
+        };
+        // Each task exits at its time (those that ran past it while the
+        // host was away, now).
+        let exit_at = |hub: HubClient, node: String, running: Tasks, a: u64, at: Instant| {
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at.into()).await;
+                if running.lock().unwrap().remove(&a).is_some() {
+                    report(hub, node, a, "exited").await;
+                }
+            })
+        };
+        let mut timers: Vec<tokio::task::JoinHandle<()>> = running.lock().unwrap().iter().map(|(&a, &at)| exit_at(hub.clone(), self.name.clone(), running.clone(), a, at)).collect();
         let beating = {
             let (mut hub, node, running, period) = (hub.clone(), self.name.clone(), running.clone(), self.period);
             // Spread over the period, as nodes started at different times.
@@ -513,7 +586,7 @@ impl BenchNode {
                         stats.late.fetch_add(1, Ordering::Relaxed);
                     }
                     last = Instant::now();
-                    let running: Vec<u64> = running.lock().unwrap().iter().copied().collect();
+                    let running: Vec<u64> = running.lock().unwrap().keys().copied().collect();
                     let busy = !running.is_empty();
                     let telemetry = (0..8)
                         .map(|g| pb::GpuTelemetry { index: g, sm_util_pct: if busy { 60 } else { 0 }, memory_used_mib: if busy { 40_000 } else { 0 }, temperature_c: 50, power_mw: 300_000, ..Default::default() })
@@ -528,27 +601,20 @@ impl BenchNode {
                 }
             })
         };
-        let report = |mut hub: HubClient, node: String, allocation_id: u64, state: &'static str| async move {
-            let _ = hub.report_allocation(pb::AllocationReport { node, allocation_id, state: state.into(), ..Default::default() }).await;
-        };
-        while let Some(cmd) = stream.message().await? {
+        // The host gone, the stream ends (an error or its end).
+        while let Ok(Some(cmd)) = stream.message().await {
             let a = cmd.allocation_id;
             match cmd.action.as_str() {
                 "start" => {
-                    running.lock().unwrap().insert(a);
-                    report(hub.clone(), self.name.clone(), a, "running").await;
                     // Its exit after the job's duration (argv: bench-run MS).
                     let run_ms: u64 = cmd.argv.get(1).and_then(|s| s.parse().ok()).unwrap_or(1000);
-                    let (hub, node, running) = (hub.clone(), self.name.clone(), running.clone());
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_millis(run_ms)).await;
-                        if running.lock().unwrap().remove(&a) {
-                            report(hub, node, a, "exited").await;
-                        }
-                    });
+                    let at = Instant::now() + Duration::from_millis(run_ms);
+                    running.lock().unwrap().insert(a, at);
+                    report(hub.clone(), self.name.clone(), a, "running").await;
+                    timers.push(exit_at(hub.clone(), self.name.clone(), running.clone(), a, at));
                 }
                 "stop" => {
-                    if running.lock().unwrap().remove(&a) {
+                    if running.lock().unwrap().remove(&a).is_some() {
                         report(hub.clone(), self.name.clone(), a, "exited").await;
                     }
                 }
@@ -558,7 +624,47 @@ impl BenchNode {
             }
         }
         beating.abort();
+        for t in timers {
+            t.abort();
+        }
         Ok(())
+    }
+}
+
+/// A bench node's tasks: allocation, and when it exits.
+type Tasks = Arc<Mutex<std::collections::BTreeMap<u64, Instant>>>;
+
+/// Starts every bench agent (a few nodes per connection), each with its
+/// node's tasks.
+async fn spawn_agents(url: &str, args: &FleetArgs, stats: &Arc<AgentStats>, tasks: &[Tasks]) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let mut clients = Vec::new();
+    for _ in 0..args.nodes.div_ceil(NODES_PER_CONNECTION) {
+        clients.push(crate::agent::connect_hub(url, Some(AGENT), None).await?);
+    }
+    let mut agents = Vec::with_capacity(args.nodes as usize);
+    for i in 0..args.nodes {
+        let hub = clients[(i / NODES_PER_CONNECTION) as usize].clone();
+        let node = BenchNode { name: format!("fleet-{i:05}"), index: i, per_switch: args.nodes_per_switch, period: Duration::from_millis(args.heartbeat_ms) };
+        let (stats, running) = (stats.clone(), tasks[i as usize].clone());
+        agents.push(tokio::spawn(async move {
+            if let Err(e) = node.run(hub, stats, running).await {
+                eprintln!("bench agent: {e:#}");
+            }
+        }));
+    }
+    Ok(agents)
+}
+
+/// Waits until all `nodes` bench nodes are listed schedulable.
+async fn all_schedulable(api: &mut crate::client::Client, nodes: u32) -> anyhow::Result<()> {
+    let since = Instant::now();
+    loop {
+        let listed = api.list_nodes(pb::ListNodesRequest { partition: "p0".into() }).await?.into_inner().nodes;
+        if listed.iter().filter(|n| n.name.starts_with("fleet-") && n.schedulable).count() == nodes as usize {
+            return Ok(());
+        }
+        anyhow::ensure!(since.elapsed() < Duration::from_secs(600), "the agents did not register in 10 minutes");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -653,7 +759,8 @@ impl FleetBench {
              submit to start, high priority: p50 {} ms, p99 {} ms (on free GPUs p99 {} ms; every started job p99 {} ms)\n\
              heartbeats: {} sent, round trip p50 {:.2} ms, p99 {:.2} ms, {} late by over half a period; nodes unreachable: {} at the end, {} at most\n\
              operator: berth jobs p99 {:.1} ms, partitions p99 {:.1} ms, nodes p99 {:.1} ms\n\
-             CPU: host {:.1} s, bench agents {:.1} s; RSS {} MiB (peak {} MiB, agents included); store {:.1} MiB\n",
+             CPU: host {:.1} s, bench agents {:.1} s; RSS {} MiB (peak {} MiB, agents included); store {:.1} MiB\n\
+             restart with everything running: host back in {:.1} s ({} running jobs recovered from the store), every node back in {:.1} s, a new job decided {:.1} s after the stop; {} jobs running then\n",
             self.nodes,
             self.gpus,
             self.heartbeat_ms,
@@ -696,7 +803,12 @@ impl FleetBench {
             self.agents_cpu_s,
             self.rss_mib,
             self.rss_peak_mib,
-            self.store_bytes as f64 / (1 << 20) as f64
+            self.store_bytes as f64 / (1 << 20) as f64,
+            self.recovery.back_s,
+            self.recovery.recovered_jobs,
+            self.recovery.rejoined_s,
+            self.recovery.decided_s,
+            self.recovery.running_after
         )
     }
 }

@@ -41,6 +41,11 @@ fn two_thousand_agent_nodes_keep_their_heartbeats_and_cost_no_worse_than_linearl
         // Every node beat through it: none was taken for lost.
         assert_eq!(b.nodes_unreachable_most, 0, "nodes falsely unreachable at {} nodes\n{both}", b.nodes);
         assert!(b.heartbeats >= u64::from(b.nodes) * (b.seconds - 2), "heartbeats missing at {} nodes\n{both}", b.nodes);
+        // Restarted with everything running, the host found its running
+        // jobs in the store and kept them as their nodes came back.
+        let r = &b.recovery;
+        assert!(r.recovered_jobs > 0 && r.running_after * 2 >= r.recovered_jobs, "running jobs lost across the restart at {} nodes\n{both}", b.nodes);
+        assert!(r.back_s <= r.rejoined_s && r.rejoined_s <= r.decided_s, "the restart's phases out of order at {} nodes\n{both}", b.nodes);
     }
     // Eight times the nodes: a pass and a decision may cost about eight
     // times as much (every fitting node is scored; measured: 4.5x and under
@@ -53,7 +58,10 @@ fn two_thousand_agent_nodes_keep_their_heartbeats_and_cost_no_worse_than_linearl
     // pass): its round trip may grow with the load, not with the fleet.
     let beat = ratio(big.heartbeat_p99_us, small.heartbeat_p99_us, 1_000);
     assert!(beat <= 8.0, "heartbeat p99 grew {beat:.1}x for 8x the nodes\n{both}");
+    // Recovery: the store read and every node registering again.
+    let recovery = ratio((big.recovery.decided_s * 1e3) as u64, (small.recovery.decided_s * 1e3) as u64, 500);
+    assert!(recovery <= 24.0, "recovery after a restart took {recovery:.1}x as long for 8x the nodes\n{both}");
     let memory = ratio(big.rss_peak_mib, small.rss_peak_mib, 64);
-    eprintln!("scale: 8x the nodes: pass p99 {pass:.1}x, decision p99 {decision:.1}x, heartbeat p99 {beat:.1}x, peak RSS {memory:.1}x");
+    eprintln!("scale: 8x the nodes: pass p99 {pass:.1}x, decision p99 {decision:.1}x, heartbeat p99 {beat:.1}x, recovery {recovery:.1}x, peak RSS {memory:.1}x");
     assert!(memory <= 8.0, "peak RSS grew {memory:.1}x for 8x the nodes\n{both}");
 }
