@@ -154,6 +154,54 @@ pub struct Fleet {
     /// digest of the whole fleet's state in O(1) (a decision log records
     /// one per decision; hashing 20,000 nodes each time cost milliseconds).
     digest: u64,
+    /// Each node's free capacity in a few bytes, side by side, kept as the
+    /// node changes: a scan for the nodes a shape may fit reads 24 bytes a
+    /// node instead of the node (and its GPU list elsewhere in memory).
+    free: Vec<FreeSummary>,
+}
+
+/// What is free on one node, in brief: enough to rule a node out for a
+/// shape without reading the node ([`FreeSummary::may_fit`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FreeSummary {
+    pub memory_free_mib: u64,
+    pub cpu_free_milli: u32,
+    /// The largest free share of any one GPU (thousandths).
+    pub max_gpu_free: u32,
+    /// GPUs with nothing allocated.
+    pub idle_gpus: u16,
+    pub gpus: u16,
+    pub schedulable: bool,
+}
+
+impl FreeSummary {
+    fn of(n: &Node) -> FreeSummary {
+        FreeSummary {
+            memory_free_mib: n.memory_free_mib,
+            cpu_free_milli: n.cpu_free_milli,
+            max_gpu_free: n.gpus.iter().copied().max().unwrap_or(0),
+            idle_gpus: n.gpus.iter().filter(|&&g| g == MILLI_PER_GPU).count() as u16,
+            gpus: n.gpus.len() as u16,
+            schedulable: n.schedulable,
+        }
+    }
+
+    /// False only where the predicate would refuse `shape` on this node
+    /// (schedulable, CPU, memory, GPU count and free shares): a necessary
+    /// condition, so filtering by it first changes no decision.
+    pub fn may_fit(&self, shape: &crate::task::TaskShape) -> bool {
+        if !self.schedulable || self.cpu_free_milli < shape.cpu_milli || self.memory_free_mib < shape.memory_mib {
+            return false;
+        }
+        if shape.gpu_count == 0 {
+            return true;
+        }
+        if u32::from(self.gpus) < shape.gpu_count || self.max_gpu_free < shape.gpu_milli {
+            return false;
+        }
+        // Whole GPUs: that many idle ones.
+        shape.gpu_milli < MILLI_PER_GPU || u32::from(self.idle_gpus) >= shape.gpu_count
+    }
 }
 
 /// A node's state (schedulable, free CPU, memory and GPU capacity) and id,
@@ -186,6 +234,7 @@ impl Clone for Fleet {
             gpu_allocated_milli: self.gpu_allocated_milli,
             ledger: None,
             digest: self.digest,
+            free: self.free.clone(),
         }
     }
 }
@@ -206,7 +255,8 @@ impl Fleet {
             gpu_allocated_milli += node.gpu_total_milli() - node.gpu_free_milli();
         }
         let digest = nodes.iter().enumerate().fold(0u64, |d, (i, n)| d.wrapping_add(node_digest(i, n)));
-        Ok(Fleet { models, nodes, gpu_total_milli, gpu_allocated_milli, ledger: None, digest })
+        let free = nodes.iter().map(FreeSummary::of).collect();
+        Ok(Fleet { models, nodes, gpu_total_milli, gpu_allocated_milli, ledger: None, digest, free })
     }
 
     /// From now on every allocation is recorded and a release must match
@@ -249,6 +299,11 @@ impl Fleet {
             }
         };
         self.digest = self.digest.wrapping_add(node_digest(id as usize, &self.nodes[id as usize]));
+        let summary = FreeSummary::of(&self.nodes[id as usize]);
+        match self.free.get_mut(id as usize) {
+            Some(f) => *f = summary,
+            None => self.free.push(summary),
+        }
         self.gpu_total_milli += total;
         self.gpu_allocated_milli += allocated;
         self.models = models;
@@ -262,6 +317,12 @@ impl Fleet {
 
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
+    }
+
+    /// Each node's free capacity in brief, by node id (see
+    /// [`FreeSummary::may_fit`]).
+    pub fn free_summaries(&self) -> &[FreeSummary] {
+        &self.free
     }
 
     /// A digest of every node's state (schedulable, free capacity), kept
@@ -286,6 +347,7 @@ impl Fleet {
         let before = node_digest(id as usize, node);
         node.schedulable = schedulable;
         self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(id as usize, node));
+        self.free[id as usize].schedulable = schedulable;
         Ok(())
     }
 
@@ -324,6 +386,7 @@ impl Fleet {
         }
         self.gpu_allocated_milli += alloc.gpu_milli_total();
         self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(alloc.node as usize, node));
+        self.free[alloc.node as usize] = FreeSummary::of(node);
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
         if let Some(ledger) = &mut self.ledger {
             *ledger.entry(alloc.clone()).or_insert(0) += 1;
@@ -363,6 +426,7 @@ impl Fleet {
         }
         self.gpu_allocated_milli -= alloc.gpu_milli_total();
         self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(alloc.node as usize, node));
+        self.free[alloc.node as usize] = FreeSummary::of(node);
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
         if let Some(ledger) = &mut self.ledger
             && let Some(n) = ledger.get_mut(alloc)
@@ -389,6 +453,12 @@ impl Fleet {
         let digest = self.nodes.iter().enumerate().fold(0u64, |d, (i, n)| d.wrapping_add(node_digest(i, n)));
         if digest != self.digest {
             return Err(format!("state digest {:016x} != sum over nodes {digest:016x}", self.digest));
+        }
+        if let Some((n, _)) = self.nodes.iter().zip(&self.free).find(|(n, f)| FreeSummary::of(n) != **f) {
+            return Err(format!("node {}: its free summary is out of date", n.name));
+        }
+        if self.free.len() != self.nodes.len() {
+            return Err(format!("{} free summaries for {} nodes", self.free.len(), self.nodes.len()));
         }
         if let Some(ledger) = &self.ledger {
             // What each node has in use is exactly its outstanding allocations.

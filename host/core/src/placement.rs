@@ -189,12 +189,16 @@ impl Placer {
         keep: &dyn Fn(NodeId, &Node) -> bool,
     ) -> Result<Option<Scores>, PolicyError> {
         self.candidates.clear();
+        // The brief free summaries rule most nodes out of a busy fleet
+        // without reading them; the rest pass the caller's filter and the
+        // full predicate as before (the same candidates, in the same order).
+        let nodes = fleet.nodes();
         self.candidates.extend(
             fleet
-                .nodes()
+                .free_summaries()
                 .iter()
                 .enumerate()
-                .filter(|&(i, n)| keep(i as NodeId, n) && predicate::check(n, shape).is_ok())
+                .filter(|&(i, f)| f.may_fit(shape) && keep(i as NodeId, &nodes[i]) && predicate::check(&nodes[i], shape).is_ok())
                 .map(|(i, _)| i as NodeId),
         );
         if self.candidates.is_empty() {

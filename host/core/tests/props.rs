@@ -60,6 +60,11 @@ proptest! {
         let mut releases = releases.into_iter();
         for (i, shape) in shapes.iter().enumerate() {
             prop_assert!(shape.check().is_ok());
+            // The brief free summary never rules out a node the predicate
+            // accepts (candidates are filtered by it first).
+            for (n, f) in fleet.nodes().iter().zip(fleet.free_summaries()) {
+                prop_assert!(f.may_fit(shape) || predicate::check(n, shape).is_err(), "node {}: ruled out by its summary {:?}, accepted by the predicate", n.name, f);
+            }
             match placer.place(&fleet, shape, TaskMeta { job_id: i as u64, ..Default::default() }, &mut MostFree, None).unwrap() {
                 Some(p) => {
                     let node = &fleet.nodes()[p.node as usize];
