@@ -68,8 +68,9 @@ pub fn fitting_tasks(fleet: &Fleet, shape: &TaskShape, enough: u32) -> u32 {
 /// [`fitting_tasks`] counting only the nodes `keep` accepts.
 pub fn fitting_tasks_among(fleet: &Fleet, shape: &TaskShape, enough: u32, keep: &dyn Fn(NodeId, &crate::fleet::Node) -> bool) -> u32 {
     let mut total = 0u32;
-    for (id, node) in fleet.nodes().iter().enumerate() {
-        if !keep(id as NodeId, node) {
+    // A node its free summary rules out takes no task (tasks_on_node is 0).
+    for (id, (node, free)) in fleet.nodes().iter().zip(fleet.free_summaries()).enumerate() {
+        if !free.may_fit(shape) || !keep(id as NodeId, node) {
             continue;
         }
         let n = tasks_on_node(node, shape);
