@@ -555,8 +555,6 @@ impl BenchNode {
     /// host restarts still runs its tasks and reports them when it is back.
     async fn run(self, mut hub: HubClient, stats: Arc<AgentStats>, running: Tasks) -> anyhow::Result<()> {
         let reg = crate::bench_live::bench_registration(&self.name, self.index / self.per_switch);
-        let session = hub.register(reg).await?.into_inner().session;
-        let mut stream = hub.commands(pb::CommandsRequest { node: self.name.clone(), session }).await?.into_inner();
         let report = |mut hub: HubClient, node: String, allocation_id: u64, state: &'static str| async move {
             let _ = hub.report_allocation(pb::AllocationReport { node, allocation_id, state: state.into(), ..Default::default() }).await;
         };
@@ -570,64 +568,86 @@ impl BenchNode {
                 }
             })
         };
-        let mut timers: Vec<tokio::task::JoinHandle<()>> = running.lock().unwrap().iter().map(|(&a, &at)| exit_at(hub.clone(), self.name.clone(), running.clone(), a, at)).collect();
-        let beating = {
-            let (mut hub, node, running, period) = (hub.clone(), self.name.clone(), running.clone(), self.period);
-            // Spread over the period, as nodes started at different times.
-            let phase = period.mul_f64(f64::from(self.index % 997) / 997.0);
-            tokio::spawn(async move {
-                tokio::time::sleep(phase).await;
-                let mut tick = tokio::time::interval(period);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let mut last = Instant::now();
-                loop {
-                    tick.tick().await;
-                    if last.elapsed() > period + period / 2 {
-                        stats.late.fetch_add(1, Ordering::Relaxed);
-                    }
-                    last = Instant::now();
-                    let running: Vec<u64> = running.lock().unwrap().keys().copied().collect();
-                    let busy = !running.is_empty();
-                    let telemetry = (0..8)
-                        .map(|g| pb::GpuTelemetry { index: g, sm_util_pct: if busy { 60 } else { 0 }, memory_used_mib: if busy { 40_000 } else { 0 }, temperature_c: 50, power_mw: 300_000, ..Default::default() })
-                        .collect();
-                    let (t, phase) = (Instant::now(), stats.phase.load(Ordering::SeqCst));
-                    if hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, gpus: telemetry, running }).await.is_ok() {
-                        let mut trips = stats.round_trip_us.lock().unwrap();
-                        if stats.phase.load(Ordering::SeqCst) == phase {
-                            trips.push(t.elapsed().as_micros() as u64);
+        for (&a, &at) in running.lock().unwrap().iter() {
+            exit_at(hub.clone(), self.name.clone(), running.clone(), a, at);
+        }
+        // A node whose command stream ends (taken for lost on a starved
+        // machine, say) registers again, as `berth agent` does; the first
+        // registration's failure is the benchmark's. Ends with the runtime.
+        let mut first = true;
+        loop {
+            let session = match hub.register(reg.clone()).await {
+                Ok(r) => r.into_inner().session,
+                Err(e) if first => return Err(e.into()),
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            let mut stream = match hub.commands(pb::CommandsRequest { node: self.name.clone(), session }).await {
+                Ok(s) => s.into_inner(),
+                Err(e) if first => return Err(e.into()),
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            first = false;
+            let beating = {
+                let (mut hub, node, running, period, stats) = (hub.clone(), self.name.clone(), running.clone(), self.period, stats.clone());
+                // Spread over the period, as nodes started at different times.
+                let phase = period.mul_f64(f64::from(self.index % 997) / 997.0);
+                tokio::spawn(async move {
+                    tokio::time::sleep(phase).await;
+                    let mut tick = tokio::time::interval(period);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    let mut last = Instant::now();
+                    loop {
+                        tick.tick().await;
+                        if last.elapsed() > period + period / 2 {
+                            stats.late.fetch_add(1, Ordering::Relaxed);
+                        }
+                        last = Instant::now();
+                        let running: Vec<u64> = running.lock().unwrap().keys().copied().collect();
+                        let busy = !running.is_empty();
+                        let telemetry = (0..8)
+                            .map(|g| pb::GpuTelemetry { index: g, sm_util_pct: if busy { 60 } else { 0 }, memory_used_mib: if busy { 40_000 } else { 0 }, temperature_c: 50, power_mw: 300_000, ..Default::default() })
+                            .collect();
+                        let (t, phase) = (Instant::now(), stats.phase.load(Ordering::SeqCst));
+                        if hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, gpus: telemetry, running }).await.is_ok() {
+                            let mut trips = stats.round_trip_us.lock().unwrap();
+                            if stats.phase.load(Ordering::SeqCst) == phase {
+                                trips.push(t.elapsed().as_micros() as u64);
+                            }
                         }
                     }
-                }
-            })
-        };
-        // The host gone, the stream ends (an error or its end).
-        while let Ok(Some(cmd)) = stream.message().await {
-            let a = cmd.allocation_id;
-            match cmd.action.as_str() {
-                "start" => {
-                    // Its exit after the job's duration (argv: bench-run MS).
-                    let run_ms: u64 = cmd.argv.get(1).and_then(|s| s.parse().ok()).unwrap_or(1000);
-                    let at = Instant::now() + Duration::from_millis(run_ms);
-                    running.lock().unwrap().insert(a, at);
-                    report(hub.clone(), self.name.clone(), a, "running").await;
-                    timers.push(exit_at(hub.clone(), self.name.clone(), running.clone(), a, at));
-                }
-                "stop" => {
-                    if running.lock().unwrap().remove(&a).is_some() {
-                        report(hub.clone(), self.name.clone(), a, "exited").await;
+                })
+            };
+            // The host gone or the node given up, the stream ends.
+            while let Ok(Some(cmd)) = stream.message().await {
+                let a = cmd.allocation_id;
+                match cmd.action.as_str() {
+                    "start" => {
+                        // Its exit after the job's duration (argv: bench-run MS).
+                        let run_ms: u64 = cmd.argv.get(1).and_then(|s| s.parse().ok()).unwrap_or(1000);
+                        let at = Instant::now() + Duration::from_millis(run_ms);
+                        running.lock().unwrap().insert(a, at);
+                        report(hub.clone(), self.name.clone(), a, "running").await;
+                        exit_at(hub.clone(), self.name.clone(), running.clone(), a, at);
                     }
+                    "stop" => {
+                        if running.lock().unwrap().remove(&a).is_some() {
+                            report(hub.clone(), self.name.clone(), a, "exited").await;
+                        }
+                    }
+                    "sleep" => report(hub.clone(), self.name.clone(), a, "sleeping").await,
+                    "wake" => report(hub.clone(), self.name.clone(), a, "running").await,
+                    _ => {}
                 }
-                "sleep" => report(hub.clone(), self.name.clone(), a, "sleeping").await,
-                "wake" => report(hub.clone(), self.name.clone(), a, "running").await,
-                _ => {}
             }
+            beating.abort();
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        beating.abort();
-        for t in timers {
-            t.abort();
-        }
-        Ok(())
     }
 }
 
