@@ -284,26 +284,22 @@ impl Fleet {
             return Err(FleetError::InvalidNode { name: node.name.clone(), reason: "the model list may only grow at its end".into() });
         }
         let (total, allocated) = (node.gpu_total_milli(), node.gpu_total_milli() - node.gpu_free_milli());
-        let id = match id {
+        let (id, before) = match id {
             Some(id) => {
                 let old = self.nodes.get_mut(id as usize).ok_or(FleetError::UnknownNode(id))?;
                 self.gpu_total_milli -= old.gpu_total_milli();
                 self.gpu_allocated_milli -= old.gpu_total_milli() - old.gpu_free_milli();
-                self.digest = self.digest.wrapping_sub(node_digest(id as usize, old));
+                let before = node_digest(id as usize, old);
                 *old = node;
-                id
+                (id, before)
             }
             None => {
                 self.nodes.push(node);
-                (self.nodes.len() - 1) as NodeId
+                self.free.push(FreeSummary::default());
+                ((self.nodes.len() - 1) as NodeId, 0)
             }
         };
-        self.digest = self.digest.wrapping_add(node_digest(id as usize, &self.nodes[id as usize]));
-        let summary = FreeSummary::of(&self.nodes[id as usize]);
-        match self.free.get_mut(id as usize) {
-            Some(f) => *f = summary,
-            None => self.free.push(summary),
-        }
+        self.node_changed(id as usize, before);
         self.gpu_total_milli += total;
         self.gpu_allocated_milli += allocated;
         self.models = models;
@@ -317,6 +313,14 @@ impl Fleet {
 
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
+    }
+
+    /// Node `id` changed (it had digest `before`; 0 for a node just added):
+    /// the fleet's digest and the node's free summary follow.
+    fn node_changed(&mut self, id: usize, before: u64) {
+        let node = &self.nodes[id];
+        self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(id, node));
+        self.free[id] = FreeSummary::of(node);
     }
 
     /// Each node's free capacity in brief, by node id (see
@@ -346,8 +350,7 @@ impl Fleet {
         let node = self.nodes.get_mut(id as usize).ok_or(FleetError::UnknownNode(id))?;
         let before = node_digest(id as usize, node);
         node.schedulable = schedulable;
-        self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(id as usize, node));
-        self.free[id as usize].schedulable = schedulable;
+        self.node_changed(id as usize, before);
         Ok(())
     }
 
@@ -385,9 +388,8 @@ impl Fleet {
             node.kind_counts[k as usize] += 1;
         }
         self.gpu_allocated_milli += alloc.gpu_milli_total();
-        self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(alloc.node as usize, node));
-        self.free[alloc.node as usize] = FreeSummary::of(node);
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
+        self.node_changed(alloc.node as usize, before);
         if let Some(ledger) = &mut self.ledger {
             *ledger.entry(alloc.clone()).or_insert(0) += 1;
         }
@@ -425,9 +427,8 @@ impl Fleet {
             node.gpus[g] += alloc.gpu_milli;
         }
         self.gpu_allocated_milli -= alloc.gpu_milli_total();
-        self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(alloc.node as usize, node));
-        self.free[alloc.node as usize] = FreeSummary::of(node);
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
+        self.node_changed(alloc.node as usize, before);
         if let Some(ledger) = &mut self.ledger
             && let Some(n) = ledger.get_mut(alloc)
         {
