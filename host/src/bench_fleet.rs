@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::agent::HubClient;
 use crate::asi::report::percentile;
+use crate::asi::workload::HIGH_PRIORITY;
 use crate::catalog;
 use crate::proto as pb;
 use crate::serve::auth::Access;
@@ -51,7 +52,14 @@ pub struct FleetArgs {
     pub rank: String,
     /// A compact policy (live compaction steps run on their own), or none.
     pub compact: Option<String>,
+    /// Low-priority half-GPU tasks (inference replicas sharing GPUs, in
+    /// jobs of [`FILL_TASKS_PER_JOB`]) placed after the warm start and
+    /// running through the run: the fleet's task count at ASI's scale.
+    pub fill_tasks: u32,
 }
+
+/// Tasks per fill job (a batch-inference job array, placed as one gang).
+pub const FILL_TASKS_PER_JOB: u32 = 8;
 
 /// What `berth bench fleet` measured (one run).
 #[derive(Debug, Serialize)]
@@ -70,6 +78,11 @@ pub struct FleetBench {
     /// Until every warm job was accepted (eight clients at once).
     pub warm_submit_s: f64,
     pub warm_tasks_running: u32,
+    /// The fill: tasks asked, and until every fill job was decided.
+    pub fill_tasks: u32,
+    pub fill_s: f64,
+    /// Tasks running when the measured phase began.
+    pub tasks_running_at_start: usize,
     /// From here on, the measured phase only.
     pub jobs_submitted: usize,
     pub jobs_started: usize,
@@ -164,7 +177,8 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         breaker: Default::default(),
         max_upload_bytes: 16 << 20,
         store: StoreChoice::Embedded,
-        scheduling: Scheduling { auto_compaction: args.compact.is_some(), ..Scheduling::default() },
+        // The workload's high-priority classes may preempt its low-priority work.
+        scheduling: Scheduling { auto_compaction: args.compact.is_some(), high_priority: HIGH_PRIORITY, ..Scheduling::default() },
     };
     let rank = std::fs::read(catalog::resolve(&args.rank)?)?;
     let compact = args.compact.as_deref().map(|c| catalog::resolve(c).and_then(|p| Ok(std::fs::read(p)?))).transpose()?;
@@ -233,39 +247,32 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
 
         // The warm start: the jobs alive at that moment, from a few
         // clients at once, until the host has decided every one.
-        let warm_started = Instant::now();
         let warm_jobs = warm.len();
-        let mut fillers = tokio::task::JoinSet::new();
-        for k in 0..8 {
-            let (mut api, specs): (_, Vec<pb::JobSpec>) = (api.clone(), warm.iter().skip(k).step_by(8).map(|(j, left_s)| spec_of(j, *left_s / args.speedup)).collect());
-            fillers.spawn(async move {
-                for spec in specs {
-                    submit(&mut api, spec).await?;
-                }
-                anyhow::Ok(())
-            });
-        }
-        while let Some(done) = fillers.join_next().await {
-            done??;
-        }
-        let warm_submit_s = warm_started.elapsed().as_secs_f64();
-        eprintln!("bench fleet: warm jobs accepted in {warm_submit_s:.1} s");
-        // Decided: nothing waits, or (work waiting for room) the running
-        // and waiting counts held for a second.
-        let (mut last, mut same) = ((u32::MAX, u32::MAX), 0);
-        let warm_tasks_running = loop {
-            let p = api.list_partitions(pb::ListPartitionsRequest {}).await?.into_inner().partitions.into_iter().find(|p| p.name == "p0");
-            let now = p.map_or((0, 0), |p| (p.running_jobs, p.pending_jobs));
-            same = if now == last { same + 1 } else { 0 };
-            last = now;
-            if now.1 == 0 || same >= 4 {
-                break now.0;
-            }
-            anyhow::ensure!(warm_started.elapsed() < Duration::from_secs(1800), "the warm start was not decided in 30 minutes");
-            tokio::time::sleep(Duration::from_millis(250)).await;
+        let (warm_submit_s, warm_tasks_running, warm_s) = submit_and_decide(&api, warm.iter().map(|(j, left_s)| spec_of(j, *left_s / args.speedup)).collect()).await?;
+        eprintln!("bench fleet: warm start: accepted in {warm_submit_s:.1} s, decided in {warm_s:.1} s");
+        // The fill: low-priority replicas on half a GPU each, running
+        // through the run (and the restart).
+        let fill_s = if args.fill_tasks > 0 {
+            let fill = pb::JobSpec {
+                partition: "p0".into(),
+                tasks: FILL_TASKS_PER_JOB,
+                gpus: 1,
+                gpu_milli: 500,
+                cpu_milli: 2000,
+                memory_mib: 8 << 10,
+                priority: crate::asi::workload::LOW_PRIORITY,
+                argv: vec!["bench-run".into(), (24 * 3_600_000u64).to_string()],
+                movable: true,
+                ..Default::default()
+            };
+            let jobs = args.fill_tasks.div_ceil(FILL_TASKS_PER_JOB) as usize;
+            let (accepted, _, s) = submit_and_decide(&api, vec![fill; jobs]).await?;
+            eprintln!("bench fleet: {jobs} fill jobs accepted in {accepted:.1} s, decided in {s:.1} s");
+            s
+        } else {
+            0.0
         };
-        let warm_s = warm_started.elapsed().as_secs_f64();
-
+        let tasks_running_at_start = tasks_running(&api).await?;
         eprintln!("bench fleet: warm start decided in {warm_s:.1} s; {} arrivals over {} s", arrivals.len(), args.seconds);
         // The measured phase: the arrivals, at the speed-up.
         let measured_from_ms = crate::util::unix_ms();
@@ -309,9 +316,9 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         let started: Vec<(u64, bool, u64)> = jobs
             .iter()
             .filter(|j| j.started_unix_ms > 0 && j.submitted_unix_ms >= measured_from_ms)
-            .map(|j| (j.id, j.spec.as_ref().is_some_and(|s| s.priority >= 1), j.started_unix_ms.saturating_sub(j.submitted_unix_ms)))
+            .map(|j| (j.id, j.spec.as_ref().is_some_and(|s| s.priority >= HIGH_PRIORITY), j.started_unix_ms.saturating_sub(j.submitted_unix_ms)))
             .collect();
-        let running = jobs.iter().filter(|j| j.state == "running").flat_map(|j| &j.runs).filter(|r| r.state == "running").count();
+        let running = running_tasks(&jobs);
         let ended = jobs.iter().filter(|j| matches!(j.state.as_str(), "finished" | "failed" | "cancelled")).count();
         let mut polls = std::mem::take(&mut *polling.lock().unwrap());
         for v in [&mut polls.jobs_ms, &mut polls.partitions_ms, &mut polls.nodes_ms] {
@@ -325,6 +332,8 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
             warm_s,
             warm_submit_s,
             warm_tasks_running,
+            fill_s,
+            tasks_running_at_start,
             measured_from_ms,
             passes_before,
             submitted,
@@ -399,7 +408,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         all_schedulable(&mut api, nodes).await?;
         let rejoined_s = stopped.elapsed().as_secs_f64();
         // Deciding again: one high-priority one-GPU job, submitted now.
-        let probe = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, gpu_milli: 1000, priority: 1, argv: vec!["bench-run".into(), "60000".into()], ..Default::default() };
+        let probe = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, gpu_milli: 1000, priority: HIGH_PRIORITY, argv: vec!["bench-run".into(), "60000".into()], ..Default::default() };
         let id = api.submit_job(pb::SubmitJobRequest { job: Some(probe), ..Default::default() }).await?.into_inner().job_id;
         loop {
             let page = api.list_jobs(pb::ListJobsRequest { partition: "p0".into(), limit: 1, ..Default::default() }).await?.into_inner().jobs;
@@ -442,6 +451,9 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         warm_s: m.warm_s,
         warm_submit_s: m.warm_submit_s,
         warm_tasks_running: m.warm_tasks_running,
+        fill_tasks: args.fill_tasks,
+        fill_s: m.fill_s,
+        tasks_running_at_start: m.tasks_running_at_start,
         jobs_submitted: m.submitted,
         jobs_started: m.started.len(),
         jobs_ended: m.ended,
@@ -502,6 +514,8 @@ struct Measured {
     warm_s: f64,
     warm_submit_s: f64,
     warm_tasks_running: u32,
+    fill_s: f64,
+    tasks_running_at_start: usize,
     measured_from_ms: u64,
     passes_before: u64,
     submitted: usize,
@@ -701,9 +715,61 @@ fn spec_of(j: &berth_core::job::Job, run_s: f64) -> pb::JobSpec {
         priority: j.priority,
         argv: vec!["bench-run".into(), run_ms.to_string()],
         // Low-priority work may be moved by live compaction.
-        movable: j.priority == 0,
+        movable: j.priority < HIGH_PRIORITY,
         ..Default::default()
     }
+}
+
+/// Submits `specs` from eight clients at once, then waits until the host
+/// has decided them. Seconds until every job was
+/// accepted, running jobs then, and seconds until decided.
+async fn submit_and_decide(api: &crate::client::Client, specs: Vec<pb::JobSpec>) -> anyhow::Result<(f64, u32, f64)> {
+    let started = Instant::now();
+    let mut clients = tokio::task::JoinSet::new();
+    let mut shares: Vec<Vec<pb::JobSpec>> = (0..8).map(|_| Vec::new()).collect();
+    for (i, spec) in specs.into_iter().enumerate() {
+        shares[i % 8].push(spec);
+    }
+    for share in shares {
+        let mut api = api.clone();
+        clients.spawn(async move {
+            for spec in share {
+                submit(&mut api, spec).await?;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(done) = clients.join_next().await {
+        done??;
+    }
+    let submit_s = started.elapsed().as_secs_f64();
+    let mut api = api.clone();
+    // Work left waiting for room moves as running work ends (at a speed-up,
+    // all the time): decided once the waiting count made no new low for a
+    // second.
+    let (mut fewest, mut stale) = (u32::MAX, 0);
+    let running = loop {
+        let p = api.list_partitions(pb::ListPartitionsRequest {}).await?.into_inner().partitions.into_iter().find(|p| p.name == "p0");
+        let (running, pending) = p.map_or((0, 0), |p| (p.running_jobs, p.pending_jobs));
+        stale = if pending < fewest { 0 } else { stale + 1 };
+        fewest = fewest.min(pending);
+        if pending == 0 || stale >= 4 {
+            break running;
+        }
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(3600), "{pending} jobs were not decided in an hour");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    Ok((submit_s, running, started.elapsed().as_secs_f64()))
+}
+
+/// Tasks running, from an operator's listing of every job.
+async fn tasks_running(api: &crate::client::Client) -> anyhow::Result<usize> {
+    let jobs = crate::client::list_all_jobs(api.clone(), pb::ListJobsRequest { partition: "p0".into(), state: "running".into(), ..Default::default() }).await?;
+    Ok(running_tasks(&jobs))
+}
+
+fn running_tasks(jobs: &[pb::Job]) -> usize {
+    jobs.iter().filter(|j| j.state == "running").flat_map(|j| &j.runs).filter(|r| r.state == "running").count()
 }
 
 /// Submits one job; whether it was accepted (a shape no node has is not).
@@ -772,7 +838,7 @@ impl FleetBench {
         let ms = |us: u64| us as f64 / 1e3;
         format!(
             "live host, {} agent nodes ({} GPUs), heartbeats every {} ms; {} workload for {} s at {}x\n\
-             registered in {:.1} s; warm start: {} jobs alive, accepted in {:.1} s and decided in {:.1} s, {} running\n\
+             registered in {:.1} s; warm start: {} jobs alive, accepted in {:.1} s and decided in {:.1} s, {} running; fill: {} half-GPU tasks decided in {:.1} s; {} tasks running\n\
              measured phase: {} jobs submitted, {} started, {} ended, {} preemptions; at the end {} tasks running, {:.0} GPUs busy\n\
              placement decision p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} decisions)\n\
              whole pass p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} passes)\n\
@@ -792,6 +858,9 @@ impl FleetBench {
             self.warm_submit_s,
             self.warm_s,
             self.warm_tasks_running,
+            self.fill_tasks,
+            self.fill_s,
+            self.tasks_running_at_start,
             self.jobs_submitted,
             self.jobs_started,
             self.jobs_ended,

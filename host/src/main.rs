@@ -428,6 +428,11 @@ enum BenchCommand {
         /// Compact policy for live compaction steps, or `none`.
         #[arg(long, default_value = "ipc")]
         compact: String,
+        /// Low-priority half-GPU tasks placed after the warm start (in jobs
+        /// of eight), running through the run: 150000 at 20000 nodes gives
+        /// ASI's task count.
+        #[arg(long, default_value_t = 0)]
+        fill_tasks: u32,
         /// Print the result as JSON.
         #[arg(long)]
         json: bool,
@@ -601,9 +606,9 @@ fn main() -> anyhow::Result<()> {
                 }
             })?;
         }
-        Command::Bench { what: BenchCommand::Fleet { nodes, nodes_per_switch, heartbeat_ms, seconds, speedup, warm_hours, workload, policy, rank, compact, json } } => {
+        Command::Bench { what: BenchCommand::Fleet { nodes, nodes_per_switch, heartbeat_ms, seconds, speedup, warm_hours, workload, policy, rank, compact, fill_tasks, json } } => {
             let compact = (compact != "none").then_some(compact);
-            let args = berth::bench_fleet::FleetArgs { nodes, nodes_per_switch, heartbeat_ms, seconds, speedup, warm_hours, workload, policy, rank, compact };
+            let args = berth::bench_fleet::FleetArgs { nodes, nodes_per_switch, heartbeat_ms, seconds, speedup, warm_hours, workload, policy, rank, compact, fill_tasks };
             let r = berth::bench_fleet::fleet(&args)?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);

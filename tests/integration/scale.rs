@@ -20,6 +20,8 @@ fn run(nodes: u32) -> FleetBench {
         policy: "binpack".into(),
         rank: "spot-gpu".into(),
         compact: Some("ipc".into()),
+        // ASI's tasks per node (150,000 on 20,000 nodes), mostly fill.
+        fill_tasks: nodes * 15 / 2,
     };
     fleet(&args).unwrap_or_else(|e| panic!("bench fleet at {nodes} nodes: {e:#}"))
 }

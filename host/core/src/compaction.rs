@@ -264,16 +264,14 @@ impl Wanted {
     /// A pending shape from a job; it wants whole nodes when one task takes
     /// every GPU of the largest node of its model in `nodes`.
     pub fn from_job(fleet: &Fleet, nodes: &[NodeId], job: &Job) -> Wanted {
+        Wanted::of(&LargestNodes::of(fleet, nodes), job)
+    }
+
+    /// [`Wanted::from_job`] with the nodes read once for many jobs.
+    pub fn of(largest: &LargestNodes, job: &Job) -> Wanted {
         let s = &job.shape;
-        let largest = nodes
-            .iter()
-            .filter_map(|&id| fleet.node(id))
-            .filter(|n| s.gpu_count > 0 && s.accepts(n.model))
-            .map(|n| n.gpus.len() as u32)
-            .max()
-            .unwrap_or(u32::MAX);
         let model = if s.models.len() == 1 { Some(s.models[0]) } else { None };
-        let whole = s.gpu_count > 0 && s.gpu_milli == MILLI_PER_GPU && s.gpu_count >= largest;
+        let whole = s.gpu_count > 0 && s.gpu_milli == MILLI_PER_GPU && s.gpu_count >= largest.for_shape(s);
         Wanted {
             gpu_count: s.gpu_count,
             gpu_milli: s.gpu_milli,
@@ -283,6 +281,27 @@ impl Wanted {
             tasks: job.tasks,
             whole_nodes: if whole { job.tasks } else { 0 },
         }
+    }
+}
+
+/// The most GPUs one node has, per GPU model, among some nodes: what tells
+/// a whole-node shape, read once for every pending job (not a scan of the
+/// nodes per job).
+pub struct LargestNodes(Vec<(Option<ModelId>, u32)>);
+
+impl LargestNodes {
+    pub fn of(fleet: &Fleet, nodes: &[NodeId]) -> LargestNodes {
+        let mut by_model: BTreeMap<Option<ModelId>, u32> = BTreeMap::new();
+        for n in nodes.iter().filter_map(|&id| fleet.node(id)) {
+            let most = by_model.entry(n.model).or_insert(0);
+            *most = (*most).max(n.gpus.len() as u32);
+        }
+        LargestNodes(by_model.into_iter().collect())
+    }
+
+    /// GPUs of the largest node `shape` may run on (`u32::MAX`: none).
+    pub fn for_shape(&self, shape: &TaskShape) -> u32 {
+        self.0.iter().filter(|&&(m, _)| shape.gpu_count > 0 && shape.accepts(m)).map(|&(_, g)| g).max().unwrap_or(u32::MAX)
     }
 }
 
@@ -1185,11 +1204,12 @@ pub fn step_jobs(
     }
     let mut total = StepOutcome::default();
     for (&p, nodes) in &by_partition {
+        let largest = LargestNodes::of(fleet, nodes);
         let wanted: Vec<Wanted> = pending
             .iter()
             .map(|&j| &jobs[j])
             .filter(|job| job.partition.is_none_or(|q| q == p))
-            .map(|job| Wanted::from_job(fleet, nodes, job))
+            .map(|job| Wanted::of(&largest, job))
             .collect();
         let active = state.active.entry(Some(p)).or_insert(false);
         let out = step(fleet, nodes, &mut all, &wanted, policy, config, active, &mut SimulatedActuator, now)?;

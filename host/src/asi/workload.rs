@@ -15,7 +15,8 @@ pub const CLASSES: [&str; 4] = ["online-inference", "offline-inference", "traini
 /// Priority of high-priority classes (online inference, training,
 /// development); offline inference is low priority.
 pub const HIGH_PRIORITY: u32 = 10;
-const LOW_PRIORITY: u32 = 1;
+/// Priority of low-priority work (offline inference).
+pub const LOW_PRIORITY: u32 = 1;
 
 /// A workload description.
 #[derive(Clone, Debug, Deserialize, PartialEq)]

@@ -107,12 +107,13 @@ impl PartitionState {
 
     /// Pending jobs with a command (they run on agent nodes), as shapes.
     fn compaction_pending(&self, nodes: &[NodeId]) -> Vec<Wanted> {
+        let largest = compaction::LargestNodes::of(&self.fleet, nodes);
         let mut wanted: Vec<Wanted> = self
             .pending
             .iter()
             .filter_map(|id| self.jobs.get(id))
             .filter(|j| !j.spec.argv.is_empty())
-            .map(|j| Wanted::from_job(&self.fleet, nodes, &j.spec.job))
+            .map(|j| Wanted::of(&largest, &j.spec.job))
             .collect();
         wanted.sort_by_key(|w| std::cmp::Reverse((w.whole_nodes, u64::from(w.gpu_count) * u64::from(w.tasks))));
         wanted.truncate(self.compaction.config.max_pending);
