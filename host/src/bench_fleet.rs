@@ -378,7 +378,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         .filter_map(|d| d["detail"].as_str().and_then(|s| s.strip_prefix("for job ").or_else(|| s.strip_prefix("preempted for job "))).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next()).and_then(|s| s.parse().ok()))
         .collect();
     drop(log);
-    let preemptions = live.metrics.evictions.with_label_values(&["p0", "notice"]).get() + live.metrics.evictions.with_label_values(&["p0", "forced"]).get();
+    let preemptions = live.metrics.evictions.with_label_values(&["p0", "preempt"]).get();
     let store_bytes = dir_bytes(&state_dir);
     drop(live);
 

@@ -541,6 +541,7 @@ impl World {
             exit_code,
             signal,
             detail: String::new(),
+            ..Default::default()
         };
         let msg = match cmd.action.as_str() {
             "start" => {
@@ -620,7 +621,7 @@ impl World {
 
     async fn end_process(&mut self, alloc: u64, code: i32, signal: i32) -> anyhow::Result<()> {
         let Some(p) = self.processes.remove(&alloc) else { return Ok(()) };
-        let r = pb::AllocationReport { node: self.agents[p.node].name.clone(), allocation_id: alloc, state: "exited".into(), pid: alloc as u32, exit_code: code, signal, detail: String::new() };
+        let r = pb::AllocationReport { node: self.agents[p.node].name.clone(), allocation_id: alloc, state: "exited".into(), pid: alloc as u32, exit_code: code, signal, detail: String::new(), ..Default::default() };
         if self.cut.contains(&p.node) {
             self.unsent.push((p.node, r));
             return Ok(());

@@ -354,3 +354,71 @@ async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     assert!(again.summary.contains("its contract's limit") && wait(&again.summary) <= wait(&why.summary), "{again:?}");
     api.cancel_job(pb::CancelJobRequest { job_id: low }).await.unwrap();
 }
+
+/// A low-priority task that writes its pid to `pid-<job>` and runs until
+/// `release-<job>`, ignoring checkpoint notices (SIGUSR1); with `deaf`,
+/// it (and its children) ignore SIGTERM too.
+fn stoppable_job(d: &Path, deaf: bool) -> pb::JobSpec {
+    let d = d.display();
+    let trap = if deaf { "trap '' TERM USR1; " } else { "trap '' USR1; " };
+    let script = format!("{trap}echo $$ > {d}/pid-$BERTH_JOB; i=0; while [ ! -f {d}/release-$BERTH_JOB ] && [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done; exit 0");
+    pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, cpu_milli: 1000, memory_mib: 1024, argv: vec!["sh".into(), "-c".into(), script], ..Default::default() }
+}
+
+/// An eviction's cost is measured, not modelled: the agent times each
+/// preempted task from its stop to its exit and says whether the stop
+/// grace ran out; the ledger (the decision log) records it per victim. A
+/// task deaf to SIGTERM is killed after the grace (its process is gone);
+/// one that heeds it exits at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preempted_tasks_stop_is_measured_and_a_kill_after_the_grace_is_counted() {
+    let d = dir("preempt-measured");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "0"]).await;
+    // The agent's stop grace is 2 s (see `agent`).
+    let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    schedulable(&api, "n1").await;
+    let mut low = Vec::new();
+    for deaf in [true, false] {
+        low.push(api.submit_job(pb::SubmitJobRequest { job: Some(stoppable_job(&d, deaf)), ..Default::default() }).await.unwrap().into_inner().job_id);
+    }
+    running(&api, &low).await;
+    let (deaf, heeds) = (low[0], low[1]);
+    let pid_of = |job: u64| -> i32 {
+        let text = std::fs::read_to_string(d.join(format!("pid-{job}"))).unwrap_or_default();
+        text.trim().parse().unwrap_or_else(|_| panic!("job {job} wrote no pid: {text:?}"))
+    };
+    let deaf_pid = pid_of(deaf);
+
+    let mut high = agent_job(&d, 2, 1);
+    high.priority = 5;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
+    running(&api, &[h]).await;
+    assert_one_owner(&jobs(&api).await, &[]);
+    // The physical truth: the deaf task's shell is gone (killed; at most a
+    // zombie its new parent has not reaped yet).
+    let stat = std::fs::read_to_string(format!("/proc/{deaf_pid}/stat")).unwrap_or_default();
+    let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("gone");
+    assert!(matches!(state, "gone" | "Z" | "X"), "the task deaf to SIGTERM still runs (pid {deaf_pid}, state {state})");
+
+    let vacated = until("both evictions in the ledger", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move {
+            let req = pb::QueryDecisionsRequest { partition: "p0".into(), limit: 1000, ..Default::default() };
+            let v: Vec<pb::Decision> = api.query_decisions(req).await.unwrap().into_inner().decisions.into_iter().filter(|d| d.outcome == "vacated").collect();
+            (v.len() == 2).then_some(v)
+        }
+    })
+    .await;
+    let entry = |job: u64| vacated.iter().find(|v| v.job_id == job).unwrap_or_else(|| panic!("no ledger entry for job {job}: {vacated:?}")).detail.clone();
+    let seconds = |detail: &str| -> f64 { detail.rsplit("stop to exit ").next().and_then(|s| s.trim_end_matches(" s").parse().ok()).unwrap_or_else(|| panic!("{detail}")) };
+    let (deaf_entry, heeds_entry) = (entry(deaf), entry(heeds));
+    assert!(deaf_entry.starts_with("1 task(s) gone, 1 killed after the stop grace; timed by the agent"), "{deaf_entry}");
+    assert!(seconds(&deaf_entry) >= 2.0, "killed before the 2 s grace ran out: {deaf_entry}");
+    assert!(heeds_entry.starts_with("1 task(s) gone, 0 killed after the stop grace; timed by the agent"), "{heeds_entry}");
+    assert!(seconds(&heeds_entry) < 2.0, "a task that heeds SIGTERM took the whole grace: {heeds_entry}");
+    std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
+    for id in low {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+}

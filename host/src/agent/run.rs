@@ -311,6 +311,24 @@ struct Child {
     gpus: Vec<u32>,
     /// Stopped by a sleep command: its GPUs do no work.
     sleeping: bool,
+    /// The host's stop: when it came, and whether SIGKILL was needed.
+    stop: Option<Stop>,
+}
+
+#[derive(Clone, Copy)]
+struct Stop {
+    at: std::time::Instant,
+    killed: bool,
+}
+
+impl Stop {
+    /// What the exit report says of a stop the host asked for.
+    fn report(stop: Option<Stop>, r: pb::AllocationReport) -> pb::AllocationReport {
+        match stop {
+            Some(s) => pb::AllocationReport { stopped: true, stop_to_exit_ms: s.at.elapsed().as_millis() as u64, killed: s.killed, ..r },
+            None => r,
+        }
+    }
 }
 
 struct Agent {
@@ -404,7 +422,7 @@ impl Agent {
             if supervisor_alive(rec.pid) {
                 let stat = std::fs::read_to_string(format!("/proc/{}/stat", rec.pid)).unwrap_or_default();
                 let sleeping = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T");
-                self.children.lock().unwrap().insert(rec.alloc_id, Child { pid: rec.pid, gpus: rec.gpus, sleeping });
+                self.children.lock().unwrap().insert(rec.alloc_id, Child { pid: rec.pid, gpus: rec.gpus, sleeping, stop: None });
                 adopted.push((rec.alloc_id, rec.pid));
                 tracing::info!(target: "berth::agent", allocation = rec.alloc_id, pid = rec.pid, "adopted a running task");
             } else {
@@ -428,6 +446,15 @@ impl Agent {
             (None, Some(Ok(s))) => pb::AllocationReport { state: "exited".into(), exit_code: s.code().unwrap_or(-1), signal: s.signal().unwrap_or(0), detail: s.to_string(), ..base },
             (None, Some(Err(e))) => pb::AllocationReport { state: "failed".into(), detail: format!("wait: {e}"), ..base },
             (None, None) => pb::AllocationReport { state: "failed".into(), detail: "ended while no agent watched it; no status recorded".into(), ..base },
+        }
+    }
+
+    /// Notes the host's stop of child `id` (the first one counts: a repeated
+    /// stop does not restart the clock).
+    fn stop_sent(&self, id: u64, killed: bool) {
+        if let Some(c) = self.children.lock().unwrap().get_mut(&id) {
+            let stop = c.stop.get_or_insert(Stop { at: std::time::Instant::now(), killed });
+            stop.killed |= killed;
         }
     }
 
@@ -476,7 +503,8 @@ impl Agent {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             let base = pb::AllocationReport { node: agent.node.clone(), allocation_id: id, pid, ..Default::default() };
-            let r = agent.ended_report(base, None);
+            let stop = agent.children.lock().unwrap().get(&id).and_then(|c| c.stop);
+            let r = Stop::report(stop, agent.ended_report(base, None));
             tracing::info!(target: "berth::agent", allocation = id, "adopted task ended: {}", r.detail);
             agent.report_end(id, r).await;
         });
@@ -702,14 +730,15 @@ impl Agent {
                 if let Err(e) = crate::util::write_atomic(&record, &serde_json::to_vec(&rec).expect("serializes")) {
                     tracing::warn!(target: "berth::agent", allocation = id, "{}: {e}; a restarted agent will not adopt this task", record.display());
                 }
-                self.children.lock().unwrap().insert(id, Child { pid, gpus, sleeping: false });
+                self.children.lock().unwrap().insert(id, Child { pid, gpus, sleeping: false, stop: None });
                 tracing::info!(target: "berth::agent", allocation = id, pid, gpus = %visible, "started");
                 self.report(pb::AllocationReport { state: "running".into(), pid, ..base.clone() }).await;
                 tokio::spawn(self.clone().watch_checkpoints(id, base.clone()));
                 let agent = self.clone();
                 tokio::spawn(async move {
                     let status = child.wait().await;
-                    let r = agent.ended_report(pb::AllocationReport { pid, ..base }, Some(status));
+                    let stop = agent.children.lock().unwrap().get(&id).and_then(|c| c.stop);
+                    let r = Stop::report(stop, agent.ended_report(pb::AllocationReport { pid, ..base }, Some(status)));
                     tracing::info!(target: "berth::agent", allocation = id, "{}", r.detail);
                     agent.report_end(id, r).await;
                 });
@@ -742,8 +771,12 @@ impl Agent {
                         // Frozen by the default sleep (SIGSTOP): its GPUs are
                         // lent, so it is killed where it stands rather than
                         // continued onto them to act on SIGTERM.
-                        _ if frozen => signal_group(pid, libc::SIGKILL),
+                        _ if frozen => {
+                            self.stop_sent(id, true);
+                            signal_group(pid, libc::SIGKILL)
+                        }
                         _ => {
+                            self.stop_sent(id, false);
                             let r = signal_group(pid, libc::SIGTERM);
                             // A stopped child cannot act on SIGTERM until continued.
                             let _ = signal_group(pid, libc::SIGCONT);
@@ -751,7 +784,10 @@ impl Agent {
                             let agent = self.clone();
                             tokio::spawn(async move {
                                 tokio::time::sleep(grace).await;
-                                if agent.children.lock().unwrap().get(&id).is_some_and(|c| c.pid == pid) {
+                                if let Some(c) = agent.children.lock().unwrap().get_mut(&id).filter(|c| c.pid == pid) {
+                                    if let Some(stop) = &mut c.stop {
+                                        stop.killed = true;
+                                    }
                                     let _ = signal_group(pid, libc::SIGKILL);
                                 }
                             });

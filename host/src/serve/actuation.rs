@@ -16,7 +16,7 @@ use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 
 use super::decisions::Placed;
 use super::lifecycle::{Report, TaskState};
-use super::state::{AgentTopology, Beat, JobState, Live, Partition, PartitionState, Reconciled, Start, TaskRun, MAX_DECLARED_SWITCH};
+use super::state::{AgentTopology, Beat, JobState, Live, Partition, PartitionState, Reconciled, Start, Stopped, TaskRun, MAX_DECLARED_SWITCH};
 use super::error::ServeError;
 
 /// Agent nodes get switch domains of their own, apart from simulated ones:
@@ -648,13 +648,17 @@ impl Live {
 
     /// What an agent reported about an allocation: its state, and when it
     /// is gone (exited, failed), its GPUs go back to the fleet.
-    pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str) {
+    /// `stopped`: how the agent saw a stop it was sent go (an exit only).
+    pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str, stopped: Option<Stopped>) {
         for part in &self.partitions {
             let mut guard = part.lock_state();
             let st = &mut *guard;
             let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
             match report {
-                Report::State(state) if state.is_gone() => self.end_task(part, st, alloc_id, state, exit_code, signal, detail),
+                Report::State(state) if state.is_gone() => {
+                    self.measure_eviction_exit(part, st, job_id, alloc_id, signal, stopped);
+                    self.end_task(part, st, alloc_id, state, exit_code, signal, detail);
+                }
                 Report::Checkpointed => {
                     // The task saved its work: preemption ranks it, and
                     // counts work lost, from now.
@@ -719,6 +723,25 @@ impl Live {
         }
     }
 
+    /// A preempted task's exit, measured: from its stop to its exit (the
+    /// agent's clock; without it, the host's from the scheduled stop), and
+    /// whether SIGKILL was needed. Kept on the task for the job's ledger
+    /// entry, and counted in the metrics.
+    fn measure_eviction_exit(&self, part: &Partition, st: &mut PartitionState, job_id: u64, alloc_id: u64, signal: i32, stopped: Option<Stopped>) {
+        let now_ms = self.now_ms();
+        let Some(job) = st.jobs.get_mut(&job_id).filter(|j| j.evicting) else { return };
+        let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return };
+        let (to_exit_ms, killed) = match stopped {
+            Some(s) => (s.to_exit_ms, s.killed),
+            None => (now_ms.saturating_sub(r.stop_at_unix_ms), signal == libc::SIGKILL),
+        };
+        r.stop_to_exit_ms = to_exit_ms;
+        r.killed = killed;
+        r.stop_timed_by_agent = stopped.is_some();
+        self.metrics.eviction_exits.with_label_values(&[part.name.as_str(), if killed { "killed" } else { "exited" }]).inc();
+        self.metrics.eviction_stop_to_exit.with_label_values(&[part.name.as_str()]).observe(to_exit_ms as f64 / 1e3);
+    }
+
     /// Gives a gone allocation's capacity back to the fleet. A fleet that
     /// does not hold it is a broken invariant of the host's records: it is
     /// logged and counted (`berth_invariant_breaks_total`; the simulation
@@ -765,6 +788,7 @@ impl Live {
                 r.signal = signal;
                 let node = st.agent_ids.get(&r.node).copied();
                 if job.runs.iter().all(|r| !r.holds) {
+                    self.log_vacated(part, st, job_id);
                     self.vacated(part, st, job_id);
                 } else {
                     self.persist_logged(vec![st.job_op(&part.name, job_id)]);

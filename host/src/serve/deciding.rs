@@ -429,7 +429,7 @@ impl Live {
                     self.persist_logged(vec![st.job_op(&part.name, id)]);
                 }
             }
-            Decision::Evict { slot, job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, forced, wake } => {
+            Decision::Evict { slot, job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, wake, .. } => {
                 // The victim's own contract (its notice), as the engine used.
                 let contract = st.engine.config.contract_of(st.engine.job(slot));
                 let Some(record) = st.jobs.get_mut(&id) else { return };
@@ -472,7 +472,7 @@ impl Live {
                 if let Some(preemptor) = st.jobs.get_mut(&for_job) {
                     preemptor.waiting_on.extend(handed_over);
                 }
-                self.metrics.evictions.with_label_values(&[part.name.as_str(), if forced { "forced" } else { "notice" }]).inc();
+                self.metrics.evictions.with_label_values(&[part.name.as_str(), if wake { "wake" } else { "preempt" }]).inc();
                 self.metrics.lost_gpu_seconds.with_label_values(&[&part.name]).inc_by(lost_gpu_s);
                 if wake {
                     self.metrics.harvest.with_label_values(&[&part.name, "wake_eviction"]).inc();
@@ -498,7 +498,7 @@ impl Live {
                     sha256: sha,
                     input_digest: String::new(),
                     outcome: "evicted".into(),
-                    detail: format!("for job {for_job}; stop by {}; {lost_gpu_s:.0} GPU-s lost{}", stop_by_s, if forced { "; forced" } else { "" }),
+                    detail: format!("for job {for_job}; stop by {}; {lost_gpu_s:.0} GPU-s lost", stop_by_s),
                     placements: Vec::new(),
                     latency_us: pass_us,
                 });
@@ -580,6 +580,37 @@ impl Live {
         st.pending.push(id);
         self.metrics.jobs.with_label_values(&[&part.name, "running"]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, "pending"]).inc();
+    }
+
+    /// The ledger's entry for an eviction that ended: how each of the job's
+    /// tasks went from its stop to its exit, as measured.
+    pub(crate) fn log_vacated(&self, part: &Partition, st: &PartitionState, id: u64) {
+        let Some(job) = st.jobs.get(&id) else { return };
+        let tasks = job.runs.len();
+        let killed = job.runs.iter().filter(|r| r.killed).count();
+        let slowest_ms = job.runs.iter().map(|r| r.stop_to_exit_ms).max().unwrap_or(0);
+        self.decisions.append(DecisionRecord {
+            id: 0,
+            unix_ms: self.now_ms(),
+            partition: part.name.clone(),
+            job_id: id,
+            actor: "agent".into(),
+            arm: "rank".into(),
+            actuated: true,
+            policy: String::new(),
+            policy_semver: String::new(),
+            policy_version: 0,
+            sha256: String::new(),
+            input_digest: String::new(),
+            outcome: "vacated".into(),
+            detail: format!(
+                "{tasks} task(s) gone, {killed} killed after the stop grace; timed by {}; slowest stop to exit {:.1} s",
+                if job.runs.iter().all(|r| r.stop_timed_by_agent) { "the agent" } else { "the host" },
+                slowest_ms as f64 / 1e3
+            ),
+            placements: Vec::new(),
+            latency_us: 0,
+        });
     }
 
     /// Every task of an evicted job has stopped: it may run again, and the

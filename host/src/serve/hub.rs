@@ -558,7 +558,8 @@ impl AgentHub for Arc<Hub> {
                 }
             }
             // An exit frees the GPUs in the fleet (and may end the job).
-            self.live.task_report(r.allocation_id, report, r.exit_code, r.signal, &r.detail);
+            let stopped = r.stopped.then_some(super::state::Stopped { to_exit_ms: r.stop_to_exit_ms, killed: r.killed });
+            self.live.task_report(r.allocation_id, report, r.exit_code, r.signal, &r.detail, stopped);
             Ok(Response::new(pb::AllocationReportResponse {}))
         })
     }
@@ -668,7 +669,7 @@ impl AgentHub for Arc<Hub> {
                         st.ended(alloc.id, self.live.retention.ended_allocations);
                     }
                 }
-                self.live.task_report(alloc.id, Report::State(TaskState::Failed), -1, 0, e.message());
+                self.live.task_report(alloc.id, Report::State(TaskState::Failed), -1, 0, e.message(), None);
                 return Err(e);
             }
             tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");

@@ -32,9 +32,15 @@ pub struct Metrics {
     pub store_unwritten: prometheus::IntGauge,
     /// code (unauthenticated, permission_denied)
     pub api_denials: IntCounterVec,
-    /// Preemptions by how the victim was told (notice or forced), and the
-    /// GPU-seconds of work they lost (since the victims' last checkpoints).
+    /// Preemptions by kind (preempt: for higher-priority work; wake: a
+    /// sleeping job takes its lent GPUs back), and the GPU-seconds of work
+    /// they lost (since the victims' last checkpoints).
     pub evictions: IntCounterVec,
+    /// Preempted tasks gone, by how (exited within the stop grace, or
+    /// killed after it), and the seconds from the stop to the exit, as the
+    /// agents measured them.
+    pub eviction_exits: IntCounterVec,
+    pub eviction_stop_to_exit: HistogramVec,
     pub lost_gpu_seconds: prometheus::CounterVec,
     /// Live compaction: chains by how they ended (done, rolled-back,
     /// abandoned), moves by how they ended, whole nodes freed.
@@ -103,7 +109,14 @@ impl Metrics {
                 g
             },
             api_denials: counter("berth_api_denials_total", "API calls refused by access control", &["code"]),
-            evictions: counter("berth_evictions_total", "Running jobs preempted for higher-priority work", &["partition", "kind"]),
+            evictions: counter("berth_evictions_total", "Running jobs preempted (kind: preempt for higher-priority work, wake for a sleeping job's lent GPUs)", &["partition", "kind"]),
+            eviction_exits: counter("berth_eviction_exits_total", "Preempted tasks gone, by how: exited within the stop grace, or killed after it", &["partition", "how"]),
+            eviction_stop_to_exit: histogram(
+                "berth_eviction_stop_to_exit_seconds",
+                "Seconds from a preempted task's stop to its exit, as its agent measured",
+                &["partition"],
+                vec![0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0],
+            ),
             compaction_chains: counter("berth_compaction_chains_total", "Live compaction chains by how they ended", &["partition", "state"]),
             compaction_moves: counter("berth_compaction_moves_total", "Live compaction moves by how they ended", &["partition", "state"]),
             compaction_nodes_freed: counter("berth_compaction_nodes_freed_total", "Whole GPU nodes left idle by completed compaction chains", &["partition"]),

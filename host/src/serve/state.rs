@@ -87,6 +87,25 @@ pub struct TaskRun {
     /// still stops it.
     #[serde(default)]
     pub stop_at_unix_ms: u64,
+    /// Preempted and gone: milliseconds from its stop to its exit, and
+    /// whether SIGKILL ended it after the stop grace (as its agent
+    /// measured; 0 and false until then).
+    #[serde(default)]
+    pub stop_to_exit_ms: u64,
+    #[serde(default)]
+    pub killed: bool,
+    /// Those two came from the agent (else the host timed the exit report
+    /// from the scheduled stop).
+    #[serde(default)]
+    pub stop_timed_by_agent: bool,
+}
+
+/// How a stopped task went, as its agent measured: from the stop command
+/// to the exit, and whether the stop grace ran out (SIGKILL).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stopped {
+    pub to_exit_ms: u64,
+    pub killed: bool,
 }
 
 impl TaskRun {
@@ -111,6 +130,9 @@ impl TaskRun {
             checkpointed_unix_ms: 0,
             ready: false,
             stop_at_unix_ms: 0,
+            stop_to_exit_ms: 0,
+            killed: false,
+            stop_timed_by_agent: false,
         }
     }
 }
