@@ -768,8 +768,10 @@ async fn tasks_running(api: &crate::client::Client) -> anyhow::Result<usize> {
     Ok(running_tasks(&jobs))
 }
 
+/// Tasks placed and not gone: running, or started and not yet reported
+/// running by their agents.
 fn running_tasks(jobs: &[pb::Job]) -> usize {
-    jobs.iter().filter(|j| j.state == "running").flat_map(|j| &j.runs).filter(|r| r.state == "running").count()
+    jobs.iter().filter(|j| j.state == "running").flat_map(|j| &j.runs).filter(|r| matches!(r.state.as_str(), "running" | "starting")).count()
 }
 
 /// Submits one job; whether it was accepted (a shape no node has is not).

@@ -329,6 +329,9 @@ pub struct Engine {
     /// Decisions made while applying events (sleep, wake and the evictions
     /// a wake makes): the next pass reports them first.
     announced: Vec<Decision>,
+    /// The memory of the last pass's view without low-priority work: the
+    /// next view is written into it (no allocation per node per pass).
+    view_memory: Option<Fleet>,
 }
 
 impl Engine {
@@ -360,6 +363,7 @@ impl Engine {
             free_slots: Vec::new(),
             compact_due: false,
             announced: Vec::new(),
+            view_memory: None,
         }
     }
 
@@ -1024,6 +1028,7 @@ impl Engine {
         // The fleet as high priority sees it (no low-priority work), made
         // when the first job that may preempt is tried.
         let mut view: Option<Fleet> = None;
+        let mut view_memory = self.view_memory.take();
         let pending = std::mem::take(&mut self.pending);
         let mut still_pending = Vec::with_capacity(pending.len());
         let mut evicted = Vec::new();
@@ -1096,7 +1101,7 @@ impl Engine {
             let mut placed = None;
             let mut settled = false;
             if may_preempt {
-                let view = view.get_or_insert_with(|| self.runs.without_low(fleet));
+                let view = view.get_or_insert_with(|| self.runs.without_low(fleet, view_memory.take()));
                 if job.tasks > 1 && fitting_tasks_among(view, &job.shape, job.tasks, &keep) < job.tasks {
                     settled = true; // does not fit even with no low work
                 } else {
@@ -1201,7 +1206,7 @@ impl Engine {
             // nothing (it is least in the way there), then anywhere.
             // (Counted first, so that one attempt is made and observed.)
             if is_low && !hopeless && preemption.is_some() {
-                let view = view.get_or_insert_with(|| self.runs.without_low(fleet));
+                let view = view.get_or_insert_with(|| self.runs.without_low(fleet, view_memory.take()));
                 let away = |id: NodeId, n: &Node| keep(id, n) && view.nodes()[id as usize].is_idle();
                 let room_away = fitting_tasks_among(fleet, &job.shape, job.tasks, &away) >= job.tasks;
                 let among: &dyn Fn(NodeId, &Node) -> bool = if room_away { &away } else { &keep };
@@ -1316,10 +1321,12 @@ impl Engine {
             still_pending.extend_from_slice(&pending[at + 1..]);
             still_pending.extend(evicted);
             self.pending = still_pending;
+            self.view_memory = view.or(view_memory);
             return Err((Some(j), hook, e));
         }
         still_pending.extend(evicted);
         self.pending = still_pending;
+        self.view_memory = view.or(view_memory);
         Ok(())
     }
 
@@ -1628,8 +1635,14 @@ impl Runs {
     }
 
     /// The fleet without the running low-priority work.
-    fn without_low(&self, fleet: &Fleet) -> Fleet {
-        let mut view = fleet.clone();
+    fn without_low(&self, fleet: &Fleet, memory: Option<Fleet>) -> Fleet {
+        let mut view = match memory {
+            Some(mut view) => {
+                view.clone_from(fleet);
+                view
+            }
+            None => fleet.clone(),
+        };
         for &v in &self.running_low {
             for a in &self.held[v] {
                 view.release(a).expect("a running job's allocations are held");

@@ -36,7 +36,7 @@ pub enum FleetError {
 }
 
 /// One node and what is free on it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct Node {
     pub name: String,
     /// GPU model; `None` for a CPU-only node.
@@ -58,6 +58,46 @@ pub struct Node {
     pub schedulable: bool,
     /// Running GPU allocations per kind (see [`berth_sdk::alloc_kind_bit`]).
     kind_counts: [u32; 64],
+}
+
+impl Clone for Node {
+    fn clone(&self) -> Node {
+        let mut node = Node::new(String::new(), None, 0, 0, 0);
+        node.clone_from(self);
+        node
+    }
+
+    /// Reuses this node's name and GPU list (a view of the fleet rebuilt
+    /// every pass allocates nothing once warm). Every field is named: a new
+    /// one cannot be forgotten here.
+    fn clone_from(&mut self, source: &Node) {
+        let Node {
+            name,
+            model,
+            switch_domain,
+            aggregation,
+            partition,
+            cpu_total_milli,
+            cpu_free_milli,
+            memory_total_mib,
+            memory_free_mib,
+            gpus,
+            schedulable,
+            kind_counts,
+        } = source;
+        self.name.clone_from(name);
+        self.model = *model;
+        self.switch_domain = *switch_domain;
+        self.aggregation = *aggregation;
+        self.partition = *partition;
+        self.cpu_total_milli = *cpu_total_milli;
+        self.cpu_free_milli = *cpu_free_milli;
+        self.memory_total_mib = *memory_total_mib;
+        self.memory_free_mib = *memory_free_mib;
+        self.gpus.clone_from(gpus);
+        self.schedulable = *schedulable;
+        self.kind_counts = *kind_counts;
+    }
 }
 
 impl Node {
@@ -236,6 +276,17 @@ impl Clone for Fleet {
             digest: self.digest,
             free: self.free.clone(),
         }
+    }
+
+    /// The same scratch view, in this fleet's memory.
+    fn clone_from(&mut self, source: &Fleet) {
+        self.models.clone_from(&source.models);
+        self.nodes.clone_from(&source.nodes);
+        self.gpu_total_milli = source.gpu_total_milli;
+        self.gpu_allocated_milli = source.gpu_allocated_milli;
+        self.ledger = None;
+        self.digest = source.digest;
+        self.free.clone_from(&source.free);
     }
 }
 
