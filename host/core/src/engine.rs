@@ -1643,11 +1643,7 @@ impl Runs {
             }
             None => fleet.clone(),
         };
-        for &v in &self.running_low {
-            for a in &self.held[v] {
-                view.release(a).expect("a running job's allocations are held");
-            }
-        }
+        view.release_all(self.running_low.iter().flat_map(|&v| &self.held[v])).expect("a running job's allocations are held");
         view
     }
 

@@ -447,8 +447,45 @@ impl Fleet {
         Ok(())
     }
 
+    /// Returns many allocations, each checked as [`Fleet::release`] does,
+    /// with each node's digest and free summary brought up to date once at
+    /// the end rather than per allocation (a view without low-priority work
+    /// returns tens of thousands per pass). On error, those before it are
+    /// returned and the fleet is consistent.
+    pub fn release_all<'a>(&mut self, allocs: impl IntoIterator<Item = &'a Allocation>) -> Result<(), FleetError> {
+        let mut before: Vec<(usize, u64)> = Vec::new();
+        let mut touched = vec![false; self.nodes.len()];
+        let mut result = Ok(());
+        for alloc in allocs {
+            let id = alloc.node as usize;
+            if let Some(node) = self.nodes.get(id)
+                && !touched[id]
+            {
+                touched[id] = true;
+                before.push((id, node_digest(id, node)));
+            }
+            if let Err(e) = self.release_unsummarized(alloc) {
+                result = Err(e);
+                break;
+            }
+        }
+        for (id, digest) in before {
+            self.node_changed(id, digest);
+        }
+        result
+    }
+
     /// Returns `alloc` to its node. Checks first; on error nothing changed.
     pub fn release(&mut self, alloc: &Allocation) -> Result<(), FleetError> {
+        let id = alloc.node as usize;
+        let before = self.nodes.get(id).map(|n| node_digest(id, n)).unwrap_or(0);
+        self.release_unsummarized(alloc)?;
+        self.node_changed(id, before);
+        Ok(())
+    }
+
+    /// [`Fleet::release`] but for the node's digest and free summary.
+    fn release_unsummarized(&mut self, alloc: &Allocation) -> Result<(), FleetError> {
         if let Some(ledger) = &self.ledger
             && !ledger.contains_key(alloc)
         {
@@ -471,7 +508,6 @@ impl Fleet {
             }
             node.kind_counts[k as usize] -= 1;
         }
-        let before = node_digest(alloc.node as usize, node);
         node.cpu_free_milli += alloc.cpu_milli;
         node.memory_free_mib += alloc.memory_mib;
         for g in gpus_of(alloc.gpus) {
@@ -479,7 +515,6 @@ impl Fleet {
         }
         self.gpu_allocated_milli -= alloc.gpu_milli_total();
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
-        self.node_changed(alloc.node as usize, before);
         if let Some(ledger) = &mut self.ledger
             && let Some(n) = ledger.get_mut(alloc)
         {

@@ -144,3 +144,39 @@ fn the_state_digest_follows_every_change_and_names_the_state() {
     let rebuilt = Fleet::new(vec!["A".into()], f.nodes().to_vec()).unwrap();
     assert_eq!(f.state_digest(), rebuilt.state_digest(), "kept as it changed = computed from scratch");
 }
+
+/// Releasing many at once is releasing them one by one: the same nodes,
+/// digest and free summaries (brought up to date once per node); a bad one
+/// stops the batch with those before it returned and the fleet consistent;
+/// a scratch view written into old memory equals a fresh clone.
+#[test]
+fn a_batch_release_equals_one_by_one_and_stops_consistent_at_a_bad_one() {
+    let allocs = [share(0, 0b1, 1000, 1000), share(0, 0b110, 500, 2000), share(1, 0b11, 1000, 4000), share(1, 0b100, 250, 500)];
+    let mut one = fleet(true);
+    let mut many = fleet(true);
+    for f in [&mut one, &mut many] {
+        for a in &allocs {
+            f.allocate(a).unwrap();
+        }
+    }
+    for a in &allocs[..3] {
+        one.release(a).unwrap();
+    }
+    many.release_all(&allocs[..3]).unwrap();
+    assert_eq!(many.nodes(), one.nodes());
+    assert_eq!(many.state_digest(), one.state_digest());
+    assert_eq!(many.free_summaries(), one.free_summaries());
+    many.check_invariants().unwrap();
+    // allocs[0] again is not outstanding: allocs[3] before it is returned.
+    let e = many.release_all([&allocs[3], &allocs[0], &allocs[1]]).unwrap_err();
+    assert_eq!(e, FleetError::NotOutstanding { node: 0, gpus: 0b1, gpu_milli: 1000 });
+    one.release(&allocs[3]).unwrap();
+    assert_eq!(many.nodes(), one.nodes());
+    assert_eq!(many.state_digest(), one.state_digest());
+    many.check_invariants().unwrap();
+    let mut view = fleet(false);
+    view.put_node(vec!["A".into()], None, Node::new("a much longer node name", Some(0), 4, 1000, 1000)).unwrap();
+    view.clone_from(&many);
+    assert_eq!(view.nodes(), many.clone().nodes());
+    assert_eq!((view.state_digest(), view.free_summaries()), (many.state_digest(), many.free_summaries()));
+}

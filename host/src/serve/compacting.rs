@@ -487,7 +487,12 @@ impl Live {
         // that needs whole nodes is blocked.
         let period = Duration::from_secs(st.compaction.config.period_s);
         let periodic_due = *st.compaction.next_periodic.get_or_insert(now + period) <= now;
-        let blocked_due = st.compaction.next_blocked.is_none_or(|t| t <= now) && st.whole_node_job_blocked();
+        let seen = (st.fleet.state_digest(), st.pending.len(), st.pending.last().copied());
+        let blocked_due = st.compaction.next_blocked.is_none_or(|t| t <= now) && st.compaction.not_blocked_at != Some(seen) && {
+            let blocked = st.whole_node_job_blocked();
+            st.compaction.not_blocked_at = (!blocked).then_some(seen);
+            blocked
+        };
         if periodic_due {
             st.compaction.next_periodic = Some(now + period);
             let nodes = st.agent_node_ids();

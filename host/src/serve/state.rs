@@ -1013,6 +1013,11 @@ pub struct LiveCompaction {
     pub(super) next_id: u64,
     pub(super) next_periodic: Option<Instant>,
     pub(super) next_blocked: Option<Instant>,
+    /// The fleet's state digest and the queue (length, newest) when no
+    /// whole-node job was found blocked: unchanged, the answer is the same
+    /// (the check scans the queue, and a wake-up comes with every batch of
+    /// heartbeats).
+    pub(super) not_blocked_at: Option<(u64, usize, Option<u64>)>,
     /// Allocation id of a moved-in copy -> Unix s of the move (minimum residence).
     pub(super) moved_at: HashMap<u64, u64>,
 }
