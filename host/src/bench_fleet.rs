@@ -273,7 +273,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
             0.0
         };
         let tasks_running_at_start = tasks_running(&api).await?;
-        eprintln!("bench fleet: warm start decided in {warm_s:.1} s; {} arrivals over {} s", arrivals.len(), args.seconds);
+        eprintln!("bench fleet: {} arrivals over {} s", arrivals.len(), args.seconds);
         // The measured phase: the arrivals, at the speed-up.
         let measured_from_ms = crate::util::unix_ms();
         let passes_before = live.partitions[0].pass_times.lock().unwrap().count;
@@ -451,7 +451,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         warm_s: m.warm_s,
         warm_submit_s: m.warm_submit_s,
         warm_tasks_running: m.warm_tasks_running,
-        fill_tasks: args.fill_tasks,
+        fill_tasks: args.fill_tasks.div_ceil(FILL_TASKS_PER_JOB) * FILL_TASKS_PER_JOB,
         fill_s: m.fill_s,
         tasks_running_at_start: m.tasks_running_at_start,
         jobs_submitted: m.submitted,

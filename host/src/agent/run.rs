@@ -785,10 +785,14 @@ impl Agent {
                             tokio::spawn(async move {
                                 tokio::time::sleep(grace).await;
                                 if let Some(c) = agent.children.lock().unwrap().get_mut(&id).filter(|c| c.pid == pid) {
-                                    if let Some(stop) = &mut c.stop {
+                                    // Killed only if something was left to
+                                    // kill (an exit just before the grace ran
+                                    // out leaves no process group).
+                                    if signal_group(pid, libc::SIGKILL).is_ok()
+                                        && let Some(stop) = &mut c.stop
+                                    {
                                         stop.killed = true;
                                     }
-                                    let _ = signal_group(pid, libc::SIGKILL);
                                 }
                             });
                             r

@@ -737,6 +737,7 @@ impl Live {
         };
         r.stop_to_exit_ms = to_exit_ms;
         r.killed = killed;
+        r.stop_measured = true;
         r.stop_timed_by_agent = stopped.is_some();
         self.metrics.eviction_exits.with_label_values(&[part.name.as_str(), if killed { "killed" } else { "exited" }]).inc();
         self.metrics.eviction_stop_to_exit.with_label_values(&[part.name.as_str()]).observe(to_exit_ms as f64 / 1e3);

@@ -586,9 +586,15 @@ impl Live {
     /// tasks went from its stop to its exit, as measured.
     pub(crate) fn log_vacated(&self, part: &Partition, st: &PartitionState, id: u64) {
         let Some(job) = st.jobs.get(&id) else { return };
-        let tasks = job.runs.len();
-        let killed = job.runs.iter().filter(|r| r.killed).count();
-        let slowest_ms = job.runs.iter().map(|r| r.stop_to_exit_ms).max().unwrap_or(0);
+        // The tasks it was stopping whose exits were reported (a task lost
+        // with its node, or one that had ended before, has no stop to time).
+        let measured: Vec<&super::state::TaskRun> = job.runs.iter().filter(|r| r.stop_measured).collect();
+        if measured.is_empty() {
+            return;
+        }
+        let tasks = measured.len();
+        let killed = measured.iter().filter(|r| r.killed).count();
+        let slowest_ms = measured.iter().map(|r| r.stop_to_exit_ms).max().unwrap_or(0);
         self.decisions.append(DecisionRecord {
             id: 0,
             unix_ms: self.now_ms(),
@@ -605,7 +611,7 @@ impl Live {
             outcome: "vacated".into(),
             detail: format!(
                 "{tasks} task(s) gone, {killed} killed after the stop grace; timed by {}; slowest stop to exit {:.1} s",
-                if job.runs.iter().all(|r| r.stop_timed_by_agent) { "the agent" } else { "the host" },
+                if measured.iter().all(|r| r.stop_timed_by_agent) { "the agent" } else { "the host" },
                 slowest_ms as f64 / 1e3
             ),
             placements: Vec::new(),

@@ -113,7 +113,7 @@ impl Metrics {
             eviction_exits: counter("berth_eviction_exits_total", "Preempted tasks gone, by how: exited within the stop grace, or killed after it", &["partition", "how"]),
             eviction_stop_to_exit: histogram(
                 "berth_eviction_stop_to_exit_seconds",
-                "Seconds from a preempted task's stop to its exit, as its agent measured",
+                "Seconds from a preempted task's stop to its exit, as its agent measured (else as the host saw it from the scheduled stop)",
                 &["partition"],
                 vec![0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0],
             ),

@@ -94,8 +94,11 @@ pub struct TaskRun {
     pub stop_to_exit_ms: u64,
     #[serde(default)]
     pub killed: bool,
-    /// Those two came from the agent (else the host timed the exit report
-    /// from the scheduled stop).
+    /// Those two were measured (the task was preempted and its exit
+    /// reported), and came from the agent (else the host timed the exit
+    /// report from the scheduled stop).
+    #[serde(default)]
+    pub stop_measured: bool,
     #[serde(default)]
     pub stop_timed_by_agent: bool,
 }
@@ -132,6 +135,7 @@ impl TaskRun {
             stop_at_unix_ms: 0,
             stop_to_exit_ms: 0,
             killed: false,
+            stop_measured: false,
             stop_timed_by_agent: false,
         }
     }
@@ -1013,11 +1017,12 @@ pub struct LiveCompaction {
     pub(super) next_id: u64,
     pub(super) next_periodic: Option<Instant>,
     pub(super) next_blocked: Option<Instant>,
-    /// The fleet's state digest and the queue (length, newest) when no
+    /// The fleet's state digest and the queue (length, a sum of its ids
+    /// mixed) when no
     /// whole-node job was found blocked: unchanged, the answer is the same
     /// (the check scans the queue, and a wake-up comes with every batch of
     /// heartbeats).
-    pub(super) not_blocked_at: Option<(u64, usize, Option<u64>)>,
+    pub(super) not_blocked_at: Option<(u64, usize, u64)>,
     /// Allocation id of a moved-in copy -> Unix s of the move (minimum residence).
     pub(super) moved_at: HashMap<u64, u64>,
 }
