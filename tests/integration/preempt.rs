@@ -141,6 +141,11 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     all_finished(&api).await;
 }
 
+/// A low-priority one-GPU task running `script` in sh.
+fn one_gpu_shell_job(script: String) -> pb::JobSpec {
+    pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, cpu_milli: 1000, memory_mib: 1024, argv: vec!["sh".into(), "-c".into(), script], ..Default::default() }
+}
+
 /// A low-priority task that runs `berth checkpointed` once `ckpt-now-<job>`
 /// exists (then writes `ckpt-done-<job>`), and ends on `release-<job>`.
 fn checkpointing_job(d: &Path) -> pb::JobSpec {
@@ -150,7 +155,7 @@ fn checkpointing_job(d: &Path) -> pb::JobSpec {
            if [ -f {d}/ckpt-now-$BERTH_JOB ] && [ ! -f {d}/ckpt-done-$BERTH_JOB ]; then {BERTH} checkpointed && touch {d}/ckpt-done-$BERTH_JOB; fi; \
            sleep 0.05; i=$((i+1)); done; exit 0"
     );
-    pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, cpu_milli: 1000, memory_mib: 1024, argv: vec!["sh".into(), "-c".into(), script], ..Default::default() }
+    one_gpu_shell_job(script)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,7 +367,7 @@ fn stoppable_job(d: &Path, deaf: bool) -> pb::JobSpec {
     let d = d.display();
     let trap = if deaf { "trap '' TERM USR1; " } else { "trap '' USR1; " };
     let script = format!("{trap}echo $$ > {d}/pid-$BERTH_JOB; i=0; while [ ! -f {d}/release-$BERTH_JOB ] && [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done; exit 0");
-    pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, cpu_milli: 1000, memory_mib: 1024, argv: vec!["sh".into(), "-c".into(), script], ..Default::default() }
+    one_gpu_shell_job(script)
 }
 
 /// An eviction's cost is measured, not modelled: the agent times each

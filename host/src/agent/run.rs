@@ -321,15 +321,6 @@ struct Stop {
     killed: bool,
 }
 
-impl Stop {
-    /// What the exit report says of a stop the host asked for.
-    fn report(stop: Option<Stop>, r: pb::AllocationReport) -> pb::AllocationReport {
-        match stop {
-            Some(s) => pb::AllocationReport { stopped: true, stop_to_exit_ms: s.at.elapsed().as_millis() as u64, killed: s.killed, ..r },
-            None => r,
-        }
-    }
-}
 
 struct Agent {
     args: AgentArgs,
@@ -449,6 +440,15 @@ impl Agent {
         }
     }
 
+    /// Child `id`'s exit report `r`, with what it says of a stop the host
+    /// asked for (when it came, whether SIGKILL was needed).
+    fn with_stop(&self, id: u64, r: pb::AllocationReport) -> pb::AllocationReport {
+        match self.children.lock().unwrap().get(&id).and_then(|c| c.stop) {
+            Some(s) => pb::AllocationReport { stopped: true, stop_to_exit_ms: s.at.elapsed().as_millis() as u64, killed: s.killed, ..r },
+            None => r,
+        }
+    }
+
     /// Notes the host's stop of child `id` (the first one counts: a repeated
     /// stop does not restart the clock).
     fn stop_sent(&self, id: u64, killed: bool) {
@@ -503,8 +503,7 @@ impl Agent {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             let base = pb::AllocationReport { node: agent.node.clone(), allocation_id: id, pid, ..Default::default() };
-            let stop = agent.children.lock().unwrap().get(&id).and_then(|c| c.stop);
-            let r = Stop::report(stop, agent.ended_report(base, None));
+            let r = agent.with_stop(id, agent.ended_report(base, None));
             tracing::info!(target: "berth::agent", allocation = id, "adopted task ended: {}", r.detail);
             agent.report_end(id, r).await;
         });
@@ -737,8 +736,7 @@ impl Agent {
                 let agent = self.clone();
                 tokio::spawn(async move {
                     let status = child.wait().await;
-                    let stop = agent.children.lock().unwrap().get(&id).and_then(|c| c.stop);
-                    let r = Stop::report(stop, agent.ended_report(pb::AllocationReport { pid, ..base }, Some(status)));
+                    let r = agent.with_stop(id, agent.ended_report(pb::AllocationReport { pid, ..base }, Some(status)));
                     tracing::info!(target: "berth::agent", allocation = id, "{}", r.detail);
                     agent.report_end(id, r).await;
                 });

@@ -487,13 +487,15 @@ impl Live {
         // that needs whole nodes is blocked.
         let period = Duration::from_secs(st.compaction.config.period_s);
         let periodic_due = *st.compaction.next_periodic.get_or_insert(now + period) <= now;
-        // Which jobs wait, order aside (a requeue may put back the same count).
-        let queued = st.pending.iter().fold(0u64, |h, &id| h.wrapping_add(id.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29)));
-        let seen = (st.fleet.state_digest(), st.pending.len(), queued);
-        let blocked_due = st.compaction.next_blocked.is_none_or(|t| t <= now) && st.compaction.not_blocked_at != Some(seen) && {
-            let blocked = st.whole_node_job_blocked();
-            st.compaction.not_blocked_at = (!blocked).then_some(seen);
-            blocked
+        let blocked_due = st.compaction.next_blocked.is_none_or(|t| t <= now) && {
+            // Which jobs wait, order aside (a requeue may put back the same count).
+            let queued = st.pending.iter().fold(0u64, |h, &id| h.wrapping_add(id.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29)));
+            let seen = (st.fleet.state_digest(), st.pending.len(), queued);
+            st.compaction.not_blocked_at != Some(seen) && {
+                let blocked = st.whole_node_job_blocked();
+                st.compaction.not_blocked_at = (!blocked).then_some(seen);
+                blocked
+            }
         };
         if periodic_due {
             st.compaction.next_periodic = Some(now + period);
