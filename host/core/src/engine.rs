@@ -329,9 +329,9 @@ pub struct Engine {
     /// Decisions made while applying events (sleep, wake and the evictions
     /// a wake makes): the next pass reports them first.
     announced: Vec<Decision>,
-    /// The memory of the last pass's view without low-priority work: the
-    /// next view is written into it (no allocation per node per pass).
-    view_memory: Option<Fleet>,
+    /// The fleet as high priority sees it, kept from the last pass that
+    /// needed it (see [`HighView`]).
+    high_view: Option<HighView>,
 }
 
 impl Engine {
@@ -363,7 +363,7 @@ impl Engine {
             free_slots: Vec::new(),
             compact_due: false,
             announced: Vec::new(),
-            view_memory: None,
+            high_view: None,
         }
     }
 
@@ -450,6 +450,34 @@ impl Engine {
 
     pub fn outcome(&self) -> &SimOutcome {
         &self.outcome
+    }
+
+    /// Brings the kept view without low-priority work up to date with
+    /// `fleet`, as a pass would, and compares it with one made anew; the
+    /// first difference. (For tests: the view is kept from pass to pass by
+    /// the nodes that changed, and must never drift from the fleet.)
+    pub fn check_high_view(&mut self, fleet: &Fleet) -> Result<(), String> {
+        let kept = self.runs.high_view(fleet, self.high_view.take());
+        let mut anew = fleet.clone();
+        anew.release_all(self.runs.running_low.iter().flat_map(|&v| &self.runs.held[v])).map_err(|e| format!("the fleet without low-priority work: {e}"))?;
+        let view = &kept.fleet;
+        kept.fleet.check_invariants().map_err(|e| format!("the kept view: {e}"))?;
+        if let Some((id, (k, a))) = view.nodes().iter().zip(anew.nodes()).enumerate().find(|(_, (k, a))| k != a) {
+            return Err(format!("node {id}: kept {k:?}, made anew {a:?}"));
+        }
+        if view.nodes().len() != anew.nodes().len() || view.gpu_allocated_milli() != anew.gpu_allocated_milli() || view.state_digest() != anew.state_digest() {
+            return Err(format!(
+                "kept: {} nodes, {} milli-GPU allocated, digest {:016x}; made anew: {}, {}, {:016x}",
+                view.nodes().len(),
+                view.gpu_allocated_milli(),
+                view.state_digest(),
+                anew.nodes().len(),
+                anew.gpu_allocated_milli(),
+                anew.state_digest()
+            ));
+        }
+        self.high_view = Some(kept);
+        Ok(())
     }
 
     /// The allocations a job holds now (empty when not running).
@@ -633,7 +661,7 @@ impl Engine {
             }
             Event::Leaving(j) => {
                 if self.runs.planned_end[j].is_some() {
-                    self.runs.running_low.remove(&j);
+                    self.runs.set_low(j, false);
                     self.runs.leaving.insert(j);
                 }
             }
@@ -688,7 +716,7 @@ impl Engine {
         self.runs.planned_end[slot] = Some(started_s.saturating_add(job.duration_s.max(1)));
         self.outcome.jobs[slot].start_s = Some(started_s);
         if job.priority < self.config.high_priority {
-            self.runs.running_low.insert(slot);
+            self.runs.set_low(slot, true);
         } else {
             self.high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
         }
@@ -755,7 +783,7 @@ impl Engine {
 
     /// Releases a run's allocations (its planned end already cleared).
     fn stop_run(&mut self, fleet: &mut Fleet, j: Slot) {
-        self.runs.running_low.remove(&j);
+        self.runs.set_low(j, false);
         self.runs.leaving.remove(&j);
         if let Some(allocs) = self.sleeping.remove(&j) {
             // Its GPUs were released when it fell asleep (borrowers may
@@ -836,7 +864,7 @@ impl Engine {
         self.lend(&held);
         let gpus = held.iter().map(|a| a.gpus.count_ones()).sum();
         // Asleep, it is nobody's victim: it holds nothing to take back.
-        self.runs.running_low.remove(&j);
+        self.runs.set_low(j, false);
         self.sleeping.insert(j, held);
         self.outcome.sleeps += 1;
         self.freed = true;
@@ -926,7 +954,7 @@ impl Engine {
         }
         if ok {
             if self.low(r) {
-                self.runs.running_low.insert(r);
+                self.runs.set_low(r, true);
             }
         } else {
             // Give back what it re-took and start it again from the queue
@@ -1027,8 +1055,8 @@ impl Engine {
         let mut failed: HashSet<ShapeKey> = HashSet::new();
         // The fleet as high priority sees it (no low-priority work), made
         // when the first job that may preempt is tried.
-        let mut view: Option<Fleet> = None;
-        let mut view_memory = self.view_memory.take();
+        let mut view: Option<HighView> = None;
+        let mut kept_view = self.high_view.take();
         let pending = std::mem::take(&mut self.pending);
         let mut still_pending = Vec::with_capacity(pending.len());
         let mut evicted = Vec::new();
@@ -1101,13 +1129,14 @@ impl Engine {
             let mut placed = None;
             let mut settled = false;
             if may_preempt {
-                let view = view.get_or_insert_with(|| self.runs.without_low(fleet, view_memory.take()));
+                let view = &mut view.get_or_insert_with(|| self.runs.high_view(fleet, kept_view.take())).fleet;
                 if job.tasks > 1 && fitting_tasks_among(view, &job.shape, job.tasks, &keep) < job.tasks {
                     settled = true; // does not fit even with no low work
                 } else {
                     // Equal scores go to the node with the least low-priority
                     // work in the way: fewer evictions, the same layout.
-                    let in_the_way: Vec<u32> = view.nodes().iter().zip(fleet.nodes()).map(|(v, f)| (v.gpu_free_milli() - f.gpu_free_milli()) as u32).collect();
+                    // (From the free summaries: read side by side, not node by node.)
+                    let in_the_way: Vec<u32> = view.free_summaries().iter().zip(fleet.free_summaries()).map(|(v, f)| v.gpu_free_milli - f.gpu_free_milli).collect();
                     let mut planned = 0;
                     match attempt(view, &mut self.placer, &mut **policy, job, &mut planned, &keep, &mut None, Some(&in_the_way)) {
                         Ok(None) => settled = true,
@@ -1128,8 +1157,16 @@ impl Engine {
                             };
                             let kinds: HashSet<_> = plan.iter().map(|a| state(&view.nodes()[a.node as usize])).collect();
                             let coarse_kinds: HashSet<_> = kinds.iter().map(|k| k.0).collect();
+                            // Nodes are read only where their free summary
+                            // matches one of the kinds (most of a fleet does not).
+                            let brief: HashSet<(u32, u64, u32)> = coarse_kinds.iter().map(|c| (c.3, c.4, c.5 as u32)).collect();
+                            let summaries = view.free_summaries();
                             let like: HashSet<NodeId> = (0..view.nodes().len() as NodeId)
                                 .filter(|&id| {
+                                    let f = &summaries[id as usize];
+                                    if !brief.contains(&(f.cpu_free_milli, f.memory_free_mib, f.gpu_free_milli)) {
+                                        return false;
+                                    }
                                     let n = &view.nodes()[id as usize];
                                     coarse_kinds.contains(&coarse(n)) && keep(id, n) && kinds.contains(&state(n))
                                 })
@@ -1206,7 +1243,7 @@ impl Engine {
             // nothing (it is least in the way there), then anywhere.
             // (Counted first, so that one attempt is made and observed.)
             if is_low && !hopeless && preemption.is_some() {
-                let view = view.get_or_insert_with(|| self.runs.without_low(fleet, view_memory.take()));
+                let view = &view.get_or_insert_with(|| self.runs.high_view(fleet, kept_view.take())).fleet;
                 let away = |id: NodeId, n: &Node| keep(id, n) && view.nodes()[id as usize].is_idle();
                 let room_away = fitting_tasks_among(fleet, &job.shape, job.tasks, &away) >= job.tasks;
                 let among: &dyn Fn(NodeId, &Node) -> bool = if room_away { &away } else { &keep };
@@ -1274,7 +1311,7 @@ impl Engine {
                         && let Some(view) = view.as_mut()
                     {
                         for a in &allocs {
-                            view.allocate(a).expect("the view holds less than the fleet");
+                            view.fleet.allocate(a).expect("the view holds less than the fleet");
                         }
                     }
                     let start = now + delay;
@@ -1288,7 +1325,7 @@ impl Engine {
                     let end = start.saturating_add(remaining);
                     self.runs.planned_end[j] = Some(end);
                     if low(&self.jobs, j) {
-                        self.runs.running_low.insert(j);
+                        self.runs.set_low(j, true);
                     } else {
                         self.high_milli += job.gpus() * u64::from(job.shape.gpu_milli);
                     }
@@ -1321,12 +1358,13 @@ impl Engine {
             still_pending.extend_from_slice(&pending[at + 1..]);
             still_pending.extend(evicted);
             self.pending = still_pending;
-            self.view_memory = view.or(view_memory);
+            // (The view may be midway through this job: made anew next time.)
+            self.high_view = None;
             return Err((Some(j), hook, e));
         }
         still_pending.extend(evicted);
         self.pending = still_pending;
-        self.view_memory = view.or(view_memory);
+        self.high_view = view.or(kept_view);
         Ok(())
     }
 
@@ -1472,6 +1510,22 @@ fn lent_in_use(fleet: &Fleet, lent: &HashMap<NodeId, u64>) -> u64 {
         .sum()
 }
 
+/// The fleet as high priority sees it: without the running low-priority
+/// work (which it may take back). Kept from pass to pass and brought up to
+/// date by the nodes that changed since: made anew, it cost a copy of every
+/// node and the release of every low-priority allocation per pass (at
+/// 20,000 nodes and 150,000 tasks, most of a pass).
+struct HighView {
+    fleet: Fleet,
+    /// The [`Fleet::lineage`] it shows, as of its [`Fleet::changes`] mark.
+    of: u64,
+    synced: u64,
+}
+
+/// Nodes listed for the view without low-priority work between two of its
+/// updates, at most: past this, it is made anew.
+const MAX_LOW_MOVED: usize = 1 << 16;
+
 /// Per-job state of runs.
 #[derive(Default)]
 struct Runs {
@@ -1490,8 +1544,14 @@ struct Runs {
     wakeups: BinaryHeap<Reverse<u64>>,
     /// Times each job was taken back.
     interrupted_at: HashMap<usize, Vec<u64>>,
-    /// Running low-priority jobs: the candidate victims.
+    /// Running low-priority jobs: the candidate victims. Changed through
+    /// [`Runs::set_low`] only.
     running_low: BTreeSet<usize>,
+    /// The nodes of jobs that started or stopped counting as running
+    /// low-priority work since the [`HighView`] was last brought up to
+    /// date (where the fleet itself may not have changed: a job leaving,
+    /// put to sleep, evicted); `None`: too many, or no view yet.
+    low_moved: Option<Vec<NodeId>>,
     /// Running jobs on their way out ([`Event::Leaving`]): held, untouched.
     leaving: BTreeSet<usize>,
     /// Capacity held for processes that may still run on it (see [`Drain`]).
@@ -1634,17 +1694,46 @@ impl Runs {
         }
     }
 
-    /// The fleet without the running low-priority work.
-    fn without_low(&self, fleet: &Fleet, memory: Option<Fleet>) -> Fleet {
-        let mut view = match memory {
-            Some(mut view) => {
-                view.clone_from(fleet);
-                view
+    /// Job `j` starts (`true`) or stops counting as running low-priority
+    /// work; its nodes are noted for the view without it.
+    fn set_low(&mut self, j: Slot, low: bool) {
+        let changed = if low { self.running_low.insert(j) } else { self.running_low.remove(&j) };
+        if changed && let Some(moved) = &mut self.low_moved {
+            moved.extend(self.held[j].iter().map(|a| a.node));
+            if moved.len() > MAX_LOW_MOVED {
+                self.low_moved = None;
             }
-            None => fleet.clone(),
-        };
-        view.release_all(self.running_low.iter().flat_map(|&v| &self.held[v])).expect("a running job's allocations are held");
-        view
+        }
+    }
+
+    /// The fleet without the running low-priority work: `kept` (the last
+    /// one) brought up to date by the nodes that changed since, else made
+    /// anew (in `kept`'s memory).
+    fn high_view(&mut self, fleet: &Fleet, mut kept: Option<HighView>) -> HighView {
+        let current = |v: &HighView| v.of == fleet.lineage() && v.fleet.nodes().len() == fleet.nodes().len() && v.fleet.models == fleet.models;
+        if kept.as_ref().is_some_and(current)
+            && self.low_moved.is_some()
+            && let (Some(mut view), Some(moved)) = (kept.take(), self.low_moved.as_mut())
+        {
+            let mut dirty: Vec<NodeId> = fleet.changed_since(view.synced).collect();
+            dirty.append(moved);
+            if !dirty.is_empty() {
+                let mut is_dirty = vec![false; fleet.nodes().len()];
+                dirty.retain(|&id| !std::mem::replace(&mut is_dirty[id as usize], true));
+                for &id in &dirty {
+                    view.fleet.copy_node_from(fleet, id).expect("the view has the fleet's nodes");
+                }
+                let low_there = self.running_low.iter().flat_map(|&v| &self.held[v]).filter(|a| is_dirty[a.node as usize]);
+                view.fleet.release_all(low_there).expect("a running job's allocations are held");
+            }
+            view.synced = fleet.changes();
+            return view;
+        }
+        let mut memory = kept.map(|v| v.fleet).unwrap_or_default();
+        memory.clone_from(fleet);
+        memory.release_all(self.running_low.iter().flat_map(|&v| &self.held[v])).expect("a running job's allocations are held");
+        self.low_moved = Some(Vec::new());
+        HighView { fleet: memory, of: fleet.lineage(), synced: fleet.changes() }
     }
 
     /// Takes back `chosen` (their allocations already released) for job
@@ -1736,7 +1825,7 @@ impl Runs {
         };
         times.push(now);
         self.planned_end[v] = None;
-        self.running_low.remove(&v);
+        self.set_low(v, false);
         self.kept_s[v] = (self.kept_s[v] + ev.kept_s).min(job.duration_s);
         let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0;
         let lost = gpus * ev.lost_s as f64;

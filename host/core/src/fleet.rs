@@ -181,7 +181,7 @@ impl Allocation {
 
 /// The fleet: GPU model names and nodes. Totals are kept incrementally so
 /// accounting is O(1) per event.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Fleet {
     pub models: Vec<String>,
     nodes: Vec<Node>,
@@ -198,6 +198,27 @@ pub struct Fleet {
     /// node changes: a scan for the nodes a shape may fit reads 24 bytes a
     /// node instead of the node (and its GPU list elsewhere in memory).
     free: Vec<FreeSummary>,
+    /// How many node changes this fleet has seen, and when (by that count)
+    /// each node last changed: a view derived from the fleet catches up by
+    /// the nodes changed since it was made ([`Fleet::changed_since`]).
+    changes: u64,
+    changed_at: Vec<u64>,
+    /// This fleet's identity for such views: a clone is a new fleet (it
+    /// goes its own way from here), so a view never mistakes it for the
+    /// fleet it was made from.
+    lineage: u64,
+}
+
+/// A new fleet identity ([`Fleet::lineage`]).
+fn next_lineage() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Default for Fleet {
+    fn default() -> Fleet {
+        Fleet::new(Vec::new(), Vec::new()).expect("an empty fleet is valid")
+    }
 }
 
 /// What is free on one node, in brief: enough to rule a node out for a
@@ -210,6 +231,8 @@ pub struct FreeSummary {
     pub max_gpu_free: u32,
     /// GPUs with nothing allocated.
     pub idle_gpus: u16,
+    /// Free thousandths of all its GPUs together ([`Node::gpu_free_milli`]).
+    pub gpu_free_milli: u32,
     pub gpus: u16,
     pub schedulable: bool,
 }
@@ -221,6 +244,7 @@ impl FreeSummary {
             cpu_free_milli: n.cpu_free_milli,
             max_gpu_free: n.gpus.iter().copied().max().unwrap_or(0),
             idle_gpus: n.gpus.iter().filter(|&&g| g == MILLI_PER_GPU).count() as u16,
+            gpu_free_milli: n.gpus.iter().sum(),
             gpus: n.gpus.len() as u16,
             schedulable: n.schedulable,
         }
@@ -275,6 +299,9 @@ impl Clone for Fleet {
             ledger: None,
             digest: self.digest,
             free: self.free.clone(),
+            changes: self.changes,
+            changed_at: self.changed_at.clone(),
+            lineage: next_lineage(),
         }
     }
 
@@ -287,6 +314,9 @@ impl Clone for Fleet {
         self.ledger = None;
         self.digest = source.digest;
         self.free.clone_from(&source.free);
+        self.changes = source.changes;
+        self.changed_at.clone_from(&source.changed_at);
+        self.lineage = next_lineage();
     }
 }
 
@@ -307,7 +337,8 @@ impl Fleet {
         }
         let digest = nodes.iter().enumerate().fold(0u64, |d, (i, n)| d.wrapping_add(node_digest(i, n)));
         let free = nodes.iter().map(FreeSummary::of).collect();
-        Ok(Fleet { models, nodes, gpu_total_milli, gpu_allocated_milli, ledger: None, digest, free })
+        let changed_at = vec![0; nodes.len()];
+        Ok(Fleet { models, nodes, gpu_total_milli, gpu_allocated_milli, ledger: None, digest, free, changes: 0, changed_at, lineage: next_lineage() })
     }
 
     /// From now on every allocation is recorded and a release must match
@@ -347,6 +378,7 @@ impl Fleet {
             None => {
                 self.nodes.push(node);
                 self.free.push(FreeSummary::default());
+                self.changed_at.push(0);
                 ((self.nodes.len() - 1) as NodeId, 0)
             }
         };
@@ -372,6 +404,41 @@ impl Fleet {
         let node = &self.nodes[id];
         self.digest = self.digest.wrapping_sub(before).wrapping_add(node_digest(id, node));
         self.free[id] = FreeSummary::of(node);
+        self.changes += 1;
+        self.changed_at[id] = self.changes;
+    }
+
+    /// This fleet's identity: unique to it among the fleets of the
+    /// process (a clone gets its own).
+    pub fn lineage(&self) -> u64 {
+        self.lineage
+    }
+
+    /// How many node changes (allocations, releases, cordons, nodes put)
+    /// this fleet has seen: a mark for [`Fleet::changed_since`].
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// The nodes changed after mark `since` (a [`Fleet::changes`] value).
+    pub fn changed_since(&self, since: u64) -> impl Iterator<Item = NodeId> + '_ {
+        self.changed_at.iter().enumerate().filter(move |&(_, &at)| at > since).map(|(id, _)| id as NodeId)
+    }
+
+    /// Makes node `id` what it is in `source` (a fleet with the same node
+    /// ids and models), keeping the totals, digest and free summary.
+    pub fn copy_node_from(&mut self, source: &Fleet, id: NodeId) -> Result<(), FleetError> {
+        let (Some(node), Some(from)) = (self.nodes.get_mut(id as usize), source.nodes.get(id as usize)) else {
+            return Err(FleetError::UnknownNode(id));
+        };
+        let before = node_digest(id as usize, node);
+        self.gpu_total_milli -= node.gpu_total_milli();
+        self.gpu_allocated_milli -= node.gpu_total_milli() - node.gpu_free_milli();
+        node.clone_from(from);
+        self.gpu_total_milli += node.gpu_total_milli();
+        self.gpu_allocated_milli += node.gpu_total_milli() - node.gpu_free_milli();
+        self.node_changed(id as usize, before);
+        Ok(())
     }
 
     /// Each node's free capacity in brief, by node id (see
@@ -544,8 +611,8 @@ impl Fleet {
         if let Some((n, _)) = self.nodes.iter().zip(&self.free).find(|(n, f)| FreeSummary::of(n) != **f) {
             return Err(format!("node {}: its free summary is out of date", n.name));
         }
-        if self.free.len() != self.nodes.len() {
-            return Err(format!("{} free summaries for {} nodes", self.free.len(), self.nodes.len()));
+        if self.free.len() != self.nodes.len() || self.changed_at.len() != self.nodes.len() {
+            return Err(format!("{} free summaries and {} change marks for {} nodes", self.free.len(), self.changed_at.len(), self.nodes.len()));
         }
         if let Some(ledger) = &self.ledger {
             // What each node has in use is exactly its outstanding allocations.

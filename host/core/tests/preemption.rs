@@ -5,6 +5,7 @@ use berth_core::preemption::{choose_victims, evict, EvictionLatency, PreemptionP
 use berth_core::sim::{simulate, simulate_with, Deciders, Job, SimConfig};
 use berth_core::{Allocation, Fleet, Node, PlacementPolicy, PolicyError, TaskShape};
 use berth_sdk::{Allocations, Nodes, Scores, Task};
+use proptest::prelude::*;
 
 struct Pack;
 
@@ -296,4 +297,124 @@ fn protected_partitions_keep_their_work() {
     assert_eq!((open.evictions, open.jobs[1].start_s.is_some()), (1, true));
     let protected = run(&[0]);
     assert_eq!((protected.evictions, protected.jobs[1].start_s), (0, None));
+}
+
+/// The IPC compaction policy compiled natively (it moves low-priority work
+/// to free whole nodes).
+struct Ipc(berth_policy_ipc::Ipc);
+
+impl berth_core::compaction::CompactionPolicy for Ipc {
+    fn describe(&self) -> String {
+        "ipc (native)".into()
+    }
+    fn compact(&mut self, s: &mut berth_sdk::Snapshot) -> Result<berth_sdk::Plan, PolicyError> {
+        use berth_sdk::Policy;
+        self.0.compact(s).map_err(PolicyError::Guest)
+    }
+}
+
+/// One step of the world around an engine with preemption.
+#[derive(Clone, Debug)]
+enum Step {
+    /// A job: high priority or not, GPUs per task, half or whole GPUs, tasks.
+    Submit { high: bool, gpus: u32, half: bool, tasks: u32, reports_exit: bool },
+    /// The k-th running job (mod their count) ends, leaves, is requeued,
+    /// sleeps (high priority), checkpoints.
+    End(usize),
+    Leaving(usize),
+    Requeue(usize),
+    SleepJob(usize),
+    /// The k-th sleeping job wakes; the k-th evicted job reports its exit.
+    WakeJob(usize),
+    Vacated(usize),
+    /// A node is cordoned or uncordoned outside the engine.
+    Cordon(u32, bool),
+    Compact,
+}
+
+fn arb_step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (any::<bool>(), 1u32..=4, any::<bool>(), 1u32..=3, any::<bool>())
+            .prop_map(|(high, gpus, half, tasks, reports_exit)| Step::Submit { high, gpus, half, tasks, reports_exit }),
+        2 => any::<usize>().prop_map(Step::End),
+        1 => any::<usize>().prop_map(Step::Leaving),
+        1 => any::<usize>().prop_map(Step::Requeue),
+        1 => any::<usize>().prop_map(Step::SleepJob),
+        1 => any::<usize>().prop_map(Step::WakeJob),
+        1 => any::<usize>().prop_map(Step::Vacated),
+        1 => (0u32..6, any::<bool>()).prop_map(|(n, c)| Step::Cordon(n, c)),
+        1 => Just(Step::Compact),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// High priority decides on a view of the fleet without low-priority
+    /// work, kept from pass to pass by the nodes that changed. Whatever
+    /// happens (placements, preemptions, ends, departures, sleeps and
+    /// wakes, requeues, cordons, compaction moves), the kept view is the
+    /// one made anew from the fleet after every pass.
+    #[test]
+    fn the_kept_view_without_low_priority_work_never_drifts(steps in prop::collection::vec(arb_step(), 1..60)) {
+        use berth_core::engine::{Deciders, World};
+        use berth_core::{Engine, Event};
+        let mut f = fleet(6);
+        let config = SimConfig { high_priority: 5, ..SimConfig::default() };
+        let compaction = berth_core::compaction::CompactionConfig {
+            start_partial_pct: 0.0,
+            stop_partial_pct: 0.0,
+            min_residence_s: 0,
+            payback_margin: 0.0,
+            ..Default::default()
+        };
+        let mut engine = Engine::new(config);
+        let (mut placement, mut rank, mut compact) = (Pack, RankBy { key: |v, i| v.priority[i].into(), seen_priorities: Vec::new() }, Ipc(berth_policy_ipc::Ipc::default()));
+        let mut now = 0;
+        let mut next_id = 1;
+        let mut slots = Vec::new();
+        for step in steps {
+            now += 7;
+            let running: Vec<usize> = slots.iter().copied().filter(|&s| engine.planned_end(s).is_some() && !engine.is_sleeping(s)).collect();
+            let pick = |k: usize, from: &[usize]| (!from.is_empty()).then(|| from[k % from.len()]);
+            let mut events = Vec::new();
+            match step {
+                Step::Submit { high, gpus, half, tasks, reports_exit } => {
+                    let shape = TaskShape { gpu_milli: if half { 500 } else { 1000 }, ..shape(gpus) };
+                    let job = Job { id: next_id, priority: if high { 5 } else { 1 }, duration_s: 600, tasks, shape, reports_exit, ..Job::default() };
+                    next_id += 1;
+                    let s = engine.register(job);
+                    slots.push(s);
+                    events.push(Event::Arrive(s));
+                }
+                Step::End(k) => events.extend(pick(k, &running).map(Event::End)),
+                Step::Leaving(k) => events.extend(pick(k, &running).map(Event::Leaving)),
+                Step::Requeue(k) => events.extend(pick(k, &running).map(Event::Requeue)),
+                Step::SleepJob(k) => {
+                    let sleepers: Vec<usize> = running.iter().copied().filter(|&s| engine.can_sleep(s)).collect();
+                    events.extend(pick(k, &sleepers).map(Event::SleepJob));
+                }
+                Step::WakeJob(k) => {
+                    let asleep: Vec<usize> = slots.iter().copied().filter(|&s| engine.is_sleeping(s)).collect();
+                    events.extend(pick(k, &asleep).map(Event::WakeJob));
+                }
+                Step::Vacated(k) => {
+                    let stopping: Vec<usize> = slots.iter().copied().filter(|&s| engine.job(s).reports_exit && engine.planned_end(s).is_none() && engine.held(s).is_empty()).collect();
+                    events.extend(pick(k, &stopping).map(Event::Vacated));
+                }
+                Step::Cordon(n, cordoned) => {
+                    f.set_schedulable(n, !cordoned).unwrap();
+                    events.push(Event::FleetChanged);
+                }
+                Step::Compact => events.push(Event::Compact),
+            }
+            let mut deciders = Deciders { placement: &mut placement, preemption: Some(&mut rank), compaction: Some((&mut compact, compaction.clone())) };
+            let pass = engine.handle(&mut f, now, events, &mut deciders, &mut World { eligible: None, observer: None });
+            prop_assert!(pass.error.is_none(), "{:?}", pass.error);
+            f.check_invariants().unwrap();
+            if let Err(e) = engine.check_high_view(&f) {
+                prop_assert!(false, "after {now} s: {e}");
+            }
+        }
+    }
 }

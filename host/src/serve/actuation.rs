@@ -458,7 +458,7 @@ impl Live {
                 }
             }
         }
-        let mut found = Vec::with_capacity(beats.len());
+        let mut found = Vec::new();
         for beat in beats {
             let Some(&nid) = st.agent_ids.get(&beat.node) else {
                 found.push(Reconciled { orphans: beat.running, node: beat.node, held: Vec::new() });
@@ -469,9 +469,13 @@ impl Live {
             let first = beat.registered_below.is_some();
             let expected = if first { held_before.remove(&beat.node).unwrap_or_default() } else { Vec::new() };
             let overdue = if first { overdue.remove(&beat.node).unwrap_or_default() } else { Vec::new() };
-            found.push(self.reconcile(part, st, nid, beat, &expected, &overdue));
+            let r = self.reconcile(part, st, nid, beat, &expected, &overdue);
+            // (Most beats only confirm: nothing for the hub.)
+            if !r.held.is_empty() || !r.orphans.is_empty() {
+                found.push(r);
+            }
         }
-        if let Some(act) = self.actuator() {
+        if let Some(act) = self.actuator().filter(|_| !found.is_empty()) {
             act.reconciled(found);
         }
     }
@@ -480,9 +484,10 @@ impl Live {
     fn reconcile(&self, part: &Partition, st: &mut PartitionState, nid: NodeId, beat: Beat, expected: &[u64], overdue: &[u64]) -> Reconciled {
         let node = beat.node.as_str();
         let mut out = Reconciled { node: node.to_string(), ..Default::default() };
+        let first = beat.registered_below.is_some();
         for &a in &beat.running {
-            let gpus = match st.by_alloc.get(&a) {
-                Some(0) => st.manual.get(&a).filter(|m| m.node == nid && !st.lost.contains(&a)).map(|m| gpus_of(m.gpus).map(|g| g as u32).collect()),
+            let held = match st.by_alloc.get(&a) {
+                Some(0) => st.manual.get(&a).filter(|m| m.node == nid && !st.lost.contains(&a)).map(|m| first.then(|| gpus_of(m.gpus).map(|g| g as u32).collect())),
                 // A task of an ended job (cancelled, timed out) is stopped
                 // again: the stop may not have reached it. Its GPUs stay the
                 // job's until its exit is reported.
@@ -491,11 +496,12 @@ impl Live {
                     .get(j)
                     .filter(|j| !j.state.is_ended())
                     .and_then(|j| j.runs.iter().find(|r| r.alloc_id == a && r.holds && r.node == node))
-                    .map(|r| r.gpus.clone()),
+                    .map(|r| first.then(|| r.gpus.clone())),
                 None => None,
             };
-            match gpus {
-                Some(gpus) => out.held.push((a, gpus)),
+            match held {
+                Some(Some(gpus)) => out.held.push((a, gpus)),
+                Some(None) => {}
                 None => out.orphans.push(a),
             }
         }

@@ -206,8 +206,15 @@ impl Beats {
     }
 
     /// Every queued beat, each node's in order.
+    /// (Drained: the map keeps its memory for the next batch; a fresh one
+    /// grew and was freed on every batch of a large fleet's beats.)
     pub fn take(&mut self) -> Vec<Beat> {
-        std::mem::take(&mut self.queued).into_values().flat_map(|(first, latest)| first.into_iter().chain(latest)).collect()
+        let mut beats = Vec::with_capacity(self.queued.len() + 1);
+        for (first, latest) in self.queued.drain().map(|(_, b)| b) {
+            beats.extend(first);
+            beats.extend(latest);
+        }
+        beats
     }
 }
 
@@ -217,7 +224,10 @@ pub struct Reconciled {
     pub node: String,
     /// Processes of no allocation held there: to stop.
     pub orphans: Vec<u64>,
-    /// Allocations the node runs that the fleet holds there, with their GPUs.
+    /// Allocations the node runs that the fleet holds there, with their
+    /// GPUs: for a registration's first beat only (what a restarted hub
+    /// adopts); a later beat only confirms, and copying every task's GPUs
+    /// on every beat was a large fleet's heaviest per-beat cost.
     pub held: Vec<(u64, Vec<u32>)>,
 }
 
