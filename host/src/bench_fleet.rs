@@ -118,6 +118,9 @@ pub struct FleetBench {
     /// most any poll saw (every node beats: any is a false alarm).
     pub nodes_unreachable: usize,
     pub nodes_unreachable_most: usize,
+    /// The most any poll saw over the whole run (registration, warm start,
+    /// fill, measured phase): a stalled host shows here first.
+    pub nodes_unreachable_most_run: usize,
     /// An operator's `berth jobs` (first page), partition and node listings.
     pub list_jobs_p99_ms: f64,
     pub list_partitions_p99_ms: f64,
@@ -232,6 +235,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
                     if let (Ok(_), Ok(_), Ok(nodes)) = (jobs, parts, nodes) {
                         let unreachable = nodes.into_inner().nodes.iter().filter(|n| n.state == "unreachable").count();
                         let mut p = polling.lock().unwrap();
+                        p.most_unreachable_run = p.most_unreachable_run.max(unreachable);
                         if p.phase != phase {
                             continue;
                         }
@@ -285,7 +289,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         stats.late.store(0, Ordering::Relaxed);
         {
             let mut p = polling.lock().unwrap();
-            *p = Polls { phase: p.phase + 1, ..Polls::default() };
+            *p = Polls { phase: p.phase + 1, most_unreachable_run: p.most_unreachable_run, ..Polls::default() };
         }
         let started = Instant::now();
         let mut submitted = 0;
@@ -478,6 +482,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
         heartbeats_late: m.beats_late,
         nodes_unreachable: m.nodes_unreachable,
         nodes_unreachable_most: m.polls.most_unreachable,
+        nodes_unreachable_most_run: m.polls.most_unreachable_run,
         list_jobs_p99_ms: ms(&m.polls.jobs_ms, 99.0),
         list_partitions_p99_ms: ms(&m.polls.partitions_ms, 99.0),
         list_nodes_p99_ms: ms(&m.polls.nodes_ms, 99.0),
@@ -544,6 +549,8 @@ struct Polls {
     partitions_ms: Vec<f64>,
     nodes_ms: Vec<f64>,
     most_unreachable: usize,
+    /// Kept across phases.
+    most_unreachable_run: usize,
 }
 
 #[derive(Default)]
@@ -845,7 +852,7 @@ impl FleetBench {
              placement decision p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} decisions)\n\
              whole pass p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} passes)\n\
              submit to start, high priority: p50 {} ms, p99 {} ms (on free GPUs p99 {} ms; every started job p99 {} ms)\n\
-             heartbeats: {} sent, round trip p50 {:.2} ms, p99 {:.2} ms, {} late by over half a period; nodes unreachable: {} at the end, {} at most\n\
+             heartbeats: {} sent, round trip p50 {:.2} ms, p99 {:.2} ms, {} late by over half a period; nodes unreachable: {} at the end, {} at most ({} at most over the whole run)\n\
              operator: berth jobs p99 {:.1} ms, partitions p99 {:.1} ms, nodes p99 {:.1} ms\n\
              CPU: host {:.1} s, bench agents {:.1} s; RSS {} MiB (peak {} MiB, agents included); store {:.1} MiB\n\
              restart with everything running: host back in {:.1} s ({} running jobs recovered from the store), every node back in {:.1} s, a new job decided {:.1} s after the stop; {} jobs running then\n",
@@ -887,6 +894,7 @@ impl FleetBench {
             self.heartbeats_late,
             self.nodes_unreachable,
             self.nodes_unreachable_most,
+            self.nodes_unreachable_most_run,
             self.list_jobs_p99_ms,
             self.list_partitions_p99_ms,
             self.list_nodes_p99_ms,

@@ -79,7 +79,54 @@ pub async fn list_all_jobs(mut api: Client, mut req: pb::ListJobsRequest) -> any
     }
 }
 
+/// A server's answer other than OK, as an error that names its code (and
+/// keeps it: the CLI's exit status tells a refusal from an outage).
+#[derive(Debug, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct Answered {
+    pub code: tonic::Code,
+    message: String,
+}
+
 /// Turns a gRPC status into an error that names its code.
 pub fn status(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", s.code(), crate::text::printable(s.message(), PRINT_BYTES))
+    Answered { code: s.code(), message: crate::text::printable(s.message(), PRINT_BYTES).into_owned() }.into()
+}
+
+/// The exit statuses of `berth` commands (listed in `berth --help`).
+pub mod exit {
+    /// Anything else that failed (a file, a policy, a local check).
+    pub const FAILED: u8 = 1;
+    /// The command line was wrong (clap's own status).
+    pub const USAGE: u8 = 2;
+    /// The server answered and refused (invalid, not found, not allowed,
+    /// not in this state).
+    pub const REFUSED: u8 = 3;
+    /// The server could not be reached, or could not serve now (retry).
+    pub const UNREACHABLE: u8 = 4;
+}
+
+/// The exit status for a command that failed with `e`; `None` when the
+/// reader of its output went away (a closed pipe: `berth jobs | head`),
+/// which is no failure of the command's.
+pub fn exit_code(e: &anyhow::Error) -> Option<u8> {
+    let mut code = exit::FAILED;
+    for cause in e.chain() {
+        if cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe) {
+            return None;
+        }
+        let answered = cause.downcast_ref::<Answered>().map(|a| a.code).or_else(|| cause.downcast_ref::<tonic::Status>().map(|s| s.code()));
+        if let Some(c) = answered {
+            code = match c {
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => exit::UNREACHABLE,
+                _ => exit::REFUSED,
+            };
+            break;
+        }
+        if cause.downcast_ref::<tonic::transport::Error>().is_some() {
+            code = exit::UNREACHABLE;
+            break;
+        }
+    }
+    Some(code)
 }

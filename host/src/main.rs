@@ -10,7 +10,13 @@ use berth::{bench, catalog, componentize, demo};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "berth", version, about = "GPU-fleet scheduler with sandboxed WebAssembly policies")]
+#[command(
+    name = "berth",
+    version,
+    about = "GPU-fleet scheduler with sandboxed WebAssembly policies",
+    after_help = "Exit status: 0 done (also when the reader of the output went away, as in `berth jobs | head`); 1 failed; \
+                  2 wrong command line; 3 the server refused the request; 4 the server could not be reached or could not serve now."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -525,7 +531,36 @@ enum PolicyCommand {
     },
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    quiet_on_closed_pipe();
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => match berth::client::exit_code(&e) {
+            None => std::process::ExitCode::SUCCESS,
+            Some(code) => {
+                eprintln!("Error: {e:?}");
+                std::process::ExitCode::from(code)
+            }
+        },
+    }
+}
+
+/// Output written to a reader that went away (`berth jobs | head -1`) ends
+/// the command quietly, with status 0: Rust ignores SIGPIPE, so `println!`
+/// would panic with a backtrace instead.
+fn quiet_on_closed_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied()).unwrap_or("");
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info)
+    }));
+}
+
+fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
@@ -552,6 +587,7 @@ fn main() -> anyhow::Result<()> {
         Command::Compact(args) => berth::compact::cli::run(|| Ok(engine()?), args)?,
         Command::Report(args) => {
             let fleet = args.fleet.clone().ok_or_else(|| anyhow::anyhow!("berth report needs --fleet (asi or a fleet TOML)"))?;
+            prepare_outputs([&args.json, &args.svg, &args.html].into_iter().flatten().map(PathBuf::as_path))?;
             event_replay(engine()?, &fleet, &args, true)?
         }
         Command::Bench { what: BenchCommand::Place { policy, fleet, fleet_scale, jobs, json } } => {
@@ -766,7 +802,23 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Creates the folders of a command's output files before any work is done
+/// (a long replay must not fail at its end for want of one), naming the
+/// path that cannot be made.
+fn prepare_outputs<'a>(paths: impl IntoIterator<Item = &'a std::path::Path>) -> anyhow::Result<()> {
+    for path in paths {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {} for {}", dir.display(), path.display()))?;
+        }
+    }
+    Ok(())
+}
+
 fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
+    prepare_outputs([&args.json, &args.svg, &args.html, &args.save_snapshot].into_iter().flatten().map(PathBuf::as_path))?;
+    if let Some(dir) = &args.decisions {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     if let Some(spec) = &args.pool {
         return pool_replay(engine, spec, &args);
     }

@@ -14,6 +14,9 @@ use berth::proto as pb;
 use crate::agent::{agent, assert_one_owner, dir, jobs, kill9, serve, until};
 use crate::common::policy_path;
 
+/// The agents here also signal a checkpoint notice (the task traps it).
+const NOTICE_BY_SIGNAL: &[&str] = &["--notice-signal", "USR1"];
+
 /// A movable task: writes `start-<allocation>` (ns) when it starts; a
 /// migrated copy (BERTH_MIGRATED_FROM set) reports ready only once
 /// `ready-ok` exists, an original at once; a checkpoint notice (SIGUSR1)
@@ -113,8 +116,8 @@ async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_
     let d = dir("live-compaction");
     let extra = ["--agent-timeout-ms", "60000", "--no-auto-compaction", "--metrics-listen", "127.0.0.1:0"];
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &extra).await;
-    let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
-    let _n2 = agent(&d, &url, "n2", "4xH20", &[]);
+    let _n1 = agent(&d, &url, "n1", "4xH20", NOTICE_BY_SIGNAL);
+    let _n2 = agent(&d, &url, "n2", "4xH20", NOTICE_BY_SIGNAL);
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
     schedulable(&api, &["n1", "n2"]).await;
@@ -235,8 +238,8 @@ async fn a_move_that_never_takes_over_or_loses_its_destination_rolls_back_and_th
     let d = dir("live-compaction-rollback");
     let args = ["--agent-timeout-ms", "1500", "--reschedule-after-ms", "500", "--no-auto-compaction", "--compaction", r#"{"destination_deadline_s": 6}"#];
     let (mut host, url) = serve(&d, "serve", &d.join("state"), &args).await;
-    let mut n1 = agent(&d, &url, "n1", "4xH20", &[]);
-    let mut n2 = agent(&d, &url, "n2", "4xH20", &[]);
+    let mut n1 = agent(&d, &url, "n1", "4xH20", NOTICE_BY_SIGNAL);
+    let mut n2 = agent(&d, &url, "n2", "4xH20", NOTICE_BY_SIGNAL);
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
     schedulable(&api, &["n1", "n2"]).await;

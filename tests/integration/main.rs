@@ -6,6 +6,7 @@ mod asi;
 mod common;
 mod compaction;
 mod chaos;
+mod cli;
 mod confinement;
 mod console;
 mod containment;

@@ -148,11 +148,12 @@ fn one_gpu_shell_job(script: String) -> pb::JobSpec {
 
 /// A low-priority task that runs `berth checkpointed` once `ckpt-now-<job>`
 /// exists (then writes `ckpt-done-<job>`), and ends on `release-<job>`.
+/// (`berth` by name: the agent puts its own folder on a task's PATH.)
 fn checkpointing_job(d: &Path) -> pb::JobSpec {
     let d = d.display();
     let script = format!(
         "i=0; while [ ! -f {d}/release-$BERTH_JOB ] && [ $i -lt 2400 ]; do \
-           if [ -f {d}/ckpt-now-$BERTH_JOB ] && [ ! -f {d}/ckpt-done-$BERTH_JOB ]; then {BERTH} checkpointed && touch {d}/ckpt-done-$BERTH_JOB; fi; \
+           if [ -f {d}/ckpt-now-$BERTH_JOB ] && [ ! -f {d}/ckpt-done-$BERTH_JOB ]; then berth checkpointed && touch {d}/ckpt-done-$BERTH_JOB; fi; \
            sleep 0.05; i=$((i+1)); done; exit 0"
     );
     one_gpu_shell_job(script)
@@ -426,4 +427,59 @@ async fn a_preempted_tasks_stop_is_measured_and_a_kill_after_the_grace_is_counte
     for id in low {
         std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
     }
+}
+
+/// A preempted task that does nothing about notices (a plain `sleep`
+/// under `sh`) keeps running through its notice: the notice is a file
+/// ($BERTH_NOTICE) unless the agent is told to signal it too, and no
+/// signal that would end it (SIGUSR1's default action) is sent. Its stop
+/// comes when the notice is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_task_lives_through_its_preemption_notice() {
+    let d = dir("preempt-plain");
+    let notice_s = 3;
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", &notice_s.to_string()]).await;
+    let _n1 = agent(&d, &url, "n1", "1xH20", &[]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    schedulable(&api, "n1").await;
+    let dd = d.display();
+    let plain = one_gpu_shell_job(format!("echo $$ > {dd}/pid-$BERTH_JOB; echo \"$BERTH_NOTICE\" > {dd}/notice-$BERTH_JOB; sleep 600"));
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(plain), ..Default::default() }).await.unwrap().into_inner().job_id;
+    running(&api, &[low]).await;
+    let read = |name: String| until("the task's files", Duration::from_secs(30), move || {
+        let text = std::fs::read_to_string(&name).unwrap_or_default();
+        async move { text.ends_with('\n').then(|| text.trim().to_string()) }
+    });
+    let pid = read(format!("{dd}/pid-{low}")).await;
+    let notice = std::path::PathBuf::from(read(format!("{dd}/notice-{low}")).await);
+    let alive = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("gone").to_string();
+        !matches!(state.as_str(), "gone" | "Z" | "X")
+    };
+    assert!(alive() && !notice.exists(), "before any notice");
+
+    let mut high = agent_job(&d, 1, 1);
+    high.priority = 5;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
+    // The notice arrives as a file; the task lives on.
+    let notice_path = notice.clone();
+    until("the notice file", Duration::from_secs(30), move || {
+        let there = notice_path.exists();
+        async move { there.then_some(()) }
+    })
+    .await;
+    let noticed = std::time::Instant::now();
+    let text = std::fs::read_to_string(&notice).unwrap();
+    assert!(text.starts_with("checkpoint "), "notice file: {text:?}");
+    // Gone only when the notice is over (the stop): not at the notice.
+    while alive() {
+        assert!(noticed.elapsed() < Duration::from_secs(30), "the task outlived its stop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let lived = noticed.elapsed();
+    assert!(lived >= Duration::from_millis(notice_s * 1000 - 500), "the task died {lived:?} after its notice, before the {notice_s} s notice was over");
+    running(&api, &[h]).await;
+    assert_one_owner(&jobs(&api).await, &[]);
+    std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
 }

@@ -18,6 +18,9 @@ use crate::proto as pb;
 pub const CHECKPOINT_ENV: &str = "BERTH_CHECKPOINTED";
 /// Set in a task's environment: the file `berth ready` writes.
 pub const READY_ENV: &str = "BERTH_READY";
+/// Set in a task's environment: the file the agent writes when the task is
+/// told to checkpoint (a preemption's or a migration's notice).
+pub const NOTICE_ENV: &str = "BERTH_NOTICE";
 /// How often the agent looks for a task's checkpoint report.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 
@@ -91,7 +94,8 @@ pub struct AgentArgs {
     #[arg(long, requires = "once")]
     json: bool,
     /// Hook commands (run with `sh -c`, with BERTH_ALLOCATION and BERTH_PID
-    /// set); by default SIGSTOP, SIGCONT and SIGUSR1 to the child's group.
+    /// set); by default SIGSTOP and SIGCONT to the child's group, and a
+    /// checkpoint notice in the file $BERTH_NOTICE (see --notice-signal).
     /// A child frozen by the default sleep is stopped with SIGKILL (its GPUs
     /// are lent: continuing it to act on SIGTERM would put it back on them).
     #[arg(long)]
@@ -99,9 +103,16 @@ pub struct AgentArgs {
     /// Command run to wake an allocation (default: SIGCONT to its group).
     #[arg(long)]
     wake_hook: Option<String>,
-    /// Command run to checkpoint an allocation (default: SIGUSR1 to its group).
+    /// Command run to checkpoint an allocation (default: the notice file,
+    /// and --notice-signal if set).
     #[arg(long)]
     checkpoint_hook: Option<String>,
+    /// Also signal a task's group at a checkpoint notice (USR1, USR2, URG,
+    /// HUP, INT, TERM, WINCH). Unset by default: a task that does not trap
+    /// the signal would die of it (USR1's default action) instead of
+    /// getting its notice and grace; the notice file is always written.
+    #[arg(long, value_parser = parse_notice_signal)]
+    notice_signal: Option<NoticeSignal>,
     /// The node's access switch (nodes declaring the same one form a switch
     /// domain for gang placement); unset: a domain of its own.
     #[arg(long)]
@@ -136,6 +147,25 @@ pub const TASK_ENV_ALLOWLIST: [&str; 9] = ["PATH", "LANG", "LC_ALL", "LC_CTYPE",
 /// (`--task-env`), those that are set.
 fn allowed_env(extra: &[String]) -> Vec<(String, std::ffi::OsString)> {
     TASK_ENV_ALLOWLIST.iter().map(|k| k.to_string()).chain(extra.iter().cloned()).filter_map(|k| std::env::var_os(&k).map(|v| (k, v))).collect()
+}
+
+/// Puts the agent's own folder at the end of the task's PATH, so `berth
+/// checkpointed` and `berth ready` work inside a task wherever `berth` is
+/// installed (last: nothing the PATH had is shadowed).
+fn with_own_dir_on_path(env: &mut Vec<(String, std::ffi::OsString)>, exe: &std::path::Path) {
+    let Some(dir) = exe.parent() else { return };
+    match env.iter_mut().find(|(k, _)| k == "PATH") {
+        Some((_, path)) => {
+            let mut dirs: Vec<PathBuf> = std::env::split_paths(path).collect();
+            if !dirs.iter().any(|d| d == dir) {
+                dirs.push(dir.to_path_buf());
+                if let Ok(joined) = std::env::join_paths(dirs) {
+                    *path = joined;
+                }
+            }
+        }
+        None => env.push(("PATH".into(), dir.into())),
+    }
 }
 
 /// Reads the agent's bearer token from `path`: one line, surrounding
@@ -270,6 +300,25 @@ struct Record {
 }
 
 extern "C" fn ignore(_: libc::c_int) {}
+
+/// A signal a task may be sent with its checkpoint notice.
+#[derive(Clone, Copy, Debug)]
+pub struct NoticeSignal(libc::c_int);
+
+fn parse_notice_signal(name: &str) -> Result<NoticeSignal, String> {
+    let bare = name.trim_start_matches("SIG");
+    let sig = match bare {
+        "USR1" => libc::SIGUSR1,
+        "USR2" => libc::SIGUSR2,
+        "URG" => libc::SIGURG,
+        "HUP" => libc::SIGHUP,
+        "INT" => libc::SIGINT,
+        "TERM" => libc::SIGTERM,
+        "WINCH" => libc::SIGWINCH,
+        _ => return Err(format!("\"{name}\": one of USR1, USR2, URG, HUP, INT, TERM, WINCH")),
+    };
+    Ok(NoticeSignal(sig))
+}
 
 /// The supervisor: runs the task in its own process group (the group the
 /// agent signals), outlives the agent if it dies, and writes how the task
@@ -636,6 +685,23 @@ impl Agent {
         self.state_dir.join(format!("alloc-{id}.ready"))
     }
 
+    /// The file the agent writes at a checkpoint notice (the task polls it,
+    /// or traps --notice-signal).
+    fn notice_marker(&self, id: u64) -> PathBuf {
+        self.state_dir.join(format!("alloc-{id}.notice"))
+    }
+
+    /// A checkpoint notice without a hook: the notice file (its time, in
+    /// Unix milliseconds), then the signal if one was asked for.
+    fn notify_checkpoint(&self, id: u64, pid: u32) -> std::io::Result<()> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
+        crate::util::write_atomic(&self.notice_marker(id), format!("checkpoint {now}\n").as_bytes())?;
+        match self.args.notice_signal {
+            Some(NoticeSignal(sig)) => signal_group(pid, sig),
+            None => Ok(()),
+        }
+    }
+
     /// Relays a task's checkpoint and readiness reports while it runs
     /// (polled: a report reaches the host within a poll). Readiness is
     /// reported once.
@@ -643,6 +709,7 @@ impl Agent {
         let (marker, ready) = (self.checkpoint_marker(id), self.ready_marker(id));
         let _ = std::fs::remove_file(&marker);
         let _ = std::fs::remove_file(&ready);
+        let _ = std::fs::remove_file(self.notice_marker(id));
         let mut seen = None;
         let mut told_ready = false;
         while self.children.lock().unwrap().contains_key(&id) {
@@ -659,6 +726,7 @@ impl Agent {
         }
         let _ = std::fs::remove_file(&marker);
         let _ = std::fs::remove_file(&ready);
+        let _ = std::fs::remove_file(self.notice_marker(id));
     }
 
     async fn report(&self, r: pb::AllocationReport) {
@@ -695,6 +763,8 @@ impl Agent {
                         return;
                     }
                 };
+                let mut task_env = allowed_env(&self.args.task_env);
+                with_own_dir_on_path(&mut task_env, &exe);
                 let mut c = Command::new(exe);
                 c.arg("agent")
                     .arg("--supervise")
@@ -706,7 +776,7 @@ impl Agent {
                     // tenant's. The allowlist, then the job's env, then the
                     // task variables, which the job cannot override.
                     .env_clear()
-                    .envs(allowed_env(&self.args.task_env))
+                    .envs(task_env)
                     .envs(&cmd.env)
                     .env("CUDA_VISIBLE_DEVICES", &visible)
                     .env("NVIDIA_VISIBLE_DEVICES", &visible)
@@ -714,6 +784,7 @@ impl Agent {
                     .env("BERTH_NODE", &self.node)
                     .env(CHECKPOINT_ENV, self.checkpoint_marker(id))
                     .env(READY_ENV, self.ready_marker(id))
+                    .env(NOTICE_ENV, self.notice_marker(id))
                     .stdin(std::process::Stdio::null())
                     .process_group(0)
                     .kill_on_drop(false);
@@ -765,7 +836,7 @@ impl Agent {
                     match action {
                         "sleep" => signal_group(pid, libc::SIGSTOP),
                         "wake" => signal_group(pid, libc::SIGCONT),
-                        "checkpoint" => signal_group(pid, libc::SIGUSR1),
+                        "checkpoint" => self.notify_checkpoint(id, pid),
                         // Frozen by the default sleep (SIGSTOP): its GPUs are
                         // lent, so it is killed where it stands rather than
                         // continued onto them to act on SIGTERM.

@@ -199,7 +199,7 @@ pub fn report(all: &[Comparison]) -> String {
 pub fn write_json(path: &Path, all: &[Comparison]) -> anyhow::Result<()> {
     let heads: Vec<Headline> = all.iter().map(headline).collect();
     let value = serde_json::json!({ "comparisons": all, "headlines": heads });
-    std::fs::write(path, serde_json::to_string_pretty(&value)?)?;
+    std::fs::write(path, serde_json::to_string_pretty(&value)?).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
     Ok(())
 }
 

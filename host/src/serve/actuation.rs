@@ -16,7 +16,7 @@ use berth_core::{Allocation, Fleet, MAX_GPUS_PER_NODE, MILLI_PER_GPU};
 
 use super::decisions::Placed;
 use super::lifecycle::{Report, TaskState};
-use super::state::{AgentTopology, Beat, JobState, Live, Partition, PartitionState, Reconciled, Start, Stopped, TaskRun, MAX_DECLARED_SWITCH};
+use super::state::{AgentTopology, Beat, JobState, Live, Partition, PartitionState, QueuedReport, Reconciled, Start, Stopped, TaskRun, MAX_DECLARED_SWITCH};
 use super::error::ServeError;
 
 /// Agent nodes get switch domains of their own, apart from simulated ones:
@@ -428,8 +428,7 @@ impl Live {
     /// longer runs are ended as lost, and preempted tasks past their notice
     /// are stopped again. One walk of the jobs serves every first beat of
     /// the batch (a restarted host takes in thousands at once).
-    pub(super) fn take_beats(&self, part: &Partition, st: &mut PartitionState) {
-        let beats = part.beats.lock().unwrap().take();
+    pub(super) fn reconcile_beats(&self, part: &Partition, st: &mut PartitionState, beats: Vec<Beat>) {
         if beats.is_empty() {
             return;
         }
@@ -480,7 +479,7 @@ impl Live {
         }
     }
 
-    /// Reconciles one heartbeat of node `nid` (see [`Live::take_beats`]).
+    /// Reconciles one heartbeat of node `nid` (see [`Live::reconcile_beats`]).
     fn reconcile(&self, part: &Partition, st: &mut PartitionState, nid: NodeId, beat: Beat, expected: &[u64], overdue: &[u64]) -> Reconciled {
         let node = beat.node.as_str();
         let mut out = Reconciled { node: node.to_string(), ..Default::default() };
@@ -653,80 +652,119 @@ impl Live {
     }
 
     /// What an agent reported about an allocation: its state, and when it
-    /// is gone (exited, failed), its GPUs go back to the fleet.
-    /// `stopped`: how the agent saw a stop it was sent go (an exit only).
+    /// is gone (exited, failed), its GPUs go back to the fleet. Taken in at
+    /// once (the partitions' locks are waited for); the agents' reports
+    /// through the hub are queued instead ([`Live::queue_report`]).
     pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str, stopped: Option<Stopped>) {
+        let r = QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped };
         for part in &self.partitions {
-            let mut guard = part.lock_state();
-            let st = &mut *guard;
-            let Some(&job_id) = st.by_alloc.get(&alloc_id) else { continue };
-            match report {
-                Report::State(state) if state.is_gone() => {
-                    self.measure_eviction_exit(part, st, job_id, alloc_id, signal, stopped);
-                    self.end_task(part, st, alloc_id, state, exit_code, signal, detail);
+            if self.report_in(part, &mut part.lock_state(), &r) {
+                return;
+            }
+        }
+    }
+
+    /// Queues an agent's report for `partition` (its node's): the
+    /// scheduler takes it in between passes, before the heartbeats queued
+    /// with it. The agent's call does not wait for a pass: thousands of
+    /// reports waiting on a pass's lock, a thread each, starved a 20,000-node
+    /// host's heartbeats and its scheduler.
+    pub fn queue_report(&self, partition: &str, r: QueuedReport) {
+        let Ok(p) = self.partition_index(partition) else {
+            return self.task_report(r.alloc_id, r.report, r.exit_code, r.signal, &r.detail, r.stopped);
+        };
+        let part = &self.partitions[p];
+        let was_empty = {
+            let mut q = part.reports.lock().unwrap();
+            q.push(r);
+            q.len() == 1
+        };
+        if was_empty {
+            part.wake.notify_all();
+        }
+    }
+
+    /// Takes in the queued reports of partition `part` (its state locked).
+    pub(super) fn take_reports(&self, part: &Partition, st: &mut PartitionState) {
+        let reports = std::mem::take(&mut *part.reports.lock().unwrap());
+        for r in &reports {
+            if !self.report_in(part, st, r) {
+                tracing::debug!(target: "berth::serve", allocation = r.alloc_id, partition = %part.name, "report on an allocation the partition does not hold: ignored");
+            }
+        }
+    }
+
+    /// Applies report `r` to partition `part`; false when the partition
+    /// holds no such allocation.
+    fn report_in(&self, part: &Partition, st: &mut PartitionState, r: &QueuedReport) -> bool {
+        let (alloc_id, report, exit_code, signal, detail, stopped) = (r.alloc_id, r.report, r.exit_code, r.signal, r.detail.as_str(), r.stopped);
+        let Some(&job_id) = st.by_alloc.get(&alloc_id) else { return false };
+        match report {
+            Report::State(state) if state.is_gone() => {
+                self.measure_eviction_exit(part, st, job_id, alloc_id, signal, stopped);
+                self.end_task(part, st, alloc_id, state, exit_code, signal, detail);
+            }
+            Report::Checkpointed => {
+                // The task saved its work: preemption ranks it, and
+                // counts work lost, from now.
+                let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) else { return true };
+                r.checkpointed_unix_ms = self.now_ms();
+                if let Some(&slot) = st.slots.get(&job_id) {
+                    st.engine.apply(&mut st.fleet, self.now_s(), berth_core::engine::Event::Checkpoint(slot));
                 }
-                Report::Checkpointed => {
-                    // The task saved its work: preemption ranks it, and
-                    // counts work lost, from now.
-                    let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) else { return };
-                    r.checkpointed_unix_ms = self.now_ms();
-                    if let Some(&slot) = st.slots.get(&job_id) {
-                        st.engine.apply(&mut st.fleet, self.now_s(), berth_core::engine::Event::Checkpoint(slot));
+                tracing::info!(target: "berth::serve", job = job_id, allocation = alloc_id, "task reported a checkpoint");
+                self.persist_logged(vec![st.job_op(&part.name, job_id)]);
+            }
+            Report::State(_) | Report::Ready => {
+                let Some(job) = st.jobs.get_mut(&job_id) else { return true };
+                let wait_ready = job.spec.wait_ready;
+                let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return true };
+                // Readiness is a flag beside the state, which stays "running".
+                let mut woke = false;
+                let mut slept = false;
+                let took_over = match report {
+                    Report::State(state) => {
+                        let was = r.state;
+                        r.state = was.after_report(state);
+                        woke = was == TaskState::Sleeping && r.state == TaskState::Running;
+                        slept = r.state == TaskState::Sleeping;
+                        was == TaskState::Starting && r.serves(wait_ready)
                     }
-                    tracing::info!(target: "berth::serve", job = job_id, allocation = alloc_id, "task reported a checkpoint");
+                    _ => {
+                        let first = !r.ready;
+                        r.ready = true;
+                        if r.state == TaskState::Starting {
+                            r.state = TaskState::Running;
+                        }
+                        first && wait_ready
+                    }
+                };
+                if slept || woke {
+                    // Asleep and awake again are kept: a restarted host
+                    // knows where its tasks are.
+                    self.persist_logged(vec![st.job_op(&part.name, job_id)]);
+                    if slept {
+                        self.task_slept(part, st, job_id);
+                    }
+                    return true;
+                }
+                if r.replaces != 0 && took_over {
+                    // Make-before-break: the new copy runs, now the old one stops.
+                    let (old, checkpoint) = (r.replaces, r.checkpoint_old);
+                    if let Some(o) = job.runs.iter().find(|o| o.alloc_id == old && o.holds)
+                        && let Some(act) = self.actuator()
+                    {
+                        tracing::info!(target: "berth::serve", job = job_id, from = old, to = alloc_id, "migration: new copy running, stopping the old one");
+                        if checkpoint {
+                            act.checkpoint(old, &o.node);
+                        }
+                        act.stop(old, &o.node);
+                    }
                     self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 }
-                Report::State(_) | Report::Ready => {
-                    let Some(job) = st.jobs.get_mut(&job_id) else { return };
-                    let wait_ready = job.spec.wait_ready;
-                    let Some(r) = job.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds) else { return };
-                    // Readiness is a flag beside the state, which stays "running".
-                    let mut woke = false;
-                    let mut slept = false;
-                    let took_over = match report {
-                        Report::State(state) => {
-                            let was = r.state;
-                            r.state = was.after_report(state);
-                            woke = was == TaskState::Sleeping && r.state == TaskState::Running;
-                            slept = r.state == TaskState::Sleeping;
-                            was == TaskState::Starting && r.serves(wait_ready)
-                        }
-                        _ => {
-                            let first = !r.ready;
-                            r.ready = true;
-                            if r.state == TaskState::Starting {
-                                r.state = TaskState::Running;
-                            }
-                            first && wait_ready
-                        }
-                    };
-                    if slept || woke {
-                        // Asleep and awake again are kept: a restarted host
-                        // knows where its tasks are.
-                        self.persist_logged(vec![st.job_op(&part.name, job_id)]);
-                        if slept {
-                            self.task_slept(part, st, job_id);
-                        }
-                        return;
-                    }
-                    if r.replaces != 0 && took_over {
-                        // Make-before-break: the new copy runs, now the old one stops.
-                        let (old, checkpoint) = (r.replaces, r.checkpoint_old);
-                        if let Some(o) = job.runs.iter().find(|o| o.alloc_id == old && o.holds)
-                            && let Some(act) = self.actuator()
-                        {
-                            tracing::info!(target: "berth::serve", job = job_id, from = old, to = alloc_id, "migration: new copy running, stopping the old one");
-                            if checkpoint {
-                                act.checkpoint(old, &o.node);
-                            }
-                            act.stop(old, &o.node);
-                        }
-                        self.persist_logged(vec![st.job_op(&part.name, job_id)]);
-                    }
-                }
             }
-            return;
         }
+        true
     }
 
     /// A preempted task's exit, measured: from its stop to its exit (the

@@ -421,18 +421,19 @@ type CommandStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCom
 #[tonic::async_trait]
 impl AgentHub for Arc<Hub> {
     async fn register(&self, req: Request<pb::RegisterAgentRequest>) -> Reply<pb::RegisterAgentResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let hub = self.clone();
+        crate::util::off_worker(move || {
+            let id = hub.who(&req)?;
             let r = req.into_inner();
             check_node_name(&r.node).map_err(Status::invalid_argument)?;
             // Permission before existence: the partition's name is the caller's.
             if !id.may_act_as_node(&r.partition, &r.node) {
                 return Err(denied_node(&id, &r.node));
             }
-            self.live.partition_index(&r.partition)?;
+            hub.live.partition_index(&r.partition)?;
             check_registration(&r)?;
             {
-                let st = self.state.lock().unwrap();
+                let st = hub.state.lock().unwrap();
                 let taken = r.gpus.iter().find_map(|g| st.gpu_owner.get(&g.uuid).filter(|owner| **owner != r.node).map(|owner| (owner.clone(), g.uuid.clone())));
                 if let Some((other, uuid)) = taken {
                     return Err(Status::already_exists(format!("node {}: GPU {uuid} is registered by node {other}", r.node)));
@@ -446,17 +447,17 @@ impl AgentHub for Arc<Hub> {
                 return Err(Status::invalid_argument(format!("node {}: GPU indexes must be 0..{}", r.node, r.gpus.len())));
             }
             let topology = AgentTopology { switch_domain: r.switch_domain, aggregation: r.aggregation };
-            self.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib, topology)?;
+            hub.live.agent_node_up(&r.partition, &r.node, model, r.gpus.len(), r.cpu_milli, r.memory_mib, topology)?;
             let (partition, node) = (r.partition.clone(), r.node.clone());
-            let mark = self.live.registration_mark();
-            let response = self.register_locked(r, &id, mark);
+            let mark = hub.live.registration_mark();
+            let response = hub.register_locked(r, &id, mark);
             // Until its command stream is held, the node takes no work.
-            self.live.agent_node_schedulable(&partition, &node, false);
+            hub.live.agent_node_schedulable(&partition, &node, false);
             for g in response.1 {
-                self.live.agent_gpu_unhealthy(&partition, &node, g);
+                hub.live.agent_gpu_unhealthy(&partition, &node, g);
             }
             Ok(Response::new(response.0))
-        })
+        }).await
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
@@ -492,13 +493,14 @@ impl AgentHub for Arc<Hub> {
     type CommandsStream = CommandStream;
 
     async fn commands(&self, req: Request<pb::CommandsRequest>) -> Reply<Self::CommandsStream> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let hub = self.clone();
+        crate::util::off_worker(move || {
+            let id = hub.who(&req)?;
             let r = req.into_inner();
-            let partition = self.agent_node_partition(&id, &r.node)?;
+            let partition = hub.agent_node_partition(&id, &r.node)?;
             let (tx, rx) = mpsc::channel(64);
             let reachable = {
-                let mut st = self.state.lock().unwrap();
+                let mut st = hub.state.lock().unwrap();
                 let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
                 if a.session != r.session {
                     return Err(Status::not_found(format!("session {} of node {} is over: register again", r.session, r.node)));
@@ -508,16 +510,17 @@ impl AgentHub for Arc<Hub> {
                 a.reachable
             };
             // Commands can reach it now: it may take work.
-            self.live.agent_node_schedulable(&partition, &r.node, reachable);
+            hub.live.agent_node_schedulable(&partition, &r.node, reachable);
             Ok(Response::new(Box::pin(ReceiverStream::new(rx)) as Self::CommandsStream))
-        })
+        }).await
     }
 
     async fn report_allocation(&self, req: Request<pb::AllocationReport>) -> Reply<pb::AllocationReportResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let hub = self.clone();
+        crate::util::off_worker(move || {
+            let id = hub.who(&req)?;
             let mut r = req.into_inner();
-            self.agent_node_partition(&id, &r.node)?;
+            let partition = hub.agent_node_partition(&id, &r.node)?;
             // Only states the host knows are taken in; the detail is kept
             // printable and bounded (it is shown to the job's viewers).
             let report = Report::parse(&r.state)
@@ -525,10 +528,10 @@ impl AgentHub for Arc<Hub> {
             r.detail = crate::text::printable(&r.detail, MAX_REPORT_DETAIL).into_owned();
             // Started before this host (re)started: the fleet knows it, the hub
             // learns it now. Looked up before the hub's lock is taken.
-            let known = self.state.lock().unwrap().allocations.contains_key(&r.allocation_id);
-            let found = if known { None } else { self.live.allocation_node(r.allocation_id).filter(|(node, _)| *node == r.node) };
+            let known = hub.state.lock().unwrap().allocations.contains_key(&r.allocation_id);
+            let found = if known { None } else { hub.live.allocation_node(r.allocation_id).filter(|(node, _)| *node == r.node) };
             {
-                let mut st = self.state.lock().unwrap();
+                let mut st = hub.state.lock().unwrap();
                 let a = match (st.allocations.entry(r.allocation_id), found) {
                     (std::collections::btree_map::Entry::Occupied(o), _) => o.into_mut(),
                     (std::collections::btree_map::Entry::Vacant(slot), Some((node, gpus))) => {
@@ -554,25 +557,27 @@ impl AgentHub for Arc<Hub> {
                 a.signal = r.signal;
                 a.detail = r.detail.clone();
                 if !holds_gpus(&a.state) {
-                    st.ended(r.allocation_id, self.live.retention.ended_allocations);
+                    st.ended(r.allocation_id, hub.live.retention.ended_allocations);
                 }
             }
             // An exit frees the GPUs in the fleet (and may end the job).
             let stopped = r.stopped.then_some(super::state::Stopped { to_exit_ms: r.stop_to_exit_ms, killed: r.killed });
-            self.live.task_report(r.allocation_id, report, r.exit_code, r.signal, &r.detail, stopped);
+            let queued = super::state::QueuedReport { alloc_id: r.allocation_id, report, exit_code: r.exit_code, signal: r.signal, detail: r.detail, stopped };
+            hub.live.queue_report(&partition, queued);
             Ok(Response::new(pb::AllocationReportResponse {}))
-        })
+        }).await
     }
 
     async fn list_agents(&self, req: Request<pb::ListAgentsRequest>) -> Reply<pb::ListAgentsResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let hub = self.clone();
+        crate::util::off_worker(move || {
+            let id = hub.who(&req)?;
             let want = req.into_inner().partition;
             if !want.is_empty() {
-                self.require(&id, &want, Role::Viewer)?;
+                hub.require(&id, &want, Role::Viewer)?;
             }
-            self.sweep();
-            let st = self.state.lock().unwrap();
+            hub.sweep();
+            let st = hub.state.lock().unwrap();
             let visible = |p: &str| (want.is_empty() || want == p) && id.can_view(p);
             let mut holder: BTreeMap<(&str, u32), u64> = BTreeMap::new();
             for a in st.allocations.values().filter(|a| holds_gpus(&a.state)) {
@@ -612,25 +617,26 @@ impl AgentHub for Arc<Hub> {
                 .cloned()
                 .collect();
             Ok(Response::new(pb::ListAgentsResponse { agents, allocations }))
-        })
+        }).await
     }
 
     async fn start_allocation(&self, req: Request<pb::StartAllocationRequest>) -> Reply<pb::StartAllocationResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let hub = self.clone();
+        crate::util::off_worker(move || {
+            let id = hub.who(&req)?;
             let r = req.into_inner();
             check_node_name(&r.node).map_err(Status::invalid_argument)?;
             if !id.is_operator_somewhere() {
                 return Err(Status::permission_denied(format!("{} holds the operator role nowhere; starting an allocation needs it", id.name)));
             }
-            let partition = self.state.lock().unwrap().agents.get(&r.node).map(|a| a.partition.clone());
+            let partition = hub.state.lock().unwrap().agents.get(&r.node).map(|a| a.partition.clone());
             let partition = match partition {
                 Some(p) if id.role_in(&p) == Some(Role::Operator) => p,
                 _ => return Err(Status::not_found(format!("no agent node {} where {} is an operator", r.node, id.name))),
             };
             crate::serve::bounds::check_task_command(&r.argv, &r.env).map_err(Status::invalid_argument)?;
             let uuids = {
-                let st = self.state.lock().unwrap();
+                let st = hub.state.lock().unwrap();
                 let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
                 let mut uuids = Vec::new();
                 for &g in &r.gpus {
@@ -643,9 +649,9 @@ impl AgentHub for Arc<Hub> {
                 uuids
             };
             // No GPU ever has two owners: the fleet holds them (or says who does).
-            let id_ = self.live.hold_manual(&partition, &r.node, &r.gpus)?;
+            let id_ = hub.live.hold_manual(&partition, &r.node, &r.gpus)?;
             let (alloc, cmd) = {
-                let mut st = self.state.lock().unwrap();
+                let mut st = hub.state.lock().unwrap();
                 let alloc = pb::AllocationInfo {
                     id: id_,
                     node: r.node.clone(),
@@ -660,26 +666,27 @@ impl AgentHub for Arc<Hub> {
                 let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env };
                 (alloc, cmd)
             };
-            if let Err(e) = self.send(&r.node, cmd) {
+            if let Err(e) = hub.send(&r.node, cmd) {
                 {
-                    let mut st = self.state.lock().unwrap();
+                    let mut st = hub.state.lock().unwrap();
                     if let Some(a) = st.allocations.get_mut(&alloc.id) {
                         a.state = "failed".into();
                         a.detail = e.message().to_string();
-                        st.ended(alloc.id, self.live.retention.ended_allocations);
+                        st.ended(alloc.id, hub.live.retention.ended_allocations);
                     }
                 }
-                self.live.task_report(alloc.id, Report::State(TaskState::Failed), -1, 0, e.message(), None);
+                hub.live.task_report(alloc.id, Report::State(TaskState::Failed), -1, 0, e.message(), None);
                 return Err(e);
             }
             tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");
             Ok(Response::new(pb::StartAllocationResponse { allocation_id: alloc.id, gpu_uuids: alloc.gpu_uuids }))
-        })
+        }).await
     }
 
     async fn control_allocation(&self, req: Request<pb::ControlAllocationRequest>) -> Reply<pb::ControlAllocationResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let hub = self.clone();
+        crate::util::off_worker(move || {
+            let id = hub.who(&req)?;
             let r = req.into_inner();
             if !matches!(r.action.as_str(), "stop" | "sleep" | "wake" | "checkpoint") {
                 return Err(Status::invalid_argument(format!("action \"{}\": one of stop, sleep, wake, checkpoint", crate::text::printable(&r.action, 32))));
@@ -691,11 +698,11 @@ impl AgentHub for Arc<Hub> {
             // same answer; whether it ended is told only to its operators.
             let missing = || Status::not_found(format!("no allocation {} where {} is an operator", r.allocation_id, id.name));
             let (node, state) = {
-                let st = self.state.lock().unwrap();
+                let st = hub.state.lock().unwrap();
                 let a = st.allocations.get(&r.allocation_id).ok_or_else(missing)?;
                 (a.node.clone(), a.state.clone())
             };
-            let partition = self.agent_partition(&node).map_err(|_| missing())?;
+            let partition = hub.agent_partition(&node).map_err(|_| missing())?;
             if id.role_in(&partition) != Some(Role::Operator) {
                 return Err(missing());
             }
@@ -706,16 +713,16 @@ impl AgentHub for Arc<Hub> {
             // sleeper's GPUs are lent): a direct wake would run the replica
             // beside the borrower of its GPUs.
             if matches!(r.action.as_str(), "sleep" | "wake")
-                && let Some(job) = self.live.harvested_job_of(&partition, r.allocation_id)
+                && let Some(job) = hub.live.harvested_job_of(&partition, r.allocation_id)
             {
                 return Err(Status::failed_precondition(format!(
                     "allocation {} is a task of job {job}, which harvesting manages: its sleep and wake follow the partition's harvest schedule (berth sleep / berth wake), not direct controls",
                     r.allocation_id
                 )));
             }
-            self.send(&node, pb::AgentCommand { allocation_id: r.allocation_id, action: r.action, ..Default::default() })?;
+            hub.send(&node, pb::AgentCommand { allocation_id: r.allocation_id, action: r.action, ..Default::default() })?;
             Ok(Response::new(pb::ControlAllocationResponse {}))
-        })
+        }).await
     }
 }
 

@@ -32,8 +32,15 @@ impl Live {
         let mut st = part.lock_state();
         while !self.shutdown.load(Ordering::SeqCst) {
             let now = self.clock.now();
-            if st.beats_taken.is_none_or(|t| t.elapsed() >= BEAT_BATCH) && !part.beats.lock().unwrap().is_empty() {
-                self.take_beats(part, &mut st);
+            // Agents' reports every turn; heartbeats in batches. The beats
+            // are taken first and the reports after, and the reports go in
+            // first: a report that came before a beat is never judged by it
+            // (an exit is not taken for a lost task).
+            let beats_due = st.beats_taken.is_none_or(|t| t.elapsed() >= BEAT_BATCH) && !part.beats.lock().unwrap().is_empty();
+            let beats = if beats_due { part.beats.lock().unwrap().take() } else { Vec::new() };
+            self.take_reports(part, &mut st);
+            if beats_due {
+                self.reconcile_beats(part, &mut st, beats);
                 st.beats_taken = Some(Instant::now());
             }
             self.release_ended(&part.name, &mut st, now);
@@ -81,6 +88,11 @@ impl Live {
             st.swept_at = Some(now);
             let until = st.next_due(now).unwrap_or(now + Duration::from_secs(1));
             let mut wait = until.saturating_duration_since(now).clamp(Duration::from_millis(1), Duration::from_secs(1));
+            if part.reports_waiting() {
+                // Came in this turn: taken in after the shortest wait (which
+                // lets go of the state for the callers waiting on it).
+                wait = Duration::from_millis(1);
+            }
             if !part.beats.lock().unwrap().is_empty() {
                 // Heartbeats wait for the next batch.
                 let next = st.beats_taken.map_or(Duration::ZERO, |t| BEAT_BATCH.saturating_sub(t.elapsed()));

@@ -19,6 +19,7 @@ use super::shadow::{self, Mode};
 use super::state::{hook_key, IdempotencyKey, JobRecord, JobSpec, JobState, Live, PolicyHook, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
 use crate::proto::{self as pb, berth_server::Berth};
 
+#[derive(Clone)]
 pub struct Service {
     pub live: Arc<Live>,
     /// Node agents (`berth agent`), listed by `ListNodes` beside the simulated fleet.
@@ -295,73 +296,79 @@ fn denominators(d: &accounting::Denominators) -> pb::Denominators {
 #[tonic::async_trait]
 impl Berth for Service {
     async fn submit_job(&self, req: Request<pb::SubmitJobRequest>) -> Reply<pb::SubmitJobResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let partition = req.get_ref().job.as_ref().map(|j| j.partition.clone()).unwrap_or_default();
-            self.require(&id, &partition, Role::Tenant)?;
+            this.require(&id, &partition, Role::Tenant)?;
             let r = req.into_inner();
             let idempotency = idempotency_key(&r)?;
-            let spec = self.job_spec(&id, r.job)?;
-            let (job_id, duplicate) = self.live.submit(spec, &id.name, idempotency)?;
+            let spec = this.job_spec(&id, r.job)?;
+            let (job_id, duplicate) = this.live.submit(spec, &id.name, idempotency)?;
             if duplicate {
                 tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "submission retried: the job its idempotency key made");
             } else {
                 tracing::info!(target: "berth::serve", job = job_id, partition, owner = %id.name, "job submitted");
             }
             Ok(Response::new(pb::SubmitJobResponse { job_id, duplicate }))
-        })
+        }).await
     }
 
     async fn cancel_job(&self, req: Request<pb::CancelJobRequest>) -> Reply<pb::CancelJobResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let job_id = req.get_ref().job_id;
-            let p = self.job_partition(&id, job_id)?;
-            let partition = self.live.partitions[p].name.clone();
-            self.require(&id, &partition, Role::Tenant)?;
-            let owner = self.live.partitions[p].lock_state().jobs.get(&job_id).map(|j| j.owner.clone()).unwrap_or_default();
+            let p = this.job_partition(&id, job_id)?;
+            let partition = this.live.partitions[p].name.clone();
+            this.require(&id, &partition, Role::Tenant)?;
+            let owner = this.live.partitions[p].lock_state().jobs.get(&job_id).map(|j| j.owner.clone()).unwrap_or_default();
             if owner != id.name && id.role_in(&partition) < Some(Role::Operator) {
                 tracing::warn!(target: "berth::serve::auth", identity = %id.name, job = job_id, "denied: cancel of another tenant's job");
-                return Err(self.denied(ServeError::PermissionDenied(format!("job {job_id} belongs to {owner}; {} may cancel only its own jobs", id.name))));
+                return Err(this.denied(ServeError::PermissionDenied(format!("job {job_id} belongs to {owner}; {} may cancel only its own jobs", id.name))));
             }
-            let before = self.live.cancel(p, job_id)?;
+            let before = this.live.cancel(p, job_id)?;
             tracing::info!(target: "berth::serve", job = job_id, by = %id.name, "job cancelled");
             Ok(Response::new(pb::CancelJobResponse { previous_state: before.as_str().into() }))
-        })
+        }).await
     }
 
     async fn migrate_task(&self, req: Request<pb::MigrateTaskRequest>) -> Reply<pb::MigrateTaskResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let r = req.into_inner();
             let unknown = || Status::not_found(format!("no task allocation {}", r.allocation_id));
-            let partition = self.live.allocation_partition(r.allocation_id).ok_or_else(unknown)?;
+            let partition = this.live.allocation_partition(r.allocation_id).ok_or_else(unknown)?;
             // As for jobs: no role there reads as no such allocation.
             if !id.can_view(&partition) {
                 return Err(unknown());
             }
-            self.require(&id, &partition, Role::Operator)?;
-            let m = self.live.migrate(r.allocation_id, &r.node, r.checkpoint)?;
+            this.require(&id, &partition, Role::Operator)?;
+            let m = this.live.migrate(r.allocation_id, &r.node, r.checkpoint)?;
             tracing::info!(target: "berth::serve", job = m.job_id, from = r.allocation_id, to = m.alloc_id, node = %m.node, by = %id.name, "task migration started");
             Ok(Response::new(pb::MigrateTaskResponse { job_id: m.job_id, allocation_id: m.alloc_id, node: m.node, gpus: m.gpus }))
-        })
+        }).await
     }
 
     async fn sleep_job(&self, req: Request<pb::SleepJobRequest>) -> Reply<pb::SleepJobResponse> {
-        crate::util::may_block(|| {
-            self.set_sleep(req, false)
-        })
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            this.set_sleep(req, false)
+        }).await
     }
 
     async fn wake_job(&self, req: Request<pb::SleepJobRequest>) -> Reply<pb::SleepJobResponse> {
-        crate::util::may_block(|| {
-            self.set_sleep(req, true)
-        })
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            this.set_sleep(req, true)
+        }).await
     }
 
     async fn list_jobs(&self, req: Request<pb::ListJobsRequest>) -> Reply<pb::ListJobsResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let r = req.into_inner();
             let limit = if r.limit == 0 { 1000 } else { (r.limit as usize).min(MAX_LIST_JOBS) };
             if !r.state.is_empty() && !SHOWN_STATES.contains(&r.state.as_str()) {
@@ -373,9 +380,9 @@ impl Berth for Service {
             // number of jobs kept.
             let mut jobs = Vec::new();
             let mut more = false;
-            for p in self.viewable(&id, &r.partition)? {
-                let st = self.live.partitions[p].lock_state();
-                let operator = id.role_in(&self.live.partitions[p].name) >= Some(Role::Operator);
+            for p in this.viewable(&id, &r.partition)? {
+                let st = this.live.partitions[p].lock_state();
+                let operator = id.role_in(&this.live.partitions[p].name) >= Some(Role::Operator);
                 let page: Vec<pb::Job> = st
                     .jobs
                     .range(..before)
@@ -395,16 +402,17 @@ impl Berth for Service {
             more |= jobs.len() < gathered;
             let next_before_id = if more { jobs.last().map_or(0, |j| j.id) } else { 0 };
             Ok(Response::new(pb::ListJobsResponse { jobs, next_before_id }))
-        })
+        }).await
     }
 
     async fn explain_job(&self, req: Request<pb::ExplainJobRequest>) -> Reply<pb::ExplainJobResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let job_id = req.get_ref().job_id;
-            let p = self.job_partition(&id, job_id)?;
-            let part = &self.live.partitions[p];
-            self.require(&id, &part.name, Role::Viewer)?;
+            let p = this.job_partition(&id, job_id)?;
+            let part = &this.live.partitions[p];
+            this.require(&id, &part.name, Role::Viewer)?;
             let st = part.lock_state();
             // Pruned since it was found: gone, as for any unknown job.
             let job = st.jobs.get(&job_id).ok_or(ServeError::UnknownJob(job_id))?;
@@ -489,22 +497,23 @@ impl Berth for Service {
                 out.summary = if until == u64::MAX {
                     format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)
                 } else {
-                    let wait = until.saturating_sub(self.live.now_s());
+                    let wait = until.saturating_sub(this.live.now_s());
                     format!("reserved by the starvation guard: starts within {wait} s at the latest (nodes drained for it); {}", out.summary)
                 };
             }
             Ok(Response::new(out))
-        })
+        }).await
     }
 
     async fn list_nodes(&self, req: Request<pb::ListNodesRequest>) -> Reply<pb::ListNodesResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let mut nodes = Vec::new();
             // Agent nodes are in the fleet; the hub knows their reachability and health.
-            let agents = self.agents.as_ref().map(|h| h.node_states()).unwrap_or_default();
-            for p in self.viewable(&id, &req.get_ref().partition)? {
-                let part = &self.live.partitions[p];
+            let agents = this.agents.as_ref().map(|h| h.node_states()).unwrap_or_default();
+            for p in this.viewable(&id, &req.get_ref().partition)? {
+                let part = &this.live.partitions[p];
                 let st = part.lock_state();
                 nodes.extend(st.fleet.nodes().iter().map(|n| {
                     let agent = st.agent_ids.contains_key(&n.name).then(|| agents.get(&n.name).cloned().unwrap_or_default());
@@ -527,15 +536,16 @@ impl Berth for Service {
                 }}));
             }
             Ok(Response::new(pb::ListNodesResponse { nodes }))
-        })
+        }).await
     }
 
     async fn list_partitions(&self, req: Request<pb::ListPartitionsRequest>) -> Reply<pb::ListPartitionsResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let mut partitions = Vec::new();
-            for p in self.viewable(&id, "")? {
-                let part = &self.live.partitions[p];
+            for p in this.viewable(&id, "")? {
+                let part = &this.live.partitions[p];
                 let candidate = part.candidate();
                 let st = part.lock_state();
                 let running = st.jobs.values().filter(|j| j.state == JobState::Running).count() as u32;
@@ -562,12 +572,13 @@ impl Berth for Service {
                 });
             }
             Ok(Response::new(pb::ListPartitionsResponse { partitions }))
-        })
+        }).await
     }
 
     async fn accounting(&self, req: Request<pb::AccountingRequest>) -> Reply<pb::AccountingResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let mut total = accounting::Accounting::default();
             let mut rows = Vec::new();
             let add = |into: &mut accounting::Denominators, d: &accounting::Denominators| {
@@ -577,8 +588,8 @@ impl Berth for Service {
                 into.busy += d.busy;
                 into.productive += d.productive;
             };
-            for p in self.viewable(&id, &req.get_ref().partition)? {
-                let part = &self.live.partitions[p];
+            for p in this.viewable(&id, &req.get_ref().partition)? {
+                let part = &this.live.partitions[p];
                 let st = part.lock_state();
                 let pending: Vec<PendingShape> = st
                     .pending
@@ -610,21 +621,22 @@ impl Berth for Service {
             rows.extend(total.by_model.iter().map(|(m, d)| pb::AccountingRow { group: format!("model {m}"), gpus: Some(denominators(d)) }));
             let stranded = total.stranded.iter().map(|(c, g)| pb::StrandedRow { cause: format!("{c:?}"), gpus: *g }).collect();
             Ok(Response::new(pb::AccountingResponse { rows, stranded }))
-        })
+        }).await
     }
 
     async fn set_guard(&self, req: Request<pb::SetGuardRequest>) -> Reply<pb::SetGuardResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let r = req.into_inner();
-            self.require(&id, &r.partition, Role::Operator)?;
-            let p = self.live.partition_index(&r.partition)?;
+            this.require(&id, &r.partition, Role::Operator)?;
+            let p = this.live.partition_index(&r.partition)?;
             let guard = super::guard::requested(r.off, r.reserve_after_s, r.aging_per_hour)?;
-            self.live.set_guard(p, guard)?;
+            this.live.set_guard(p, guard)?;
             let text = super::guard::describe(guard);
             tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, guard = %text, "starvation guard set");
             Ok(Response::new(pb::SetGuardResponse { guard: text }))
-        })
+        }).await
     }
 
     async fn compact_live(&self, req: Request<pb::CompactLiveRequest>) -> Reply<pb::CompactLiveResponse> {
@@ -673,14 +685,15 @@ impl Berth for Service {
     }
 
     async fn list_compactions(&self, req: Request<pb::ListCompactionsRequest>) -> Reply<pb::ListCompactionsResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let r = req.into_inner();
             let limit = if r.limit == 0 { 100 } else { (r.limit as usize).min(1000) };
             let mut chains = Vec::new();
-            for p in self.viewable(&id, &r.partition)? {
-                let name = self.live.partitions[p].name.clone();
-                for c in self.live.compactions(&name, limit)? {
+            for p in this.viewable(&id, &r.partition)? {
+                let name = this.live.partitions[p].name.clone();
+                for c in this.live.compactions(&name, limit)? {
                     chains.push(pb::CompactionChain {
                         id: c.id,
                         partition: name.clone(),
@@ -723,15 +736,16 @@ impl Berth for Service {
             chains.sort_by_key(|c| std::cmp::Reverse(c.started_unix_ms));
             chains.truncate(limit);
             Ok(Response::new(pb::ListCompactionsResponse { chains }))
-        })
+        }).await
     }
 
     async fn quote(&self, req: Request<pb::QuoteRequest>) -> Reply<pb::QuoteResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let q = req.into_inner();
-            self.require(&id, &q.partition, Role::Viewer)?;
-            let p = self.live.partition_index(&q.partition)?;
+            this.require(&id, &q.partition, Role::Viewer)?;
+            let p = this.live.partition_index(&q.partition)?;
             let bad = |m: String| Status::from(ServeError::Invalid(m));
             let tasks = q.tasks.max(1);
             if tasks > 4096 {
@@ -743,7 +757,7 @@ impl Berth for Service {
             if q.models.len() > 64 || q.models.iter().any(|m| m.len() > 256) {
                 return Err(bad("at most 64 models of 256 bytes".into()));
             }
-            let st = self.live.partitions[p].lock_state();
+            let st = this.live.partitions[p].lock_state();
             let models = q
                 .models
                 .iter()
@@ -762,14 +776,15 @@ impl Berth for Service {
                 meets_deadline: quote.meets_deadline.unwrap_or(false),
                 queued_ahead: st.queued_at_or_above(q.priority),
             }))
-        })
+        }).await
     }
 
     async fn query_decisions(&self, req: Request<pb::QueryDecisionsRequest>) -> Reply<pb::QueryDecisionsResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let r = req.into_inner();
-            let allowed: Vec<String> = self.viewable(&id, &r.partition)?.into_iter().map(|p| self.live.partitions[p].name.clone()).collect();
+            let allowed: Vec<String> = this.viewable(&id, &r.partition)?.into_iter().map(|p| this.live.partitions[p].name.clone()).collect();
             let filter = Filter {
                 partition: (!r.partition.is_empty()).then_some(r.partition.clone()),
                 job_id: (r.job_id != 0).then_some(r.job_id),
@@ -779,10 +794,10 @@ impl Berth for Service {
             };
             let limit = if r.limit == 0 { 100 } else { r.limit as usize };
             let mut decisions: Vec<pb::Decision> =
-                self.live.decisions.query(&filter).into_iter().filter(|d| allowed.contains(&d.partition)).take(limit).map(decision_message).collect();
+                this.live.decisions.query(&filter).into_iter().filter(|d| allowed.contains(&d.partition)).take(limit).map(decision_message).collect();
             fit_reply(&mut decisions);
             Ok(Response::new(pb::QueryDecisionsResponse { decisions }))
-        })
+        }).await
     }
 
     async fn upload_policy(&self, req: Request<pb::UploadPolicyRequest>) -> Reply<pb::UploadPolicyResponse> {
@@ -824,13 +839,14 @@ impl Berth for Service {
     }
 
     async fn policy_history(&self, req: Request<pb::PolicyHistoryRequest>) -> Reply<pb::PolicyHistoryResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let r = req.into_inner();
             let partition = r.partition;
-            self.require(&id, &partition, Role::Viewer)?;
+            this.require(&id, &partition, Role::Viewer)?;
             let hook = PolicyHook::parse(&r.hook)?;
-            let record = self.live.registry.record(&hook_key(&partition, hook))?;
+            let record = this.live.registry.record(&hook_key(&partition, hook))?;
             Ok(Response::new(pb::PolicyHistoryResponse {
                 versions: record
                     .versions
@@ -852,7 +868,7 @@ impl Berth for Service {
                     .collect(),
                 active_version: record.active.unwrap_or(0),
             }))
-        })
+        }).await
     }
 
     async fn set_shadow(&self, req: Request<pb::SetShadowRequest>) -> Reply<pb::SetShadowResponse> {
@@ -882,12 +898,13 @@ impl Berth for Service {
     }
 
     async fn shadow_report(&self, req: Request<pb::ShadowReportRequest>) -> Reply<pb::ShadowReportResponse> {
-        crate::util::may_block(|| {
-            let id = self.who(&req)?;
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
             let r = req.into_inner();
             let partition = r.partition;
-            self.require(&id, &partition, Role::Viewer)?;
-            let part = &self.live.partitions[self.live.partition_index(&partition)?];
+            this.require(&id, &partition, Role::Viewer)?;
+            let part = &this.live.partitions[this.live.partition_index(&partition)?];
             let hook = super::state::PolicyHook::parse(&r.hook)?;
             if hook == super::state::PolicyHook::Compact {
                 let candidate = part.compact.candidate.lock().unwrap().clone();
@@ -996,6 +1013,6 @@ impl Berth for Service {
                     })
                     .collect(),
             }))
-        })
+        }).await
     }
 }

@@ -103,6 +103,19 @@ pub struct TaskRun {
     pub stop_timed_by_agent: bool,
 }
 
+/// An agent's report on one of its allocations, queued for the node's
+/// partition: the scheduler takes reports in between passes (see
+/// [`Live::queue_report`]).
+#[derive(Clone, Debug)]
+pub struct QueuedReport {
+    pub alloc_id: u64,
+    pub report: super::lifecycle::Report,
+    pub exit_code: i32,
+    pub signal: i32,
+    pub detail: String,
+    pub stopped: Option<Stopped>,
+}
+
 /// How a stopped task went, as its agent measured: from the stop command
 /// to the exit, and whether the stop grace ran out (SIGKILL).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -583,6 +596,9 @@ pub struct Partition {
     pub(super) inbox: Mutex<Vec<(u64, JobRecord)>>,
     /// Heartbeats not yet reconciled with the state (see [`Beat`]).
     pub(super) beats: Mutex<Beats>,
+    /// Agents' reports not yet taken in (see [`Live::queue_report`]), in
+    /// the order they came.
+    pub(super) reports: Mutex<Vec<QueuedReport>>,
     /// A pass is running (read without the state's lock, which a pass holds
     /// through its policy calls).
     pub(super) deciding: AtomicBool,
@@ -666,6 +682,7 @@ impl Partition {
             compact: HookSlot::default(),
             inbox: Mutex::new(Vec::new()),
             beats: Mutex::new(Beats::default()),
+            reports: Mutex::new(Vec::new()),
             deciding: AtomicBool::new(false),
         }
     }
@@ -684,7 +701,12 @@ impl Partition {
     /// Whether accepted jobs wait to be moved into the state, or
     /// heartbeats to be reconciled with it.
     pub(super) fn inbox_waiting(&self) -> bool {
-        self.jobs_waiting() || !self.beats.lock().unwrap().is_empty()
+        self.jobs_waiting() || !self.beats.lock().unwrap().is_empty() || self.reports_waiting()
+    }
+
+    /// Whether agents' reports wait to be taken in.
+    pub(super) fn reports_waiting(&self) -> bool {
+        !self.reports.lock().unwrap().is_empty()
     }
 
     /// Whether accepted jobs wait to be moved into the state.
