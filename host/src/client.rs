@@ -95,7 +95,8 @@ pub fn status(s: tonic::Status) -> anyhow::Error {
 
 /// The exit statuses of `berth` commands (listed in `berth --help`).
 pub mod exit {
-    /// Anything else that failed (a file, a policy, a local check).
+    /// Anything else that failed (a file, a policy, a local check, the
+    /// server's own failure: INTERNAL, UNKNOWN, DATA_LOSS).
     pub const FAILED: u8 = 1;
     /// The command line was wrong (clap's own status).
     pub const USAGE: u8 = 2;
@@ -119,6 +120,8 @@ pub fn exit_code(e: &anyhow::Error) -> Option<u8> {
         if let Some(c) = answered {
             code = match c {
                 tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => exit::UNREACHABLE,
+                // The server failed, not the request.
+                tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::DataLoss => exit::FAILED,
                 _ => exit::REFUSED,
             };
             break;

@@ -532,7 +532,6 @@ enum PolicyCommand {
 }
 
 fn main() -> std::process::ExitCode {
-    quiet_on_closed_pipe();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => match berth::client::exit_code(&e) {
@@ -566,6 +565,11 @@ fn run() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // (Not for the long-running host and agent: a closed stdout must not
+    // end them silently.)
+    if !matches!(cli.command, Command::Serve(_) | Command::Agent(_)) {
+        quiet_on_closed_pipe();
+    }
     let engine = || PolicyEngine::new(PolicyEngine::default_cache_dir()).map(Arc::new);
     match cli.command {
         Command::Demo { nodes, seed, policies, json } => {

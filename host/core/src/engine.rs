@@ -772,9 +772,14 @@ impl Engine {
     /// A running job's task moved (make-before-break migration done): the
     /// engine's record follows; the caller made the fleet's changes.
     pub fn replace_held(&mut self, slot: Slot, old: &Allocation, new: Allocation) -> bool {
+        let nodes = [old.node, new.node];
         match self.runs.held[slot].iter_mut().find(|a| *a == old) {
             Some(a) => {
                 *a = new;
+                // The new copy was allocated on the fleet when the move
+                // began, as nobody's low work: the view is told its node now
+                // counts it as this job's.
+                self.runs.held_moved(slot, nodes);
                 true
             }
             None => false,
@@ -1700,6 +1705,20 @@ impl Runs {
         let changed = if low { self.running_low.insert(j) } else { self.running_low.remove(&j) };
         if changed && let Some(moved) = &mut self.low_moved {
             moved.extend(self.held[j].iter().map(|a| a.node));
+            if moved.len() > MAX_LOW_MOVED {
+                self.low_moved = None;
+            }
+        }
+    }
+
+    /// Job `j`'s allocations moved between `nodes` without the fleet
+    /// changing there now (a migration recorded after the fact): noted for
+    /// the view when `j` counts as low-priority work.
+    fn held_moved(&mut self, j: Slot, nodes: [NodeId; 2]) {
+        if self.running_low.contains(&j)
+            && let Some(moved) = &mut self.low_moved
+        {
+            moved.extend(nodes);
             if moved.len() > MAX_LOW_MOVED {
                 self.low_moved = None;
             }

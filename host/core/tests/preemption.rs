@@ -330,6 +330,11 @@ enum Step {
     /// A node is cordoned or uncordoned outside the engine.
     Cordon(u32, bool),
     Compact,
+    /// The live host's make-before-break move, done outside the engine:
+    /// the k-th running job's first task gets a copy on node n (allocated
+    /// on the fleet), then the old copy is released and the engine told
+    /// (`replace_held`).
+    Migrate(usize, u32),
 }
 
 fn arb_step() -> impl Strategy<Value = Step> {
@@ -344,6 +349,7 @@ fn arb_step() -> impl Strategy<Value = Step> {
         1 => any::<usize>().prop_map(Step::Vacated),
         1 => (0u32..6, any::<bool>()).prop_map(|(n, c)| Step::Cordon(n, c)),
         1 => Just(Step::Compact),
+        1 => (any::<usize>(), 0u32..6).prop_map(|(k, n)| Step::Migrate(k, n)),
     ]
 }
 
@@ -353,8 +359,9 @@ proptest! {
     /// High priority decides on a view of the fleet without low-priority
     /// work, kept from pass to pass by the nodes that changed. Whatever
     /// happens (placements, preemptions, ends, departures, sleeps and
-    /// wakes, requeues, cordons, compaction moves), the kept view is the
-    /// one made anew from the fleet after every pass.
+    /// wakes, requeues, cordons, compaction moves, the live host's
+    /// migrations), the kept view is the one made anew from the fleet
+    /// after every pass.
     #[test]
     fn the_kept_view_without_low_priority_work_never_drifts(steps in prop::collection::vec(arb_step(), 1..60)) {
         use berth_core::engine::{Deciders, World};
@@ -407,6 +414,28 @@ proptest! {
                     events.push(Event::FleetChanged);
                 }
                 Step::Compact => events.push(Event::Compact),
+                Step::Migrate(k, n) => {
+                    if let Some(slot) = pick(k, &running) {
+                        let old = engine.held(slot)[0].clone();
+                        let node = &f.nodes()[n as usize];
+                        let free: Vec<usize> = (0..node.gpus.len()).filter(|&g| node.gpus[g] >= old.gpu_milli).collect();
+                        let want = old.gpus.count_ones() as usize;
+                        if n != old.node && free.len() >= want {
+                            let mask = free[..want].iter().fold(0u64, |m, &g| m | 1 << g);
+                            let new = berth_core::Allocation { node: n, gpus: mask, ..old.clone() };
+                            if f.allocate(&new).is_ok() {
+                                // The view is brought up to date while both
+                                // copies are held (the move under way)...
+                                if let Err(e) = engine.check_high_view(&f) {
+                                    prop_assert!(false, "during a move: {e}");
+                                }
+                                // ...then the old copy goes.
+                                f.release(&old).unwrap();
+                                prop_assert!(engine.replace_held(slot, &old, new));
+                            }
+                        }
+                    }
+                }
             }
             let mut deciders = Deciders { placement: &mut placement, preemption: Some(&mut rank), compaction: Some((&mut compact, compaction.clone())) };
             let pass = engine.handle(&mut f, now, events, &mut deciders, &mut World { eligible: None, observer: None });

@@ -164,7 +164,13 @@ fn with_own_dir_on_path(env: &mut Vec<(String, std::ffi::OsString)>, exe: &std::
                 }
             }
         }
-        None => env.push(("PATH".into(), dir.into())),
+        // No PATH of its own: the usual system folders, then its own.
+        None => {
+            let dirs = ["/usr/local/bin", "/usr/bin", "/bin"].into_iter().map(PathBuf::from).chain([dir.to_path_buf()]);
+            if let Ok(joined) = std::env::join_paths(dirs) {
+                env.push(("PATH".into(), joined));
+            }
+        }
     }
 }
 

@@ -656,7 +656,7 @@ impl Live {
     /// once (the partitions' locks are waited for); the agents' reports
     /// through the hub are queued instead ([`Live::queue_report`]).
     pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str, stopped: Option<Stopped>) {
-        let r = QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped };
+        let r = QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped, taken: None };
         for part in &self.partitions {
             if self.report_in(part, &mut part.lock_state(), &r) {
                 return;
@@ -671,25 +671,29 @@ impl Live {
     /// host's heartbeats and its scheduler.
     pub fn queue_report(&self, partition: &str, r: QueuedReport) {
         let Ok(p) = self.partition_index(partition) else {
-            return self.task_report(r.alloc_id, r.report, r.exit_code, r.signal, &r.detail, r.stopped);
+            self.task_report(r.alloc_id, r.report, r.exit_code, r.signal, &r.detail, r.stopped);
+            if let Some(taken) = r.taken {
+                let _ = taken.send(());
+            }
+            return;
         };
         let part = &self.partitions[p];
-        let was_empty = {
-            let mut q = part.reports.lock().unwrap();
-            q.push(r);
-            q.len() == 1
-        };
-        if was_empty {
-            part.wake.notify_all();
-        }
+        part.reports.lock().unwrap().push(r);
+        // Every report (not only the first of a batch): a wake-up that
+        // came while the scheduler was between its check and its wait is
+        // lost, and the next one must not be the only other chance.
+        part.wake.notify_all();
     }
 
     /// Takes in the queued reports of partition `part` (its state locked).
     pub(super) fn take_reports(&self, part: &Partition, st: &mut PartitionState) {
         let reports = std::mem::take(&mut *part.reports.lock().unwrap());
-        for r in &reports {
-            if !self.report_in(part, st, r) {
+        for mut r in reports {
+            if !self.report_in(part, st, &r) {
                 tracing::debug!(target: "berth::serve", allocation = r.alloc_id, partition = %part.name, "report on an allocation the partition does not hold: ignored");
+            }
+            if let Some(taken) = r.taken.take() {
+                let _ = taken.send(());
             }
         }
     }

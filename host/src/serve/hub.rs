@@ -517,7 +517,8 @@ impl AgentHub for Arc<Hub> {
 
     async fn report_allocation(&self, req: Request<pb::AllocationReport>) -> Reply<pb::AllocationReportResponse> {
         let hub = self.clone();
-        crate::util::off_worker(move || {
+        let (taken, taken_in) = tokio::sync::oneshot::channel();
+        let reply = crate::util::off_worker(move || {
             let id = hub.who(&req)?;
             let mut r = req.into_inner();
             let partition = hub.agent_node_partition(&id, &r.node)?;
@@ -562,10 +563,16 @@ impl AgentHub for Arc<Hub> {
             }
             // An exit frees the GPUs in the fleet (and may end the job).
             let stopped = r.stopped.then_some(super::state::Stopped { to_exit_ms: r.stop_to_exit_ms, killed: r.killed });
-            let queued = super::state::QueuedReport { alloc_id: r.allocation_id, report, exit_code: r.exit_code, signal: r.signal, detail: r.detail, stopped };
+            let queued = super::state::QueuedReport { alloc_id: r.allocation_id, report, exit_code: r.exit_code, signal: r.signal, detail: r.detail, stopped, taken: Some(taken) };
             hub.live.queue_report(&partition, queued);
             Ok(Response::new(pb::AllocationReportResponse {}))
-        }).await
+        }).await?;
+        // Answered once the report is in the partition's state (an end
+        // stored): the agent forgets an acknowledged exit, and a host that
+        // stopped first must not have it lost. Waited for here, not on a
+        // thread.
+        taken_in.await.map_err(|_| Status::unavailable("the host stopped before taking the report in: send it again"))?;
+        Ok(reply)
     }
 
     async fn list_agents(&self, req: Request<pb::ListAgentsRequest>) -> Reply<pb::ListAgentsResponse> {

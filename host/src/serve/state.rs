@@ -106,7 +106,7 @@ pub struct TaskRun {
 /// An agent's report on one of its allocations, queued for the node's
 /// partition: the scheduler takes reports in between passes (see
 /// [`Live::queue_report`]).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct QueuedReport {
     pub alloc_id: u64,
     pub report: super::lifecycle::Report,
@@ -114,6 +114,8 @@ pub struct QueuedReport {
     pub signal: i32,
     pub detail: String,
     pub stopped: Option<Stopped>,
+    /// Told once the report is taken in (the agent's call waits for it).
+    pub taken: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// How a stopped task went, as its agent measured: from the stop command
