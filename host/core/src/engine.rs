@@ -458,8 +458,7 @@ impl Engine {
     /// the nodes that changed, and must never drift from the fleet.)
     pub fn check_high_view(&mut self, fleet: &Fleet) -> Result<(), String> {
         let kept = self.runs.high_view(fleet, self.high_view.take());
-        let mut anew = fleet.clone();
-        anew.release_all(self.runs.running_low.iter().flat_map(|&v| &self.runs.held[v])).map_err(|e| format!("the fleet without low-priority work: {e}"))?;
+        let anew = self.runs.without_low(fleet, Fleet::default());
         let view = &kept.fleet;
         kept.fleet.check_invariants().map_err(|e| format!("the kept view: {e}"))?;
         if let Some((id, (k, a))) = view.nodes().iter().zip(anew.nodes()).enumerate().find(|(_, (k, a))| k != a) {
@@ -1531,6 +1530,17 @@ struct HighView {
 /// updates, at most: past this, it is made anew.
 const MAX_LOW_MOVED: usize = 1 << 16;
 
+/// Notes `nodes` for the view (see [`Runs::low_moved`]); past
+/// [`MAX_LOW_MOVED`], the view is made anew instead.
+fn note_low_moved(moved: &mut Option<Vec<NodeId>>, nodes: impl IntoIterator<Item = NodeId>) {
+    if let Some(list) = moved {
+        list.extend(nodes);
+        if list.len() > MAX_LOW_MOVED {
+            *moved = None;
+        }
+    }
+}
+
 /// Per-job state of runs.
 #[derive(Default)]
 struct Runs {
@@ -1703,11 +1713,8 @@ impl Runs {
     /// work; its nodes are noted for the view without it.
     fn set_low(&mut self, j: Slot, low: bool) {
         let changed = if low { self.running_low.insert(j) } else { self.running_low.remove(&j) };
-        if changed && let Some(moved) = &mut self.low_moved {
-            moved.extend(self.held[j].iter().map(|a| a.node));
-            if moved.len() > MAX_LOW_MOVED {
-                self.low_moved = None;
-            }
+        if changed {
+            note_low_moved(&mut self.low_moved, self.held[j].iter().map(|a| a.node));
         }
     }
 
@@ -1715,14 +1722,17 @@ impl Runs {
     /// changing there now (a migration recorded after the fact): noted for
     /// the view when `j` counts as low-priority work.
     fn held_moved(&mut self, j: Slot, nodes: [NodeId; 2]) {
-        if self.running_low.contains(&j)
-            && let Some(moved) = &mut self.low_moved
-        {
-            moved.extend(nodes);
-            if moved.len() > MAX_LOW_MOVED {
-                self.low_moved = None;
-            }
+        if self.running_low.contains(&j) {
+            note_low_moved(&mut self.low_moved, nodes);
         }
+    }
+
+    /// The fleet without the running low-priority work, made anew in
+    /// `memory`'s allocations.
+    fn without_low(&self, fleet: &Fleet, mut memory: Fleet) -> Fleet {
+        memory.clone_from(fleet);
+        memory.release_all(self.running_low.iter().flat_map(|&v| &self.held[v])).expect("a running job's allocations are held");
+        memory
     }
 
     /// The fleet without the running low-priority work: `kept` (the last
@@ -1748,11 +1758,9 @@ impl Runs {
             view.synced = fleet.changes();
             return view;
         }
-        let mut memory = kept.map(|v| v.fleet).unwrap_or_default();
-        memory.clone_from(fleet);
-        memory.release_all(self.running_low.iter().flat_map(|&v| &self.held[v])).expect("a running job's allocations are held");
+        let view = self.without_low(fleet, kept.map(|v| v.fleet).unwrap_or_default());
         self.low_moved = Some(Vec::new());
-        HighView { fleet: memory, of: fleet.lineage(), synced: fleet.changes() }
+        HighView { fleet: view, of: fleet.lineage(), synced: fleet.changes() }
     }
 
     /// Takes back `chosen` (their allocations already released) for job

@@ -666,9 +666,9 @@ impl Live {
 
     /// Queues an agent's report for `partition` (its node's): the
     /// scheduler takes it in between passes, before the heartbeats queued
-    /// with it. The agent's call does not wait for a pass: thousands of
-    /// reports waiting on a pass's lock, a thread each, starved a 20,000-node
-    /// host's heartbeats and its scheduler.
+    /// with it (`r.taken` is told then). The agent's call waits for that
+    /// without a thread: thousands of reports waiting on a pass's lock, a
+    /// thread each, starved a 20,000-node host's heartbeats and scheduler.
     pub fn queue_report(&self, partition: &str, r: QueuedReport) {
         let Ok(p) = self.partition_index(partition) else {
             self.task_report(r.alloc_id, r.report, r.exit_code, r.signal, &r.detail, r.stopped);
