@@ -66,6 +66,17 @@ enum Command {
     /// Run inside a task started by `berth agent`: report that the task just
     /// saved a checkpoint, so preemption ranks it, and counts work lost, from now.
     Checkpointed,
+    /// Run inside a task started by `berth agent`: report work done (steps,
+    /// tokens, requests: the job's --work-unit), which the host counts in
+    /// the outcome (`berth accounting`); work after the last checkpoint is
+    /// counted lost if the task is preempted, migrated or fails.
+    Progress {
+        /// Units done since the last `berth progress` (added to the task's count).
+        units: u64,
+        /// UNITS is the task's whole count so far, not an increment.
+        #[arg(long)]
+        total: bool,
+    },
     /// Run inside a task started by `berth agent`: report that the task
     /// serves, so its migrated copy takes over (jobs submitted with --wait-ready).
     Ready,
@@ -751,6 +762,7 @@ fn run() -> anyhow::Result<()> {
         Command::Serve(args) => berth::serve::cli::serve(args)?,
         Command::Agent(args) => berth::agent::run::main(args)?,
         Command::Checkpointed => berth::agent::run::report_checkpoint()?,
+        Command::Progress { units, total } => berth::agent::run::report_progress(units, total)?,
         Command::Ready => berth::agent::run::report_ready()?,
         Command::Alloc { what } => berth::agent::run::alloc(what)?,
         Command::Api(cmd) => berth::serve::cli::run(cmd)?,

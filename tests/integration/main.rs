@@ -22,6 +22,7 @@ mod live_compaction;
 mod live_replay;
 mod live_shadow;
 mod loading;
+mod outcome;
 mod partition;
 mod pool;
 mod preempt;

@@ -1,8 +1,9 @@
 //! Fleet accounting with the three denominators ASI reports need:
-//! physical (installed, healthy), schedulable (idle capacity some pending
-//! shape can use now) and productive (allocated and advancing work), plus
-//! idle GPUs stranded by cause and shape quotes. Pure functions of fleet
-//! state.
+//! physical (installed, powered, healthy), schedulable (idle capacity some
+//! pending shape can use now) and productive (allocated and advancing
+//! work), plus reclaimable capacity, idle GPUs stranded by cause, the
+//! outcome (completed work per installed accelerator-hour and per cost) and
+//! shape quotes. Pure functions of fleet state.
 
 use std::collections::BTreeMap;
 
@@ -18,6 +19,9 @@ use crate::units::MILLI_PER_GPU;
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Denominators {
     pub installed: f64,
+    /// Installed on nodes not reported powered down.
+    pub powered: f64,
+    /// Powered, reachable and not failed.
     pub healthy: f64,
     /// Idle GPU capacity on healthy nodes that at least one pending shape
     /// could use now.
@@ -26,6 +30,34 @@ pub struct Denominators {
     /// Allocated and advancing work (from telemetry; the caller's estimate
     /// in replay).
     pub productive: f64,
+    /// GPUs a high-priority job could have without waiting for work to
+    /// end: held by preemptible (low-priority) work, or lent by a sleeping
+    /// job and idle.
+    pub reclaimable: f64,
+}
+
+impl Denominators {
+    /// Adds `other`'s GPUs to these.
+    pub fn add(&mut self, other: &Denominators) {
+        self.installed += other.installed;
+        self.powered += other.powered;
+        self.healthy += other.healthy;
+        self.schedulable += other.schedulable;
+        self.busy += other.busy;
+        self.productive += other.productive;
+        self.reclaimable += other.reclaimable;
+    }
+}
+
+/// What the caller knows of one node beyond the fleet's records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// False when the node reported itself powered down.
+    pub powered: bool,
+    /// Allocated milli-GPU doing useful work there.
+    pub productive_milli: u64,
+    /// Milli-GPU held by preemptible work, or lent by sleeping work and idle.
+    pub reclaimable_milli: u64,
 }
 
 /// Why idle GPUs on healthy nodes serve no pending shape.
@@ -98,9 +130,9 @@ fn idle_cause(node: &Node, pending: &[PendingShape], room: &[BTreeMap<u32, u32>]
 }
 
 /// Accounts `fleet` against the `pending` shapes. `partition_of[node]` names
-/// each node's partition; `productive_milli(node)` is the allocated
-/// milli-GPU doing useful work there.
-pub fn account(fleet: &Fleet, pending: &[PendingShape], partition_of: &[u32], productive_milli: &dyn Fn(usize, &Node) -> u64) -> Accounting {
+/// each node's partition; `facts(node)` says what the fleet's records do
+/// not (power, productive and reclaimable GPUs).
+pub fn account(fleet: &Fleet, pending: &[PendingShape], partition_of: &[u32], facts: &dyn Fn(usize, &Node) -> NodeFacts) -> Accounting {
     let mut acc = Accounting::default();
     // Tasks of each same-domain gang shape that fit per domain, computed
     // once per shape.
@@ -120,8 +152,16 @@ pub fn account(fleet: &Fleet, pending: &[PendingShape], partition_of: &[u32], pr
         let installed = node.gpu_total_milli();
         let free = node.gpu_free_milli();
         let busy = installed - free;
-        let mut d = Denominators { installed: gpus(installed), busy: gpus(busy), productive: gpus(productive_milli(i, node).min(busy)), ..Default::default() };
-        if node.schedulable {
+        let f = facts(i, node);
+        let mut d = Denominators {
+            installed: gpus(installed),
+            powered: if f.powered { gpus(installed) } else { 0.0 },
+            busy: gpus(busy),
+            productive: gpus(f.productive_milli.min(busy)),
+            reclaimable: gpus(f.reclaimable_milli.min(installed)),
+            ..Default::default()
+        };
+        if node.schedulable && f.powered {
             d.healthy = gpus(installed);
             if free > 0 {
                 match idle_cause(node, pending, &room) {
@@ -132,14 +172,52 @@ pub fn account(fleet: &Fleet, pending: &[PendingShape], partition_of: &[u32], pr
         }
         let model = node.model.map_or_else(|| "cpu-only".to_string(), |m| fleet.models[m as usize].clone());
         for target in [&mut acc.total, acc.by_model.entry(model).or_default(), acc.by_partition.entry(partition_of.get(i).copied().unwrap_or(0)).or_default()] {
-            target.installed += d.installed;
-            target.healthy += d.healthy;
-            target.schedulable += d.schedulable;
-            target.busy += d.busy;
-            target.productive += d.productive;
+            target.add(&d);
         }
     }
     acc
+}
+
+/// Work counted in a job's own units (steps, tokens, requests within SLO).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Work {
+    /// Units reported done.
+    pub done: f64,
+    /// Of those, units lost: done after the last checkpoint by a run that
+    /// was preempted, migrated or failed, so done again after.
+    pub lost: f64,
+}
+
+impl Work {
+    /// Work that counts: done and not lost.
+    pub fn goodput(&self) -> f64 {
+        (self.done - self.lost).max(0.0)
+    }
+
+    pub fn add(&mut self, other: &Work) {
+        self.done += other.done;
+        self.lost += other.lost;
+    }
+}
+
+/// The outcome: completed work normalised by the installed
+/// accelerator-hours and by their cost over the same time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Outcome {
+    pub work: Work,
+    pub installed_gpu_hours: f64,
+    /// Goodput per installed GPU-hour (0 before any hour is counted).
+    pub per_installed_gpu_hour: f64,
+    /// The installed GPU-hours priced by the cost table; `None` without one.
+    pub cost: Option<f64>,
+    /// Goodput per unit of cost.
+    pub per_cost: Option<f64>,
+}
+
+/// The outcome of `work` done on `installed_gpu_hours` costing `cost`.
+pub fn outcome(work: Work, installed_gpu_hours: f64, cost: Option<f64>) -> Outcome {
+    let per = |d: f64| if d > 0.0 { work.goodput() / d } else { 0.0 };
+    Outcome { work, installed_gpu_hours, per_installed_gpu_hour: per(installed_gpu_hours), cost, per_cost: cost.map(per) }
 }
 
 /// A shape quote: how many could start now, and when the next could.

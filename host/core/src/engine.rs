@@ -853,6 +853,34 @@ impl Engine {
         &self.lent
     }
 
+    /// Per node of `fleet`: the milli-GPU a high-priority job could have
+    /// without waiting for work to end — held by running low-priority work
+    /// outside protected partitions (preemptible), or lent by a sleeping job
+    /// and idle (a lent GPU a borrower uses is counted once, as the
+    /// borrower's).
+    pub fn reclaimable_milli(&self, fleet: &Fleet) -> Vec<u64> {
+        let mut per = vec![0u64; fleet.nodes().len()];
+        let nodes = fleet.nodes();
+        for &j in &self.runs.running_low {
+            if self.runs.leaving.contains(&j) {
+                continue;
+            }
+            for a in &self.runs.held[j] {
+                if let Some(n) = nodes.get(a.node as usize)
+                    && !self.config.protected_partitions.contains(&n.partition)
+                {
+                    per[a.node as usize] += a.gpu_milli_total();
+                }
+            }
+        }
+        for (&node, &mask) in &self.lent {
+            let Some(n) = nodes.get(node as usize) else { continue };
+            let idle = (0..n.gpus.len()).filter(|&g| mask & (1 << g) != 0 && n.gpus[g] == crate::units::MILLI_PER_GPU).count();
+            per[node as usize] += idle as u64 * u64::from(crate::units::MILLI_PER_GPU);
+        }
+        per
+    }
+
     /// Puts running job `j` to sleep: its GPUs are released and lent to
     /// low-priority work; it keeps its claim on them. False (and nothing
     /// changes) when it cannot sleep.

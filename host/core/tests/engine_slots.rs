@@ -78,6 +78,7 @@ fn a_sleeping_job_lends_its_gpus_to_low_priority_work_until_it_wakes() {
     let replica = engine.register(high(1, 4));
     let placed = pass(&mut engine, &mut fleet, 0, vec![Event::Arrive(replica)]);
     assert!(matches!(placed[..], [Decision::Place { job: 1, .. }]), "{placed:?}");
+    assert_eq!(engine.reclaimable_milli(&fleet), vec![0], "high-priority work is not reclaimable");
     let (borrower, other_high) = (engine.register(job(2, 2)), engine.register(high(3, 1)));
     assert!(pass(&mut engine, &mut fleet, 1, vec![Event::Arrive(borrower), Event::Arrive(other_high)]).is_empty());
 
@@ -89,6 +90,9 @@ fn a_sleeping_job_lends_its_gpus_to_low_priority_work_until_it_wakes() {
     assert!(!d.iter().any(|d| matches!(d, Decision::Place { job: 3, .. })), "{d:?}");
     assert!(engine.is_sleeping(replica) && !engine.can_sleep(replica));
     assert_eq!(engine.lent().get(&0), Some(&0b1111));
+    // Reclaimable: the borrower's 2 GPUs (preemptible) and the 2 lent idle,
+    // each counted once.
+    assert_eq!(engine.reclaimable_milli(&fleet), vec![4_000]);
     // A borrower has nothing of its own to lend.
     assert!(!engine.can_sleep(borrower));
     fleet.check_invariants().unwrap();
@@ -100,6 +104,7 @@ fn a_sleeping_job_lends_its_gpus_to_low_priority_work_until_it_wakes() {
     assert!(matches!(&d[..], [Decision::Evict { job: 2, for_job: 1, wake: true, .. }, Decision::Wake { job: 1, victims, requeued: false, .. }] if victims == &vec![2]), "{d:?}");
     assert!(!engine.is_sleeping(replica) && engine.lent().is_empty());
     assert_eq!(fleet.nodes()[0].gpu_free_milli(), 0);
+    assert_eq!(engine.reclaimable_milli(&fleet), vec![0]);
     assert!(engine.is_pending(borrower));
     fleet.check_invariants().unwrap();
 

@@ -18,6 +18,9 @@ use crate::proto as pb;
 pub const CHECKPOINT_ENV: &str = "BERTH_CHECKPOINTED";
 /// Set in a task's environment: the file `berth ready` writes.
 pub const READY_ENV: &str = "BERTH_READY";
+/// Set in a task's environment: the file holding the task's count of work
+/// done (`berth progress`, or written by the task itself as a decimal).
+pub const PROGRESS_ENV: &str = "BERTH_PROGRESS";
 /// Set in a task's environment: the file the agent writes when the task is
 /// told to checkpoint (a preemption's or a migration's notice).
 pub const NOTICE_ENV: &str = "BERTH_NOTICE";
@@ -29,6 +32,37 @@ const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 /// lost from now.
 pub fn report_checkpoint() -> anyhow::Result<()> {
     touch_marker(CHECKPOINT_ENV, "checkpointed")
+}
+
+/// `berth progress UNITS [--total]`, run inside a task: adds UNITS to the
+/// task's count of work done (or sets it, with `total`). The count is
+/// relayed by the agent and counted by the host in the outcome. Concurrent
+/// calls in one task are serialised by a lock on the count's file.
+pub fn report_progress(units: u64, total: bool) -> anyhow::Result<()> {
+    let path = std::env::var_os(PROGRESS_ENV).ok_or_else(|| anyhow::anyhow!("{PROGRESS_ENV} is not set: run `berth progress` inside a task started by `berth agent`"))?;
+    let path = std::path::Path::new(&path);
+    let mut lock_path = path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).with_context(|| format!("opening {}", std::path::Path::new(&lock_path).display()))?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor this function owns; released on close.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        anyhow::bail!("locking {}: {}", std::path::Path::new(&lock_path).display(), std::io::Error::last_os_error());
+    }
+    let count = if total { units } else { read_count(path).checked_add(units).ok_or_else(|| anyhow::anyhow!("the work count would pass {}", u64::MAX))? };
+    crate::util::write_atomic(path, count.to_string().as_bytes()).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Whether the power file says the node is off (its first word "off").
+fn powered_off(path: &std::path::Path) -> bool {
+    std::fs::read_to_string(path).is_ok_and(|t| t.split_whitespace().next().is_some_and(|w| w.eq_ignore_ascii_case("off")))
+}
+
+/// A task's count of work done (0 when absent or unreadable: the host
+/// never takes a count back, so a bad read only delays one).
+fn read_count(path: &std::path::Path) -> u64 {
+    std::fs::read_to_string(path).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0)
 }
 
 /// `berth ready`, run inside a task: tells the agent (and through it the
@@ -120,6 +154,17 @@ pub struct AgentArgs {
     /// The node's aggregation switch (above its access switch).
     #[arg(long, requires = "switch_domain")]
     aggregation: Option<u32>,
+    /// Relay a task's work count (`berth progress`) at most this often,
+    /// in milliseconds (each relay is a store write on the host); a
+    /// checkpoint and the task's end carry it at once.
+    #[arg(long, default_value_t = 5000)]
+    progress_every_ms: u64,
+    /// A file holding "off" while the node is powered down (parked): the
+    /// agent then reports it so, and the host keeps work off it and counts
+    /// its GPUs installed but not powered. For synthetic agents, the way to
+    /// power one down; on a real node, written by the power manager.
+    #[arg(long)]
+    power_file: Option<PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when stopping an allocation.
     #[arg(long, default_value_t = 10)]
     stop_grace_s: u64,
@@ -481,8 +526,10 @@ impl Agent {
 
     /// The exit report of a task: from its supervisor's record, else from
     /// the supervisor's own wait status, else unknown.
-    fn ended_report(&self, base: pb::AllocationReport, waited: Option<std::io::Result<std::process::ExitStatus>>) -> pb::AllocationReport {
+    fn ended_report(&self, mut base: pb::AllocationReport, waited: Option<std::io::Result<std::process::ExitStatus>>) -> pb::AllocationReport {
         use std::os::unix::process::ExitStatusExt;
+        // The task's last count goes with its end.
+        base.work_units = read_count(&self.progress_marker(base.allocation_id));
         let status = std::fs::read(self.record_path(base.allocation_id).1).ok().and_then(|b| serde_json::from_slice::<Ended>(&b).ok());
         match (status, waited) {
             (Some(e), _) => {
@@ -531,22 +578,27 @@ impl Agent {
         for r in pending {
             let id = r.allocation_id;
             match client.report_allocation(r.clone()).await {
-                Ok(_) => {
-                    let (rec, status) = self.record_path(id);
-                    let _ = std::fs::remove_file(rec);
-                    let _ = std::fs::remove_file(status);
-                }
+                Ok(_) => self.forget_task_files(id),
                 Err(s) if s.code() == tonic::Code::NotFound => {
                     tracing::warn!(target: "berth::agent", allocation = id, "the host does not know this allocation: {}", s.message());
-                    let (rec, status) = self.record_path(id);
-                    let _ = std::fs::remove_file(rec);
-                    let _ = std::fs::remove_file(status);
+                    self.forget_task_files(id);
                 }
                 Err(s) => {
                     tracing::warn!(target: "berth::agent", allocation = id, "report kept for later: {:?}: {}", s.code(), s.message());
                     self.unsent.lock().unwrap().push(r);
                 }
             }
+        }
+    }
+
+    /// Removes what the agent kept of an ended task whose end the host has.
+    fn forget_task_files(&self, id: u64) {
+        let (rec, status) = self.record_path(id);
+        let progress = self.progress_marker(id);
+        let mut lock = progress.as_os_str().to_owned();
+        lock.push(".lock");
+        for f in [rec, status, progress, PathBuf::from(lock)] {
+            let _ = std::fs::remove_file(f);
         }
     }
 
@@ -621,7 +673,8 @@ impl Agent {
             running.sort_unstable();
             running.dedup();
             let gpus = self.src.lock().unwrap().sample(&busy).into_iter().map(telemetry).collect();
-            let req = pb::HeartbeatRequest { node: self.node.clone(), session: session.load(std::sync::atomic::Ordering::SeqCst), gpus, running };
+            let powered_down = self.args.power_file.as_deref().is_some_and(powered_off);
+            let req = pb::HeartbeatRequest { node: self.node.clone(), session: session.load(std::sync::atomic::Ordering::SeqCst), gpus, running, powered_down };
             match self.client().heartbeat(req).await {
                 Ok(_) => {
                     if !self.unsent.lock().unwrap().is_empty() {
@@ -685,6 +738,13 @@ impl Agent {
 
     /// Relays a task's checkpoint reports while it runs (polled: a report
     /// reaches the host within a poll).
+    /// The file holding a task's count of work done (`berth progress`).
+    /// Kept until the task's exit report is acknowledged (the report
+    /// carries the last count).
+    fn progress_marker(&self, id: u64) -> PathBuf {
+        self.state_dir.join(format!("alloc-{id}.progress"))
+    }
+
     /// The file a task touches (through `berth ready`) to report that it
     /// serves.
     fn ready_marker(&self, id: u64) -> PathBuf {
@@ -718,12 +778,24 @@ impl Agent {
         let _ = std::fs::remove_file(self.notice_marker(id));
         let mut seen = None;
         let mut told_ready = false;
+        let progress = self.progress_marker(id);
+        let (mut relayed, mut relayed_at) = (0u64, std::time::Instant::now());
+        let every = Duration::from_millis(self.args.progress_every_ms);
         while self.children.lock().unwrap().contains_key(&id) {
             tokio::time::sleep(CHECKPOINT_POLL).await;
             let modified = std::fs::metadata(&marker).and_then(|m| m.modified()).ok();
+            // Every report carries the count: a checkpoint saves the work
+            // counted up to it.
+            let units = read_count(&progress);
             if modified.is_some() && modified != seen {
                 seen = modified;
-                self.report(pb::AllocationReport { state: "checkpointed".into(), ..base.clone() }).await;
+                self.report(pb::AllocationReport { state: "checkpointed".into(), work_units: units, ..base.clone() }).await;
+                (relayed, relayed_at) = (units, std::time::Instant::now());
+            } else if units > relayed && relayed_at.elapsed() >= every {
+                // At most one progress report per --progress-every-ms: each
+                // is a store write on the host.
+                self.report(pb::AllocationReport { state: "progress".into(), work_units: units, ..base.clone() }).await;
+                (relayed, relayed_at) = (units, std::time::Instant::now());
             }
             if !told_ready && ready.exists() {
                 told_ready = true;
@@ -762,6 +834,7 @@ impl Agent {
                 // so an agent restarted after a crash can still tell.
                 let (record, status) = self.record_path(id);
                 let _ = std::fs::remove_file(&status);
+                let _ = std::fs::remove_file(self.progress_marker(id));
                 let exe = match std::env::current_exe() {
                     Ok(e) => e,
                     Err(e) => {
@@ -791,6 +864,7 @@ impl Agent {
                     .env(CHECKPOINT_ENV, self.checkpoint_marker(id))
                     .env(READY_ENV, self.ready_marker(id))
                     .env(NOTICE_ENV, self.notice_marker(id))
+                    .env(PROGRESS_ENV, self.progress_marker(id))
                     .stdin(std::process::Stdio::null())
                     .process_group(0)
                     .kill_on_drop(false);

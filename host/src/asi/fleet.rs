@@ -46,6 +46,11 @@ pub struct FleetConfig {
     /// non-preemptible); low-priority work elsewhere stays preemptible.
     #[serde(default)]
     pub non_preemptible_partitions: Vec<u32>,
+    /// What one GPU-hour costs, by GPU model (any currency; models compared
+    /// case-insensitively): prices the outcome (work per unit of cost).
+    /// Absent: the outcome is per installed GPU-hour only.
+    #[serde(default)]
+    pub cost_per_gpu_hour: std::collections::BTreeMap<String, f64>,
 }
 
 /// Starvation-guard settings (see [`berth_core::sim::StarvationGuard`]).
@@ -202,10 +207,18 @@ impl FleetConfig {
             anyhow::ensure!(s.cpu_cores > 0 && s.memory_gib > 0, "{at}: CPU and memory must be positive");
         }
         self.guards()?;
+        for (model, &c) in &self.cost_per_gpu_hour {
+            anyhow::ensure!(c.is_finite() && c >= 0.0, "cost_per_gpu_hour.{model}: a non-negative number, not {c}");
+        }
         for &p in &self.non_preemptible_partitions {
             anyhow::ensure!(p < self.partitions(), "non_preemptible_partitions: partition {p} does not exist (the fleet has {})", self.partitions());
         }
         Ok(())
+    }
+
+    /// The cost table with models in lower case.
+    pub fn costs(&self) -> std::collections::BTreeMap<String, f64> {
+        self.cost_per_gpu_hour.iter().map(|(m, &c)| (m.to_ascii_lowercase(), c)).collect()
     }
 
     /// Partitions the fleet has (numbered from 0).

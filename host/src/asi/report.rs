@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use berth_core::accounting::{account, quote, Accounting, PendingShape, Quote};
+use berth_core::accounting::{account, quote, Accounting, NodeFacts, PendingShape, Quote};
 use berth_core::compaction::{CompactionConfig, CompactionPolicy, Ledger};
 use berth_core::sim::{simulate_with, Deciders, Guards, Job, SimConfig, SimOutcome};
 use berth_core::Fleet;
@@ -178,13 +178,19 @@ pub fn account_at_end(fleet: &Fleet, topo: &Topology, jobs: &[Job], out: &SimOut
         }
     }
     let mut productive = vec![0u64; fleet.nodes().len()];
+    let mut reclaimable = vec![0u64; fleet.nodes().len()];
     for (_, j, allocs) in &out.running_at_end {
         let share = productive_share(&jobs[*j], out.end_s);
+        let preemptible = jobs[*j].priority < HIGH_PRIORITY;
         for a in allocs {
             productive[a.node as usize] += (a.gpu_milli_total() as f64 * share) as u64;
+            if preemptible {
+                reclaimable[a.node as usize] += a.gpu_milli_total();
+            }
         }
     }
-    account(fleet, &pending, &topo.partition, &|i, _| productive[i])
+    // A simulated fleet is always powered.
+    account(fleet, &pending, &topo.partition, &|i, _| NodeFacts { powered: true, productive_milli: productive[i], reclaimable_milli: reclaimable[i] })
 }
 
 /// Simulates `jobs` on a fresh copy of `fleet` with one wasm policy placing,
@@ -292,9 +298,12 @@ fn ledger_cell(r: &EventReport, f: impl Fn(&Ledger) -> String) -> String {
 pub fn accounting_table(r: &EventReport) -> String {
     let a = &r.accounting;
     let mut out = format!("{} at the end of the run\n", r.policy);
-    out.push_str(&format!("{:<12}{:>12}{:>12}{:>14}{:>12}{:>12}\n", "GPUs", "installed", "healthy", "schedulable", "busy", "productive"));
+    out.push_str(&format!("{:<12}{:>12}{:>12}{:>12}{:>14}{:>12}{:>12}{:>13}\n", "GPUs", "installed", "powered", "healthy", "schedulable", "busy", "productive", "reclaimable"));
     let line = |name: &str, d: &berth_core::accounting::Denominators| {
-        format!("{name:<12}{:>12.0}{:>12.0}{:>14.1}{:>12.1}{:>12.1}\n", d.installed, d.healthy, d.schedulable, d.busy, d.productive)
+        format!(
+            "{name:<12}{:>12.0}{:>12.0}{:>12.0}{:>14.1}{:>12.1}{:>12.1}{:>13.1}\n",
+            d.installed, d.powered, d.healthy, d.schedulable, d.busy, d.productive, d.reclaimable
+        )
     };
     for (model, d) in &a.by_model {
         out.push_str(&line(model, d));

@@ -115,6 +115,9 @@ impl Live {
             }
         };
         let id = st.fleet.put_node(models, put, fresh).map_err(|e| ServeError::Invalid(e.to_string()))?;
+        // Its installed GPU-hours count from its first registration.
+        let now_ms = self.now_ms();
+        st.outcome.joined_unix_ms.entry(id).or_insert(now_ms);
         st.agent_ids.insert(node.to_string(), id);
         if st.is_agent.len() <= id as usize {
             st.is_agent.resize(id as usize + 1, false);
@@ -128,12 +131,14 @@ impl Live {
         Ok(())
     }
 
-    /// An agent node can (reachable, command stream held) or cannot take work.
+    /// An agent node can (reachable, command stream held) or cannot take
+    /// work; a node powered down never can.
     pub fn agent_node_schedulable(&self, partition: &str, node: &str, on: bool) {
         let Ok((p, id)) = self.agent_node(partition, node) else { return };
         let part = &self.partitions[p];
         let mut guard = part.lock_state();
         let st = &mut *guard;
+        let on = on && !st.outcome.powered_down.contains(&id);
         if st.fleet.nodes()[id as usize].schedulable != on {
             st.fleet.set_schedulable(id, on).expect("agent node ids are in the fleet");
             // Outside the engine: jobs that did not fit are tried again.
@@ -141,6 +146,22 @@ impl Live {
             st.dirty = true;
             part.wake.notify_all();
         }
+    }
+
+    /// An agent node reported itself powered down (parked) or up again:
+    /// installed either way, but no work is placed on a node powered down.
+    /// `reachable` says whether it could take work were it up.
+    pub fn agent_node_power(&self, partition: &str, node: &str, powered_down: bool, reachable: bool) {
+        let Ok((p, id)) = self.agent_node(partition, node) else { return };
+        {
+            let mut st = self.partitions[p].lock_state();
+            let changed = if powered_down { st.outcome.powered_down.insert(id) } else { st.outcome.powered_down.remove(&id) };
+            if !changed {
+                return;
+            }
+        }
+        tracing::info!(target: "berth::agent", node, partition, "node powered {}", if powered_down { "down" } else { "up" });
+        self.agent_node_schedulable(partition, node, reachable && !powered_down);
     }
 
     /// Takes an unhealthy GPU out of placement (now if free, else when its
@@ -551,7 +572,8 @@ impl Live {
             .collect();
         for (id, i) in moving_in.into_iter().rev() {
             let job = st.jobs.get_mut(&id).expect("listed above");
-            let (r, a) = (job.runs.remove(i), job.allocations.remove(i));
+            let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
+            super::outcome::lose_unsaved(&mut r, &mut job.work);
             job.detail = format!("migration of allocation {} to {node} rolled back: {why}", r.replaces);
             tracing::warn!(target: "berth::serve", job = id, allocation = r.alloc_id, "{}", job.detail);
             st.manual.insert(r.alloc_id, a);
@@ -574,6 +596,7 @@ impl Live {
             job.sleep = super::state::SleepState::Awake;
             if asleep {
                 for r in job.runs.iter_mut().filter(|r| r.holds) {
+                    super::outcome::lose_unsaved(r, &mut job.work);
                     st.by_alloc.remove(&r.alloc_id);
                     r.holds = false;
                     r.state = TaskState::Lost;
@@ -585,6 +608,8 @@ impl Live {
                 }
             }
             for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
+                // Requeued: it runs again from its last checkpoint.
+                super::outcome::lose_unsaved(r, &mut job.work);
                 // Same GPUs, now held by a fenced allocation instead of the
                 // job. A copy migrating in was allocated here, not by the
                 // engine: it keeps its GPUs. GPUs the engine did not give
@@ -656,9 +681,13 @@ impl Live {
     /// once (the partitions' locks are waited for); the agents' reports
     /// through the hub are queued instead ([`Live::queue_report`]).
     pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str, stopped: Option<Stopped>) {
-        let r = QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped, taken: None };
+        self.report_anywhere(&QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped, work_units: 0, taken: None });
+    }
+
+    /// Takes report `r` in at the partition holding its allocation.
+    fn report_anywhere(&self, r: &QueuedReport) {
         for part in &self.partitions {
-            if self.report_in(part, &mut part.lock_state(), &r) {
+            if self.report_in(part, &mut part.lock_state(), r) {
                 return;
             }
         }
@@ -671,7 +700,7 @@ impl Live {
     /// thread each, starved a 20,000-node host's heartbeats and scheduler.
     pub fn queue_report(&self, partition: &str, r: QueuedReport) {
         let Ok(p) = self.partition_index(partition) else {
-            self.task_report(r.alloc_id, r.report, r.exit_code, r.signal, &r.detail, r.stopped);
+            self.report_anywhere(&r);
             if let Some(taken) = r.taken {
                 let _ = taken.send(());
             }
@@ -703,7 +732,22 @@ impl Live {
     fn report_in(&self, part: &Partition, st: &mut PartitionState, r: &QueuedReport) -> bool {
         let (alloc_id, report, exit_code, signal, detail, stopped) = (r.alloc_id, r.report, r.exit_code, r.signal, r.detail.as_str(), r.stopped);
         let Some(&job_id) = st.by_alloc.get(&alloc_id) else { return false };
+        // Every report carries the run's work count: taken in first, so an
+        // exit's last units count before the run's end is judged.
+        if let Some(job) = st.jobs.get_mut(&job_id)
+            && let Some(run) = job.runs.iter_mut().find(|run| run.alloc_id == alloc_id && run.holds)
+        {
+            super::outcome::take_progress(run, &mut job.work, r.work_units);
+        }
         match report {
+            Report::Progress => {
+                // Stored with the run's count (the agent relays progress at
+                // most every few seconds): a restarted host compares the
+                // next count with this one, so nothing is counted twice.
+                if st.jobs.contains_key(&job_id) {
+                    self.persist_logged(vec![st.job_op(&part.name, job_id)]);
+                }
+            }
             Report::State(state) if state.is_gone() => {
                 self.measure_eviction_exit(part, st, job_id, alloc_id, signal, stopped);
                 self.end_task(part, st, alloc_id, state, exit_code, signal, detail);
@@ -713,6 +757,7 @@ impl Live {
                 // counts work lost, from now.
                 let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) else { return true };
                 r.checkpointed_unix_ms = self.now_ms();
+                super::outcome::checkpoint(r);
                 if let Some(&slot) = st.slots.get(&job_id) {
                     st.engine.apply(&mut st.fleet, self.now_s(), berth_core::engine::Event::Checkpoint(slot));
                 }
@@ -830,6 +875,8 @@ impl Live {
             if job.evicting {
                 // A preempted job's process is gone: its GPUs are the
                 // preemptor's already (the engine gave them at the decision).
+                // What it did since its last checkpoint is done again.
+                super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
                 let r = &mut job.runs[i];
                 r.holds = false;
                 r.state = state;
@@ -851,8 +898,10 @@ impl Live {
             }
             if job.runs[i].replaces != 0 {
                 // A migrating copy ended before its old copy did: rolled
-                // back; the old copy keeps the task.
-                let (r, a) = (job.runs.remove(i), job.allocations.remove(i));
+                // back; the old copy keeps the task (the copy's unsaved work
+                // is lost).
+                let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
+                super::outcome::lose_unsaved(&mut r, &mut job.work);
                 self.release_checked(&part.name, &mut st.fleet, &a, alloc_id);
                 job.detail = format!("migration of allocation {} to {} rolled back: {state} (exit {exit_code}, signal {signal}) {detail}", r.replaces, r.node).trim_end().to_string();
                 tracing::warn!(target: "berth::serve", job = job_id, allocation = alloc_id, "{}", job.detail);
@@ -878,6 +927,8 @@ impl Live {
                     *p = Placed { node: new_run.node.clone(), gpus: new_run.gpus.clone() };
                 }
                 tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_run.alloc_id, node = %new_run.node, "migration done: old copy {state}");
+                // The new copy resumes from the old one's last checkpoint.
+                super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
                 job.runs[i] = TaskRun { replaces: 0, checkpoint_old: false, ..new_run };
                 job.allocations[i] = new_alloc;
                 st.by_alloc.remove(&alloc_id);
@@ -889,6 +940,11 @@ impl Live {
                 st.dirty = true;
                 part.wake.notify_all();
                 return;
+            }
+            // A failure loses what the run did since its last checkpoint (a
+            // time limit or a cancel is the owner's stop, not a loss).
+            if state.failed(exit_code, signal) && job.state == JobState::Running && job.detail != super::scheduler::TIME_LIMIT_STOPPED {
+                super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
             }
             let r = &mut job.runs[i];
             r.holds = false;

@@ -69,6 +69,7 @@ impl Live {
             last_decision: String::new(),
             runs: Vec::new(),
             detail: String::new(),
+            work: Default::default(),
             evicting: false,
             waiting_on: Vec::new(),
             interruptions: 0,

@@ -406,6 +406,10 @@ pub enum ApiCommand {
         /// it to sleep in the daily trough, lending its GPUs.
         #[arg(long)]
         sleepable: bool,
+        /// What one unit of the work its tasks report (`berth progress`)
+        /// is, e.g. steps, tokens, "requests within SLO" (default: units).
+        #[arg(long, default_value = "")]
+        work_unit: String,
         /// Makes a retried submission safe: the host answers a second
         /// submission with the same key (yours, for a job it still keeps)
         /// with the first one's job instead of a new one. Default: a fresh
@@ -572,7 +576,9 @@ pub enum ApiCommand {
         #[command(flatten)]
         conn: Conn,
     },
-    /// GPU accounting: installed, healthy, schedulable, busy, productive; stranded by cause.
+    /// GPU accounting: installed, powered, healthy, schedulable, busy,
+    /// productive, reclaimable; stranded by cause; the outcome (work done,
+    /// lost, per installed GPU-hour and per cost) by partition, tenant, class.
     Accounting {
         /// Only this partition (default: every partition you may see).
         #[arg(long, default_value = "")]
@@ -774,7 +780,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, idempotency_key, conn, argv } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, work_unit, idempotency_key, conn, argv } => {
             let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
             let env = env
                 .iter()
@@ -796,6 +802,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 movable,
                 wait_ready,
                 sleepable,
+                work_unit,
             };
             let idempotency_key = idempotency_key.unwrap_or_else(|| {
                 use rand::Rng;
@@ -970,13 +977,42 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
         }
         ApiCommand::Accounting { partition, conn } => {
             let r = client(&conn).await?.accounting(pb::AccountingRequest { partition }).await.map_err(status)?.into_inner();
-            println!("{:<16} {:>9} {:>9} {:>11} {:>9} {:>10}", "GPUs", "installed", "healthy", "schedulable", "busy", "productive");
+            println!("{:<16} {:>9} {:>9} {:>9} {:>11} {:>9} {:>10} {:>11}", "GPUs", "installed", "powered", "healthy", "schedulable", "busy", "productive", "reclaimable");
             for row in r.rows {
                 let d = row.gpus.unwrap_or_default();
-                println!("{:<16} {:>9.1} {:>9.1} {:>11.1} {:>9.1} {:>10.1}", row.group, d.installed, d.healthy, d.schedulable, d.busy, d.productive);
+                println!(
+                    "{:<16} {:>9.1} {:>9.1} {:>9.1} {:>11.1} {:>9.1} {:>10.1} {:>11.1}",
+                    esc(&row.group),
+                    d.installed,
+                    d.powered,
+                    d.healthy,
+                    d.schedulable,
+                    d.busy,
+                    d.productive,
+                    d.reclaimable
+                );
             }
             for s in r.stranded {
                 println!("stranded {:<14} {:.1} GPUs", s.cause, s.gpus);
+            }
+            if r.outcome.is_empty() {
+                println!("outcome: no work reported yet (tasks report it with `berth progress UNITS`)");
+            } else {
+                println!();
+                println!("{:<24} {:<16} {:>12} {:>12} {:>12} {:>12} {:>14}", "outcome", "unit", "done", "lost", "goodput", "per GPU-h", "per cost");
+                for o in r.outcome {
+                    let per_cost = if o.has_cost { format!("{:.4}", o.per_cost) } else { "-".into() };
+                    println!(
+                        "{:<24} {:<16} {:>12} {:>12} {:>12} {:>12.4} {:>14}",
+                        esc(&o.group),
+                        esc(&o.unit),
+                        o.done,
+                        o.lost,
+                        o.goodput,
+                        o.per_installed_gpu_hour,
+                        per_cost
+                    );
+                }
             }
         }
         ApiCommand::Decisions { partition, job, version, limit, shadow, conn } => {

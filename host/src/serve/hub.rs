@@ -48,6 +48,18 @@ struct GpuState {
     last: Option<pb::GpuTelemetry>,
 }
 
+/// What one heartbeat changed, for the node's partition.
+struct BeatNews {
+    /// GPUs newly unhealthy, and GPUs measured active.
+    unhealthy: Vec<u32>,
+    active: Vec<u32>,
+    /// The node's reachability changed: whether it can take work now.
+    schedulable: Option<bool>,
+    registered_below: Option<u64>,
+    /// The node's power state changed: (powered down, command stream held).
+    power: Option<(bool, bool)>,
+}
+
 struct AgentRecord {
     partition: String,
     source: String,
@@ -68,6 +80,9 @@ struct AgentRecord {
     stopped: std::collections::HashSet<u64>,
     /// Its jobs were requeued after the grace.
     given_up: bool,
+    /// Whether it reports itself powered down (None: no beat yet this
+    /// session, so the first beat's state is passed on whatever it is).
+    powered_down: Option<bool>,
 }
 
 #[derive(Default)]
@@ -273,15 +288,14 @@ impl Hub {
                 registered_below: Some(registered_below),
                 stopped: Default::default(),
                 given_up: false,
+                powered_down: None,
             },
         );
         (pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64 }, unhealthy)
     }
 
-    /// Records a heartbeat; returns GPUs newly unhealthy, GPUs measured
-    /// active, and whether the node's schedulability changed.
-    #[allow(clippy::type_complexity)]
-    fn heartbeat_locked(&self, r: &pb::HeartbeatRequest) -> Result<(Vec<u32>, Vec<u32>, Option<bool>, Option<u64>), Status> {
+    /// Records a heartbeat; returns what the partition must learn of it.
+    fn heartbeat_locked(&self, r: &pb::HeartbeatRequest) -> Result<BeatNews, Status> {
         let mut st = self.state.lock().unwrap();
         let a = st.agents.get_mut(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
         if a.session != r.session {
@@ -298,6 +312,11 @@ impl Hub {
         a.reachable = true;
         a.given_up = false;
         let registered_below = a.registered_below.take();
+        let mut power = None;
+        if a.powered_down != Some(r.powered_down) {
+            a.powered_down = Some(r.powered_down);
+            power = Some((r.powered_down, a.commands.as_ref().is_some_and(|c| !c.is_closed())));
+        }
         let (mut unhealthy, mut active) = (Vec::new(), Vec::new());
         for t in &r.gpus {
             let Some(g) = a.gpus.iter_mut().find(|g| g.info.index == t.index) else { continue };
@@ -314,7 +333,7 @@ impl Hub {
             }
             g.last = Some(t.clone());
         }
-        Ok((unhealthy, active, schedulable, registered_below))
+        Ok(BeatNews { unhealthy, active, schedulable, registered_below, power })
     }
 
     fn send(&self, node: &str, cmd: pb::AgentCommand) -> Result<(), Status> {
@@ -469,11 +488,15 @@ impl AgentHub for Arc<Hub> {
         let r = req.into_inner();
         let partition = self.agent_node_partition(&id, &r.node)?;
         check_heartbeat(&r)?;
-        let (unhealthy, active, schedulable, registered_below) = self.heartbeat_locked(&r)?;
-        if schedulable.is_some() || !unhealthy.is_empty() {
-            // A node back, a GPU newly unhealthy: rare, taken in now (the
-            // partition's lock may be held by a pass).
+        let BeatNews { unhealthy, active, schedulable, registered_below, power } = self.heartbeat_locked(&r)?;
+        if schedulable.is_some() || !unhealthy.is_empty() || power.is_some() {
+            // A node back, a GPU newly unhealthy, a node powered down or
+            // up: rare, taken in now (the partition's lock may be held by a
+            // pass).
             crate::util::may_block(|| {
+                if let Some((down, reachable)) = power {
+                    self.live.agent_node_power(&partition, &r.node, down, reachable);
+                }
                 if let Some(on) = schedulable {
                     self.live.agent_node_schedulable(&partition, &r.node, on);
                 }
@@ -546,9 +569,14 @@ impl AgentHub for Arc<Hub> {
                 if a.node != r.node {
                     return Err(Status::not_found(format!("no allocation {} on node {}", r.allocation_id, r.node)));
                 }
-                tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
-                // A checkpoint or readiness report leaves the task's state as it was.
-                if r.state != "checkpointed" && r.state != "ready" {
+                if report == Report::Progress {
+                    tracing::debug!(target: "berth::agent", allocation = a.id, node = %r.node, work_units = r.work_units, "progress report");
+                } else {
+                    tracing::info!(target: "berth::agent", allocation = a.id, node = %r.node, state = %r.state, exit_code = r.exit_code, signal = r.signal, "allocation report");
+                }
+                // A checkpoint, readiness or progress report leaves the
+                // task's state as it was.
+                if let Report::State(_) = report {
                     a.state = r.state.clone();
                 }
                 if r.pid != 0 {
@@ -563,7 +591,16 @@ impl AgentHub for Arc<Hub> {
             }
             // An exit frees the GPUs in the fleet (and may end the job).
             let stopped = r.stopped.then_some(super::state::Stopped { to_exit_ms: r.stop_to_exit_ms, killed: r.killed });
-            let queued = super::state::QueuedReport { alloc_id: r.allocation_id, report, exit_code: r.exit_code, signal: r.signal, detail: r.detail, stopped, taken: Some(taken) };
+            let queued = super::state::QueuedReport {
+                alloc_id: r.allocation_id,
+                report,
+                exit_code: r.exit_code,
+                signal: r.signal,
+                detail: r.detail,
+                stopped,
+                work_units: r.work_units,
+                taken: Some(taken),
+            };
             hub.live.queue_report(&partition, queued);
             Ok(Response::new(pb::AllocationReportResponse {}))
         }).await?;

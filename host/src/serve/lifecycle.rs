@@ -193,6 +193,9 @@ pub enum Report {
     Checkpointed,
     /// It serves (`berth ready`); a starting task runs from now.
     Ready,
+    /// It reported work (`berth progress`): only the report's work count
+    /// is news. Its state is unchanged.
+    Progress,
 }
 
 impl Report {
@@ -200,6 +203,7 @@ impl Report {
         match s {
             "checkpointed" => Some(Report::Checkpointed),
             "ready" => Some(Report::Ready),
+            "progress" => Some(Report::Progress),
             _ => TaskState::parse(s).map(Report::State),
         }
     }
@@ -207,7 +211,7 @@ impl Report {
     /// The accepted words, for a refusal.
     pub fn names() -> String {
         let mut names: Vec<&str> = TaskState::ALL.iter().map(|t| t.as_str()).collect();
-        names.extend(["checkpointed", "ready"]);
+        names.extend(["checkpointed", "ready", "progress"]);
         names.join(", ")
     }
 }
@@ -226,6 +230,7 @@ mod tests {
         }
         assert_eq!(Report::parse("ready"), Some(Report::Ready));
         assert_eq!(Report::parse("checkpointed"), Some(Report::Checkpointed));
+        assert_eq!(Report::parse("progress"), Some(Report::Progress));
         for bad in ["", "Running", "running\n", "done", "ready "] {
             assert_eq!(Report::parse(bad), None, "{bad:?}");
         }

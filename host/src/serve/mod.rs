@@ -33,6 +33,7 @@ pub mod harvesting;
 pub mod hub;
 pub mod lifecycle;
 pub mod metrics;
+pub mod outcome;
 pub mod persist;
 pub mod quote;
 pub mod registry;

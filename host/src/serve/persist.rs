@@ -10,6 +10,7 @@
 //! jobs/<partition>/<id, 20 digits>   a job (spec, state, placements, tasks)
 //! nodes/<partition>/<name>           an agent node (model, GPUs, CPU, memory, unhealthy GPUs)
 //! held/<partition>/<allocation id>   an operator allocation, or GPUs fenced off a lost node
+//! outcome/<partition>                work of jobs removed by retention (see super::outcome)
 //! ```
 
 use std::collections::BTreeMap;
@@ -93,6 +94,11 @@ struct StoredJob {
     idempotency_key: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     spec_digest: String,
+    /// What a unit of its work is, and its tally (see [`super::outcome`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    work_unit: String,
+    #[serde(default)]
+    work: super::outcome::WorkTally,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -105,6 +111,10 @@ pub(crate) struct StoredNode {
     /// What the agent declared of its place in the fat tree.
     #[serde(default)]
     pub topology: AgentTopology,
+    /// When it first joined (Unix ms; 0: not recorded): its installed
+    /// GPU-hours count from then.
+    #[serde(default)]
+    pub joined_unix_ms: u64,
 }
 
 pub(crate) fn job_key(partition: &str, id: u64) -> String {
@@ -206,6 +216,8 @@ pub(crate) fn job_record_op(clock: &dyn Clock, partition: &str, id: u64, j: &Job
         sleep: j.sleep,
         idempotency_key: j.idempotency_key.clone(),
         spec_digest: j.spec_digest.clone(),
+        work_unit: s.work_unit.clone(),
+        work: j.work,
     };
     Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
 }
@@ -231,6 +243,7 @@ impl PartitionState {
             memory_mib: n.memory_total_mib,
             unhealthy: self.health.keys().filter(|(n, _)| *n == id).map(|&(_, g)| g).collect(),
             topology: self.topology.get(&id).copied().unwrap_or_default(),
+            joined_unix_ms: self.outcome.joined_unix_ms.get(&id).copied().unwrap_or(0),
         };
         Some(Op::Put(format!("nodes/{partition}/{name}"), serde_json::to_vec(&stored).expect("nodes serialize")))
     }
@@ -331,12 +344,22 @@ impl Live {
                 // Holds go on after the jobs took back their GPUs.
                 let mut st = part.lock_state();
                 let id = st.agent_ids[&node];
+                if n.joined_unix_ms != 0 {
+                    st.outcome.joined_unix_ms.insert(id, n.joined_unix_ms);
+                }
                 for g in n.unhealthy.into_iter().filter(|&g| (g as usize) < n.gpus) {
                     st.health.insert((id, g), false);
                 }
             }
             let mut guard = part.lock_state();
             let st = &mut *guard;
+            // The partition's first start and its retired work; a first
+            // start is stored now (installed hours count from it).
+            let key = super::outcome::retired_key(name);
+            match store.get(&key)? {
+                Some(bytes) => st.outcome.restore(&bytes).map_err(|e| anyhow::anyhow!("{key}: {e}"))?,
+                None => store.put(key, st.outcome.stored_with(std::iter::empty()))?,
+            }
             for (key, value) in store.list(&format!("held/{name}/"))? {
                 let id: u64 = key.rsplit('/').next().and_then(|i| i.parse().ok()).ok_or_else(|| anyhow::anyhow!("{key}: not an allocation id"))?;
                 let a: StoredAlloc = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
@@ -468,6 +491,7 @@ impl Live {
                             movable: j.movable,
                             wait_ready: j.wait_ready,
                             sleepable: j.sleepable,
+                            work_unit: j.work_unit.clone(),
                             job: Job { id: j.id, priority: j.priority, duration_s: j.duration_ms.div_ceil(1000), tasks: j.tasks, shape, ..Job::default() },
                         },
                         owner: j.owner,
@@ -484,6 +508,7 @@ impl Live {
                         last_decision: j.last_decision,
                         runs,
                         detail: j.detail,
+                        work: j.work,
                         evicting,
                         waiting_on,
                         interruptions,

@@ -9,6 +9,7 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use super::outcome::{self, OutcomeKey, WorkTally};
 use super::persist::{job_id_floor_key, job_key};
 use super::state::{Live, Partition, PartitionState, Retention};
 use crate::store::Op;
@@ -67,8 +68,19 @@ impl Live {
             let floor = self.pruned_job_floor.fetch_max(highest, Ordering::SeqCst).max(highest);
             let mut ops: Vec<Op> = chunk.iter().map(|&id| Op::Delete(job_key(&part.name, id))).collect();
             ops.push(Op::Put(job_id_floor_key(&part.name), floor.to_string().into_bytes()));
+            // Their work stays counted in the outcome, written with their
+            // removal (never both or neither).
+            let high = st.engine.config.high_priority;
+            let worked: Vec<(OutcomeKey, WorkTally)> =
+                chunk.iter().filter_map(|id| st.jobs.get(id)).filter(|j| j.work != WorkTally::default()).map(|j| (outcome::key_of(j, high), j.work)).collect();
+            if !worked.is_empty() {
+                ops.push(Op::Put(outcome::retired_key(&part.name), st.outcome.stored_with(worked.iter().map(|(k, w)| (k.clone(), w)))));
+            }
             if self.persist(ops).is_err() {
                 break;
+            }
+            for (k, w) in worked {
+                st.outcome.retired.entry(k).or_default().add(&w);
             }
             for &id in chunk {
                 if let Some(record) = st.drop_job(id) {

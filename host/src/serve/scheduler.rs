@@ -17,6 +17,10 @@ const STOP_RETRY: Duration = Duration::from_secs(5);
 /// How often queued heartbeats are taken in, at most (real time).
 const BEAT_BATCH: Duration = Duration::from_millis(10);
 
+/// A job's detail once its time limit stopped it: its tasks' ends are its
+/// owner's limit, not failures that lose work.
+pub(crate) const TIME_LIMIT_STOPPED: &str = "time limit reached: stopped";
+
 impl Live {
     /// Stops the scheduler threads (they finish the decision in hand).
     pub fn stop(&self) {
@@ -183,7 +187,7 @@ impl Live {
                 // A time limit: stop the processes; their exits free the GPUs.
                 // The job keeps its stored end: a host restarted before they
                 // are gone finds it past and stops them again.
-                job.detail = "time limit reached: stopped".into();
+                job.detail = TIME_LIMIT_STOPPED.into();
                 if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
                         act.stop(r.alloc_id, &r.node);

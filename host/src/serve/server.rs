@@ -48,6 +48,19 @@ count = 32
 gpus = 8
 cpu_cores = 64
 memory_gib = 1024
+
+# Illustrative prices of a GPU-hour (any currency), for the outcome per
+# cost; agent nodes' models are priced by name too.
+[cost_per_gpu_hour]
+H800 = 2.0
+A100 = 1.3
+L20 = 0.6
+H20 = 1.1
+H100 = 2.2
+H200 = 3.0
+A800 = 1.3
+L40S = 0.9
+B200 = 4.5
 "#;
 
 /// TLS material (PEM files). With `client_ca`, client certificates signed
@@ -208,6 +221,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
                 st.compaction = super::state::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
                 st.clock = config.scheduling.clock.clone();
                 st.harvest = config.scheduling.harvest;
+                st.outcome.started_unix_ms = st.clock.unix_ms();
             }
             Ok(part)
         })
@@ -242,6 +256,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         config.scheduling.clock.clone(),
     );
     live.retention = retention;
+    live.cost_per_gpu_hour = config.fleet.costs();
     let live = Arc::new(live);
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;

@@ -14,6 +14,7 @@ use super::auth::{Identity, Role};
 use super::bounds;
 use super::decisions::{DecisionRecord, Filter, Placed};
 use super::error::ServeError;
+use super::outcome::WorkTally;
 use super::registry::VersionMeta;
 use super::shadow::{self, Mode};
 use super::state::{hook_key, IdempotencyKey, JobRecord, JobSpec, JobState, Live, PolicyHook, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
@@ -171,6 +172,7 @@ impl Service {
         if let Some(k) = s.env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
             return Err(bad(format!("env name \"{}\" is empty or contains '=' or NUL", crate::text::printable(k, 64))));
         }
+        super::outcome::check_unit(&s.work_unit).map_err(bad)?;
         let gpu_milli = if s.gpus > 0 && s.gpu_milli == 0 { 1000 } else { s.gpu_milli };
         // Models of the partition's fleet, agent nodes included.
         let known = self.live.partitions[p].models.lock().unwrap().clone();
@@ -195,6 +197,7 @@ impl Service {
             movable: s.movable && !s.argv.is_empty(),
             wait_ready: s.wait_ready,
             sleepable: s.sleepable,
+            work_unit: s.work_unit.clone(),
             job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, ..Job::default() },
         })
     }
@@ -249,6 +252,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             movable: s.movable,
             wait_ready: s.wait_ready,
             sleepable: s.sleepable,
+            work_unit: s.work_unit.clone(),
         }),
         owner: j.owner.clone(),
         state: j.shown_state().into(),
@@ -261,10 +265,23 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
         runs: j
             .runs
             .iter()
-            .map(|r| pb::TaskRun { allocation_id: r.alloc_id, node: r.node.clone(), gpus: r.gpus.clone(), state: r.state.as_str().into(), exit_code: r.exit_code, signal: r.signal, replaces: r.replaces, checkpointed_unix_ms: r.checkpointed_unix_ms })
+            .map(|r| pb::TaskRun {
+                allocation_id: r.alloc_id,
+                node: r.node.clone(),
+                gpus: r.gpus.clone(),
+                state: r.state.as_str().into(),
+                exit_code: r.exit_code,
+                signal: r.signal,
+                replaces: r.replaces,
+                checkpointed_unix_ms: r.checkpointed_unix_ms,
+                work_units: r.work_units,
+                work_checkpointed: r.work_checkpointed,
+            })
             .collect(),
         detail: j.detail.clone(),
         sleep: j.sleep.as_str().into(),
+        work_done: j.work.done,
+        work_lost: j.work.lost,
     }
 }
 
@@ -290,7 +307,15 @@ fn decision_message(d: DecisionRecord) -> pb::Decision {
 }
 
 fn denominators(d: &accounting::Denominators) -> pb::Denominators {
-    pb::Denominators { installed: d.installed, healthy: d.healthy, schedulable: d.schedulable, busy: d.busy, productive: d.productive }
+    pb::Denominators {
+        installed: d.installed,
+        powered: d.powered,
+        healthy: d.healthy,
+        schedulable: d.schedulable,
+        busy: d.busy,
+        productive: d.productive,
+        reclaimable: d.reclaimable,
+    }
 }
 
 #[tonic::async_trait]
@@ -581,13 +606,14 @@ impl Berth for Service {
             let id = this.who(&req)?;
             let mut total = accounting::Accounting::default();
             let mut rows = Vec::new();
-            let add = |into: &mut accounting::Denominators, d: &accounting::Denominators| {
-                into.installed += d.installed;
-                into.healthy += d.healthy;
-                into.schedulable += d.schedulable;
-                into.busy += d.busy;
-                into.productive += d.productive;
-            };
+            let now_ms = this.live.now_ms();
+            let costs = &this.live.cost_per_gpu_hour;
+            // Outcome: per group and unit, over the partitions viewed.
+            let (mut hours, mut cost) = (0.0, Some(0.0));
+            let mut outcome_rows = Vec::new();
+            let mut by_total: BTreeMap<String, WorkTally> = BTreeMap::new();
+            let mut by_tenant: BTreeMap<(String, String), WorkTally> = BTreeMap::new();
+            let mut by_class: BTreeMap<(String, String), WorkTally> = BTreeMap::new();
             for p in this.viewable(&id, &req.get_ref().partition)? {
                 let part = &this.live.partitions[p];
                 let st = part.lock_state();
@@ -598,9 +624,14 @@ impl Berth for Service {
                     .map(|j| PendingShape { shape: j.shape.clone(), tasks: j.tasks, same_domain: false })
                     .collect();
                 let partition_of = vec![0; st.fleet.nodes().len()];
+                let reclaimable = st.engine.reclaimable_milli(&st.fleet);
                 // Simulated work always advances (productive = busy); on agent
                 // nodes productive is what telemetry measured busy.
-                let mut acc = accounting::account(&st.fleet, &pending, &partition_of, &|i, n| st.productive_milli(i, n));
+                let mut acc = accounting::account(&st.fleet, &pending, &partition_of, &|i, n| accounting::NodeFacts {
+                    powered: !st.outcome.powered_down.contains(&(i as berth_core::NodeId)),
+                    productive_milli: st.productive_milli(i, n),
+                    reclaimable_milli: reclaimable[i],
+                });
                 // Unhealthy agent GPUs are held out by allocations: not healthy, not busy.
                 for (model, (healthy, busy)) in st.held_unhealthy() {
                     for d in [Some(&mut acc.total), acc.by_model.get_mut(&model)].into_iter().flatten() {
@@ -609,18 +640,37 @@ impl Berth for Service {
                     }
                 }
                 rows.push(pb::AccountingRow { group: format!("partition {}", part.name), gpus: Some(denominators(&acc.total)) });
-                add(&mut total.total, &acc.total);
+                total.total.add(&acc.total);
                 for (model, d) in &acc.by_model {
-                    add(total.by_model.entry(model.clone()).or_default(), d);
+                    total.by_model.entry(model.clone()).or_default().add(d);
                 }
                 for (cause, g) in &acc.stranded {
                     *total.stranded.entry(*cause).or_insert(0.0) += g;
                 }
+                let (h, c) = super::outcome::installed(&st, now_ms, costs);
+                hours += h;
+                cost = cost.zip(c).map(|(a, b)| a + b);
+                let work = super::outcome::work_by_key(&st);
+                let mut by_unit: BTreeMap<String, WorkTally> = BTreeMap::new();
+                for ((tenant, class, unit), w) in &work {
+                    by_unit.entry(unit.clone()).or_default().add(w);
+                    by_tenant.entry((tenant.clone(), unit.clone())).or_default().add(w);
+                    by_class.entry((class.clone(), unit.clone())).or_default().add(w);
+                }
+                for (unit, w) in by_unit {
+                    outcome_rows.push(super::outcome::row(format!("partition {}", part.name), &unit, &w, h, c));
+                    by_total.entry(unit).or_default().add(&w);
+                }
             }
+            let cost = cost.filter(|_| !costs.is_empty());
+            let mut outcome: Vec<pb::OutcomeRow> = by_total.iter().map(|(unit, w)| super::outcome::row("total".into(), unit, w, hours, cost)).collect();
+            outcome.append(&mut outcome_rows);
+            outcome.extend(by_tenant.iter().map(|((t, unit), w)| super::outcome::row(format!("tenant {t}"), unit, w, hours, cost)));
+            outcome.extend(by_class.iter().map(|((c, unit), w)| super::outcome::row(format!("class {c}"), unit, w, hours, cost)));
             rows.insert(0, pb::AccountingRow { group: "total".into(), gpus: Some(denominators(&total.total)) });
             rows.extend(total.by_model.iter().map(|(m, d)| pb::AccountingRow { group: format!("model {m}"), gpus: Some(denominators(d)) }));
             let stranded = total.stranded.iter().map(|(c, g)| pb::StrandedRow { cause: format!("{c:?}"), gpus: *g }).collect();
-            Ok(Response::new(pb::AccountingResponse { rows, stranded }))
+            Ok(Response::new(pb::AccountingResponse { rows, stranded, outcome }))
         }).await
     }
 

@@ -101,6 +101,13 @@ pub struct TaskRun {
     pub stop_measured: bool,
     #[serde(default)]
     pub stop_timed_by_agent: bool,
+    /// Units of work this run reported (`berth progress`), and how many of
+    /// them its last checkpoint saved: the rest is lost if the run is
+    /// preempted, migrated, fails or is lost with its node.
+    #[serde(default)]
+    pub work_units: u64,
+    #[serde(default)]
+    pub work_checkpointed: u64,
 }
 
 /// An agent's report on one of its allocations, queued for the node's
@@ -114,6 +121,8 @@ pub struct QueuedReport {
     pub signal: i32,
     pub detail: String,
     pub stopped: Option<Stopped>,
+    /// Units of work the run reported so far (`berth progress`).
+    pub work_units: u64,
     /// Told once the report is taken in (the agent's call waits for it).
     pub taken: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -152,6 +161,8 @@ impl TaskRun {
             killed: false,
             stop_measured: false,
             stop_timed_by_agent: false,
+            work_units: 0,
+            work_checkpointed: 0,
         }
     }
 }
@@ -271,6 +282,8 @@ pub struct JobSpec {
     pub wait_ready: bool,
     /// The harvest schedule may put it to sleep in the trough.
     pub sleepable: bool,
+    /// What one unit of its reported work is (empty: "units").
+    pub work_unit: String,
     /// The core's view: id, priority, tasks, shape.
     pub job: Job,
 }
@@ -298,6 +311,8 @@ pub struct JobRecord {
     pub runs: Vec<TaskRun>,
     /// Why it failed or was requeued.
     pub detail: String,
+    /// Work its tasks reported, and the part of it lost (see [`super::outcome`]).
+    pub work: super::outcome::WorkTally,
     /// Preempted: its processes are stopping under the priority contract;
     /// it runs again once they are gone.
     pub evicting: bool,
@@ -410,6 +425,8 @@ pub struct PartitionState {
     /// When heartbeats were last taken in (real time: a batching rate, not
     /// a decision time).
     pub(super) beats_taken: Option<std::time::Instant>,
+    /// Node join times, power states and retired work, for the outcome.
+    pub outcome: super::outcome::PartitionOutcome,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -677,6 +694,7 @@ impl Partition {
                 in_pass: false,
                 swept_at: None,
                 beats_taken: None,
+                outcome: Default::default(),
             }),
             wake: Condvar::new(),
             place: HookSlot::default(),
@@ -789,6 +807,9 @@ pub struct Live {
     pub shutdown: AtomicBool,
     /// How much ended work is kept (see [`super::retention`]).
     pub retention: Retention,
+    /// Cost of a GPU-hour by GPU model (lower-case), from the fleet
+    /// config's `cost_per_gpu_hour`: prices the outcome.
+    pub cost_per_gpu_hour: BTreeMap<String, f64>,
     /// The largest job id pruned so far (stored: ids are never reused).
     pub(crate) pruned_job_floor: AtomicU64,
     /// Submissions' idempotency keys: (owner, key) to the job it made, for
@@ -854,6 +875,7 @@ impl Live {
             max_upload_bytes,
             shutdown: AtomicBool::new(false),
             retention: Default::default(),
+            cost_per_gpu_hour: BTreeMap::new(),
             pruned_job_floor: AtomicU64::new(0),
             idempotency: Mutex::new(HashMap::new()),
             idempotency_settled: Condvar::new(),
