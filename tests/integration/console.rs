@@ -233,6 +233,9 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
             preemptions: document.querySelectorAll('#preemptions tbody tr').length,
             ledger: document.querySelector('#compactions tbody').textContent,
             total: document.querySelector('#acct tr[data-group=\"total\"]').textContent,
+            acctHead: document.querySelector('#acct thead').textContent,
+            outcomeRows: document.querySelectorAll('#outcome tbody tr').length,
+            outcomeEmpty: !document.querySelector('#outcome-empty').hidden,
          }};"
     ));
     assert_eq!(seen["name"], MARKUP, "{seen}");
@@ -244,6 +247,10 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     assert_eq!(seen["preemptions"], 0, "nothing preempted: {seen}");
     assert_eq!(seen["ledger"], "no compaction chain has run", "{seen}");
     assert!(seen["total"].as_str().unwrap().contains("768.0"), "{seen}");
+    let head = seen["acctHead"].as_str().unwrap();
+    assert!(head.contains("Powered") && head.contains("Reclaimable"), "{seen}");
+    // Simulated jobs report no work: the outcome says how to report it.
+    assert_eq!((seen["outcomeRows"].as_u64(), seen["outcomeEmpty"].as_bool()), (Some(0), Some(true)), "{seen}");
 
     // The viewer tries to switch the shadow on: the server refuses it.
     b.act("shadow");

@@ -36,6 +36,16 @@ fn working_job(d: &Path) -> pb::JobSpec {
     }
 }
 
+/// The host's Prometheus text (plain HTTP/1.0 over a socket).
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text
+}
+
 fn alive(pid: &str) -> bool {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("gone").to_string();
@@ -82,7 +92,8 @@ async fn progress_moves_the_outcome_a_preemption_loses_unsaved_work_and_a_powere
     let d = dir("outcome");
     // A fixed port: the host is restarted at the end, its agents stay.
     let listen = format!("127.0.0.1:{}", free_port());
-    let args = ["--agent-timeout-ms", "3000", "--notice-s", "1", "--listen", &listen];
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let args = ["--agent-timeout-ms", "3000", "--notice-s", "1", "--listen", &listen, "--metrics-listen", &metrics];
     let (mut host, url) = serve(&d, "serve", &d.join("state"), &args).await;
     let power = d.join("power-n2");
     std::fs::write(&power, "off\n").unwrap();
@@ -139,6 +150,10 @@ async fn progress_moves_the_outcome_a_preemption_loses_unsaved_work_and_a_powere
     })
     .await;
     assert_one_owner(&js, &[]);
+    let text = scrape(&metrics);
+    for line in ["berth_work_done_total{partition=\"p0\",unit=\"steps\"} 65", "berth_work_lost_total{partition=\"p0\",unit=\"steps\"} 25"] {
+        assert!(text.lines().any(|l| l == line), "{line} not in the metrics:\n{text}");
+    }
     // Nothing was ever started on the powered-down node.
     assert!(js.iter().all(|j| j.runs.iter().all(|r| r.node != "n2")), "work placed on a powered-down node");
     // On the node: the only task process the low job ever had is its

@@ -573,7 +573,8 @@ impl Live {
         for (id, i) in moving_in.into_iter().rev() {
             let job = st.jobs.get_mut(&id).expect("listed above");
             let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
-            super::outcome::lose_unsaved(&mut r, &mut job.work);
+            let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
+            self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
             job.detail = format!("migration of allocation {} to {node} rolled back: {why}", r.replaces);
             tracing::warn!(target: "berth::serve", job = id, allocation = r.alloc_id, "{}", job.detail);
             st.manual.insert(r.alloc_id, a);
@@ -596,7 +597,8 @@ impl Live {
             job.sleep = super::state::SleepState::Awake;
             if asleep {
                 for r in job.runs.iter_mut().filter(|r| r.holds) {
-                    super::outcome::lose_unsaved(r, &mut job.work);
+                    let lost = super::outcome::lose_unsaved(r, &mut job.work);
+                    self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
                     st.by_alloc.remove(&r.alloc_id);
                     r.holds = false;
                     r.state = TaskState::Lost;
@@ -609,7 +611,8 @@ impl Live {
             }
             for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
                 // Requeued: it runs again from its last checkpoint.
-                super::outcome::lose_unsaved(r, &mut job.work);
+                let lost = super::outcome::lose_unsaved(r, &mut job.work);
+                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
                 // Same GPUs, now held by a fenced allocation instead of the
                 // job. A copy migrating in was allocated here, not by the
                 // engine: it keeps its GPUs. GPUs the engine did not give
@@ -737,7 +740,8 @@ impl Live {
         if let Some(job) = st.jobs.get_mut(&job_id)
             && let Some(run) = job.runs.iter_mut().find(|run| run.alloc_id == alloc_id && run.holds)
         {
-            super::outcome::take_progress(run, &mut job.work, r.work_units);
+            let new = super::outcome::take_progress(run, &mut job.work, r.work_units);
+            self.metrics.work(&part.name, &job.spec.work_unit, new, 0);
         }
         match report {
             Report::Progress => {
@@ -876,7 +880,8 @@ impl Live {
                 // A preempted job's process is gone: its GPUs are the
                 // preemptor's already (the engine gave them at the decision).
                 // What it did since its last checkpoint is done again.
-                super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
+                let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
+                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
                 let r = &mut job.runs[i];
                 r.holds = false;
                 r.state = state;
@@ -901,7 +906,8 @@ impl Live {
                 // back; the old copy keeps the task (the copy's unsaved work
                 // is lost).
                 let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
-                super::outcome::lose_unsaved(&mut r, &mut job.work);
+                let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
+                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
                 self.release_checked(&part.name, &mut st.fleet, &a, alloc_id);
                 job.detail = format!("migration of allocation {} to {} rolled back: {state} (exit {exit_code}, signal {signal}) {detail}", r.replaces, r.node).trim_end().to_string();
                 tracing::warn!(target: "berth::serve", job = job_id, allocation = alloc_id, "{}", job.detail);
@@ -928,7 +934,8 @@ impl Live {
                 }
                 tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_run.alloc_id, node = %new_run.node, "migration done: old copy {state}");
                 // The new copy resumes from the old one's last checkpoint.
-                super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
+                let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
+                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
                 job.runs[i] = TaskRun { replaces: 0, checkpoint_old: false, ..new_run };
                 job.allocations[i] = new_alloc;
                 st.by_alloc.remove(&alloc_id);
@@ -944,7 +951,8 @@ impl Live {
             // A failure loses what the run did since its last checkpoint (a
             // time limit or a cancel is the owner's stop, not a loss).
             if state.failed(exit_code, signal) && job.state == JobState::Running && job.detail != super::scheduler::TIME_LIMIT_STOPPED {
-                super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
+                let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
+                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
             }
             let r = &mut job.runs[i];
             r.holds = false;

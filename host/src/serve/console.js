@@ -323,10 +323,18 @@ function renderAccounting(a) {
   fill($('#acct tbody'), (a.rows || []).map((r) => {
     const g = r.gpus || {};
     const pct = g.healthy ? (100 * g.busy / g.healthy).toFixed(1) + ' %' : '-';
-    return el('tr', { 'data-group': r.group }, el('td', {}, r.group), el('td', { class: 'num' }, f(g.installed)), el('td', { class: 'num' }, f(g.healthy)),
-      el('td', { class: 'num' }, f(g.schedulable)), el('td', { class: 'num' }, f(g.busy)), el('td', { class: 'num' }, f(g.productive)), el('td', { class: 'num' }, pct));
+    return el('tr', { 'data-group': r.group }, el('td', {}, r.group), el('td', { class: 'num' }, f(g.installed)), el('td', { class: 'num' }, f(g.powered)),
+      el('td', { class: 'num' }, f(g.healthy)), el('td', { class: 'num' }, f(g.schedulable)), el('td', { class: 'num' }, f(g.busy)), el('td', { class: 'num' }, f(g.productive)),
+      el('td', { class: 'num' }, f(g.reclaimable)), el('td', { class: 'num' }, pct));
   }));
   fill($('#stranded tbody'), (a.stranded || []).map((s) => el('tr', {}, el('td', {}, s.cause), el('td', { class: 'num' }, f(s.gpus)))));
+  const outcome = a.outcome || [];
+  const g4 = (x) => Number(x || 0).toPrecision(4);
+  fill($('#outcome tbody'), outcome.map((o) => el('tr', { 'data-group': o.group, 'data-unit': o.unit }, el('td', {}, o.group), el('td', {}, o.unit),
+    el('td', { class: 'num' }, String(o.done || 0)), el('td', { class: 'num' }, String(o.lost || 0)), el('td', { class: 'num' }, String(o.goodput || 0)),
+    el('td', { class: 'num' }, f(o.installed_gpu_hours)), el('td', { class: 'num' }, g4(o.per_installed_gpu_hour)),
+    el('td', { class: 'num' }, o.has_cost ? g4(o.per_cost) : '-'))));
+  $('#outcome-empty').hidden = outcome.length > 0;
 }
 
 function renderDecisions(ds) {

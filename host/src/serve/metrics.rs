@@ -50,7 +50,17 @@ pub struct Metrics {
     /// Sleep-state harvesting: jobs put to sleep, woken, borrowers evicted
     /// for a wake, wakes that could not get their GPUs back.
     pub harvest: IntCounterVec,
+    /// partition, unit: work tasks reported done (`berth progress`), and
+    /// the part of it lost (see [`super::outcome`]).
+    pub work_done: IntCounterVec,
+    pub work_lost: IntCounterVec,
+    /// Work units named in labels so far: tenants name units, so beyond
+    /// [`MAX_UNIT_LABELS`] they are counted as "other".
+    unit_labels: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
+
+/// Distinct work units the metrics name (a bound on label cardinality).
+pub const MAX_UNIT_LABELS: usize = 32;
 
 impl Metrics {
     pub fn new() -> Metrics {
@@ -126,7 +136,29 @@ impl Metrics {
                 registry.register(Box::new(c.clone())).expect("registered once");
                 c
             },
+            work_done: counter("berth_work_done_total", "Work tasks reported done (berth progress), in the jobs' units", &["partition", "unit"]),
+            work_lost: counter("berth_work_lost_total", "Reported work lost: done after a run's last checkpoint by a run preempted, migrated, failed or lost", &["partition", "unit"]),
+            unit_labels: Default::default(),
             registry,
+        }
+    }
+
+    /// Counts `done` and `lost` units of work of a job in `unit` (empty:
+    /// the default unit).
+    pub fn work(&self, partition: &str, unit: &str, done: u64, lost: u64) {
+        if done == 0 && lost == 0 {
+            return;
+        }
+        let unit = if unit.is_empty() { super::outcome::DEFAULT_UNIT } else { unit };
+        let label = {
+            let mut seen = self.unit_labels.lock().unwrap();
+            if seen.contains(unit) || (seen.len() < MAX_UNIT_LABELS && seen.insert(unit.to_string())) { unit } else { "other" }
+        };
+        if done > 0 {
+            self.work_done.with_label_values(&[partition, label]).inc_by(done);
+        }
+        if lost > 0 {
+            self.work_lost.with_label_values(&[partition, label]).inc_by(lost);
         }
     }
 

@@ -45,12 +45,14 @@ impl WorkTally {
 
 /// Takes run `run`'s running count `units` in: what is new is done. A
 /// count below the known one (a task that reset its counter) adds nothing
-/// until it passes it.
-pub fn take_progress(run: &mut TaskRun, work: &mut WorkTally, units: u64) {
-    if units > run.work_units {
-        work.done = work.done.saturating_add(units - run.work_units);
+/// until it passes it. Returns the units new.
+pub fn take_progress(run: &mut TaskRun, work: &mut WorkTally, units: u64) -> u64 {
+    let new = units.saturating_sub(run.work_units);
+    if new > 0 {
+        work.done = work.done.saturating_add(new);
         run.work_units = units;
     }
+    new
 }
 
 /// The run saved its work (a checkpoint): what it did so far is kept.
@@ -58,10 +60,13 @@ pub fn checkpoint(run: &mut TaskRun) {
     run.work_checkpointed = run.work_units;
 }
 
-/// The run's work since its last checkpoint is lost: it will be done again.
-pub fn lose_unsaved(run: &mut TaskRun, work: &mut WorkTally) {
-    work.lost = work.lost.saturating_add(run.work_units.saturating_sub(run.work_checkpointed));
+/// The run's work since its last checkpoint is lost: it will be done
+/// again. Returns the units lost.
+pub fn lose_unsaved(run: &mut TaskRun, work: &mut WorkTally) -> u64 {
+    let lost = run.work_units.saturating_sub(run.work_checkpointed);
+    work.lost = work.lost.saturating_add(lost);
     run.work_checkpointed = run.work_units;
+    lost
 }
 
 /// A group of work: (tenant, class, unit).
