@@ -1014,6 +1014,8 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         return berth::compact::cli::save_event(&engine, &fleet, &jobs, &guards, &args.policies, fleet_spec, seeds[0], at, out);
     }
     let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
+    // How fast placed work advances, and what GPU-hours cost: the outcome.
+    let economics = asi_report::Economics { work: config.work_rates(&fleet), cost_per_gpu_hour: config.costs() };
     let compaction = match &args.compact {
         Some(spec) => {
             let path = catalog::resolve(spec)?;
@@ -1044,10 +1046,11 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             guards: guards.clone(),
             harvest,
             protected_partitions: config.non_preemptible_partitions.iter().copied().collect(),
+            work: economics.work.clone(),
             ..Default::default()
         };
         // Compaction and the quote run in every one of the runs.
-        let alongside = berth::asi::preempt::Alongside { compaction: compaction.as_ref(), quote: request.as_ref() };
+        let alongside = berth::asi::preempt::Alongside { compaction: compaction.as_ref(), quote: request.as_ref(), costs: Some(&economics.cost_per_gpu_hour) };
         let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base, alongside, replay_limits(args))?;
         print!("{}", berth::asi::preempt::table(&rows));
         if let Some(path) = &args.json {
@@ -1063,7 +1066,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         if !args.quiet {
             eprintln!("simulating {} jobs with {} ...", jobs.len(), loaded.info.name);
         }
-        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref(), replay_limits(args))?);
+        reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref(), replay_limits(args), &economics)?);
     }
     print!("{}", asi_report::table(&reports));
     if accounting || request.is_some() {

@@ -131,11 +131,11 @@ fn event_replay_is_all_or_nothing_and_deterministic() {
     assert_eq!(f1.gpu_allocated_milli(), running, "gangs hold all their GPUs or none");
     assert!(out.utilisation.high_milli_s <= out.utilisation.all_milli_s);
 
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
     assert!(report.allocation_pct > 30.0 && report.allocation_pct <= 100.0, "{}", report.allocation_pct);
     assert!(report.high_priority_allocation_pct <= report.allocation_pct);
     assert_eq!(report.classes.iter().map(|c| c.jobs).sum::<usize>(), jobs.len());
-    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
+    let again = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
     assert_eq!((again.allocation_pct, again.classes.clone()), (report.allocation_pct, report.classes.clone()));
     if report.large_gangs_started > 0 {
         assert!(report.large_gang_domains_mean >= report.large_gang_domains_lower_bound_mean);
@@ -211,6 +211,46 @@ fn cli_event_replay() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The event replay reports the outcome (work finished per installed GPU-hour
+/// and per cost, under the fleet's work model) beside allocation, and ranks
+/// the policies by both; the ranking follows the figures it prints.
+#[test]
+fn the_replay_ranks_policies_by_outcome_beside_allocation() {
+    let dir = std::env::temp_dir().join(format!("berth-asi-outcome-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("r.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["replay", "--fleet", "asi", "--fleet-scale", "0.02", "--days", "3", "--seeds", "1", "--policy", "best-fit", "--policy", "topo-entropy", "--quiet"])
+        .arg("--json")
+        .arg(&json)
+        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reports = doc["reports"].as_array().unwrap();
+    let figure = |r: &serde_json::Value, k: &str| r["outcome"][k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+    for r in reports {
+        let per_hour = figure(r, "per_installed_gpu_hour");
+        // Every model of the embedded fleet is at most as fast as the
+        // reference: goodput never exceeds the GPU-hours allocated.
+        let allocated = r["allocation_pct"].as_f64().unwrap() / 100.0;
+        assert!(per_hour > 0.0 && per_hour < allocated, "{} outcome {per_hour} against allocation {allocated}", r["policy"]);
+        assert!(figure(r, "per_cost") > 0.0 && figure(r, "cost") > 0.0, "the embedded fleet prices every model");
+        assert!((figure(r, "goodput_gpu_h") / figure(r, "installed_gpu_h") - per_hour).abs() < 1e-9);
+    }
+    let best = |k: &str| reports.iter().max_by(|a, b| figure(a, k).total_cmp(&figure(b, k))).unwrap()["policy"].as_str().unwrap().to_string();
+    let line = |label: &str| text.lines().find(|l| l.starts_with(label)).unwrap_or_else(|| panic!("{label}: {text}")).to_string();
+    let by_outcome = line("ranked by outcome per installed GPU-h:");
+    assert!(by_outcome.split(':').nth(1).unwrap().trim().starts_with(&best("per_installed_gpu_hour")), "{by_outcome} vs {doc}");
+    assert!(line("ranked by outcome per cost:").split(':').nth(1).unwrap().trim().starts_with(&best("per_cost")), "{text}");
+    let most_allocated = reports.iter().max_by(|a, b| a["allocation_pct"].as_f64().unwrap().total_cmp(&b["allocation_pct"].as_f64().unwrap())).unwrap()["policy"].as_str().unwrap();
+    assert!(line("ranked by allocation:").split(':').nth(1).unwrap().trim().starts_with(most_allocated), "{text}");
+    assert_eq!(text.contains("outcome and allocation disagree"), most_allocated != best("per_installed_gpu_hour"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The entropy policy packs large gangs into fewer switch domains than the
 /// topology-blind best-fit, on the same fleet and jobs, and starts as many.
 #[test]
@@ -218,8 +258,8 @@ fn entropy_policy_uses_fewer_domains_per_large_gang() {
     let (fleet, topo) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.03).build().unwrap();
     let jobs = WorkloadConfig { days: 4.0, seed: 5, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
-    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
-    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
+    let blind = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
+    let aware = run_policy(&engine(), &load(&policy_path("topo-entropy")), &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
     assert!(blind.large_gangs_started > 20, "{}", blind.large_gangs_started);
     assert!(aware.large_gangs_started as f64 >= 0.95 * blind.large_gangs_started as f64);
     assert!(aware.large_gang_domains_mean >= aware.large_gang_domains_lower_bound_mean);
@@ -251,9 +291,9 @@ fn starvation_guard_protects_the_largest_gangs() {
     let jobs = WorkloadConfig { days: 4.0, load: 1.2, seed: 1, ..WorkloadConfig::default() }.generate(&fleet);
     let horizon = 4 * 86_400;
     let policy = load(&policy_path("topo-entropy"));
-    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
     let guard = berth_core::sim::StarvationGuard { reserve_after_s: 2 * 3600, aging_per_hour: 0.0 };
-    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::everywhere(Some(guard)), None, None, Limits::default()).unwrap();
+    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::everywhere(Some(guard)), None, None, Limits::default(), &Default::default()).unwrap();
     assert_eq!(without.reservations, 0);
     assert!(with.reservations > 0);
     assert!(without.largest_gangs > 10, "{}", without.largest_gangs);
@@ -279,7 +319,7 @@ fn workload_csv_reads_jobs_and_names_bad_rows() {
     assert_eq!(jobs.len(), 3);
     assert_eq!((jobs[0].tasks, jobs[0].gpus(), jobs[0].priority), (2, 16, HIGH_PRIORITY));
     assert!(jobs[1].priority < HIGH_PRIORITY && jobs[1].shape.models.is_empty());
-    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, 7200, &Guards::default(), None, None, Limits::default()).unwrap();
+    let report = run_policy(&engine(), &load(&policy_path("best-fit")), &fleet, &topo, &jobs, 7200, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
     assert_eq!(report.classes.iter().map(|c| c.started).sum::<usize>(), 3);
     assert!(jobs.iter().all(|j| j.partition.is_none()));
 
@@ -425,14 +465,14 @@ fn periodic_compaction_in_event_replay() {
     let planner = (load(&policy_path("ipc")), config);
     let policy = load(&policy_path("best-fit"));
     let horizon = 2 * 86_400;
-    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, Some(&planner), Limits::default()).unwrap();
+    let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, Some(&planner), Limits::default(), &Default::default()).unwrap();
     let ledger = with.compaction.clone().expect("a ledger");
     let partitions = fleet.nodes().iter().map(|n| n.partition).max().unwrap() as u64 + 1;
     assert!(ledger.steps >= partitions * (horizon / 1800 - 2), "{} steps", ledger.steps);
     assert!(ledger.moves_run > 0, "IPC moved nothing in two days: {ledger:?}");
     assert_eq!(ledger.plans_rejected, 0, "{:?}", ledger.rejections);
     assert!(ledger.bytes_moved() > 0);
-    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default()).unwrap();
+    let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
     assert!(without.compaction.is_none());
     assert_eq!(with.jobs, without.jobs);
     let table = berth::asi::report::table(&[without, with]);

@@ -37,6 +37,9 @@ pub struct JobOutcome {
     pub forced: u32,
     /// GPU-seconds of work lost to preemption (recomputed after resuming).
     pub lost_gpu_s: f64,
+    /// GPU-seconds of its work done and kept by the end (goodput, at the
+    /// reference rate: a job's `duration_s` is its work; see [`WorkRates`]).
+    pub work_gpu_s: f64,
 }
 
 /// Allocation sampled over time, integrated exactly between events.
@@ -104,6 +107,31 @@ pub struct SimConfig {
     pub protected_partitions: BTreeSet<u32>,
     /// Sleep-state harvesting of idle replicas in the daily trough.
     pub harvest: Option<Harvest>,
+    /// How fast placed work advances (`None`: every run at the reference
+    /// rate, a job running exactly its `duration_s`).
+    pub work: Option<WorkRates>,
+}
+
+/// Replay's work model: a job's `duration_s` is its work at the reference
+/// rate; a run advances it at `model_speed[model]` (1 where unnamed),
+/// divided by `cross_domain_slowdown` when its tasks span more than one
+/// switch domain (ASI: all-reduce inside one access switch is up to 27%
+/// faster). A slower run holds its GPUs longer for the same work.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkRates {
+    /// Speed of each GPU model (indexed like the fleet's models) against
+    /// the reference.
+    pub model_speed: Vec<f64>,
+    pub cross_domain_slowdown: f64,
+}
+
+impl WorkRates {
+    /// Work seconds per second of a run on `model` across `domains`.
+    pub fn rate(&self, model: Option<crate::units::ModelId>, domains: u32) -> f64 {
+        let speed = model.and_then(|m| self.model_speed.get(m as usize)).copied().unwrap_or(1.0);
+        let slowdown = if domains > 1 { self.cross_domain_slowdown } else { 1.0 };
+        (speed / slowdown).max(1e-3)
+    }
 }
 
 impl SimConfig {
@@ -604,6 +632,20 @@ impl Engine {
     pub fn finish(mut self, now: u64) -> SimOutcome {
         let mut outcome = std::mem::take(&mut self.outcome);
         outcome.end_s = now;
+        // Work kept: all of it for a job that ended; what was kept across
+        // evictions plus what the current run did so far otherwise.
+        for (j, o) in outcome.jobs.iter_mut().enumerate() {
+            let Some(job) = self.jobs.get(j) else { continue };
+            let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / f64::from(crate::units::MILLI_PER_GPU);
+            let work_s = if o.end_s.is_some_and(|e| e <= now) {
+                job.duration_s
+            } else {
+                let running = self.runs.planned_end[j].is_some() && !self.sleeping.contains_key(&j);
+                let current = if running { self.runs.work_in(j, now.saturating_sub(self.runs.run_start[j])) } else { 0 };
+                (self.runs.kept_s[j] + current).min(job.duration_s)
+            };
+            o.work_gpu_s = gpus * work_s as f64;
+        }
         outcome.pending_at_end = std::mem::take(&mut self.pending);
         // Sleeping replicas are not on the fleet now: only what runs is.
         let sleeping = &self.sleeping;
@@ -1354,7 +1396,10 @@ impl Engine {
                     o.domains = domains;
                     self.runs.run_start[j] = start;
                     self.runs.checkpoint_at[j] = None;
-                    let end = start.saturating_add(remaining);
+                    // Placement sets how fast the run advances its work.
+                    let rate = self.config.work.as_ref().map_or(1.0, |w| w.rate(self.runs.held[j].first().and_then(|a| fleet.nodes()[a.node as usize].model), domains));
+                    self.runs.rate[j] = rate;
+                    let end = start.saturating_add(if rate == 1.0 { remaining } else { (remaining as f64 / rate).ceil() as u64 });
                     self.runs.planned_end[j] = Some(end);
                     if low(&self.jobs, j) {
                         self.runs.set_low(j, true);
@@ -1454,7 +1499,7 @@ impl Engine {
                 job: vj,
                 held: &self.runs.held[v],
                 running_s: ran,
-                remaining_s: vj.duration_s.saturating_sub(self.runs.kept_s[v] + ran),
+                remaining_s: vj.duration_s.saturating_sub(self.runs.kept_s[v] + self.runs.work_in(v, ran)),
                 since_checkpoint_s: self.runs.since_checkpoint(v, now, vj, &contract),
             });
             slots.push(v);
@@ -1577,6 +1622,8 @@ struct Runs {
     held: Vec<Vec<Allocation>>,
     /// When the current run's work started (after any victims vacated).
     run_start: Vec<u64>,
+    /// Work seconds the current run does per second (see [`WorkRates`]).
+    rate: Vec<f64>,
     /// The last checkpoint the job reported in its current run.
     checkpoint_at: Vec<Option<u64>>,
     /// Work kept across evictions (checkpointed).
@@ -1644,6 +1691,7 @@ impl Runs {
         self.planned_end[v] = None;
         self.held[v].clear();
         self.run_start[v] = 0;
+        self.rate[v] = 1.0;
         self.checkpoint_at[v] = None;
         self.kept_s[v] = 0;
         self.ready_at[v] = 0;
@@ -1656,6 +1704,7 @@ impl Runs {
         self.planned_end.push(None);
         self.held.push(Vec::new());
         self.run_start.push(0);
+        self.rate.push(1.0);
         self.checkpoint_at.push(None);
         self.kept_s.push(0);
         self.ready_at.push(0);
@@ -1665,11 +1714,18 @@ impl Runs {
     /// job that reports its exit, else its contract's periodic interval.
     fn since_checkpoint(&self, v: usize, now: u64, job: &Job, contract: &PriorityContract) -> u64 {
         let ran = now.saturating_sub(self.run_start[v]);
-        match self.checkpoint_at[v] {
+        let wall = match self.checkpoint_at[v] {
             Some(at) => now.saturating_sub(at.max(self.run_start[v])),
             None if job.reports_exit => ran,
             None => ran % contract.checkpoint_every_s.max(1),
-        }
+        };
+        self.work_in(v, wall)
+    }
+
+    /// Seconds of work job `v`'s current run does in `wall` seconds.
+    fn work_in(&self, v: usize, wall: u64) -> u64 {
+        let rate = self.rate[v];
+        if rate == 1.0 { wall } else { (wall as f64 * rate) as u64 }
     }
 
     /// How often job `v` was taken back in the 24 hours before `now`.
@@ -1865,8 +1921,9 @@ impl Runs {
         let job = &jobs[v];
         let contract = config.contract_of(job);
         let since = self.since_checkpoint(v, now, job, &contract);
+        // Work done in this run (its wall time at its rate).
+        let ran = self.work_in(v, now.saturating_sub(self.run_start[v]));
         let times = self.interrupted_at.entry(v).or_default();
-        let ran = now.saturating_sub(self.run_start[v]);
         let ev = if job.reports_exit {
             // The world tells when it is gone; until then it is not ready.
             // Work since its last reported checkpoint is lost unless it

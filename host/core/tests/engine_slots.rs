@@ -162,3 +162,44 @@ fn shape_classes_of_forgotten_jobs_are_recycled() {
     assert!(placed.iter().any(|d| matches!(d, Decision::Place { job: 6001, .. })), "{placed:?}");
     fleet.check_invariants().unwrap();
 }
+
+/// Replay's work model: a run on a slower model, or a gang across switch
+/// domains, holds its GPUs longer for the same work; the outcome counts the
+/// work done and kept, also of work still running at the end.
+#[test]
+fn placement_sets_how_fast_work_advances_and_the_outcome_counts_it() {
+    use berth_core::sim::{simulate, WorkRates};
+    // Model A (speed 1) on node 0, model B (speed 0.5) on node 1; nodes 2
+    // and 3 (model A) in different switch domains.
+    let mut nodes: Vec<Node> = (0..4).map(|i| Node::new(format!("n{i}"), Some(if i == 1 { 1 } else { 0 }), 4, 64_000, 256_000)).collect();
+    nodes[2].switch_domain = 1;
+    nodes[3].switch_domain = 2;
+    let mut fleet = Fleet::new(vec!["A".into(), "B".into()], nodes).unwrap();
+    let on = |id, model, tasks, gpus| {
+        let shape = TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, models: vec![model] };
+        Job { id, arrival_s: 0, duration_s: 1000, tasks, shape, ..Job::default() }
+    };
+    // A whole-node job on A (node 0), one on B (node 1), a gang of two
+    // whole nodes of A: only nodes 2 and 3 are left, in two domains. A
+    // fourth job arrives late and is still running at the horizon.
+    let late = Job { arrival_s: 4_500, ..on(4, 0, 1, 4) };
+    let jobs = vec![on(1, 0, 1, 4), on(2, 1, 1, 4), on(3, 0, 2, 4), late];
+    let work = WorkRates { model_speed: vec![1.0, 0.5], cross_domain_slowdown: 1.25 };
+    let config = SimConfig { horizon_s: 5_000, work: Some(work), ..SimConfig::default() };
+    let out = simulate(&mut fleet, &jobs, &mut FirstFit, config).unwrap();
+    let ran = |j: usize| out.jobs[j].end_s.unwrap() - out.jobs[j].start_s.unwrap();
+    assert_eq!(ran(0), 1000, "reference speed, one domain");
+    assert_eq!(ran(1), 2000, "half speed: twice as long");
+    assert_eq!(out.jobs[2].domains, 2);
+    assert_eq!(ran(2), 1250, "across two domains: 1.25 times as long");
+    // Ended jobs did all their work; the late one 500 of its 1000 s.
+    let gpu_s: Vec<f64> = out.jobs.iter().map(|o| o.work_gpu_s).collect();
+    assert_eq!(gpu_s, vec![4_000.0, 4_000.0, 8_000.0, 2_000.0]);
+    // Without the model every run takes its duration.
+    let mut fleet2 = fleet.clone();
+    for a in out.running_at_end.iter().flat_map(|(_, _, a)| a) {
+        fleet2.release(a).unwrap();
+    }
+    let plain = simulate(&mut fleet2, &jobs, &mut FirstFit, SimConfig { horizon_s: 5_000, ..SimConfig::default() }).unwrap();
+    assert!(plain.jobs[..3].iter().all(|o| o.end_s.unwrap() - o.start_s.unwrap() == 1000));
+}

@@ -51,6 +51,29 @@ pub struct FleetConfig {
     /// Absent: the outcome is per installed GPU-hour only.
     #[serde(default)]
     pub cost_per_gpu_hour: std::collections::BTreeMap<String, f64>,
+    /// Replay's work model: how fast placed work advances (absent: every
+    /// run at the reference rate).
+    #[serde(default)]
+    pub work: Option<WorkConfig>,
+}
+
+/// `[work]`: a job's duration is its work at the reference rate; a run
+/// advances it at its GPU model's speed, divided by the slowdown when its
+/// tasks span switch domains (see [`berth_core::sim::WorkRates`]).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkConfig {
+    /// ASI: all-reduce inside one access-switch domain is up to 27% faster.
+    #[serde(default = "default_slowdown")]
+    pub cross_domain_slowdown: f64,
+    /// Speed of each GPU model against the reference (models compared
+    /// case-insensitively; unnamed: 1).
+    #[serde(default)]
+    pub model_speed: std::collections::BTreeMap<String, f64>,
+}
+
+fn default_slowdown() -> f64 {
+    1.27
 }
 
 /// Starvation-guard settings (see [`berth_core::sim::StarvationGuard`]).
@@ -164,6 +187,26 @@ count = 2000
 gpus = 8
 cpu_cores = 96
 memory_gib = 1024
+
+# Illustrative: how fast each model advances training work against an
+# H800, and what a GPU-hour of each costs (any currency). The outcome
+# (work per installed GPU-hour and per cost) reads both.
+[work]
+cross_domain_slowdown = 1.27
+
+[work.model_speed]
+H800 = 1.0
+PPU = 0.8
+A100 = 0.65
+H20 = 0.45
+L20 = 0.3
+
+[cost_per_gpu_hour]
+H800 = 2.0
+PPU = 1.0
+A100 = 1.3
+H20 = 1.1
+L20 = 0.6
 "#;
 
 impl FleetConfig {
@@ -207,6 +250,12 @@ impl FleetConfig {
             anyhow::ensure!(s.cpu_cores > 0 && s.memory_gib > 0, "{at}: CPU and memory must be positive");
         }
         self.guards()?;
+        if let Some(w) = &self.work {
+            anyhow::ensure!(w.cross_domain_slowdown.is_finite() && w.cross_domain_slowdown >= 1.0, "work.cross_domain_slowdown: at least 1, not {}", w.cross_domain_slowdown);
+            for (model, &v) in &w.model_speed {
+                anyhow::ensure!(v.is_finite() && v > 0.0 && v <= 100.0, "work.model_speed.{model}: a speed in (0, 100], not {v}");
+            }
+        }
         for (model, &c) in &self.cost_per_gpu_hour {
             anyhow::ensure!(c.is_finite() && c >= 0.0, "cost_per_gpu_hour.{model}: a non-negative number, not {c}");
         }
@@ -214,6 +263,13 @@ impl FleetConfig {
             anyhow::ensure!(p < self.partitions(), "non_preemptible_partitions: partition {p} does not exist (the fleet has {})", self.partitions());
         }
         Ok(())
+    }
+
+    /// The work model for `fleet`'s GPU models, if the config has one.
+    pub fn work_rates(&self, fleet: &Fleet) -> Option<berth_core::sim::WorkRates> {
+        let w = self.work.as_ref()?;
+        let speed = |name: &str| w.model_speed.iter().find(|(m, _)| m.eq_ignore_ascii_case(name)).map_or(1.0, |(_, &v)| v);
+        Some(berth_core::sim::WorkRates { model_speed: fleet.models.iter().map(|m| speed(m)).collect(), cross_domain_slowdown: w.cross_domain_slowdown })
     }
 
     /// The cost table with models in lower case.

@@ -40,6 +40,8 @@ pub struct PreemptRow {
     pub forced_terminations: u64,
     /// GPU-hours of work lost to preemption (to be recomputed).
     pub lost_gpu_h: f64,
+    /// The outcome: work done per installed GPU-hour and per cost.
+    pub outcome: super::report::ReplayOutcome,
     /// Jobs interrupted at least once, and the most any one job was.
     pub jobs_interrupted: usize,
     pub max_interruptions: u32,
@@ -67,6 +69,8 @@ pub struct Alongside<'a> {
     pub compaction: Option<&'a (Arc<LoadedPolicy>, CompactionConfig)>,
     /// A shape to quote at the end of each run, with its start deadline.
     pub quote: Option<&'a (PendingShape, Option<u64>)>,
+    /// Prices of a GPU-hour by model (lower case), for the outcome.
+    pub costs: Option<&'a std::collections::BTreeMap<String, f64>>,
 }
 
 /// Gives each low-priority job a contract: checkpoints every 30, 60 or 120
@@ -120,6 +124,7 @@ pub fn compare(
         let out = simulate_with(&mut fleet, jobs, Deciders { placement: &mut policy, preemption: ranker, compaction }, config)?;
         fleet.check_invariants().map_err(anyhow::Error::msg)?;
         let mut row = summarise(name, &fleet, jobs, &out, horizon_s);
+        row.outcome = super::report::replay_outcome(&fleet, &out, alongside.costs.unwrap_or(&Default::default()));
         row.compaction = alongside.compaction.map(|_| out.compaction.clone());
         if let Some((request, deadline)) = alongside.quote {
             let running: Vec<(u64, Vec<berth_core::Allocation>)> = out.running_at_end.iter().map(|(e, _, a)| (*e, a.clone())).collect();
@@ -164,6 +169,7 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
         evictions: out.evictions,
         forced_terminations: out.forced_terminations,
         lost_gpu_h: out.lost_gpu_s / 3600.0,
+        outcome: Default::default(),
         jobs_interrupted: out.jobs.iter().filter(|o| o.interruptions > 0).count(),
         max_interruptions: out.jobs.iter().map(|o| o.interruptions).max().unwrap_or(0),
         vacate_mean_s: if out.vacate_s.is_empty() { 0.0 } else { out.vacate_s.iter().sum::<u64>() as f64 / out.vacate_s.len() as f64 },
@@ -205,6 +211,21 @@ pub fn table(rows: &[PreemptRow]) -> String {
             s += &format!(" {}", super::report::quote_line(q));
         }
         s += "\n";
+    }
+    // The outcome: what the fleet finished, not how busy it was.
+    for r in rows {
+        let o = &r.outcome;
+        s += &format!(
+            "{:<26} outcome {:.4} per installed GPU-h, {} per cost (goodput {:.0} GPU-h, lost {:.1})\n",
+            r.run,
+            o.per_installed_gpu_hour,
+            o.per_cost.map_or("-".into(), |c| format!("{c:.4}")),
+            o.goodput_gpu_h,
+            o.lost_gpu_h
+        );
+    }
+    if rows.len() > 1 {
+        s += &super::report::ranking(rows.iter().map(|r| (r.run.as_str(), r.allocation_pct, &r.outcome)));
     }
     s
 }

@@ -61,6 +61,8 @@ pub struct EventReport {
     pub whole_node_wait_s: [u64; 3],
     /// Reservations made by the starvation guard.
     pub reservations: u64,
+    /// The outcome: work done per installed GPU-hour and per cost.
+    pub outcome: ReplayOutcome,
     /// The three denominators and stranded GPUs at the end of the run.
     pub accounting: Accounting,
     /// The quote for the requested shape at the end of the run, if any.
@@ -70,6 +72,39 @@ pub struct EventReport {
     pub placement_calls: u64,
     /// Wall time of the simulation, s (informational).
     pub wall_s: f64,
+}
+
+/// Completed work (at the reference rate, GPU-hours: a job's duration is
+/// its work) against the installed GPU-hours and their cost over the run.
+#[derive(Debug, Serialize, Clone, PartialEq, Default)]
+pub struct ReplayOutcome {
+    /// Work done and kept by the end, and work lost to preemption.
+    pub goodput_gpu_h: f64,
+    pub lost_gpu_h: f64,
+    pub installed_gpu_h: f64,
+    /// Goodput per installed GPU-hour (a fraction of what the fleet could
+    /// do at the reference rate).
+    pub per_installed_gpu_hour: f64,
+    /// The installed GPU-hours priced by the fleet's cost table, and
+    /// goodput per unit of it; `None` without a price for every model.
+    pub cost: Option<f64>,
+    pub per_cost: Option<f64>,
+}
+
+/// The outcome of run `out` on `fleet`, priced by `costs` (GPU model in
+/// lower case to the cost of a GPU-hour).
+pub fn replay_outcome(fleet: &Fleet, out: &SimOutcome, costs: &std::collections::BTreeMap<String, f64>) -> ReplayOutcome {
+    let hours = out.utilisation.seconds / 3600.0;
+    let installed_gpu_h = fleet.gpu_total_milli() as f64 / 1000.0 * hours;
+    let mut cost = (!costs.is_empty()).then_some(0.0);
+    for n in fleet.nodes().iter().filter(|n| !n.gpus.is_empty()) {
+        let price = n.model.and_then(|m| costs.get(&fleet.models[m as usize].to_ascii_lowercase()));
+        cost = cost.zip(price).map(|(c, p)| c + p * n.gpus.len() as f64 * hours);
+    }
+    let goodput = out.jobs.iter().map(|o| o.work_gpu_s).sum::<f64>() / 3600.0;
+    let lost = out.lost_gpu_s / 3600.0;
+    let o = berth_core::accounting::outcome(berth_core::accounting::Work { done: goodput + lost, lost }, installed_gpu_h, cost);
+    ReplayOutcome { goodput_gpu_h: goodput, lost_gpu_h: lost, installed_gpu_h, per_installed_gpu_hour: o.per_installed_gpu_hour, cost, per_cost: o.per_cost }
 }
 
 /// The `p`th percentile (0..=100, nearest rank) of sorted values; 0 if none.
@@ -149,6 +184,7 @@ pub fn summarise(policy: &str, fleet: &Fleet, topo: &Topology, jobs: &[Job], out
         whole_node_started: whole.iter().filter(|(_, o)| o.start_s.is_some()).count(),
         whole_node_wait_s: [percentile(&whole_waits, 50.0), percentile(&whole_waits, 90.0), percentile(&whole_waits, 99.0)],
         reservations: out.reservations,
+        outcome: ReplayOutcome::default(),
         accounting: Accounting::default(),
         quote: None,
         compaction: None,
@@ -193,6 +229,14 @@ pub fn account_at_end(fleet: &Fleet, topo: &Topology, jobs: &[Job], out: &SimOut
     account(fleet, &pending, &topo.partition, &|i, _| NodeFacts { powered: true, productive_milli: productive[i], reclaimable_milli: reclaimable[i] })
 }
 
+/// What replay prices and how fast work advances (from the fleet config).
+#[derive(Clone, Debug, Default)]
+pub struct Economics {
+    pub work: Option<berth_core::sim::WorkRates>,
+    /// GPU model (lower case) to the cost of a GPU-hour.
+    pub cost_per_gpu_hour: std::collections::BTreeMap<String, f64>,
+}
+
 /// Simulates `jobs` on a fresh copy of `fleet` with one wasm policy placing,
 /// and with periodic compaction by a wasm compaction policy when given.
 #[allow(clippy::too_many_arguments)]
@@ -207,6 +251,7 @@ pub fn run_policy(
     request: Option<&(PendingShape, Option<u64>)>,
     compaction: Option<&(Arc<LoadedPolicy>, CompactionConfig)>,
     limits: Limits,
+    economics: &Economics,
 ) -> anyhow::Result<EventReport> {
     let mut policy = WasmPolicy::new(engine.clone(), loaded.clone(), limits);
     let mut planner = compaction.map(|(p, _)| WasmPolicy::new(engine.clone(), p.clone(), limits));
@@ -217,10 +262,11 @@ pub fn run_policy(
         preemption: None,
         compaction: planner.as_mut().zip(compaction).map(|(p, (_, c))| (p as &mut dyn CompactionPolicy, c.clone())),
     };
-    let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), ..SimConfig::default() };
+    let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), work: economics.work.clone(), ..SimConfig::default() };
     let out = simulate_with(&mut fleet, jobs, deciders, config)?;
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
     let mut report = summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64());
+    report.outcome = replay_outcome(&fleet, &out, &economics.cost_per_gpu_hour);
     report.accounting = account_at_end(&fleet, topo, jobs, &out);
     report.compaction = compaction.map(|_| out.compaction.clone());
     if let Some((request, deadline)) = request {
@@ -251,6 +297,8 @@ pub fn table(reports: &[EventReport]) -> String {
     out.push_str(&row("", &|r| r.policy.clone()));
     out.push_str(&row("allocation % (all)", &|r| format!("{:.2}", r.allocation_pct)));
     out.push_str(&row("allocation % (high priority only)", &|r| format!("{:.2}", r.high_priority_allocation_pct)));
+    out.push_str(&row("outcome: goodput / installed GPU-h", &|r| format!("{:.4}", r.outcome.per_installed_gpu_hour)));
+    out.push_str(&row("  goodput per cost", &|r| r.outcome.per_cost.map_or("-".into(), |c| format!("{c:.4}"))));
     for (c, name) in CLASSES.iter().enumerate() {
         out.push_str(&row(&format!("{name}: started/jobs"), &|r| format!("{}/{}", r.classes[c].started, r.classes[c].jobs)));
         out.push_str(&row(&format!("{name}: wait p50/p90/p99"), &|r| {
@@ -285,6 +333,33 @@ pub fn table(reports: &[EventReport]) -> String {
     }
     out.push_str(&row("placement calls", &|r| r.placement_calls.to_string()));
     out.push_str(&row("wall time", &|r| format!("{:.1} s", r.wall_s)));
+    if reports.len() > 1 {
+        out.push_str(&ranking(reports.iter().map(|r| (r.policy.as_str(), r.allocation_pct, &r.outcome))));
+    }
+    out
+}
+
+/// The runs ranked by outcome, beside their rank by allocation: where the
+/// two orders differ, the busier fleet did less work.
+pub fn ranking<'a>(runs: impl Iterator<Item = (&'a str, f64, &'a ReplayOutcome)>) -> String {
+    let runs: Vec<(&str, f64, &ReplayOutcome)> = runs.collect();
+    let order = |key: &dyn Fn(&(&str, f64, &ReplayOutcome)) -> f64| {
+        let mut idx: Vec<usize> = (0..runs.len()).collect();
+        idx.sort_by(|&a, &b| key(&runs[b]).total_cmp(&key(&runs[a])));
+        idx
+    };
+    let by_outcome = order(&|r| r.2.per_installed_gpu_hour);
+    let by_cost = order(&|r| r.2.per_cost.unwrap_or(0.0));
+    let by_allocation = order(&|r| r.1);
+    let names = |idx: &[usize]| idx.iter().map(|&i| runs[i].0).collect::<Vec<_>>().join(" > ");
+    let mut out = format!("ranked by outcome per installed GPU-h: {}\n", names(&by_outcome));
+    if runs.iter().all(|r| r.2.per_cost.is_some()) {
+        out.push_str(&format!("ranked by outcome per cost:            {}\n", names(&by_cost)));
+    }
+    out.push_str(&format!("ranked by allocation:                  {}\n", names(&by_allocation)));
+    if by_outcome != by_allocation {
+        out.push_str("outcome and allocation disagree: the busier fleet is not the one that finished more work\n");
+    }
     out
 }
 
