@@ -574,7 +574,7 @@ impl Live {
             let job = st.jobs.get_mut(&id).expect("listed above");
             let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
             let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
-            self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
+            self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
             job.detail = format!("migration of allocation {} to {node} rolled back: {why}", r.replaces);
             tracing::warn!(target: "berth::serve", job = id, allocation = r.alloc_id, "{}", job.detail);
             st.manual.insert(r.alloc_id, a);
@@ -598,7 +598,7 @@ impl Live {
             if asleep {
                 for r in job.runs.iter_mut().filter(|r| r.holds) {
                     let lost = super::outcome::lose_unsaved(r, &mut job.work);
-                    self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
+                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
                     st.by_alloc.remove(&r.alloc_id);
                     r.holds = false;
                     r.state = TaskState::Lost;
@@ -612,7 +612,7 @@ impl Live {
             for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
                 // Requeued: it runs again from its last checkpoint.
                 let lost = super::outcome::lose_unsaved(r, &mut job.work);
-                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
+                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
                 // Same GPUs, now held by a fenced allocation instead of the
                 // job. A copy migrating in was allocated here, not by the
                 // engine: it keeps its GPUs. GPUs the engine did not give
@@ -741,7 +741,7 @@ impl Live {
             && let Some(run) = job.runs.iter_mut().find(|run| run.alloc_id == alloc_id && run.holds)
         {
             let new = super::outcome::take_progress(run, &mut job.work, r.work_units);
-            self.metrics.work(&part.name, &job.spec.work_unit, new, 0);
+            self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), new, 0);
         }
         match report {
             Report::Progress => {
@@ -881,7 +881,7 @@ impl Live {
                 // preemptor's already (the engine gave them at the decision).
                 // What it did since its last checkpoint is done again.
                 let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
-                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
+                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
                 let r = &mut job.runs[i];
                 r.holds = false;
                 r.state = state;
@@ -907,7 +907,7 @@ impl Live {
                 // is lost).
                 let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
                 let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
-                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
+                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
                 self.release_checked(&part.name, &mut st.fleet, &a, alloc_id);
                 job.detail = format!("migration of allocation {} to {} rolled back: {state} (exit {exit_code}, signal {signal}) {detail}", r.replaces, r.node).trim_end().to_string();
                 tracing::warn!(target: "berth::serve", job = job_id, allocation = alloc_id, "{}", job.detail);
@@ -935,7 +935,7 @@ impl Live {
                 tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_run.alloc_id, node = %new_run.node, "migration done: old copy {state}");
                 // The new copy resumes from the old one's last checkpoint.
                 let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
-                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
+                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
                 job.runs[i] = TaskRun { replaces: 0, checkpoint_old: false, ..new_run };
                 job.allocations[i] = new_alloc;
                 st.by_alloc.remove(&alloc_id);
@@ -952,7 +952,7 @@ impl Live {
             // time limit or a cancel is the owner's stop, not a loss).
             if state.failed(exit_code, signal) && job.state == JobState::Running && job.detail != super::scheduler::TIME_LIMIT_STOPPED {
                 let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
-                self.metrics.work(&part.name, &job.spec.work_unit, 0, lost);
+                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
             }
             let r = &mut job.runs[i];
             r.holds = false;

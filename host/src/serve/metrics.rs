@@ -143,13 +143,11 @@ impl Metrics {
         }
     }
 
-    /// Counts `done` and `lost` units of work of a job in `unit` (empty:
-    /// the default unit).
+    /// Counts `done` and `lost` units of work of a job in `unit`.
     pub fn work(&self, partition: &str, unit: &str, done: u64, lost: u64) {
         if done == 0 && lost == 0 {
             return;
         }
-        let unit = if unit.is_empty() { super::outcome::DEFAULT_UNIT } else { unit };
         let label = {
             let mut seen = self.unit_labels.lock().unwrap();
             if seen.contains(unit) || (seen.len() < MAX_UNIT_LABELS && seen.insert(unit.to_string())) { unit } else { "other" }

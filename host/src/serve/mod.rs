@@ -43,6 +43,7 @@ pub mod server;
 pub mod service;
 pub mod shadow;
 pub mod state;
+pub mod work;
 
 /// The generated protobuf types and gRPC stubs (host/proto/berth/v1).
 pub use crate::proto as pb;

@@ -98,7 +98,7 @@ struct StoredJob {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     work_unit: String,
     #[serde(default)]
-    work: super::outcome::WorkTally,
+    work: super::work::WorkTally,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -355,7 +355,7 @@ impl Live {
             let st = &mut *guard;
             // The partition's first start and its retired work; a first
             // start is stored now (installed hours count from it).
-            let key = super::outcome::retired_key(name);
+            let key = super::work::retired_key(name);
             match store.get(&key)? {
                 Some(bytes) => st.outcome.restore(&bytes).map_err(|e| anyhow::anyhow!("{key}: {e}"))?,
                 None => store.put(key, st.outcome.stored_with(std::iter::empty()))?,

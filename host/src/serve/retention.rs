@@ -9,7 +9,8 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::outcome::{self, OutcomeKey, WorkTally};
+use super::outcome;
+use super::work::{self, OutcomeKey, WorkTally};
 use super::persist::{job_id_floor_key, job_key};
 use super::state::{Live, Partition, PartitionState, Retention};
 use crate::store::Op;
@@ -74,7 +75,7 @@ impl Live {
             let worked: Vec<(OutcomeKey, WorkTally)> =
                 chunk.iter().filter_map(|id| st.jobs.get(id)).filter(|j| j.work != WorkTally::default()).map(|j| (outcome::key_of(j, high), j.work)).collect();
             if !worked.is_empty() {
-                ops.push(Op::Put(outcome::retired_key(&part.name), st.outcome.stored_with(worked.iter().map(|(k, w)| (k.clone(), w)))));
+                ops.push(Op::Put(work::retired_key(&part.name), st.outcome.stored_with(worked.iter().map(|(k, w)| (k.clone(), w)))));
             }
             if self.persist(ops).is_err() {
                 break;

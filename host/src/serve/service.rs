@@ -14,7 +14,7 @@ use super::auth::{Identity, Role};
 use super::bounds;
 use super::decisions::{DecisionRecord, Filter, Placed};
 use super::error::ServeError;
-use super::outcome::WorkTally;
+use super::work::WorkTally;
 use super::registry::VersionMeta;
 use super::shadow::{self, Mode};
 use super::state::{hook_key, IdempotencyKey, JobRecord, JobSpec, JobState, Live, PolicyHook, MAX_IDEMPOTENCY_KEY, SHOWN_STATES};
@@ -172,7 +172,7 @@ impl Service {
         if let Some(k) = s.env.keys().find(|k| k.is_empty() || k.contains('=') || k.contains('\0')) {
             return Err(bad(format!("env name \"{}\" is empty or contains '=' or NUL", crate::text::printable(k, 64))));
         }
-        super::outcome::check_unit(&s.work_unit).map_err(bad)?;
+        super::work::check_unit(&s.work_unit).map_err(bad)?;
         let gpu_milli = if s.gpus > 0 && s.gpu_milli == 0 { 1000 } else { s.gpu_milli };
         // Models of the partition's fleet, agent nodes included.
         let known = self.live.partitions[p].models.lock().unwrap().clone();

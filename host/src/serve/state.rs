@@ -312,7 +312,7 @@ pub struct JobRecord {
     /// Why it failed or was requeued.
     pub detail: String,
     /// Work its tasks reported, and the part of it lost (see [`super::outcome`]).
-    pub work: super::outcome::WorkTally,
+    pub work: super::work::WorkTally,
     /// Preempted: its processes are stopping under the priority contract;
     /// it runs again once they are gone.
     pub evicting: bool,
@@ -426,7 +426,7 @@ pub struct PartitionState {
     /// a decision time).
     pub(super) beats_taken: Option<std::time::Instant>,
     /// Node join times, power states and retired work, for the outcome.
-    pub outcome: super::outcome::PartitionOutcome,
+    pub outcome: super::work::PartitionOutcome,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
