@@ -73,7 +73,9 @@ enum Command {
     Progress {
         /// Units done since the last `berth progress` (added to the task's count).
         units: u64,
-        /// UNITS is the task's whole count so far, not an increment.
+        /// UNITS is the task's whole count so far in this run (a run's
+        /// count starts at 0, also after a restart from a checkpoint), not
+        /// an increment.
         #[arg(long)]
         total: bool,
     },

@@ -153,6 +153,13 @@ fn fitting_tasks_counts_capacity() {
     assert_eq!(fitting_tasks(&fleet, &one_gpu, 3), 3, "stops counting at enough");
 }
 
+/// `berth`, finding the policies the test run built.
+fn berth() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_berth"));
+    c.env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"));
+    c
+}
+
 #[test]
 fn cli_event_replay() {
     let dir = std::env::temp_dir().join(format!("berth-asi-cli-{}", std::process::id()));
@@ -160,13 +167,12 @@ fn cli_event_replay() {
     let json = dir.join("r.json");
     let workload = dir.join("w.toml");
     std::fs::write(&workload, "seed = 3\ndays = 1.0\nload = 0.8\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+    let out = berth()
         .args(["replay", "--fleet", "asi", "--fleet-scale", "0.005", "--seeds", "3", "--policy", "best-fit", "--policy", "binpack", "--quiet"])
         .arg("--workload")
         .arg(&workload)
         .arg("--json")
         .arg(&json)
-        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -175,10 +181,9 @@ fn cli_event_replay() {
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(doc["reports"].as_array().unwrap().len(), 2);
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+    let out = berth()
         .args(["report", "--fleet", "asi", "--fleet-scale", "0.005", "--seeds", "3", "--policy", "topo-entropy", "--quiet"])
         .args(["--quote", "model=H800,gpus=8,cores=64,tasks=2,same-domain,deadline-h=1", "--days", "1"])
-        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -219,11 +224,10 @@ fn the_replay_ranks_policies_by_outcome_beside_allocation() {
     let dir = std::env::temp_dir().join(format!("berth-asi-outcome-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("r.json");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+    let out = berth()
         .args(["replay", "--fleet", "asi", "--fleet-scale", "0.02", "--days", "3", "--seeds", "1", "--policy", "best-fit", "--policy", "topo-entropy", "--quiet"])
         .arg("--json")
         .arg(&json)
-        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -423,12 +427,11 @@ fn cli_preemption_table_with_harvesting() {
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("p.json");
     let run = |harvest: &str| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        berth()
             .args(["replay", "--fleet", "asi", "--fleet-scale", "0.01", "--days", "2", "--seeds", "2", "--policy", "best-fit", "--quiet"])
             .args(["--preempt", "spot-gpu", "--preempt", "newest-first", "--harvest", harvest])
             .arg("--json")
             .arg(&json)
-            .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
             .output()
             .unwrap()
     };
@@ -497,12 +500,11 @@ fn preemption_composes_with_compaction_harvest_and_quote() {
     let dir = std::env::temp_dir().join(format!("berth-asi-compose-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("r.json");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+    let out = berth()
         .args(["replay", "--fleet", "asi", "--fleet-scale", "0.02", "--days", "1.5", "--seeds", "1", "--policy", "binpack", "--quiet"])
         .args(["--preempt", "spot-gpu", "--compact", "ipc", "--harvest", "15-21", "--quote", "model=H800,gpus=8,cores=64,tasks=2"])
         .arg("--json")
         .arg(&json)
-        .env("BERTH_POLICY_DIR", crate::common::repo_root().join("target/policies"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

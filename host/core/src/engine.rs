@@ -126,6 +126,12 @@ pub struct WorkRates {
 }
 
 impl WorkRates {
+    /// The slowest rate any run can have.
+    pub fn slowest(&self) -> f64 {
+        let speed = self.model_speed.iter().copied().fold(1.0f64, f64::min);
+        (speed / self.cross_domain_slowdown.max(1.0)).max(1e-3)
+    }
+
     /// Work seconds per second of a run on `model` across `domains`.
     pub fn rate(&self, model: Option<crate::units::ModelId>, domains: u32) -> f64 {
         let speed = model.and_then(|m| self.model_speed.get(m as usize)).copied().unwrap_or(1.0);
@@ -1145,12 +1151,15 @@ impl Engine {
                 continue;
             }
             let remaining = job.duration_s.saturating_sub(self.runs.kept_s[j]).max(1);
+            // Its run's length at the slowest rate it could get (placement
+            // sets the rate): what a reservation must not be overrun by.
+            let longest = self.config.work.as_ref().map_or(remaining, |w| (remaining as f64 / w.slowest()).ceil() as u64);
             // Work that would still run at a reservation's time keeps off
             // the nodes drained for it; shorter work may use them.
             let avoided: Vec<Option<u32>> = self
                 .reservations
                 .iter()
-                .filter(|(_, r)| r.job != j && now.saturating_add(remaining) > r.until)
+                .filter(|(_, r)| r.job != j && now.saturating_add(longest) > r.until)
                 .map(|(scope, _)| *scope)
                 .collect();
             let key: ShapeKey = (avoided, self.class_of[j]);
@@ -1713,13 +1722,17 @@ impl Runs {
     /// Seconds of work since the job's last checkpoint: reported ones for a
     /// job that reports its exit, else its contract's periodic interval.
     fn since_checkpoint(&self, v: usize, now: u64, job: &Job, contract: &PriorityContract) -> u64 {
+        self.work_in(v, self.since_checkpoint_wall(v, now, job, contract))
+    }
+
+    /// The same in wall seconds of the run.
+    fn since_checkpoint_wall(&self, v: usize, now: u64, job: &Job, contract: &PriorityContract) -> u64 {
         let ran = now.saturating_sub(self.run_start[v]);
-        let wall = match self.checkpoint_at[v] {
+        match self.checkpoint_at[v] {
             Some(at) => now.saturating_sub(at.max(self.run_start[v])),
             None if job.reports_exit => ran,
             None => ran % contract.checkpoint_every_s.max(1),
-        };
-        self.work_in(v, wall)
+        }
     }
 
     /// Seconds of work job `v`'s current run does in `wall` seconds.
@@ -1920,9 +1933,10 @@ impl Runs {
     fn take_back(&mut self, v: usize, now: u64, jobs: &[Job], config: &SimConfig, outcome: &mut SimOutcome) -> (u64, f64, bool) {
         let job = &jobs[v];
         let contract = config.contract_of(job);
-        let since = self.since_checkpoint(v, now, job, &contract);
-        // Work done in this run (its wall time at its rate).
-        let ran = self.work_in(v, now.saturating_sub(self.run_start[v]));
+        // In wall seconds, as the contract counts them (notice, grace,
+        // checkpoint interval); the kept and lost parts become work below.
+        let since = self.since_checkpoint_wall(v, now, job, &contract);
+        let ran = now.saturating_sub(self.run_start[v]);
         let times = self.interrupted_at.entry(v).or_default();
         let ev = if job.reports_exit {
             // The world tells when it is gone; until then it is not ready.
@@ -1936,6 +1950,8 @@ impl Runs {
             evict(&contract, ran, latency)
         };
         times.push(now);
+        // Work kept and lost: the run's wall seconds at its rate.
+        let ev = crate::preemption::Eviction { kept_s: self.work_in(v, ev.kept_s), lost_s: self.work_in(v, ev.lost_s), ..ev };
         self.planned_end[v] = None;
         self.set_low(v, false);
         self.kept_s[v] = (self.kept_s[v] + ev.kept_s).min(job.duration_s);

@@ -31,7 +31,10 @@ const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 /// the host) that the task just saved its work, so preemption counts work
 /// lost from now.
 pub fn report_checkpoint() -> anyhow::Result<()> {
-    touch_marker(CHECKPOINT_ENV, "checkpointed")
+    // The count it saved goes with it: the agent relays both, so work
+    // reported after the checkpoint is never taken as saved.
+    let units = std::env::var_os(PROGRESS_ENV).map_or(0, |p| read_count(std::path::Path::new(&p)));
+    touch_marker(CHECKPOINT_ENV, "checkpointed", &format!(" {units}"))
 }
 
 /// `berth progress UNITS [--total]`, run inside a task: adds UNITS to the
@@ -54,6 +57,12 @@ pub fn report_progress(units: u64, total: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The count a task's latest checkpoint saved (`berth checkpointed`
+/// writes "<unix ms> <units>"; 0 when absent or unreadable).
+fn checkpoint_units(path: &std::path::Path) -> u64 {
+    std::fs::read_to_string(path).ok().and_then(|t| t.split_whitespace().nth(1).and_then(|u| u.parse().ok())).unwrap_or(0)
+}
+
 /// Whether the power file says the node is off (its first word "off").
 fn powered_off(path: &std::path::Path) -> bool {
     std::fs::read_to_string(path).is_ok_and(|t| t.split_whitespace().next().is_some_and(|w| w.eq_ignore_ascii_case("off")))
@@ -69,14 +78,15 @@ fn read_count(path: &std::path::Path) -> u64 {
 /// host) that the task serves, so a migrated copy may take over from the
 /// old one (jobs submitted with --wait-ready).
 pub fn report_ready() -> anyhow::Result<()> {
-    touch_marker(READY_ENV, "ready")
+    touch_marker(READY_ENV, "ready", "")
 }
 
-/// Writes the marker file named by the task's environment variable `var`.
-fn touch_marker(var: &str, command: &str) -> anyhow::Result<()> {
+/// Writes the marker file named by the task's environment variable `var`:
+/// the time (Unix ms), then `rest`.
+fn touch_marker(var: &str, command: &str, rest: &str) -> anyhow::Result<()> {
     let marker = std::env::var_os(var).ok_or_else(|| anyhow::anyhow!("{var} is not set: run `berth {command}` inside a task started by `berth agent`"))?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
-    crate::util::write_atomic(std::path::Path::new(&marker), now.to_string().as_bytes())
+    crate::util::write_atomic(std::path::Path::new(&marker), format!("{now}{rest}").as_bytes())
         .with_context(|| format!("writing {}", std::path::Path::new(&marker).display()))?;
     Ok(())
 }
@@ -528,8 +538,11 @@ impl Agent {
     /// the supervisor's own wait status, else unknown.
     fn ended_report(&self, mut base: pb::AllocationReport, waited: Option<std::io::Result<std::process::ExitStatus>>) -> pb::AllocationReport {
         use std::os::unix::process::ExitStatusExt;
-        // The task's last count goes with its end.
+        // The task's last count goes with its end, and what its latest
+        // checkpoint saved (a checkpoint just before the exit may not have
+        // been relayed yet).
         base.work_units = read_count(&self.progress_marker(base.allocation_id));
+        base.work_checkpointed = checkpoint_units(&self.checkpoint_marker(base.allocation_id));
         let status = std::fs::read(self.record_path(base.allocation_id).1).ok().and_then(|b| serde_json::from_slice::<Ended>(&b).ok());
         match (status, waited) {
             (Some(e), _) => {
@@ -597,7 +610,7 @@ impl Agent {
         let progress = self.progress_marker(id);
         let mut lock = progress.as_os_str().to_owned();
         lock.push(".lock");
-        for f in [rec, status, progress, PathBuf::from(lock)] {
+        for f in [rec, status, progress, PathBuf::from(lock), self.checkpoint_marker(id)] {
             let _ = std::fs::remove_file(f);
         }
     }
@@ -789,7 +802,8 @@ impl Agent {
             let units = read_count(&progress);
             if modified.is_some() && modified != seen {
                 seen = modified;
-                self.report(pb::AllocationReport { state: "checkpointed".into(), work_units: units, ..base.clone() }).await;
+                let saved = checkpoint_units(&marker);
+                self.report(pb::AllocationReport { state: "checkpointed".into(), work_units: units.max(saved), work_checkpointed: saved, ..base.clone() }).await;
                 (relayed, relayed_at) = (units, std::time::Instant::now());
             } else if units > relayed && relayed_at.elapsed() >= every {
                 // At most one progress report per --progress-every-ms: each

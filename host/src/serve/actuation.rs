@@ -159,6 +159,10 @@ impl Live {
             if !changed {
                 return;
             }
+            // Stored: a restarted host keeps work off a node powered down.
+            if let Some(op) = st.node_op(partition, node) {
+                self.persist_logged(vec![op]);
+            }
         }
         tracing::info!(target: "berth::agent", node, partition, "node powered {}", if powered_down { "down" } else { "up" });
         self.agent_node_schedulable(partition, node, reachable && !powered_down);
@@ -573,8 +577,10 @@ impl Live {
         for (id, i) in moving_in.into_iter().rev() {
             let job = st.jobs.get_mut(&id).expect("listed above");
             let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
-            let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
-            self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+            if job.loses_work() {
+                let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
+                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+            }
             job.detail = format!("migration of allocation {} to {node} rolled back: {why}", r.replaces);
             tracing::warn!(target: "berth::serve", job = id, allocation = r.alloc_id, "{}", job.detail);
             st.manual.insert(r.alloc_id, a);
@@ -596,9 +602,12 @@ impl Live {
             let job = st.jobs.get_mut(&id).expect("listed above");
             job.sleep = super::state::SleepState::Awake;
             if asleep {
+                let loses = job.loses_work();
                 for r in job.runs.iter_mut().filter(|r| r.holds) {
-                    let lost = super::outcome::lose_unsaved(r, &mut job.work);
-                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                    if loses {
+                        let lost = super::outcome::lose_unsaved(r, &mut job.work);
+                        self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                    }
                     st.by_alloc.remove(&r.alloc_id);
                     r.holds = false;
                     r.state = TaskState::Lost;
@@ -609,10 +618,13 @@ impl Live {
                     }
                 }
             }
+            let loses = job.loses_work();
             for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
                 // Requeued: it runs again from its last checkpoint.
-                let lost = super::outcome::lose_unsaved(r, &mut job.work);
-                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                if loses {
+                    let lost = super::outcome::lose_unsaved(r, &mut job.work);
+                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                }
                 // Same GPUs, now held by a fenced allocation instead of the
                 // job. A copy migrating in was allocated here, not by the
                 // engine: it keeps its GPUs. GPUs the engine did not give
@@ -684,7 +696,7 @@ impl Live {
     /// once (the partitions' locks are waited for); the agents' reports
     /// through the hub are queued instead ([`Live::queue_report`]).
     pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str, stopped: Option<Stopped>) {
-        self.report_anywhere(&QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped, work_units: 0, taken: None });
+        self.report_anywhere(&QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped, work_units: 0, work_checkpointed: 0, taken: None });
     }
 
     /// Takes report `r` in at the partition holding its allocation.
@@ -734,21 +746,29 @@ impl Live {
     /// holds no such allocation.
     fn report_in(&self, part: &Partition, st: &mut PartitionState, r: &QueuedReport) -> bool {
         let (alloc_id, report, exit_code, signal, detail, stopped) = (r.alloc_id, r.report, r.exit_code, r.signal, r.detail.as_str(), r.stopped);
+        let report_saved = r.work_checkpointed;
         let Some(&job_id) = st.by_alloc.get(&alloc_id) else { return false };
         // Every report carries the run's work count: taken in first, so an
         // exit's last units count before the run's end is judged.
+        let mut progressed = false;
         if let Some(job) = st.jobs.get_mut(&job_id)
             && let Some(run) = job.runs.iter_mut().find(|run| run.alloc_id == alloc_id && run.holds)
         {
             let new = super::outcome::take_progress(run, &mut job.work, r.work_units);
+            // A task's own checkpoint count (`berth checkpointed` records
+            // the count it saved): carried by every report, so a checkpoint
+            // just before an exit is not lost to the exit's race with it.
+            super::outcome::saved(run, report_saved);
             self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), new, 0);
+            progressed = new > 0;
         }
         match report {
             Report::Progress => {
                 // Stored with the run's count (the agent relays progress at
                 // most every few seconds): a restarted host compares the
-                // next count with this one, so nothing is counted twice.
-                if st.jobs.contains_key(&job_id) {
+                // next count with this one, so nothing is counted twice (and
+                // a report that changed nothing writes nothing).
+                if progressed && st.jobs.contains_key(&job_id) {
                     self.persist_logged(vec![st.job_op(&part.name, job_id)]);
                 }
             }
@@ -761,7 +781,11 @@ impl Live {
                 // counts work lost, from now.
                 let Some(r) = st.jobs.get_mut(&job_id).and_then(|j| j.runs.iter_mut().find(|r| r.alloc_id == alloc_id && r.holds)) else { return true };
                 r.checkpointed_unix_ms = self.now_ms();
-                super::outcome::checkpoint(r);
+                // An agent that does not say what the checkpoint saved: all
+                // counted so far.
+                if report_saved == 0 {
+                    super::outcome::checkpoint(r);
+                }
                 if let Some(&slot) = st.slots.get(&job_id) {
                     st.engine.apply(&mut st.fleet, self.now_s(), berth_core::engine::Event::Checkpoint(slot));
                 }
@@ -906,8 +930,10 @@ impl Live {
                 // back; the old copy keeps the task (the copy's unsaved work
                 // is lost).
                 let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
-                let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
-                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                if job.loses_work() {
+                    let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
+                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                }
                 self.release_checked(&part.name, &mut st.fleet, &a, alloc_id);
                 job.detail = format!("migration of allocation {} to {} rolled back: {state} (exit {exit_code}, signal {signal}) {detail}", r.replaces, r.node).trim_end().to_string();
                 tracing::warn!(target: "berth::serve", job = job_id, allocation = alloc_id, "{}", job.detail);
@@ -934,8 +960,10 @@ impl Live {
                 }
                 tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_run.alloc_id, node = %new_run.node, "migration done: old copy {state}");
                 // The new copy resumes from the old one's last checkpoint.
-                let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
-                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                if job.loses_work() {
+                    let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
+                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                }
                 job.runs[i] = TaskRun { replaces: 0, checkpoint_old: false, ..new_run };
                 job.allocations[i] = new_alloc;
                 st.by_alloc.remove(&alloc_id);
@@ -950,7 +978,7 @@ impl Live {
             }
             // A failure loses what the run did since its last checkpoint (a
             // time limit or a cancel is the owner's stop, not a loss).
-            if state.failed(exit_code, signal) && job.state == JobState::Running && job.detail != super::scheduler::TIME_LIMIT_STOPPED {
+            if state.failed(exit_code, signal) && job.loses_work() {
                 let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
                 self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
             }

@@ -70,6 +70,7 @@ impl Live {
             runs: Vec::new(),
             detail: String::new(),
             work: Default::default(),
+            time_limit_stop: false,
             evicting: false,
             waiting_on: Vec::new(),
             interruptions: 0,

@@ -440,7 +440,10 @@ impl Live {
                 let mut k = 0;
                 while k < record.runs.len() {
                     if record.runs[k].replaces != 0 && record.runs[k].holds {
-                        let (r, a) = (record.runs.remove(k), record.allocations.remove(k));
+                        let (mut r, a) = (record.runs.remove(k), record.allocations.remove(k));
+                        // The copy's unsaved work goes with it.
+                        let lost = super::outcome::lose_unsaved(&mut r, &mut record.work);
+                        self.metrics.work(&part.name, super::work::unit_name(&record.spec.work_unit), 0, lost);
                         st.manual.insert(r.alloc_id, a);
                         st.lost.insert(r.alloc_id);
                         st.by_alloc.insert(r.alloc_id, 0);

@@ -599,6 +599,7 @@ impl AgentHub for Arc<Hub> {
                 detail: r.detail,
                 stopped,
                 work_units: r.work_units,
+                work_checkpointed: r.work_checkpointed,
                 taken: Some(taken),
             };
             hub.live.queue_report(&partition, queued);

@@ -152,11 +152,12 @@ impl Metrics {
             let mut seen = self.unit_labels.lock().unwrap();
             if seen.contains(unit) || (seen.len() < MAX_UNIT_LABELS && seen.insert(unit.to_string())) { unit } else { "other" }
         };
-        if done > 0 {
-            self.work_done.with_label_values(&[partition, label]).inc_by(done);
-        }
-        if lost > 0 {
-            self.work_lost.with_label_values(&[partition, label]).inc_by(lost);
+        // Saturating: the counters wrap, and tasks write their own counts.
+        for (counter, n) in [(&self.work_done, done), (&self.work_lost, lost)] {
+            if n > 0 {
+                let c = counter.with_label_values(&[partition, label]);
+                c.inc_by(n.min(u64::MAX - c.get()));
+            }
         }
     }
 

@@ -27,12 +27,28 @@ use super::work::{unit_name, OutcomeKey, WorkTally};
 /// count below the known one (a task that reset its counter) adds nothing
 /// until it passes it. Returns the units new.
 pub fn take_progress(run: &mut TaskRun, work: &mut WorkTally, units: u64) -> u64 {
+    // A task's count is its own to write: capped, so one task cannot
+    // saturate the tallies it shares with others.
+    let units = units.min(MAX_RUN_UNITS);
     let new = units.saturating_sub(run.work_units);
     if new > 0 {
         work.done = work.done.saturating_add(new);
         run.work_units = units;
     }
     new
+}
+
+/// Most units one run may count (2^53: exact in a float, and a bound on
+/// what one task adds to shared tallies and counters).
+pub const MAX_RUN_UNITS: u64 = 1 << 53;
+
+/// The task says its last checkpoint saved `units` of its count (0: it
+/// does not say): kept, never beyond what it reported done.
+pub fn saved(run: &mut TaskRun, units: u64) {
+    let units = units.min(run.work_units);
+    if units > run.work_checkpointed {
+        run.work_checkpointed = units;
+    }
 }
 
 /// The run saved its work (a checkpoint): what it did so far is kept.
@@ -123,5 +139,24 @@ mod tests {
         // Lost once: a second call finds nothing unsaved.
         lose_unsaved(&mut run, &mut work);
         assert_eq!(work.lost, 25);
+    }
+
+    #[test]
+    fn a_task_says_what_its_checkpoint_saved_and_its_count_is_capped() {
+        let mut run = TaskRun::starting(1, "n".into(), vec![0]);
+        let mut work = WorkTally::default();
+        take_progress(&mut run, &mut work, 100);
+        // Saved 60 of them (work after the checkpoint stays unsaved); never
+        // more than it reported, never backwards.
+        saved(&mut run, 60);
+        saved(&mut run, 500);
+        assert_eq!(run.work_checkpointed, 100);
+        saved(&mut run, 10);
+        assert_eq!(run.work_checkpointed, 100);
+        let mut run = TaskRun::starting(2, "n".into(), vec![0]);
+        take_progress(&mut run, &mut work, 100);
+        saved(&mut run, 60);
+        assert_eq!(lose_unsaved(&mut run, &mut work), 40);
+        assert_eq!(take_progress(&mut run, &mut work, u64::MAX), MAX_RUN_UNITS - 100);
     }
 }

@@ -99,6 +99,8 @@ struct StoredJob {
     work_unit: String,
     #[serde(default)]
     work: super::work::WorkTally,
+    #[serde(default)]
+    time_limit_stop: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -115,6 +117,10 @@ pub(crate) struct StoredNode {
     /// GPU-hours count from then.
     #[serde(default)]
     pub joined_unix_ms: u64,
+    /// It reported itself powered down: a restarted host keeps work off it
+    /// until it reports otherwise.
+    #[serde(default)]
+    pub powered_down: bool,
 }
 
 pub(crate) fn job_key(partition: &str, id: u64) -> String {
@@ -218,6 +224,7 @@ pub(crate) fn job_record_op(clock: &dyn Clock, partition: &str, id: u64, j: &Job
         spec_digest: j.spec_digest.clone(),
         work_unit: s.work_unit.clone(),
         work: j.work,
+        time_limit_stop: j.time_limit_stop,
     };
     Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
 }
@@ -244,6 +251,7 @@ impl PartitionState {
             unhealthy: self.health.keys().filter(|(n, _)| *n == id).map(|&(_, g)| g).collect(),
             topology: self.topology.get(&id).copied().unwrap_or_default(),
             joined_unix_ms: self.outcome.joined_unix_ms.get(&id).copied().unwrap_or(0),
+            powered_down: self.outcome.powered_down.contains(&id),
         };
         Some(Op::Put(format!("nodes/{partition}/{name}"), serde_json::to_vec(&stored).expect("nodes serialize")))
     }
@@ -346,6 +354,9 @@ impl Live {
                 let id = st.agent_ids[&node];
                 if n.joined_unix_ms != 0 {
                     st.outcome.joined_unix_ms.insert(id, n.joined_unix_ms);
+                }
+                if n.powered_down {
+                    st.outcome.powered_down.insert(id);
                 }
                 for g in n.unhealthy.into_iter().filter(|&g| (g as usize) < n.gpus) {
                     st.health.insert((id, g), false);
@@ -509,6 +520,7 @@ impl Live {
                         runs,
                         detail: j.detail,
                         work: j.work,
+                        time_limit_stop: j.time_limit_stop,
                         evicting,
                         waiting_on,
                         interruptions,

@@ -17,8 +17,7 @@ const STOP_RETRY: Duration = Duration::from_secs(5);
 /// How often queued heartbeats are taken in, at most (real time).
 const BEAT_BATCH: Duration = Duration::from_millis(10);
 
-/// A job's detail once its time limit stopped it: its tasks' ends are its
-/// owner's limit, not failures that lose work.
+/// A job's detail once its time limit stopped it.
 pub(crate) const TIME_LIMIT_STOPPED: &str = "time limit reached: stopped";
 
 impl Live {
@@ -188,6 +187,7 @@ impl Live {
                 // The job keeps its stored end: a host restarted before they
                 // are gone finds it past and stops them again.
                 job.detail = TIME_LIMIT_STOPPED.into();
+                job.time_limit_stop = true;
                 if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
                         act.stop(r.alloc_id, &r.node);

@@ -121,8 +121,10 @@ pub struct QueuedReport {
     pub signal: i32,
     pub detail: String,
     pub stopped: Option<Stopped>,
-    /// Units of work the run reported so far (`berth progress`).
+    /// Units of work the run reported so far (`berth progress`), and of
+    /// those the units its latest checkpoint saved (0: not said).
     pub work_units: u64,
+    pub work_checkpointed: u64,
     /// Told once the report is taken in (the agent's call waits for it).
     pub taken: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -313,6 +315,9 @@ pub struct JobRecord {
     pub detail: String,
     /// Work its tasks reported, and the part of it lost (see [`super::outcome`]).
     pub work: super::work::WorkTally,
+    /// Its time limit stopped its tasks: their ends are its owner's limit,
+    /// not failures or moves that lose work.
+    pub time_limit_stop: bool,
     /// Preempted: its processes are stopping under the priority contract;
     /// it runs again once they are gone.
     pub evicting: bool,
@@ -335,6 +340,13 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// Whether a run of it that ends now, short of finishing, loses its
+    /// work since its last checkpoint: not once its owner stopped it (a
+    /// cancel, a time limit).
+    pub fn loses_work(&self) -> bool {
+        self.state == JobState::Running && !self.time_limit_stop
+    }
+
     /// An agent job placed (running on record) with no task sent and no
     /// victim left to wait for: nothing will start it but a requeue.
     pub(crate) fn placed_unstarted(&self) -> bool {
