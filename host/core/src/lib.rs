@@ -10,6 +10,7 @@ pub mod capacity;
 pub mod compaction;
 pub mod engine;
 pub mod fleet;
+pub mod forecast;
 pub mod harvest;
 pub mod job;
 pub mod placement;
