@@ -194,10 +194,6 @@ impl Work {
         (self.done - self.lost).max(0.0)
     }
 
-    pub fn add(&mut self, other: &Work) {
-        self.done += other.done;
-        self.lost += other.lost;
-    }
 }
 
 /// The outcome: completed work normalised by the installed
@@ -233,21 +229,41 @@ pub struct Quote {
     pub meets_deadline: Option<bool>,
 }
 
+/// Copies of the whole `request` that fit `fleet` now, counting up to
+/// `enough` (a same-domain gang is counted per switch domain).
+pub fn copies(fleet: &Fleet, request: &PendingShape, enough: u32) -> u32 {
+    let tasks = request.tasks.max(1);
+    if request.same_domain && tasks > 1 {
+        let mut per: BTreeMap<u32, u32> = BTreeMap::new();
+        for n in fleet.nodes() {
+            *per.entry(n.switch_domain).or_insert(0) += tasks_on_node(n, &request.shape);
+        }
+        per.values().map(|&t| t / tasks).sum::<u32>().min(enough)
+    } else {
+        fitting_tasks(fleet, &request.shape, enough.saturating_mul(tasks)) / tasks
+    }
+}
+
+/// Installed GPU-hours of `fleet`, each node's GPUs counted for
+/// `hours_of(node)`, and their cost by `costs` (GPU model in lower case to
+/// the price of a GPU-hour) when it prices every model present (`None`
+/// otherwise, or without a table).
+pub fn installed_gpu_hours(fleet: &Fleet, costs: &BTreeMap<String, f64>, hours_of: &dyn Fn(usize) -> f64) -> (f64, Option<f64>) {
+    let (mut hours, mut cost) = (0.0, (!costs.is_empty()).then_some(0.0));
+    for (i, n) in fleet.nodes().iter().enumerate().filter(|(_, n)| !n.gpus.is_empty()) {
+        let h = n.gpus.len() as f64 * hours_of(i);
+        hours += h;
+        let price = n.model.and_then(|m| costs.get(&fleet.models[m as usize].to_ascii_lowercase()));
+        cost = cost.zip(price).map(|(c, p)| c + p * h);
+    }
+    (hours, cost)
+}
+
 /// Quotes `request` on `fleet`, given running work as (planned end, its
 /// allocations), at time `now_s`, against an optional start deadline
 /// (seconds from now).
 pub fn quote(fleet: &Fleet, request: &PendingShape, running: &[(u64, Vec<Allocation>)], now_s: u64, deadline_s: Option<u64>) -> Quote {
-    let copies = |f: &Fleet| -> u32 {
-        if request.same_domain && request.tasks > 1 {
-            let mut per: BTreeMap<u32, u32> = BTreeMap::new();
-            for n in f.nodes() {
-                *per.entry(n.switch_domain).or_insert(0) += tasks_on_node(n, &request.shape);
-            }
-            per.values().map(|&t| t / request.tasks).sum()
-        } else {
-            fitting_tasks(f, &request.shape, u32::MAX) / request.tasks.max(1)
-        }
-    };
+    let copies = |f: &Fleet| copies(f, request, u32::MAX);
     let now = copies(fleet);
     let mut ends: Vec<&(u64, Vec<Allocation>)> = running.iter().collect();
     ends.sort_by_key(|(end, _)| *end);

@@ -14,8 +14,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::accounting::PendingShape;
-use crate::capacity::{fitting_tasks, tasks_on_node};
+use crate::accounting::{copies, PendingShape};
+use crate::capacity::tasks_on_node;
 use crate::fleet::{Allocation, Fleet};
 use crate::task::TaskShape;
 use crate::units::MILLI_PER_GPU;
@@ -68,19 +68,6 @@ pub struct Chance {
     pub high: f64,
     /// The median start over the samples that started, seconds from now.
     pub median_start_s: Option<u64>,
-}
-
-/// Copies of the whole request that fit `fleet` now.
-pub fn copies(fleet: &Fleet, request: &PendingShape) -> u32 {
-    if request.same_domain && request.tasks > 1 {
-        let mut per: std::collections::BTreeMap<u32, u32> = std::collections::BTreeMap::new();
-        for n in fleet.nodes() {
-            *per.entry(n.switch_domain).or_insert(0) += tasks_on_node(n, &request.shape);
-        }
-        per.values().map(|&t| t / request.tasks).sum()
-    } else {
-        fitting_tasks(fleet, &request.shape, request.tasks.max(1)) / request.tasks.max(1)
-    }
 }
 
 /// Seconds left of a job of a class with `finished` run times (sorted) that
@@ -156,7 +143,7 @@ pub fn chance(now: Now<'_>, request: &PendingShape, history: &History, deadline_
     let Now { fleet, running, queued } = now;
     let samples = samples.clamp(1, MAX_SAMPLES);
     let mut starts: Vec<u64> = Vec::new();
-    if queued.is_empty() && copies(fleet, request) > 0 {
+    if queued.is_empty() && copies(fleet, request, 1) > 0 {
         // Nothing ahead of it, and it fits: it starts now in every run.
         starts = vec![0; samples as usize];
     } else {
@@ -232,7 +219,7 @@ fn one_run(fleet: &Fleet, request: &PendingShape, running: &[Running], queued: &
                 None => k += 1,
             }
         }
-        if copies(&scratch, request) > 0 {
+        if copies(&scratch, request, 1) > 0 {
             return Some(at);
         }
         let &Reverse((next, _, _)) = events.peek()?;

@@ -44,17 +44,23 @@ pub fn report_checkpoint() -> anyhow::Result<()> {
 pub fn report_progress(units: u64, total: bool) -> anyhow::Result<()> {
     let path = std::env::var_os(PROGRESS_ENV).ok_or_else(|| anyhow::anyhow!("{PROGRESS_ENV} is not set: run `berth progress` inside a task started by `berth agent`"))?;
     let path = std::path::Path::new(&path);
-    let mut lock_path = path.as_os_str().to_owned();
-    lock_path.push(".lock");
-    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).with_context(|| format!("opening {}", std::path::Path::new(&lock_path).display()))?;
+    let lock_path = count_lock(path);
+    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).with_context(|| format!("opening {}", lock_path.display()))?;
     use std::os::fd::AsRawFd;
     // SAFETY: flock on a descriptor this function owns; released on close.
     if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        anyhow::bail!("locking {}: {}", std::path::Path::new(&lock_path).display(), std::io::Error::last_os_error());
+        anyhow::bail!("locking {}: {}", lock_path.display(), std::io::Error::last_os_error());
     }
     let count = if total { units } else { read_count(path).checked_add(units).ok_or_else(|| anyhow::anyhow!("the work count would pass {}", u64::MAX))? };
     crate::util::write_atomic(path, count.to_string().as_bytes()).with_context(|| format!("writing {}", path.display()))?;
     Ok(())
+}
+
+/// The lock file beside a task's count file (`berth progress` holds it).
+fn count_lock(count: &std::path::Path) -> PathBuf {
+    let mut lock = count.as_os_str().to_owned();
+    lock.push(".lock");
+    PathBuf::from(lock)
 }
 
 /// The count a task's latest checkpoint saved (`berth checkpointed`
@@ -608,9 +614,7 @@ impl Agent {
     fn forget_task_files(&self, id: u64) {
         let (rec, status) = self.record_path(id);
         let progress = self.progress_marker(id);
-        let mut lock = progress.as_os_str().to_owned();
-        lock.push(".lock");
-        for f in [rec, status, progress, PathBuf::from(lock), self.checkpoint_marker(id)] {
+        for f in [rec, status, count_lock(&progress), progress, self.checkpoint_marker(id)] {
             let _ = std::fs::remove_file(f);
         }
     }
@@ -797,8 +801,8 @@ impl Agent {
         while self.children.lock().unwrap().contains_key(&id) {
             tokio::time::sleep(CHECKPOINT_POLL).await;
             let modified = std::fs::metadata(&marker).and_then(|m| m.modified()).ok();
-            // Every report carries the count: a checkpoint saves the work
-            // counted up to it.
+            // Every report carries the count; a checkpoint report also what
+            // the checkpoint saved (written by `berth checkpointed`).
             let units = read_count(&progress);
             if modified.is_some() && modified != seen {
                 seen = modified;

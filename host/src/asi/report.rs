@@ -95,12 +95,7 @@ pub struct ReplayOutcome {
 /// lower case to the cost of a GPU-hour).
 pub fn replay_outcome(fleet: &Fleet, out: &SimOutcome, costs: &std::collections::BTreeMap<String, f64>) -> ReplayOutcome {
     let hours = out.utilisation.seconds / 3600.0;
-    let installed_gpu_h = fleet.gpu_total_milli() as f64 / 1000.0 * hours;
-    let mut cost = (!costs.is_empty()).then_some(0.0);
-    for n in fleet.nodes().iter().filter(|n| !n.gpus.is_empty()) {
-        let price = n.model.and_then(|m| costs.get(&fleet.models[m as usize].to_ascii_lowercase()));
-        cost = cost.zip(price).map(|(c, p)| c + p * n.gpus.len() as f64 * hours);
-    }
+    let (installed_gpu_h, cost) = berth_core::accounting::installed_gpu_hours(fleet, costs, &|_| hours);
     let goodput = out.jobs.iter().map(|o| o.work_gpu_s).sum::<f64>() / 3600.0;
     let lost = out.lost_gpu_s / 3600.0;
     let o = berth_core::accounting::outcome(berth_core::accounting::Work { done: goodput + lost, lost }, installed_gpu_h, cost);

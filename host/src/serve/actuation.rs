@@ -578,8 +578,7 @@ impl Live {
             let job = st.jobs.get_mut(&id).expect("listed above");
             let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
             if job.loses_work() {
-                let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
-                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                self.count_lost(&part.name, &job.spec.work_unit, &mut r, &mut job.work);
             }
             job.detail = format!("migration of allocation {} to {node} rolled back: {why}", r.replaces);
             tracing::warn!(target: "berth::serve", job = id, allocation = r.alloc_id, "{}", job.detail);
@@ -605,8 +604,7 @@ impl Live {
                 let loses = job.loses_work();
                 for r in job.runs.iter_mut().filter(|r| r.holds) {
                     if loses {
-                        let lost = super::outcome::lose_unsaved(r, &mut job.work);
-                        self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                        self.count_lost(&part.name, &job.spec.work_unit, r, &mut job.work);
                     }
                     st.by_alloc.remove(&r.alloc_id);
                     r.holds = false;
@@ -622,8 +620,7 @@ impl Live {
             for (a, r) in job.allocations.iter().zip(job.runs.iter_mut()).filter(|(_, r)| r.holds) {
                 // Requeued: it runs again from its last checkpoint.
                 if loses {
-                    let lost = super::outcome::lose_unsaved(r, &mut job.work);
-                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                    self.count_lost(&part.name, &job.spec.work_unit, r, &mut job.work);
                 }
                 // Same GPUs, now held by a fenced allocation instead of the
                 // job. A copy migrating in was allocated here, not by the
@@ -904,8 +901,7 @@ impl Live {
                 // A preempted job's process is gone: its GPUs are the
                 // preemptor's already (the engine gave them at the decision).
                 // What it did since its last checkpoint is done again.
-                let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
-                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                self.count_lost(&part.name, &job.spec.work_unit, &mut job.runs[i], &mut job.work);
                 let r = &mut job.runs[i];
                 r.holds = false;
                 r.state = state;
@@ -931,8 +927,7 @@ impl Live {
                 // is lost).
                 let (mut r, a) = (job.runs.remove(i), job.allocations.remove(i));
                 if job.loses_work() {
-                    let lost = super::outcome::lose_unsaved(&mut r, &mut job.work);
-                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                    self.count_lost(&part.name, &job.spec.work_unit, &mut r, &mut job.work);
                 }
                 self.release_checked(&part.name, &mut st.fleet, &a, alloc_id);
                 job.detail = format!("migration of allocation {} to {} rolled back: {state} (exit {exit_code}, signal {signal}) {detail}", r.replaces, r.node).trim_end().to_string();
@@ -961,8 +956,7 @@ impl Live {
                 tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_run.alloc_id, node = %new_run.node, "migration done: old copy {state}");
                 // The new copy resumes from the old one's last checkpoint.
                 if job.loses_work() {
-                    let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
-                    self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                    self.count_lost(&part.name, &job.spec.work_unit, &mut job.runs[i], &mut job.work);
                 }
                 job.runs[i] = TaskRun { replaces: 0, checkpoint_old: false, ..new_run };
                 job.allocations[i] = new_alloc;
@@ -979,8 +973,7 @@ impl Live {
             // A failure loses what the run did since its last checkpoint (a
             // time limit or a cancel is the owner's stop, not a loss).
             if state.failed(exit_code, signal) && job.loses_work() {
-                let lost = super::outcome::lose_unsaved(&mut job.runs[i], &mut job.work);
-                self.metrics.work(&part.name, super::work::unit_name(&job.spec.work_unit), 0, lost);
+                self.count_lost(&part.name, &job.spec.work_unit, &mut job.runs[i], &mut job.work);
             }
             let r = &mut job.runs[i];
             r.holds = false;

@@ -442,8 +442,7 @@ impl Live {
                     if record.runs[k].replaces != 0 && record.runs[k].holds {
                         let (mut r, a) = (record.runs.remove(k), record.allocations.remove(k));
                         // The copy's unsaved work goes with it.
-                        let lost = super::outcome::lose_unsaved(&mut r, &mut record.work);
-                        self.metrics.work(&part.name, super::work::unit_name(&record.spec.work_unit), 0, lost);
+                        self.count_lost(&part.name, &record.spec.work_unit, &mut r, &mut record.work);
                         st.manual.insert(r.alloc_id, a);
                         st.lost.insert(r.alloc_id);
                         st.by_alloc.insert(r.alloc_id, 0);

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use berth_core::accounting::{self, Work};
 use berth_core::NodeId;
 
-use super::state::{JobRecord, PartitionState, TaskRun};
+use super::state::{JobRecord, Live, PartitionState, TaskRun};
 use super::work::{unit_name, OutcomeKey, WorkTally};
 
 /// Takes run `run`'s running count `units` in: what is new is done. A
@@ -65,6 +65,15 @@ pub fn lose_unsaved(run: &mut TaskRun, work: &mut WorkTally) -> u64 {
     lost
 }
 
+impl Live {
+    /// Counts `run`'s work since its last checkpoint as lost, in its job's
+    /// tally `work` and in the metrics (`unit`: the job's, as submitted).
+    pub(super) fn count_lost(&self, partition: &str, unit: &str, run: &mut TaskRun, work: &mut WorkTally) {
+        let lost = lose_unsaved(run, work);
+        self.metrics.work(partition, unit_name(unit), 0, lost);
+    }
+}
+
 /// A job's group: its owner, its class ("high" at or above the partition's
 /// high priority, else "low") and its unit.
 pub fn key_of(job: &JobRecord, high_priority: u32) -> OutcomeKey {
@@ -75,21 +84,12 @@ pub fn key_of(job: &JobRecord, high_priority: u32) -> OutcomeKey {
 /// Installed GPU-hours of a partition at `now_ms`, and their cost when
 /// `cost_per_gpu_hour` prices every model present (keys lower-case).
 pub fn installed(st: &PartitionState, now_ms: u64, cost_per_gpu_hour: &BTreeMap<String, f64>) -> (f64, Option<f64>) {
-    let (mut hours, mut cost, mut priced) = (0.0, 0.0, true);
-    for (i, n) in st.fleet.nodes().iter().enumerate() {
+    // Each node since it joined (simulated nodes: since the partition's
+    // first start).
+    accounting::installed_gpu_hours(&st.fleet, cost_per_gpu_hour, &|i| {
         let since = st.outcome.joined_unix_ms.get(&(i as NodeId)).copied().unwrap_or(st.outcome.started_unix_ms);
-        let h = n.gpus.len() as f64 * now_ms.saturating_sub(since) as f64 / 3_600_000.0;
-        hours += h;
-        if n.gpus.is_empty() {
-            continue;
-        }
-        let model = n.model.map(|m| st.fleet.models[m as usize].to_ascii_lowercase()).unwrap_or_default();
-        match cost_per_gpu_hour.get(&model) {
-            Some(c) => cost += c * h,
-            None => priced = false,
-        }
-    }
-    (hours, (priced && !cost_per_gpu_hour.is_empty()).then_some(cost))
+        now_ms.saturating_sub(since) as f64 / 3_600_000.0
+    })
 }
 
 /// Work per group of partition `st`: its jobs' and the retired.
