@@ -528,6 +528,17 @@ impl Engine {
         self.pending.contains(&slot)
     }
 
+    /// Waiting jobs, in the order they joined the queue.
+    pub fn pending(&self) -> &[Slot] {
+        &self.pending
+    }
+
+    /// When the current run of a running job started (its work begins
+    /// then, after any victims vacated).
+    pub fn run_start(&self, slot: Slot) -> Option<u64> {
+        self.runs.planned_end.get(slot).copied().flatten().map(|_| self.runs.run_start[slot])
+    }
+
     /// Interruption times (engine seconds, oldest first) of a job recovered
     /// from durable state; a waiting job at its daily limit is held back
     /// again until the oldest is a day old.

@@ -6,6 +6,7 @@
 //! time, so the same code runs in the live host and in deterministic replay.
 
 pub mod accounting;
+pub mod calibration;
 pub mod capacity;
 pub mod compaction;
 pub mod engine;

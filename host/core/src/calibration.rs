@@ -1,0 +1,265 @@
+//! Checking quotes against what happened: a replay where, at random
+//! moments, a caller asks the chance that one copy of a shape starts by a
+//! deadline ([`crate::forecast`]) from what the host would know then (the
+//! running work, the queue, finished jobs and the last window's arrivals,
+//! never the replay's future), and then submits that copy as a short job.
+//! The quote is right as often as it says when, among quotes that said p,
+//! a fraction p of the copies started in time: the reliability table and
+//! the Brier score measure that.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::accounting::PendingShape;
+use crate::engine::{Deciders, Engine, SimConfig};
+use crate::fleet::Fleet;
+use crate::forecast::{chance, Arrival, History, Now, Running};
+use crate::job::Job;
+use crate::policy::PolicyError;
+use crate::sim::simulate_watched;
+
+/// One quote asked during the replay.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Probe {
+    pub at_s: u64,
+    pub request: PendingShape,
+    pub priority: u32,
+    pub deadline_s: u64,
+}
+
+/// How the probes are drawn and quoted.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub quotes: u32,
+    /// Quotes are asked in [from_s, to_s - the longest deadline).
+    pub from_s: u64,
+    pub to_s: u64,
+    /// Deadlines to draw from, seconds.
+    pub deadlines_s: Vec<u64>,
+    /// Samples per quote, and the arrival window the quotes replay.
+    pub samples: u32,
+    pub window_s: u64,
+    /// How long each probe's copy runs once started (short: it takes
+    /// little room from the work being replayed).
+    pub probe_run_s: u64,
+    pub seed: u64,
+}
+
+/// A quote and what then happened.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Checked {
+    pub at_s: u64,
+    pub tasks: u32,
+    pub gpus_per_task: u32,
+    pub priority: u32,
+    pub deadline_s: u64,
+    pub probability: f64,
+    pub low: f64,
+    pub high: f64,
+    /// When the copy started (seconds after the quote), if it did.
+    pub started_after_s: Option<u64>,
+    pub on_time: bool,
+}
+
+/// Quotes whose probability fell in [from, to): their mean prediction
+/// and the fraction that started in time.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Bucket {
+    pub from: f64,
+    pub to: f64,
+    pub quotes: u32,
+    pub predicted: f64,
+    pub observed: f64,
+}
+
+/// The reliability of a replay's quotes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Calibration {
+    pub quotes: Vec<Checked>,
+    /// Ten deciles of predicted probability (the last includes 1.0).
+    pub buckets: Vec<Bucket>,
+    /// Mean squared error of the probabilities against the 0/1 outcomes
+    /// (0 is perfect; always saying 0.5 scores 0.25).
+    pub brier: f64,
+    /// The Brier score of always saying the base rate (the fraction on
+    /// time): what a quote that knows nothing of the moment scores.
+    pub brier_base_rate: f64,
+    pub samples: u32,
+}
+
+impl Calibration {
+    pub fn of(quotes: Vec<Checked>, samples: u32) -> Calibration {
+        let n = quotes.len().max(1) as f64;
+        let outcome = |c: &Checked| if c.on_time { 1.0 } else { 0.0 };
+        let brier = quotes.iter().map(|c| (c.probability - outcome(c)).powi(2)).sum::<f64>() / n;
+        let base = quotes.iter().map(outcome).sum::<f64>() / n;
+        let brier_base_rate = quotes.iter().map(|c| (base - outcome(c)).powi(2)).sum::<f64>() / n;
+        let buckets = (0..10)
+            .map(|d| {
+                let (from, to) = (f64::from(d) / 10.0, f64::from(d + 1) / 10.0);
+                let inside: Vec<&Checked> = quotes.iter().filter(|c| c.probability >= from && (c.probability < to || (d == 9 && c.probability <= 1.0))).collect();
+                let k = inside.len().max(1) as f64;
+                Bucket {
+                    from,
+                    to,
+                    quotes: inside.len() as u32,
+                    predicted: inside.iter().map(|c| c.probability).sum::<f64>() / k,
+                    observed: inside.iter().map(|c| outcome(c)).sum::<f64>() / k,
+                }
+            })
+            .collect();
+        Calibration { quotes, buckets, brier, brier_base_rate, samples }
+    }
+
+    /// The largest gap between predicted and observed over the deciles
+    /// with at least `min_quotes` quotes (`None`: no such decile).
+    pub fn worst_gap(&self, min_quotes: u32) -> Option<f64> {
+        self.buckets.iter().filter(|b| b.quotes >= min_quotes).map(|b| (b.predicted - b.observed).abs()).reduce(f64::max)
+    }
+}
+
+/// Draws `settings.quotes` probes: uniform times, the shape, gang size and
+/// priority of a random job of the trace, a deadline from the list.
+pub fn draw_probes(jobs: &[Job], settings: &Settings) -> Vec<Probe> {
+    let longest = settings.deadlines_s.iter().copied().max().unwrap_or(0);
+    let to = settings.to_s.saturating_sub(longest);
+    if jobs.is_empty() || settings.deadlines_s.is_empty() || to <= settings.from_s {
+        return Vec::new();
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(settings.seed);
+    let mut probes: Vec<Probe> = (0..settings.quotes)
+        .map(|_| {
+            let like = &jobs[rng.random_range(0..jobs.len())];
+            Probe {
+                at_s: rng.random_range(settings.from_s..to),
+                request: PendingShape { shape: like.shape.clone(), tasks: like.tasks.max(1), same_domain: false },
+                priority: like.priority,
+                deadline_s: settings.deadlines_s[rng.random_range(0..settings.deadlines_s.len())],
+            }
+        })
+        .collect();
+    probes.sort_by_key(|p| p.at_s);
+    probes
+}
+
+/// Class index of the probes' own copies (no history: they end on plan).
+const PROBE_CLASS: usize = 256;
+
+/// Replays `jobs` with the probes' copies added as short jobs, quoting
+/// each probe when it is asked, and checks every quote against its copy's
+/// start.
+pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: SimConfig, probes: &[Probe], settings: &Settings) -> Result<Calibration, PolicyError> {
+    let first_probe = jobs.len();
+    let next_id = jobs.iter().map(|j| j.id).max().map_or(0, |m| m + 1);
+    let mut all: Vec<Job> = jobs.to_vec();
+    all.extend(probes.iter().enumerate().map(|(k, p)| Job {
+        id: next_id + k as u64,
+        class: 0,
+        priority: p.priority,
+        arrival_s: p.at_s,
+        duration_s: settings.probe_run_s.max(1),
+        tasks: p.request.tasks,
+        shape: p.request.shape.clone(),
+        partition: None,
+        contract: None,
+        reports_exit: false,
+    }));
+    let class_of = |slot: usize| if slot >= first_probe { PROBE_CLASS } else { usize::from(all[slot].class) };
+    // Trace jobs by arrival, for the window's arrivals.
+    let mut by_arrival: Vec<usize> = (0..first_probe).collect();
+    by_arrival.sort_by_key(|&j| all[j].arrival_s);
+    let mut quoted: Vec<Option<crate::forecast::Chance>> = vec![None; probes.len()];
+    let mut next_probe = 0;
+    let mut watch = |now: u64, engine: &Engine, fleet: &Fleet, _: &[crate::engine::Event]| {
+        if probes.get(next_probe).is_none_or(|p| p.at_s > now) {
+            return;
+        }
+        let (history, medians) = finished_by_class(engine, first_probe, now, &class_of);
+        let expected = |slot: usize| medians.get(class_of(slot)).copied().flatten().unwrap_or(3_600);
+        let running: Vec<Running> = engine
+            .running()
+            .into_iter()
+            .map(|(end, slot, allocations)| Running {
+                allocations,
+                class: class_of(slot),
+                elapsed_s: now.saturating_sub(engine.run_start(slot).unwrap_or(now)),
+                // Only the probes' own copies end on a known plan: the trace's
+                // jobs are quoted as a live host sees work without a limit.
+                planned_remaining_s: (slot >= first_probe).then(|| end.saturating_sub(now)),
+            })
+            .collect();
+        let window_from = now.saturating_sub(settings.window_s);
+        let lo = by_arrival.partition_point(|&j| all[j].arrival_s < window_from);
+        let hi = by_arrival.partition_point(|&j| all[j].arrival_s < now);
+        while let Some(p) = probes.get(next_probe).filter(|p| p.at_s <= now) {
+            let mut queue: Vec<usize> = engine.pending().iter().copied().filter(|&j| all[j].priority >= p.priority).collect();
+            queue.sort_by_key(|&j| (std::cmp::Reverse(all[j].priority), all[j].arrival_s));
+            let queued: Vec<Arrival> =
+                queue.iter().map(|&j| Arrival { at_s: 0, shape: all[j].shape.clone(), tasks: all[j].tasks, duration_s: expected(j), ahead: true }).collect();
+            let arrivals: Vec<Arrival> = by_arrival[lo..hi]
+                .iter()
+                .map(|&j| {
+                    let o = &engine.outcome().jobs[j];
+                    let ran = o.start_s.zip(o.end_s.filter(|&e| e <= now)).map(|(s, e)| e.saturating_sub(s));
+                    Arrival {
+                        at_s: all[j].arrival_s - window_from,
+                        shape: all[j].shape.clone(),
+                        tasks: all[j].tasks,
+                        duration_s: ran.unwrap_or_else(|| expected(j)),
+                        ahead: all[j].priority > p.priority,
+                    }
+                })
+                .collect();
+            let history = History { arrivals, window_s: settings.window_s, ..history.clone() };
+            let now_state = Now { fleet, running: &running, queued: &queued, rates: None };
+            quoted[next_probe] = Some(chance(now_state, &p.request, &history, p.deadline_s, settings.samples, settings.seed ^ next_probe as u64));
+            next_probe += 1;
+        }
+    };
+    let out = simulate_watched(fleet, &all, deciders, config, None, &mut watch)?;
+    let checked = probes
+        .iter()
+        .zip(quoted)
+        .enumerate()
+        .filter_map(|(k, (p, q))| {
+            let q = q?;
+            let started_after_s = out.jobs[first_probe + k].start_s.map(|s| s.saturating_sub(p.at_s));
+            Some(Checked {
+                at_s: p.at_s,
+                tasks: p.request.tasks,
+                gpus_per_task: p.request.shape.gpu_count,
+                priority: p.priority,
+                deadline_s: p.deadline_s,
+                probability: q.probability,
+                low: q.low,
+                high: q.high,
+                started_after_s,
+                on_time: started_after_s.is_some_and(|s| s <= p.deadline_s),
+            })
+        })
+        .collect();
+    Ok(Calibration::of(checked, settings.samples))
+}
+
+/// Run times of the trace's jobs that ended by `now`, by class (sorted),
+/// and each class's median.
+fn finished_by_class(engine: &Engine, trace_jobs: usize, now: u64, class_of: &dyn Fn(usize) -> usize) -> (History, Vec<Option<u64>>) {
+    let mut finished: Vec<Vec<u64>> = Vec::new();
+    for (j, o) in engine.outcome().jobs.iter().enumerate().take(trace_jobs) {
+        if let (Some(s), Some(e)) = (o.start_s, o.end_s)
+            && e <= now
+        {
+            let c = class_of(j);
+            if finished.len() <= c {
+                finished.resize(c + 1, Vec::new());
+            }
+            finished[c].push(e.saturating_sub(s));
+        }
+    }
+    for f in &mut finished {
+        f.sort_unstable();
+    }
+    let medians = finished.iter().map(|f| f.get(f.len() / 2).copied()).collect();
+    (History { finished_s: finished, ..Default::default() }, medians)
+}

@@ -1,0 +1,67 @@
+//! Quotes with a probability checked against what then happened, on a
+//! small busy fleet: a small version of the ASI week's calibration.
+
+mod common;
+
+use berth_core::calibration::{calibrate, draw_probes, Settings};
+use berth_core::engine::{Deciders, SimConfig};
+use berth_core::{Fleet, Job, Node, TaskShape};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// 12 eight-GPU nodes kept busy: a stream of 1-, 2-, 4- and 8-GPU jobs,
+/// exponential gaps and lognormal-ish run times in two classes (short
+/// interactive work, long training) at about the fleet's size in demand.
+fn busy_week(seed: u64) -> (Fleet, Vec<Job>, u64) {
+    let nodes = 12;
+    let fleet = Fleet::new(vec!["A".into()], (0..nodes).map(|i| Node::new(format!("n{i}"), Some(0), 8, 64_000, 512_000)).collect()).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let horizon = 4 * 86_400;
+    let (mut t, mut jobs) = (0u64, Vec::new());
+    while t < horizon {
+        let long = rng.random_bool(0.3);
+        let gpus = [1, 2, 4, 8][rng.random_range(0..4)];
+        let mean_s = if long { 6.0 * 3600.0 } else { 1_800.0 };
+        let duration = (-(1.0 - rng.random::<f64>()).ln() * mean_s) as u64 + 60;
+        let shape = TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000 * gpus, memory_mib: 1024, models: vec![] };
+        jobs.push(Job { id: jobs.len() as u64, class: u8::from(long), priority: if long { 1 } else { 5 }, arrival_s: t, duration_s: duration, tasks: 1, shape, ..Job::default() });
+        // Demand about 1.05 times the fleet: queues form and clear.
+        let mean_gap = (0.3 * 6.0 * 3600.0 + 0.7 * 1_800.0) * 3.75 / (1.05 * f64::from(nodes * 8));
+        t += (-(1.0 - rng.random::<f64>()).ln() * mean_gap) as u64 + 1;
+    }
+    (fleet, jobs, horizon)
+}
+
+#[test]
+fn quotes_come_true_as_often_as_they_say() {
+    let (mut fleet, jobs, horizon) = busy_week(3);
+    let settings = Settings {
+        quotes: 400,
+        from_s: 86_400,
+        to_s: horizon,
+        deadlines_s: vec![600, 1_800, 3_600, 4 * 3_600],
+        samples: 200,
+        window_s: 86_400,
+        probe_run_s: 60,
+        seed: 11,
+    };
+    let probes = draw_probes(&jobs, &settings);
+    assert_eq!(probes.len(), 400);
+    let mut policy = common::FirstFit;
+    let config = SimConfig { horizon_s: horizon, high_priority: 5, ..SimConfig::default() };
+    let c = calibrate(&mut fleet, &jobs, Deciders { placement: &mut policy, preemption: None, compaction: None }, config, &probes, &settings).unwrap();
+    for b in &c.buckets {
+        eprintln!("{:.1}-{:.1}: {:>4} quotes, predicted {:.3}, observed {:.3}", b.from, b.to, b.quotes, b.predicted, b.observed);
+    }
+    eprintln!("brier {:.4} (base rate {:.4})", c.brier, c.brier_base_rate);
+    assert_eq!(c.quotes.len(), 400);
+    // Not every quote is easy: some say no, some yes, some in between.
+    let middling = c.quotes.iter().filter(|q| q.probability > 0.1 && q.probability < 0.9).count();
+    assert!(middling >= 40, "{middling} quotes between 0.1 and 0.9");
+    assert!(c.quotes.iter().any(|q| !q.on_time) && c.quotes.iter().any(|q| q.on_time));
+    // Better than a quote that knows nothing of the moment, and each
+    // decile with enough quotes close to what happened.
+    assert!(c.brier < 0.6 * c.brier_base_rate, "{} vs {}", c.brier, c.brier_base_rate);
+    let gap = c.worst_gap(25).expect("deciles with quotes");
+    assert!(gap <= 0.15, "worst decile gap {gap}");
+}
