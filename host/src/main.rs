@@ -147,6 +147,16 @@ struct ReplayArgs {
     /// start by the deadline.
     #[arg(long, requires = "fleet")]
     quote: Option<String>,
+    /// Check quotes with a probability against what happened: ask this
+    /// many quotes at random moments of a --fleet run (shapes of random
+    /// jobs, deadlines 10 min to 8 h), submit each quoted copy as a short
+    /// job, and print the reliability table and the Brier score. Runs the
+    /// first --policy (with --compact if given; not with --preempt).
+    #[arg(long, requires = "fleet", conflicts_with = "preempt")]
+    calibrate: Option<u32>,
+    /// Samples per calibration quote (at most 10,000).
+    #[arg(long, default_value_t = 200, requires = "calibrate")]
+    calibrate_samples: u32,
     /// Starvation guard for --fleet: reserve capacity for a job that has
     /// waited this many hours and still cannot start (backfill only work
     /// that ends before the reservation).
@@ -1032,6 +1042,22 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         }
         None => None,
     };
+    if let Some(quotes) = args.calibrate {
+        anyhow::ensure!((1..=100_000).contains(&quotes), "--calibrate takes 1 to 100,000 quotes");
+        anyhow::ensure!((1..=berth_core::forecast::MAX_SAMPLES).contains(&args.calibrate_samples), "--calibrate-samples takes 1 to 10,000");
+        let path = catalog::resolve(&args.policies[0])?;
+        let placement = LoadedPolicy::from_file(&engine, &path).with_context(|| format!("loading {}", path.display()))?;
+        if !args.quiet {
+            eprintln!("simulating {} jobs with {} and {quotes} probe quotes ...", jobs.len(), placement.info.name);
+        }
+        let run = berth::asi::calibration::Run { engine: &engine, placement: &placement, compaction: compaction.as_ref(), limits: replay_limits(args), guards: &guards, work: economics.work.clone() };
+        let c = berth::asi::calibration::run(run, &fleet, &jobs, horizon, quotes, args.calibrate_samples, seeds[0])?;
+        print!("{}", berth::asi::calibration::table(&c));
+        if let Some(path) = &args.json {
+            std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "calibration": c }))?).with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(());
+    }
     if !args.preempt.is_empty() {
         let load = |spec: &String| -> anyhow::Result<Arc<LoadedPolicy>> {
             let path = catalog::resolve(spec)?;

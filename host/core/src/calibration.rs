@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::accounting::PendingShape;
 use crate::engine::{Deciders, Engine, SimConfig};
 use crate::fleet::Fleet;
-use crate::forecast::{chance, Arrival, History, Now, Running};
+use crate::forecast::{chance, survival, Arrival, History, Now, Running};
 use crate::job::Job;
 use crate::policy::PolicyError;
 use crate::sim::simulate_watched;
@@ -175,8 +175,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
         if probes.get(next_probe).is_none_or(|p| p.at_s > now) {
             return;
         }
-        let (history, medians) = finished_by_class(engine, first_probe, now, &class_of);
-        let expected = |slot: usize| medians.get(class_of(slot)).copied().flatten().unwrap_or(3_600);
+        let history = finished_by_class(engine, first_probe, now, &class_of);
         let running: Vec<Running> = engine
             .running()
             .into_iter()
@@ -189,6 +188,10 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
                 planned_remaining_s: (slot >= first_probe).then(|| end.saturating_sub(now)),
             })
             .collect();
+        // Waiting and recent work runs its class's median (a day where
+        // fewer than half of the class's runs have finished).
+        let medians: Vec<Option<u64>> = survival(&history, &running).iter().map(|s| s.median()).collect();
+        let expected = |slot: usize| medians.get(class_of(slot)).copied().flatten().unwrap_or(86_400);
         let window_from = now.saturating_sub(settings.window_s);
         let lo = by_arrival.partition_point(|&j| all[j].arrival_s < window_from);
         let hi = by_arrival.partition_point(|&j| all[j].arrival_s < now);
@@ -196,7 +199,12 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
             let mut queue: Vec<usize> = engine.pending().iter().copied().filter(|&j| all[j].priority >= p.priority).collect();
             queue.sort_by_key(|&j| (std::cmp::Reverse(all[j].priority), all[j].arrival_s));
             let queued: Vec<Arrival> =
-                queue.iter().map(|&j| Arrival { at_s: 0, shape: all[j].shape.clone(), tasks: all[j].tasks, duration_s: expected(j), ahead: true }).collect();
+                queue.iter().map(|&j| {
+                    // Earlier probes' copies run as long as they were made to.
+                    let probe = j >= first_probe;
+                    let duration_s = if probe { settings.probe_run_s.max(1) } else { expected(j) };
+                    Arrival { at_s: 0, shape: all[j].shape.clone(), tasks: all[j].tasks, duration_s, ahead: true, class: (!probe).then(|| class_of(j)) }
+                }).collect();
             let arrivals: Vec<Arrival> = by_arrival[lo..hi]
                 .iter()
                 .map(|&j| {
@@ -208,6 +216,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
                         tasks: all[j].tasks,
                         duration_s: ran.unwrap_or_else(|| expected(j)),
                         ahead: all[j].priority > p.priority,
+                        class: ran.is_none().then(|| class_of(j)),
                     }
                 })
                 .collect();
@@ -242,9 +251,8 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
     Ok(Calibration::of(checked, settings.samples))
 }
 
-/// Run times of the trace's jobs that ended by `now`, by class (sorted),
-/// and each class's median.
-fn finished_by_class(engine: &Engine, trace_jobs: usize, now: u64, class_of: &dyn Fn(usize) -> usize) -> (History, Vec<Option<u64>>) {
+/// Run times of the trace's jobs that ended by `now`, by class.
+fn finished_by_class(engine: &Engine, trace_jobs: usize, now: u64, class_of: &dyn Fn(usize) -> usize) -> History {
     let mut finished: Vec<Vec<u64>> = Vec::new();
     for (j, o) in engine.outcome().jobs.iter().enumerate().take(trace_jobs) {
         if let (Some(s), Some(e)) = (o.start_s, o.end_s)
@@ -257,9 +265,5 @@ fn finished_by_class(engine: &Engine, trace_jobs: usize, now: u64, class_of: &dy
             finished[c].push(e.saturating_sub(s));
         }
     }
-    for f in &mut finished {
-        f.sort_unstable();
-    }
-    let medians = finished.iter().map(|f| f.get(f.len() / 2).copied()).collect();
-    (History { finished_s: finished, ..Default::default() }, medians)
+    History { finished_s: finished, ..Default::default() }
 }

@@ -12,7 +12,7 @@
 //! samples where and for as long as it likes ([`Forecast::run`]).
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -48,6 +48,10 @@ pub struct Arrival {
     pub shape: TaskShape,
     pub tasks: u32,
     pub duration_s: u64,
+    /// When its run time is not known (it waits, or still runs): each run
+    /// draws one from this class's run times (`duration_s` where the draw
+    /// lies past every finished run).
+    pub class: Option<usize>,
     /// Decided before the request when both wait (a higher priority):
     /// it takes freed room first. Otherwise it only takes room that is
     /// free when it arrives. Work queued now is always ahead.
@@ -57,7 +61,7 @@ pub struct Arrival {
 /// What the forecast samples from.
 #[derive(Clone, Debug, Default)]
 pub struct History {
-    /// Run times of finished jobs, by class, each sorted ascending.
+    /// Run times of finished jobs, by class (any order).
     pub finished_s: Vec<Vec<u64>>,
     /// Competing arrivals of the recent window.
     pub arrivals: Vec<Arrival>,
@@ -91,54 +95,187 @@ pub struct Start {
     pub rate: f64,
 }
 
-/// Seconds left of a job of a class with `finished` run times (sorted) that
-/// has run `elapsed` s: a finished run time above it, drawn uniformly.
-/// No job runs past its planned end (a duration, a time limit).
-fn remaining(rng: &mut ChaCha8Rng, finished: &[u64], elapsed: u64, planned: Option<u64>) -> Option<u64> {
-    let longer = finished.partition_point(|&d| d <= elapsed);
-    if longer < finished.len() {
-        let drawn = finished[rng.random_range(longer..finished.len())] - elapsed;
-        Some(planned.map_or(drawn, |p| p.min(drawn)))
-    } else {
-        planned
+/// How long jobs of one class run, from the finished ones and, as runs
+/// known to last at least as long as they have so far, the running ones
+/// (Kaplan-Meier): finished jobs alone would say jobs are short, since
+/// the long ones of a recent history are still running.
+#[derive(Clone, Debug, Default)]
+pub struct Survival {
+    /// Distinct run times at which jobs finished, ascending, and the
+    /// share of jobs still running just after each.
+    times: Vec<u64>,
+    alive: Vec<f64>,
+}
+
+impl Survival {
+    pub fn new(finished: &[u64], running: &[u64]) -> Survival {
+        let mut finished = finished.to_vec();
+        let mut running = running.to_vec();
+        finished.sort_unstable();
+        running.sort_unstable();
+        let mut at_risk = finished.len() + running.len();
+        let (mut i, mut r) = (0, 0);
+        let mut s = Survival::default();
+        let mut alive = 1.0;
+        while i < finished.len() {
+            let t = finished[i];
+            // Runs still going that stopped being watched before t are no
+            // longer at risk.
+            while r < running.len() && running[r] < t {
+                at_risk -= 1;
+                r += 1;
+            }
+            let ended = finished[i..].partition_point(|&d| d == t);
+            alive *= 1.0 - ended as f64 / at_risk as f64;
+            s.times.push(t);
+            s.alive.push(alive);
+            at_risk -= ended;
+            i += ended;
+        }
+        s
+    }
+
+    /// The share of runs that last longer than `t`.
+    pub fn beyond(&self, t: u64) -> f64 {
+        match self.times.partition_point(|&d| d <= t) {
+            0 => 1.0,
+            k => self.alive[k - 1],
+        }
+    }
+
+    /// A run time drawn among those longer than `elapsed` (`u` uniform in
+    /// (0, 1]); `None` when it lies past every finished run.
+    fn draw_beyond(&self, elapsed: u64, u: f64) -> Option<u64> {
+        let target = self.beyond(elapsed) * u;
+        let from = self.times.partition_point(|&d| d <= elapsed);
+        let k = from + self.alive[from..].partition_point(|&a| a > target);
+        self.times.get(k).copied()
+    }
+
+    /// The median run time, if half of the runs finished.
+    pub fn median(&self) -> Option<u64> {
+        self.alive.iter().position(|&a| a <= 0.5).map(|k| self.times[k])
     }
 }
 
-/// Takes room for `tasks` tasks of `shape` first-fit (all or none).
+/// Seconds left of a job of a class that has run `elapsed`, drawn from
+/// the class's runs longer than that; no job runs past its planned end (a
+/// duration, a time limit), which also stands in when no run was longer.
+fn remaining(rng: &mut ChaCha8Rng, class: &Survival, elapsed: u64, planned: Option<u64>) -> Option<u64> {
+    let u = 1.0 - rng.random::<f64>();
+    match class.draw_beyond(elapsed, u) {
+        Some(d) => Some(planned.map_or(d - elapsed, |p| p.min(d - elapsed))),
+        None => planned,
+    }
+}
+
+/// Takes room for `tasks` tasks of `shape` (all or none), each on the
+/// node it fits with the fewest GPUs free (ties: the first): the packing
+/// the bundled placement policies do, which keeps whole nodes whole.
 fn take(fleet: &mut Fleet, shape: &TaskShape, tasks: u32) -> Option<Vec<Allocation>> {
     let mut taken: Vec<Allocation> = Vec::new();
-    'task: for _ in 0..tasks {
-        for id in 0..fleet.nodes().len() {
-            let node = &fleet.nodes()[id];
-            if tasks_on_node(node, shape) == 0 {
-                continue;
+    for _ in 0..tasks {
+        // From the free summaries; a node itself is read only when it
+        // would be the best so far.
+        let mut best: Option<(u32, usize)> = None;
+        for (id, free) in fleet.free_summaries().iter().enumerate() {
+            if free.may_fit(shape) && best.is_none_or(|(b, _)| free.gpu_free_milli < b) && tasks_on_node(&fleet.nodes()[id], shape) > 0 {
+                best = Some((free.gpu_free_milli, id));
             }
+        }
+        let best = best.map(|(_, id)| id);
+        let allocated = best.and_then(|id| {
+            let node = &fleet.nodes()[id];
             let mask = if shape.gpu_count == 0 {
                 0
             } else if shape.gpu_milli < MILLI_PER_GPU {
-                match node.gpus.iter().position(|&free| free >= shape.gpu_milli) {
-                    Some(g) => 1u64 << g,
-                    None => continue,
-                }
+                // The fullest GPU that still has room.
+                let g = (0..node.gpus.len()).filter(|&g| node.gpus[g] >= shape.gpu_milli).min_by_key(|&g| node.gpus[g])?;
+                1u64 << g
             } else {
                 let idle: Vec<usize> = (0..node.gpus.len()).filter(|&g| node.gpus[g] == MILLI_PER_GPU).take(shape.gpu_count as usize).collect();
                 if idle.len() < shape.gpu_count as usize {
-                    continue;
+                    return None;
                 }
                 idle.iter().fold(0u64, |m, &g| m | 1 << g)
             };
             let a = Fleet::allocation(id as u32, shape, mask);
-            if fleet.allocate(&a).is_ok() {
-                taken.push(a);
-                continue 'task;
+            fleet.allocate(&a).ok().map(|_| a)
+        });
+        match allocated {
+            Some(a) => taken.push(a),
+            None => {
+                for a in &taken {
+                    fleet.release(a).expect("just allocated");
+                }
+                return None;
             }
         }
-        for a in &taken {
-            fleet.release(a).expect("just allocated");
-        }
-        return None;
     }
     Some(taken)
+}
+
+/// Competing work waiting, by shape (first come first within each), tried
+/// in the order it came.
+struct Queue<'w> {
+    by_shape: Vec<VecDeque<(u64, &'w Arrival)>>,
+    /// Shapes given work since they last tried: tried against the whole
+    /// fleet, not only the freed nodes.
+    fresh: Vec<bool>,
+    /// Shapes with work waiting (and some emptied since), each once.
+    active: Vec<u32>,
+    listed: Vec<bool>,
+    seq: u64,
+}
+
+impl<'w> Queue<'w> {
+    fn new(shapes: usize) -> Queue<'w> {
+        Queue { by_shape: vec![VecDeque::new(); shapes], fresh: vec![false; shapes], active: Vec::new(), listed: vec![false; shapes], seq: 0 }
+    }
+
+    fn push(&mut self, work: &'w Arrival, shape: u32) {
+        if !std::mem::replace(&mut self.listed[shape as usize], true) {
+            self.active.push(shape);
+        }
+        self.by_shape[shape as usize].push_back((self.seq, work));
+        self.seq += 1;
+        self.fresh[shape as usize] = true;
+    }
+
+    /// Starts the waiting work that fits, in the order it came, on `fleet`
+    /// after the nodes `freed` gained room; `no_room` remembers shapes
+    /// that found none in this `step` (room only shrinks within one).
+    fn place(&mut self, fleet: &mut Fleet, freed: &[u32], no_room: &mut [u32], step: u32, start: &mut dyn FnMut(&mut Fleet, &'w Arrival) -> bool) {
+        let (by_shape, listed) = (&self.by_shape, &mut self.listed);
+        self.active.retain(|&s| {
+            let keep = !by_shape[s as usize].is_empty();
+            listed[s as usize] = keep;
+            keep
+        });
+        let mut heads: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
+        for &s in &self.active {
+            let id = s as usize;
+            let (seq, first) = self.by_shape[id][0];
+            // Work that did not fit before can only fit where room came.
+            let may = no_room[id] != step && (self.fresh[id] || freed.iter().any(|&n| tasks_on_node(&fleet.nodes()[n as usize], &first.shape) > 0));
+            self.fresh[id] = false;
+            if may {
+                heads.push(Reverse((seq, s)));
+            }
+        }
+        while let Some(Reverse((_, s))) = heads.pop() {
+            let id = s as usize;
+            let (_, work) = self.by_shape[id][0];
+            if start(fleet, work) {
+                self.by_shape[id].pop_front();
+                if let Some(&(seq, _)) = self.by_shape[id].front() {
+                    heads.push(Reverse((seq, s)));
+                }
+            } else {
+                no_room[id] = step;
+            }
+        }
+    }
 }
 
 /// Whether a copy of the request fits, kept up to date node by node as
@@ -241,12 +378,40 @@ pub struct Forecast<'a> {
     seed: u64,
     /// Nothing ahead and a copy fits: every run starts now, at this rate.
     now_start: Option<Start>,
+    /// Run times by class: the finished jobs, and the running ones as
+    /// lasting at least as long as they have.
+    survival: Vec<Survival>,
+    /// Competing work's (shape, tasks), interned: queues hold many jobs of
+    /// few shapes, and a run remembers per shape what found no room.
+    shapes: Shapes,
+}
+
+/// Shape ids of the queued work and of the window's arrivals, and the
+/// number of distinct (shape, tasks).
+struct Shapes {
+    queued: Vec<u32>,
+    arrivals: Vec<u32>,
+    count: usize,
+}
+
+impl Shapes {
+    fn new<'x>(queued: &'x [Arrival], arrivals: &'x [Arrival]) -> Shapes {
+        let mut ids: std::collections::HashMap<(&'x TaskShape, u32), u32> = Default::default();
+        let mut id = |a: &'x Arrival| -> u32 {
+            let next = ids.len() as u32;
+            *ids.entry((&a.shape, a.tasks.max(1))).or_insert(next)
+        };
+        let queued = queued.iter().map(&mut id).collect();
+        let arrivals = arrivals.iter().map(&mut id).collect();
+        Shapes { queued, arrivals, count: ids.len() }
+    }
 }
 
 impl<'a> Forecast<'a> {
     pub fn new(now: Now<'a>, request: &'a PendingShape, history: &'a History, deadline_s: u64, seed: u64) -> Forecast<'a> {
         let now_start = (now.queued.is_empty() && copies(now.fleet, request, 1) > 0).then(|| Start { at_s: 0, rate: start_rate(now.fleet, request, now.rates) });
-        Forecast { now, request, history, deadline_s, seed, now_start }
+        let shapes = Shapes::new(now.queued, &history.arrivals);
+        Forecast { now, request, history, deadline_s, seed, now_start, survival: survival(history, now.running), shapes }
     }
 
     /// Sample `i`: when a copy first fits, if by the deadline.
@@ -255,8 +420,18 @@ impl<'a> Forecast<'a> {
             return Some(s);
         }
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        one_run(self.now, self.request, self.history, self.deadline_s, &mut rng)
+        one_run(self, &mut rng)
     }
+}
+
+/// Each class's [`Survival`] from `history` and the jobs `running` now.
+pub fn survival(history: &History, running: &[Running]) -> Vec<Survival> {
+    let classes = running.iter().map(|r| r.class + 1).max().unwrap_or(0).max(history.finished_s.len());
+    let mut elapsed: Vec<Vec<u64>> = vec![Vec::new(); classes];
+    for r in running {
+        elapsed[r.class].push(r.elapsed_s);
+    }
+    (0..classes).map(|c| Survival::new(history.finished_s.get(c).map_or(&[], |f| f.as_slice()), &elapsed[c])).collect()
 }
 
 /// The answer from the runs that were made (`samples` of them, `starts`
@@ -281,8 +456,9 @@ pub fn chance(now: Now<'_>, request: &PendingShape, history: &History, deadline_
 }
 
 /// One run forward: when a copy first fits, if by the deadline.
-fn one_run(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: u64, rng: &mut ChaCha8Rng) -> Option<Start> {
-    let Now { fleet, running, queued, rates } = now;
+fn one_run(f: &Forecast<'_>, rng: &mut ChaCha8Rng) -> Option<Start> {
+    let Now { fleet, running, queued, rates } = f.now;
+    let (request, history, survival, deadline_s) = (f.request, f.history, &f.survival, f.deadline_s);
     #[derive(Clone, Copy)]
     enum What {
         /// Running job k ends.
@@ -299,9 +475,10 @@ fn one_run(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: 
         whats.push(what);
         events.push(Reverse((at, whats.len() as u64, whats.len() - 1)));
     };
+    let none = Survival::default();
     for (k, r) in running.iter().enumerate() {
-        let finished = history.finished_s.get(r.class).map_or(&[][..], |f| f.as_slice());
-        if let Some(left) = remaining(rng, finished, r.elapsed_s, r.planned_remaining_s)
+        let class = survival.get(r.class).unwrap_or(&none);
+        if let Some(left) = remaining(rng, class, r.elapsed_s, r.planned_remaining_s)
             && left <= deadline_s
         {
             push(&mut events, &mut whats, left, What::Free(k));
@@ -316,84 +493,63 @@ fn one_run(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: 
             }
         }
     }
+    let run_time = |a: &Arrival, rng: &mut ChaCha8Rng| match a.class {
+        Some(c) => survival.get(c).and_then(|s| s.draw_beyond(0, 1.0 - rng.random::<f64>())).unwrap_or(a.duration_s),
+        None => a.duration_s,
+    };
     let mut scratch = fleet.clone();
     let mut fits = Fits::new(&scratch, request);
     let mut held: Vec<Vec<Allocation>> = Vec::new();
-    // Waiting competing work, in arrival order: ahead of the request (what
-    // was queued now, then higher-priority arrivals), and behind it.
-    // Each with whether it is new (not yet tried against the whole fleet).
-    let mut ahead: Vec<(&Arrival, bool)> = queued.iter().map(|a| (a, true)).collect();
-    let mut behind: Vec<(&Arrival, bool)> = Vec::new();
+    // Waiting competing work: ahead of the request (what was queued now,
+    // then higher-priority arrivals), and behind it.
+    let mut ahead = Queue::new(f.shapes.count);
+    let mut behind = Queue::new(f.shapes.count);
+    for (work, &shape) in queued.iter().zip(&f.shapes.queued) {
+        ahead.push(work, shape);
+    }
+    let mut arrived: Vec<(&Arrival, u32)> = Vec::new();
     let mut at: u64 = 0;
     // Nodes freed since the waiting work last tried (all at the start):
     // work that did not fit before can only fit now on one of them.
     let mut freed: Vec<u32> = (0..fleet.nodes().len() as u32).collect();
-    // Shapes that found no room since the last free: the next arrival of
-    // the same shape need not look.
-    let mut no_room: Vec<(&TaskShape, u32)> = Vec::new();
-    // Takes room for the waiting work that fits (each in order).
-    let place = |scratch: &mut Fleet, fits: &mut Fits, waiting: &mut Vec<(&Arrival, bool)>, held: &mut Vec<Vec<Allocation>>, events: &mut BinaryHeap<Reverse<(u64, u64, usize)>>, whats: &mut Vec<What>, freed: &[u32], at: u64| {
-        let mut k = 0;
-        while k < waiting.len() {
-            let (a, new) = waiting[k];
-            let may = new || freed.iter().any(|&n| tasks_on_node(&scratch.nodes()[n as usize], &a.shape) > 0);
-            match may.then(|| take(scratch, &a.shape, a.tasks.max(1))).flatten() {
-                Some(allocs) => {
-                    for x in &allocs {
-                        fits.update(scratch, x.node as usize);
-                    }
-                    held.push(allocs);
-                    let leave = at.saturating_add(a.duration_s.max(1));
-                    if leave <= deadline_s {
-                        push(events, whats, leave, What::Leave(held.len() - 1));
-                    }
-                    waiting.remove(k);
-                }
-                None => {
-                    waiting[k].1 = false;
-                    k += 1
-                }
-            }
+    // Per shape, stamped with the step it holds for (room only shrinks
+    // within a step): found no room.
+    let mut step: u32 = 1;
+    let mut no_room: Vec<u32> = vec![0; f.shapes.count];
+    // Takes room for `work` if it fits, and plans its leaving.
+    let start = |scratch: &mut Fleet, fits: &mut Fits, held: &mut Vec<Vec<Allocation>>, events: &mut BinaryHeap<Reverse<(u64, u64, usize)>>, whats: &mut Vec<What>, work: &Arrival, at: u64, rng: &mut ChaCha8Rng| -> bool {
+        let Some(allocs) = take(scratch, &work.shape, work.tasks.max(1)) else { return false };
+        for x in &allocs {
+            fits.update(scratch, x.node as usize);
         }
+        held.push(allocs);
+        let leave = at.saturating_add(run_time(work, rng).max(1));
+        if leave <= deadline_s {
+            push(events, whats, leave, What::Leave(held.len() - 1));
+        }
+        true
     };
-    let mut arrived: Vec<&Arrival> = Vec::new();
     loop {
         if !freed.is_empty() {
             // Work that came now waits in its place, behind what waited.
-            for a in arrived.drain(..) {
-                if a.ahead { ahead.push((a, true)) } else { behind.push((a, true)) }
+            for (w, shape) in arrived.drain(..) {
+                if w.ahead { ahead.push(w, shape) } else { behind.push(w, shape) }
             }
-            no_room.clear();
-            place(&mut scratch, &mut fits, &mut ahead, &mut held, &mut events, &mut whats, &freed, at);
+            ahead.place(&mut scratch, &freed, &mut no_room, step, &mut |sc, work| start(sc, &mut fits, &mut held, &mut events, &mut whats, work, at, rng));
             debug_assert_eq!(fits.any(), copies(&scratch, request, 1) > 0);
             if fits.any() {
                 return Some(Start { at_s: at, rate: start_rate(&scratch, request, rates) });
             }
-            place(&mut scratch, &mut fits, &mut behind, &mut held, &mut events, &mut whats, &freed, at);
+            behind.place(&mut scratch, &freed, &mut no_room, step, &mut |sc, work| start(sc, &mut fits, &mut held, &mut events, &mut whats, work, at, rng));
             freed.clear();
         } else {
             // Nothing freed: the request still does not fit; what came now
             // takes free room if it fits, else waits.
-            for a in arrived.drain(..) {
-                let key = (&a.shape, a.tasks);
-                let taken = if no_room.contains(&key) { None } else { take(&mut scratch, &a.shape, a.tasks.max(1)) };
-                match taken {
-                    Some(allocs) => {
-                        for x in &allocs {
-                            fits.update(&scratch, x.node as usize);
-                        }
-                        held.push(allocs);
-                        let leave = at.saturating_add(a.duration_s.max(1));
-                        if leave <= deadline_s {
-                            push(&mut events, &mut whats, leave, What::Leave(held.len() - 1));
-                        }
-                    }
-                    None => {
-                        if !no_room.contains(&key) {
-                            no_room.push(key);
-                        }
-                        if a.ahead { ahead.push((a, false)) } else { behind.push((a, false)) }
-                    }
+            for (w, shape) in arrived.drain(..) {
+                let id = shape as usize;
+                if no_room[id] == step || !start(&mut scratch, &mut fits, &mut held, &mut events, &mut whats, w, at, rng) {
+                    no_room[id] = step;
+                    if w.ahead { ahead.push(w, shape) } else { behind.push(w, shape) }
                 }
             }
         }
@@ -408,7 +564,7 @@ fn one_run(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: 
             let gone = match whats[w] {
                 What::Free(k) => &running[k].allocations,
                 What::Arrive(k) => {
-                    arrived.push(&history.arrivals[k]);
+                    arrived.push((&history.arrivals[k], f.shapes.arrivals[k]));
                     continue;
                 }
                 What::Leave(h) => &held[h],
@@ -419,6 +575,10 @@ fn one_run(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: 
                     freed.push(a.node);
                 }
             }
+        }
+        // Room freed: what found none may find some now.
+        if !freed.is_empty() {
+            step += 1;
         }
     }
 }

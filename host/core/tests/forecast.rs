@@ -55,7 +55,7 @@ fn competing_work_takes_the_room_first() {
     // and ran 1,000 s.
     let history = History {
         finished_s: vec![vec![60], vec![]],
-        arrivals: (0..5).map(|k| Arrival { at_s: 20 * k, shape: whole_node(), tasks: 1, duration_s: 1000, ahead: true }).collect(),
+        arrivals: (0..5).map(|k| Arrival { at_s: 20 * k, shape: whole_node(), tasks: 1, duration_s: 1000, ahead: true, class: None }).collect(),
         window_s: 100,
     };
     let running = vec![
@@ -70,10 +70,10 @@ fn competing_work_takes_the_room_first() {
     let crowded = chance(Now { fleet: &fleet, running: &running, queued: &[], rates: None }, &one_node(), &history, 15, 4_000, 3);
     assert!((crowded.probability - 0.45).abs() < 0.03, "{crowded:?}");
     // Work already queued ahead takes it for sure.
-    let ahead = [Arrival { at_s: 0, shape: whole_node(), tasks: 1, duration_s: 1000, ahead: true }];
+    let ahead = [Arrival { at_s: 0, shape: whole_node(), tasks: 1, duration_s: 1000, ahead: true, class: None }];
     assert_eq!(chance(Now { fleet: &fleet, running: &running, queued: &ahead, rates: None }, &one_node(), &quiet, 15, 300, 3).started, 0);
     // Work that cannot fit does not block the request (it waits on).
-    let too_big = [Arrival { at_s: 0, shape: whole_node(), tasks: 3, duration_s: 1000, ahead: true }];
+    let too_big = [Arrival { at_s: 0, shape: whole_node(), tasks: 3, duration_s: 1000, ahead: true, class: None }];
     assert_eq!(chance(Now { fleet: &fleet, running: &running, queued: &too_big, rates: None }, &one_node(), &quiet, 15, 300, 3).probability, 1.0);
     // A copy that fits now starts now, unless queued work takes the room.
     let mut free = fleet.clone();
@@ -91,7 +91,7 @@ fn work_behind_the_request_only_takes_room_that_is_free_when_it_comes() {
     // the request gets node 0 in every run.
     let history = History {
         finished_s: vec![vec![60], vec![]],
-        arrivals: (0..5).map(|k| Arrival { at_s: 20 * k, shape: whole_node(), tasks: 1, duration_s: 1000, ahead: false }).collect(),
+        arrivals: (0..5).map(|k| Arrival { at_s: 20 * k, shape: whole_node(), tasks: 1, duration_s: 1000, ahead: false, class: None }).collect(),
         window_s: 100,
     };
     let running = vec![
@@ -107,7 +107,7 @@ fn work_behind_the_request_only_takes_room_that_is_free_when_it_comes() {
     let seven = TaskShape { gpu_count: 7, ..whole_node() };
     fleet1.allocate(&Fleet::allocation(0, &TaskShape { cpu_milli: 7_000, ..seven.clone() }, 0x7f)).unwrap();
     let one_gpu = TaskShape { gpu_count: 1, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 128, models: vec![] };
-    let fill = History { arrivals: vec![Arrival { at_s: 0, shape: one_gpu.clone(), tasks: 1, duration_s: 10_000, ahead: false }], window_s: 1, ..Default::default() };
+    let fill = History { arrivals: vec![Arrival { at_s: 0, shape: one_gpu.clone(), tasks: 1, duration_s: 10_000, ahead: false, class: None }], window_s: 1, ..Default::default() };
     let two = PendingShape { shape: TaskShape { gpu_count: 2, ..one_gpu }, tasks: 1, same_domain: false };
     assert_eq!(chance(Now { fleet: &fleet1, running: &[], queued: &[], rates: None }, &two, &fill, 100, 50, 1).started, 0);
 }
@@ -153,7 +153,7 @@ fn samples_run_in_any_order_give_the_same_answer_and_the_rate_of_the_start() {
         Running { allocations: vec![Fleet::allocation(2, &whole_node(), 0xff)], class: 0, elapsed_s: 0, planned_remaining_s: None },
     ];
     let history = History { finished_s: vec![(1..=100).map(|k| k * 10).collect()], ..Default::default() };
-    let now = Now { fleet: &fleet, running: &running, queued: &[Arrival { at_s: 0, shape: whole_node(), tasks: 1, duration_s: 5, ahead: true }], rates: Some(&rates) };
+    let now = Now { fleet: &fleet, running: &running, queued: &[Arrival { at_s: 0, shape: whole_node(), tasks: 1, duration_s: 5, ahead: true, class: None }], rates: Some(&rates) };
     let want = chance(now, &gang(2), &history, 400, 300, 5);
     let request = gang(2);
     let f = Forecast::new(now, &request, &history, 400, 5);

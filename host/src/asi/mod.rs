@@ -2,6 +2,7 @@
 //! and fleet configuration in TOML, seeded generators for a synthetic fleet
 //! and workload, and the event-driven replay report.
 
+pub mod calibration;
 pub mod fleet;
 pub mod preempt;
 pub mod report;
