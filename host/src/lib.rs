@@ -14,6 +14,7 @@ pub mod compact;
 pub mod componentize;
 pub mod conformance;
 pub mod demo;
+pub mod forecast;
 pub mod langbench;
 pub mod native;
 pub mod pool;

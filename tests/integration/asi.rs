@@ -528,3 +528,41 @@ fn preemption_composes_with_compaction_harvest_and_quote() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not run --preempt"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The ASI replay's calibration of quotes, small: quotes asked through a
+/// few days of a 400-node fleet come true about as often as they say, and
+/// the printed table is the JSON's.
+#[test]
+fn quotes_asked_during_a_replay_come_true_as_often_as_they_say() {
+    let dir = std::env::temp_dir().join(format!("berth-asi-calibration-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("c.json");
+    let out = berth()
+        .args(["replay", "--fleet", "asi", "--fleet-scale", "0.02", "--days", "3", "--seeds", "1", "--policy", "best-fit", "--quiet"])
+        .args(["--calibrate", "120", "--calibrate-samples", "100", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let c = &doc["calibration"];
+    let quotes = c["quotes"].as_array().unwrap();
+    assert_eq!(quotes.len(), 120, "{text}");
+    assert!(quotes.iter().all(|q| q["samples"] == 100), "every quote ran its samples");
+    let (brier, base) = (c["brier"].as_f64().unwrap(), c["brier_base_rate"].as_f64().unwrap());
+    assert!(brier < 0.5 * base, "Brier {brier} against the base rate's {base}");
+    // The table counts what the JSON holds, decile by decile.
+    let buckets = c["buckets"].as_array().unwrap();
+    assert_eq!(buckets.iter().map(|b| b["quotes"].as_u64().unwrap()).sum::<u64>(), 120);
+    for b in buckets {
+        let label = format!("{:.1}-{:.1}", b["from"].as_f64().unwrap(), b["to"].as_f64().unwrap());
+        let row = text.lines().find(|l| l.starts_with(&label)).unwrap_or_else(|| panic!("{label}: {text}"));
+        assert_eq!(row.split_whitespace().nth(1), Some(b["quotes"].to_string().as_str()), "{row}");
+        // Deciles with enough quotes say what happened, within 10 points.
+        if b["quotes"].as_u64().unwrap() >= 20 {
+            assert!((b["predicted"].as_f64().unwrap() - b["observed"].as_f64().unwrap()).abs() <= 0.1, "{row}");
+        }
+    }
+    assert!(text.contains("time per quote on 400 nodes"), "{text}");
+}

@@ -273,7 +273,12 @@ async fn a_quote_matches_what_then_happens() {
     };
     let q = quote(&api, 4).await;
     assert_eq!((q.now, q.has_deadline, q.meets_deadline), (1, true, true), "{q:?}");
-    assert_eq!(quote(&api, 5).await.now, 0, "five GPUs never fit a four-GPU node");
+    // A copy that fits now starts now in every run forward.
+    assert!(q.has_chance && q.probability == 1.0 && q.samples == 1000 && q.has_start && q.median_start_s == 0, "{q:?}");
+    let q = quote(&api, 5).await;
+    assert_eq!(q.now, 0, "five GPUs never fit a four-GPU node");
+    assert!(q.has_chance && q.probability == 0.0 && q.started == 0 && !q.has_start && q.samples > 0, "{q:?}");
+    assert!(q.low == 0.0 && q.high > 0.0 && q.high < 0.01, "the interval of 0 in {} runs: {q:?}", q.samples);
     // A 4-GPU job with a 4 s limit fills the node.
     let mut fill = agent_job(&d, 4, 1);
     fill.duration_s = 4.0;
@@ -282,6 +287,10 @@ async fn a_quote_matches_what_then_happens() {
     let q = quote(&api, 2).await;
     assert_eq!(q.now, 0, "{q:?}");
     assert!(q.has_next && q.next_in_s <= 4, "{q:?}");
+    // No finished job to learn from: the running one ends at its limit in
+    // every run, and the copy starts then (at the reference rate: this
+    // fleet has no work model).
+    assert!(q.has_chance && q.probability == 1.0 && q.has_start && q.median_start_s <= 4 && q.rate == 1.0, "{q:?}");
     let quoted = std::time::Instant::now() + Duration::from_secs(q.next_in_s);
     let next = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     running(&api, &[next]).await;

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::accounting::PendingShape;
 use crate::engine::{Deciders, Engine, SimConfig};
 use crate::fleet::Fleet;
-use crate::forecast::{chance, survival, Arrival, History, Now, Running};
+use crate::forecast::{chance, survival, Arrival, Chance, History, Now, Running};
 use crate::job::Job;
 use crate::policy::PolicyError;
 use crate::sim::simulate_watched;
@@ -55,6 +55,8 @@ pub struct Checked {
     pub priority: u32,
     pub deadline_s: u64,
     pub probability: f64,
+    /// Runs forward the quote made.
+    pub samples: u32,
     pub low: f64,
     pub high: f64,
     /// When the copy started (seconds after the quote), if it did.
@@ -146,10 +148,20 @@ pub fn draw_probes(jobs: &[Job], settings: &Settings) -> Vec<Probe> {
 /// Class index of the probes' own copies (no history: they end on plan).
 const PROBE_CLASS: usize = 256;
 
+/// How a quote is computed: (state, request, history, deadline, samples,
+/// seed) to its chance ([`chance`] by default; the host spreads the runs
+/// over its cores and times them).
+pub type QuoteFn<'q> = dyn FnMut(Now<'_>, &PendingShape, &History, u64, u32, u64) -> Chance + 'q;
+
 /// Replays `jobs` with the probes' copies added as short jobs, quoting
-/// each probe when it is asked, and checks every quote against its copy's
-/// start.
-pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: SimConfig, probes: &[Probe], settings: &Settings) -> Result<Calibration, PolicyError> {
+/// each probe when it is asked (by `quote`, or [`chance`]), and checks
+/// every quote against its copy's start.
+pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: SimConfig, probes: &[Probe], settings: &Settings, quote: Option<&mut QuoteFn<'_>>) -> Result<Calibration, PolicyError> {
+    let mut plain = |now: Now<'_>, r: &PendingShape, h: &History, d: u64, n: u32, seed: u64| chance(now, r, h, d, n, seed);
+    let quote: &mut QuoteFn<'_> = match quote {
+        Some(q) => q,
+        None => &mut plain,
+    };
     let first_probe = jobs.len();
     let next_id = jobs.iter().map(|j| j.id).max().map_or(0, |m| m + 1);
     let mut all: Vec<Job> = jobs.to_vec();
@@ -222,7 +234,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
                 .collect();
             let history = History { arrivals, window_s: settings.window_s, ..history.clone() };
             let now_state = Now { fleet, running: &running, queued: &queued, rates: None };
-            quoted[next_probe] = Some(chance(now_state, &p.request, &history, p.deadline_s, settings.samples, settings.seed ^ next_probe as u64));
+            quoted[next_probe] = Some(quote(now_state, &p.request, &history, p.deadline_s, settings.samples, settings.seed ^ next_probe as u64));
             next_probe += 1;
         }
     };
@@ -241,6 +253,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
                 priority: p.priority,
                 deadline_s: p.deadline_s,
                 probability: q.probability,
+                samples: q.samples,
                 low: q.low,
                 high: q.high,
                 started_after_s,

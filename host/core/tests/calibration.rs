@@ -49,7 +49,7 @@ fn quotes_come_true_as_often_as_they_say() {
     assert_eq!(probes.len(), 400);
     let mut policy = common::FirstFit;
     let config = SimConfig { horizon_s: horizon, high_priority: 5, ..SimConfig::default() };
-    let c = calibrate(&mut fleet, &jobs, Deciders { placement: &mut policy, preemption: None, compaction: None }, config, &probes, &settings).unwrap();
+    let c = calibrate(&mut fleet, &jobs, Deciders { placement: &mut policy, preemption: None, compaction: None }, config, &probes, &settings, None).unwrap();
     for b in &c.buckets {
         eprintln!("{:.1}-{:.1}: {:>4} quotes, predicted {:.3}, observed {:.3}", b.from, b.to, b.quotes, b.predicted, b.observed);
     }

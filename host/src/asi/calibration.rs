@@ -4,7 +4,12 @@
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
+use berth_core::accounting::PendingShape;
 use berth_core::calibration::{calibrate, draw_probes, Calibration, Settings};
+use berth_core::forecast::{History, Now};
+use serde::Serialize;
 use berth_core::compaction::{CompactionConfig, CompactionPolicy};
 use berth_core::sim::{Deciders, Guards, Job, SimConfig};
 use berth_core::Fleet;
@@ -28,7 +33,7 @@ pub struct Run<'a> {
 /// Replays `jobs` on `fleet` until `horizon_s` with `quotes` probe quotes
 /// of `samples` samples each, asked after the first day (the history a
 /// quote needs), seeded by `seed`.
-pub fn run(run: Run<'_>, fleet: &Fleet, jobs: &[Job], horizon_s: u64, quotes: u32, samples: u32, seed: u64) -> anyhow::Result<Calibration> {
+pub fn run(run: Run<'_>, fleet: &Fleet, jobs: &[Job], horizon_s: u64, quotes: u32, samples: u32, seed: u64) -> anyhow::Result<Calibrated> {
     let settings = Settings {
         quotes,
         from_s: 86_400.min(horizon_s / 4),
@@ -50,11 +55,34 @@ pub fn run(run: Run<'_>, fleet: &Fleet, jobs: &[Job], horizon_s: u64, quotes: u3
     };
     let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: run.guards.clone(), work: run.work, ..SimConfig::default() };
     let mut fleet = fleet.clone();
-    Ok(calibrate(&mut fleet, jobs, deciders, config, &probes, &settings)?)
+    // Each quote as `berth quote` runs it (on every core), timed.
+    let mut took: Vec<f64> = Vec::new();
+    let mut quote = |now: Now<'_>, request: &PendingShape, history: &History, deadline_s: u64, samples: u32, seed: u64| {
+        let started = std::time::Instant::now();
+        let c = crate::forecast::chance_within(now, request, history, deadline_s, samples, seed, Duration::from_secs(3_600));
+        took.push(started.elapsed().as_secs_f64() * 1000.0);
+        c
+    };
+    let calibration = calibrate(&mut fleet, jobs, deciders, config, &probes, &settings, Some(&mut quote))?;
+    took.sort_by(f64::total_cmp);
+    let at = |q: f64| took.get(((took.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+    Ok(Calibrated { calibration, nodes: fleet.nodes().len(), quote_ms_p50: at(0.5), quote_ms_p99: at(0.99), quote_ms_max: at(1.0) })
+}
+
+/// A calibration and how long its quotes took.
+#[derive(Clone, Debug, Serialize)]
+pub struct Calibrated {
+    #[serde(flatten)]
+    pub calibration: Calibration,
+    pub nodes: usize,
+    pub quote_ms_p50: f64,
+    pub quote_ms_p99: f64,
+    pub quote_ms_max: f64,
 }
 
 /// The reliability table for people.
-pub fn table(c: &Calibration) -> String {
+pub fn table(run: &Calibrated) -> String {
+    let c = &run.calibration;
     let mut out = format!("calibration: {} quotes of {} samples each, checked against their copies' starts\n", c.quotes.len(), c.samples);
     out.push_str(&format!("{:<12} {:>7} {:>10} {:>9} {:>6}\n", "predicted", "quotes", "mean said", "happened", "gap"));
     for b in &c.buckets {
@@ -72,6 +100,10 @@ pub fn table(c: &Calibration) -> String {
         100.0 * on_time as f64 / c.quotes.len().max(1) as f64,
         c.brier_base_rate,
         c.worst_gap(20).map_or("-".into(), |g| format!("{:.1} points", 100.0 * g))
+    ));
+    out.push_str(&format!(
+        "time per quote on {} nodes: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms\n",
+        run.nodes, run.quote_ms_p50, run.quote_ms_p99, run.quote_ms_max
     ));
     out
 }

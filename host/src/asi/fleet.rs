@@ -72,6 +72,14 @@ pub struct WorkConfig {
     pub model_speed: std::collections::BTreeMap<String, f64>,
 }
 
+impl WorkConfig {
+    /// The work model for `fleet`'s GPU models.
+    pub fn rates(&self, fleet: &Fleet) -> berth_core::sim::WorkRates {
+        let speed = |name: &str| self.model_speed.iter().find(|(m, _)| m.eq_ignore_ascii_case(name)).map_or(1.0, |(_, &v)| v);
+        berth_core::sim::WorkRates { model_speed: fleet.models.iter().map(|m| speed(m)).collect(), cross_domain_slowdown: self.cross_domain_slowdown }
+    }
+}
+
 fn default_slowdown() -> f64 {
     1.27
 }
@@ -267,9 +275,7 @@ impl FleetConfig {
 
     /// The work model for `fleet`'s GPU models, if the config has one.
     pub fn work_rates(&self, fleet: &Fleet) -> Option<berth_core::sim::WorkRates> {
-        let w = self.work.as_ref()?;
-        let speed = |name: &str| w.model_speed.iter().find(|(m, _)| m.eq_ignore_ascii_case(name)).map_or(1.0, |(_, &v)| v);
-        Some(berth_core::sim::WorkRates { model_speed: fleet.models.iter().map(|m| speed(m)).collect(), cross_domain_slowdown: w.cross_domain_slowdown })
+        Some(self.work.as_ref()?.rates(fleet))
     }
 
     /// The cost table with models in lower case.

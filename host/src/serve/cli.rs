@@ -564,9 +564,21 @@ pub enum ApiCommand {
         /// Every task of a copy in one switch domain.
         #[arg(long)]
         same_domain: bool,
-        /// Latest start wanted, hours from now.
+        /// Latest start wanted, hours from now: also answers the chance that
+        /// one copy starts by then, from many runs of the partition forward.
         #[arg(long)]
         deadline_h: Option<f64>,
+        /// How long the copy would run, hours: its expected goodput after
+        /// placement (with --deadline-h).
+        #[arg(long, requires = "deadline_h")]
+        duration_h: Option<f64>,
+        /// Runs forward to sample (with --deadline-h; at most 10,000).
+        #[arg(long, default_value_t = 1000, requires = "deadline_h")]
+        samples: u32,
+        /// Time the runs may take, milliseconds (with --deadline-h; at most
+        /// 10,000): fewer runs are made if it runs out, and the answer says so.
+        #[arg(long, default_value_t = 1000, requires = "deadline_h")]
+        budget_ms: u32,
         /// Quote agent nodes (jobs with a command) instead of simulated nodes.
         #[arg(long)]
         agents: bool,
@@ -947,7 +959,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 println!("  last: {}", esc(&r.last_decision));
             }
         }
-        ApiCommand::Quote { partition, gpus, tasks, gpu_milli, cores, memory_gib, models, same_domain, deadline_h, agents, priority, conn } => {
+        ApiCommand::Quote { partition, gpus, tasks, gpu_milli, cores, memory_gib, models, same_domain, deadline_h, duration_h, samples, budget_ms, agents, priority, conn } => {
             let req = pb::QuoteRequest {
                 partition: partition.clone(),
                 tasks,
@@ -960,6 +972,9 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 deadline_h: deadline_h.unwrap_or(0.0),
                 agent_nodes: agents,
                 priority,
+                duration_h: duration_h.unwrap_or(0.0),
+                samples,
+                budget_ms,
             };
             let r = client(&conn).await?.quote(req).await.map_err(status)?.into_inner();
             println!("{partition}: {} cop{} of {tasks} x {gpus} GPU(s) could start now", r.now, if r.now == 1 { "y" } else { "ies" });
@@ -969,7 +984,22 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 println!("  no more as running work ends on plan (work without a planned end is not counted)");
             }
             if r.has_deadline {
-                println!("  by the deadline: {}", if r.meets_deadline { "yes" } else { "no" });
+                println!("  by the deadline, if running work ends on plan: {}", if r.meets_deadline { "yes" } else { "no" });
+            }
+            if r.has_chance {
+                println!(
+                    "  chance one copy starts by the deadline: {:.1}% (95% interval {:.1}-{:.1}%; {} of {} runs forward, {} ms)",
+                    100.0 * r.probability,
+                    100.0 * r.low,
+                    100.0 * r.high,
+                    r.started,
+                    r.samples,
+                    r.elapsed_ms
+                );
+                if r.has_start {
+                    let goodput = if duration_h.is_some() { format!("; expected goodput {:.1} GPU-h over {} h", r.goodput_gpu_h, duration_h.unwrap_or(0.0)) } else { String::new() };
+                    println!("  when it starts: median in {} s, work rate {:.2} of the reference{goodput}", r.median_start_s, r.rate);
+                }
             }
             if r.queued_ahead > 0 {
                 println!("  {} pending job(s) at or above priority {priority} are decided first", r.queued_ahead);

@@ -2,13 +2,19 @@
 //! replay reports use) over a partition's nodes of one kind (simulated, or
 //! agent nodes for jobs with a command), with running work ending on its
 //! planned time (a job's duration or time limit; work without one is never
-//! counted as ending).
+//! counted as ending). With a deadline, also the chance that one copy
+//! starts by then ([`berth_core::forecast`]): the fleet run forward many
+//! times from the partition's state and history, on every core, within a
+//! time budget.
 
+
+use std::collections::BTreeMap;
 
 use berth_core::accounting::{self, PendingShape, Quote};
+use berth_core::forecast::{Arrival, History, Running};
 use berth_core::Allocation;
 
-use super::state::{JobState, PartitionState};
+use super::state::{JobRecord, JobState, PartitionState};
 
 impl PartitionState {
     /// Quotes `request` on the nodes of this partition that such a job may
@@ -45,5 +51,93 @@ impl PartitionState {
     /// Pending jobs of at least `priority`: decided before a new one.
     pub fn queued_at_or_above(&self, priority: u32) -> u32 {
         self.pending.iter().filter(|id| self.jobs.get(id).is_some_and(|j| j.spec.job.priority >= priority)).count() as u32
+    }
+}
+
+/// What a quote with a probability runs forward from: the partition's
+/// nodes of one kind, its running work, the queue ahead, and its history
+/// (finished jobs' run times and the last window's arrivals). Jobs are told
+/// apart by priority (their class in the forecast).
+pub struct ForecastInputs {
+    pub fleet: berth_core::Fleet,
+    pub running: Vec<Running>,
+    pub queued: Vec<Arrival>,
+    pub history: History,
+}
+
+/// The arrivals a quote replays: the last day's.
+pub const QUOTE_WINDOW_S: u64 = 86_400;
+
+impl PartitionState {
+    /// The forecast's inputs for a job of `priority` on agent or simulated
+    /// nodes, at `now_ms`.
+    pub fn forecast_inputs(&self, agent_nodes: bool, priority: u32, now_ms: u64) -> ForecastInputs {
+        let mut fleet = self.fleet.clone();
+        for (i, node) in self.fleet.nodes().iter().enumerate() {
+            if self.agent(i as u32) != agent_nodes && node.schedulable {
+                fleet.set_schedulable(i as u32, false).expect("a node of this fleet");
+            }
+        }
+        let now = self.clock.now();
+        let mut classes: BTreeMap<u32, usize> = BTreeMap::new();
+        let mut class = |p: u32| {
+            let next = classes.len();
+            *classes.entry(p).or_insert(next)
+        };
+        let kind = |j: &JobRecord| j.spec.argv.is_empty() != agent_nodes;
+        let planned = |j: &JobRecord| (!j.spec.duration.is_zero()).then(|| j.spec.duration.as_secs().max(1));
+        let mut running = Vec::new();
+        let mut finished: Vec<Vec<u64>> = Vec::new();
+        let mut queued: Vec<(&JobRecord, Arrival)> = Vec::new();
+        let mut arrivals = Vec::new();
+        let window_from_ms = now_ms.saturating_sub(QUOTE_WINDOW_S * 1000);
+        for j in self.jobs.values().filter(|j| kind(j)) {
+            let c = class(j.spec.job.priority);
+            let started = j.started_unix_ms > 0;
+            let ran_s = (started && j.state.is_ended()).then(|| j.ended_unix_ms.saturating_sub(j.started_unix_ms) / 1000);
+            if let Some(ran) = ran_s {
+                if finished.len() <= c {
+                    finished.resize(c + 1, Vec::new());
+                }
+                finished[c].push(ran);
+            }
+            let unknown_run = |j: &JobRecord| match planned(j) {
+                Some(d) => (d, None),
+                None => (3_600, Some(c)),
+            };
+            if j.state == JobState::Running && j.sleep != super::state::SleepState::Asleep {
+                let held: Vec<Allocation> = if j.runs.is_empty() {
+                    j.allocations.clone()
+                } else {
+                    j.allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a.clone()).collect()
+                };
+                let planned_remaining_s = j.ends_at.map(|end| end.saturating_duration_since(now).as_secs_f64().ceil() as u64);
+                let elapsed_s = now_ms.saturating_sub(j.started_unix_ms) / 1000;
+                running.push(Running { allocations: held, class: c, elapsed_s, planned_remaining_s });
+            }
+            if j.state == JobState::Pending && j.spec.job.priority >= priority {
+                let (duration_s, class) = unknown_run(j);
+                queued.push((j, Arrival { at_s: 0, shape: j.spec.job.shape.clone(), tasks: j.spec.job.tasks, duration_s, ahead: true, class }));
+            }
+            // Work that came in the window and ran or waits: what may come
+            // next. (Cancelled before it ran, it took no room.)
+            if j.submitted_unix_ms >= window_from_ms && j.submitted_unix_ms < now_ms && (started || j.state == JobState::Pending) {
+                let (duration_s, class) = match ran_s {
+                    Some(ran) => (ran.max(1), None),
+                    None => unknown_run(j),
+                };
+                arrivals.push(Arrival {
+                    at_s: (j.submitted_unix_ms - window_from_ms) / 1000,
+                    shape: j.spec.job.shape.clone(),
+                    tasks: j.spec.job.tasks,
+                    duration_s,
+                    ahead: j.spec.job.priority > priority,
+                    class,
+                });
+            }
+        }
+        // The queue's order: priority, then first come.
+        queued.sort_by_key(|(j, _)| (std::cmp::Reverse(j.spec.job.priority), j.submitted_unix_ms));
+        ForecastInputs { fleet, running, queued: queued.into_iter().map(|(_, a)| a).collect(), history: History { finished_s: finished, arrivals, window_s: QUOTE_WINDOW_S } }
     }
 }

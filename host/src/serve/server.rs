@@ -257,6 +257,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     );
     live.retention = retention;
     live.cost_per_gpu_hour = config.fleet.costs();
+    live.work = config.fleet.work.clone();
     let live = Arc::new(live);
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;

@@ -807,6 +807,12 @@ impl Berth for Service {
             if q.models.len() > 64 || q.models.iter().any(|m| m.len() > 256) {
                 return Err(bad("at most 64 models of 256 bytes".into()));
             }
+            if !(q.duration_h.is_finite() && (0.0..=24.0 * 365.0).contains(&q.duration_h)) {
+                return Err(bad(format!("duration_h {} must be in [0, 8760] (0: not asked)", q.duration_h)));
+            }
+            if q.samples > berth_core::forecast::MAX_SAMPLES || q.budget_ms > 10_000 {
+                return Err(bad(format!("samples {} (at most 10,000) and budget_ms {} (at most 10,000)", q.samples, q.budget_ms)));
+            }
             let st = this.live.partitions[p].lock_state();
             let models = q
                 .models
@@ -817,15 +823,50 @@ impl Berth for Service {
             let shape = TaskShape { gpu_count: q.gpus, gpu_milli, cpu_milli: q.cpu_milli, memory_mib: q.memory_mib, models };
             shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
             let deadline_s = (q.deadline_h > 0.0).then(|| (q.deadline_h * 3600.0).ceil() as u64);
-            let quote = st.quote(&PendingShape { shape, tasks, same_domain: q.same_domain }, q.agent_nodes, deadline_s);
-            Ok(Response::new(pb::QuoteResponse {
+            let request = PendingShape { shape, tasks, same_domain: q.same_domain };
+            let quote = st.quote(&request, q.agent_nodes, deadline_s);
+            let queued_ahead = st.queued_at_or_above(q.priority);
+            // The chance runs on a copy of the state, off the partition's lock.
+            let inputs = deadline_s.map(|_| st.forecast_inputs(q.agent_nodes, q.priority, crate::util::unix_ms()));
+            let rates = this.live.work.as_ref().map(|w| w.rates(&st.fleet));
+            drop(st);
+            let mut reply = pb::QuoteResponse {
                 now: quote.now,
                 has_next: quote.next_in_s.is_some(),
                 next_in_s: quote.next_in_s.unwrap_or(0),
                 has_deadline: quote.meets_deadline.is_some(),
                 meets_deadline: quote.meets_deadline.unwrap_or(false),
-                queued_ahead: st.queued_at_or_above(q.priority),
-            }))
+                queued_ahead,
+                ..Default::default()
+            };
+            if let (Some(inputs), Some(deadline_s)) = (inputs, deadline_s) {
+                let started = std::time::Instant::now();
+                let samples = if q.samples == 0 { 1_000 } else { q.samples };
+                let budget = std::time::Duration::from_millis(if q.budget_ms == 0 { 1_000 } else { u64::from(q.budget_ms) });
+                // Seeded by the request: the same question on the same state
+                // gets the same answer.
+                let seed = {
+                    use std::hash::{Hash, Hasher};
+                    let mut h = std::hash::DefaultHasher::new();
+                    format!("{q:?}").hash(&mut h);
+                    h.finish()
+                };
+                let now = berth_core::forecast::Now { fleet: &inputs.fleet, running: &inputs.running, queued: &inputs.queued, rates: rates.as_ref() };
+                let c = crate::forecast::chance_within(now, &request, &inputs.history, deadline_s, samples, seed, budget);
+                let gpus = f64::from(tasks) * f64::from(request.shape.gpu_count) * f64::from(request.shape.gpu_milli) / 1000.0;
+                reply.has_chance = true;
+                reply.probability = c.probability;
+                reply.low = c.low;
+                reply.high = c.high;
+                reply.samples = c.samples;
+                reply.started = c.started;
+                reply.elapsed_ms = started.elapsed().as_millis() as u64;
+                reply.has_start = c.median_start_s.is_some();
+                reply.median_start_s = c.median_start_s.unwrap_or(0);
+                reply.rate = c.rate.unwrap_or(0.0);
+                reply.goodput_gpu_h = c.rate.unwrap_or(0.0) * gpus * q.duration_h;
+            }
+            Ok(Response::new(reply))
         }).await
     }
 

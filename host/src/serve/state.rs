@@ -822,6 +822,9 @@ pub struct Live {
     /// Cost of a GPU-hour by GPU model (lower-case), from the fleet
     /// config's `cost_per_gpu_hour`: prices the outcome.
     pub cost_per_gpu_hour: BTreeMap<String, f64>,
+    /// The fleet config's work model (`[work]`): the expected rate of a
+    /// quoted copy.
+    pub work: Option<crate::asi::fleet::WorkConfig>,
     /// The largest job id pruned so far (stored: ids are never reused).
     pub(crate) pruned_job_floor: AtomicU64,
     /// Submissions' idempotency keys: (owner, key) to the job it made, for
@@ -888,6 +891,7 @@ impl Live {
             shutdown: AtomicBool::new(false),
             retention: Default::default(),
             cost_per_gpu_hour: BTreeMap::new(),
+            work: None,
             pruned_job_floor: AtomicU64::new(0),
             idempotency: Mutex::new(HashMap::new()),
             idempotency_settled: Condvar::new(),
