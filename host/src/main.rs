@@ -205,10 +205,12 @@ struct ReplayArgs {
     /// Draw unallocated % against arrival % as SVG.
     #[arg(long)]
     svg: Option<PathBuf>,
-    /// Write one self-contained HTML report (opens offline): the curves with
-    /// min/max bands over the seeds, the table beside the published figures,
-    /// and every run. Trace replay only (not --fleet or --pool).
-    #[arg(long, conflicts_with_all = ["fleet", "pool", "save_snapshot"])]
+    /// Write one self-contained HTML report (opens offline). Trace replay:
+    /// the curves with min/max bands over the seeds, the table beside the
+    /// published figures, and every run. --fleet: each run's allocation
+    /// beside its outcome, ranked both ways, and the calibration of quotes
+    /// with --calibrate. Not with --pool.
+    #[arg(long, conflicts_with_all = ["pool", "save_snapshot"])]
     html: Option<PathBuf>,
     /// Replay the pod list exactly as given: no shuffle, no tuning, ties to
     /// the first node.
@@ -1006,6 +1008,14 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         None => workload.generate(&fleet),
     };
     let horizon = (workload.days * 86_400.0) as u64;
+    let setting = format!(
+        "{fleet_spec} fleet: {} nodes, {} GPUs; {} jobs over {:.1} simulated days, seed {}",
+        fleet.nodes().len(),
+        fleet.nodes().iter().map(|n| n.gpus.len()).sum::<usize>(),
+        jobs.len(),
+        workload.days,
+        seeds[0]
+    );
     // The fleet config's guards, with the fleet-wide one replaced by the
     // command-line flags when given.
     let mut guards = config.guards().with_context(|| format!("fleet config {fleet_spec}"))?;
@@ -1053,6 +1063,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         let run = berth::asi::calibration::Run { engine: &engine, placement: &placement, compaction: compaction.as_ref(), limits: replay_limits(args), guards: &guards, work: economics.work.clone() };
         let c = berth::asi::calibration::run(run, &fleet, &jobs, horizon, quotes, args.calibrate_samples, seeds[0])?;
         print!("{}", berth::asi::calibration::table(&c));
+        write_fleet_html(args, &setting, &[], Some(&c))?;
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "calibration": c }))?).with_context(|| format!("writing {}", path.display()))?;
         }
@@ -1081,6 +1092,11 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         let alongside = berth::asi::preempt::Alongside { compaction: compaction.as_ref(), quote: request.as_ref(), costs: Some(&economics.cost_per_gpu_hour) };
         let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base, alongside, replay_limits(args))?;
         print!("{}", berth::asi::preempt::table(&rows));
+        let html_rows: Vec<_> = rows
+            .iter()
+            .map(|r| berth::asi::html::RunRow { name: &r.run, allocation_pct: r.allocation_pct, high_priority_allocation_pct: r.high_priority_allocation_pct, outcome: &r.outcome })
+            .collect();
+        write_fleet_html(args, &setting, &html_rows, None)?;
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({ "preemption": rows }))?)
                 .with_context(|| format!("writing {}", path.display()))?;
@@ -1097,6 +1113,11 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
         reports.push(asi_report::run_policy(&engine, &loaded, &fleet, &topo, &jobs, horizon, &guards, request.as_ref(), compaction.as_ref(), replay_limits(args), &economics)?);
     }
     print!("{}", asi_report::table(&reports));
+    let html_rows: Vec<_> = reports
+        .iter()
+        .map(|r| berth::asi::html::RunRow { name: &r.policy, allocation_pct: r.allocation_pct, high_priority_allocation_pct: r.high_priority_allocation_pct, outcome: &r.outcome })
+        .collect();
+    write_fleet_html(args, &setting, &html_rows, None)?;
     if accounting || request.is_some() {
         for r in &reports {
             print!("\n{}", asi_report::accounting_table(r));
@@ -1107,6 +1128,13 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Writes the --fleet replay's HTML page when --html asks for one.
+fn write_fleet_html(args: &ReplayArgs, setting: &str, runs: &[berth::asi::html::RunRow<'_>], calibration: Option<&berth::asi::calibration::Calibrated>) -> anyhow::Result<()> {
+    let Some(path) = &args.html else { return Ok(()) };
+    let page = berth::asi::html::page(setting, runs, calibration)?;
+    std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))
 }
 
 /// The policies' limits in replay: the live host's, with `--deadline-ms`.

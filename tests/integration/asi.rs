@@ -228,6 +228,8 @@ fn the_replay_ranks_policies_by_outcome_beside_allocation() {
         .args(["replay", "--fleet", "asi", "--fleet-scale", "0.02", "--days", "3", "--seeds", "1", "--policy", "best-fit", "--policy", "topo-entropy", "--quiet"])
         .arg("--json")
         .arg(&json)
+        .arg("--html")
+        .arg(dir.join("r.html"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -252,6 +254,17 @@ fn the_replay_ranks_policies_by_outcome_beside_allocation() {
     let most_allocated = reports.iter().max_by(|a, b| a["allocation_pct"].as_f64().unwrap().total_cmp(&b["allocation_pct"].as_f64().unwrap())).unwrap()["policy"].as_str().unwrap();
     assert!(line("ranked by allocation:").split(':').nth(1).unwrap().trim().starts_with(most_allocated), "{text}");
     assert_eq!(text.contains("outcome and allocation disagree"), most_allocated != best("per_installed_gpu_hour"), "{text}");
+    // The HTML page shows each run's figures and both ranks.
+    let page = std::fs::read_to_string(dir.join("r.html")).unwrap();
+    for r in reports {
+        let name = r["policy"].as_str().unwrap();
+        let row = page.lines().find(|l| l.starts_with(&format!("<tr><th scope=\"row\">{name}</th>"))).unwrap_or_else(|| panic!("{name}: {page}"));
+        let cells: Vec<&str> = row.split("<td>").skip(1).map(|c| c.trim_end_matches("</tr>").trim_end_matches("</td>")).collect();
+        assert_eq!(cells[0], format!("{:.2}", r["allocation_pct"].as_f64().unwrap()), "{row}");
+        assert_eq!(cells[2], format!("{:.4}", figure(r, "per_installed_gpu_hour")), "{row}");
+        assert_eq!(cells[6] == "1", name == best("per_installed_gpu_hour"), "rank by outcome: {row}");
+        assert_eq!(cells[7] == "1", name == most_allocated, "rank by allocation: {row}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -541,6 +554,8 @@ fn quotes_asked_during_a_replay_come_true_as_often_as_they_say() {
         .args(["replay", "--fleet", "asi", "--fleet-scale", "0.02", "--days", "3", "--seeds", "1", "--policy", "best-fit", "--quiet"])
         .args(["--calibrate", "120", "--calibrate-samples", "100", "--json"])
         .arg(&json)
+        .arg("--html")
+        .arg(dir.join("c.html"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -565,4 +580,7 @@ fn quotes_asked_during_a_replay_come_true_as_often_as_they_say() {
         }
     }
     assert!(text.contains("time per quote on 400 nodes"), "{text}");
+    let page = std::fs::read_to_string(dir.join("c.html")).unwrap();
+    assert_eq!(page.matches("<tr><th scope=\"row\">0.").count(), 10, "ten deciles in the page");
+    let _ = std::fs::remove_dir_all(&dir);
 }

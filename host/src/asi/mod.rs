@@ -4,6 +4,7 @@
 
 pub mod calibration;
 pub mod fleet;
+pub mod html;
 pub mod preempt;
 pub mod report;
 pub mod workload;

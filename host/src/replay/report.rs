@@ -366,7 +366,7 @@ pub fn write_html(path: &Path, meta: &HtmlMeta, outcome: &ReplayOutcome, publish
     std::fs::write(path, page).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
 }
 
-const STYLE: &str = "body{font-family:sans-serif;margin:2em auto;max-width:1000px;color:#222;padding:0 1em}\
+pub(crate) const STYLE: &str = "body{font-family:sans-serif;margin:2em auto;max-width:1000px;color:#222;padding:0 1em}\
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em}\
 .meta{color:#555}figure{margin:1em 0}figure svg{max-width:100%;height:auto}figcaption{color:#555;font-size:.9em}\
 table{border-collapse:collapse;font-size:.9em}th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}\
