@@ -9,10 +9,16 @@ use std::time::Duration;
 use berth_core::accounting::PendingShape;
 use berth_core::forecast::{self, Chance, Forecast, History, Now, Start};
 
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The chance of one copy of `request` starting within `deadline_s`, over
 /// at most `samples` runs spread over the machine's cores, stopping when
 /// `budget` is spent (the answer says how many ran).
 pub fn chance_within(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: u64, samples: u32, seed: u64, budget: Duration) -> Chance {
+    // One forecast at a time on this host: a flood of quotes waits its
+    // turn instead of taking every core at once; each budget starts when
+    // its turn comes.
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let started_at = std::time::Instant::now();
     let forecast = Forecast::new(now, request, history, deadline_s, seed);
     let samples = samples.clamp(1, forecast::MAX_SAMPLES);

@@ -236,9 +236,10 @@ pub fn copies(fleet: &Fleet, request: &PendingShape, enough: u32) -> u32 {
     if request.same_domain && tasks > 1 {
         let mut per: BTreeMap<u32, u32> = BTreeMap::new();
         for n in fleet.nodes() {
-            *per.entry(n.switch_domain).or_insert(0) += tasks_on_node(n, &request.shape);
+            let t = per.entry(n.switch_domain).or_insert(0);
+            *t = t.saturating_add(tasks_on_node(n, &request.shape));
         }
-        per.values().map(|&t| t / tasks).sum::<u32>().min(enough)
+        per.values().fold(0u32, |sum, &t| sum.saturating_add(t / tasks)).min(enough)
     } else {
         fitting_tasks(fleet, &request.shape, enough.saturating_mul(tasks)) / tasks
     }

@@ -3,11 +3,13 @@
 //! sample, every running job ends after a remaining time drawn from the
 //! finished jobs of its class that ran longer than it has (capped by its
 //! planned end; the planned end when none did), and competing work arrives
-//! as it did in a recent window, replayed from a random phase. Work ahead
-//! of the request (queued now, or arriving at a higher priority) takes
-//! freed room before it; any arrival takes room that is free when it
-//! comes (the request did not fit then). Competing work is placed
-//! first-fit and holds its room for its duration. Pure: the caller brings
+//! as it did in a recent window, replayed from a random phase (and again
+//! each window until the deadline). Work ahead of the request (queued now,
+//! or arriving at a higher priority) takes freed room before it; work
+//! behind it takes room that is free when it comes (the request did not fit
+//! then) and, waiting, room freed that the request could not use.
+//! Competing work is placed best-fit (the node with the fewest GPUs free)
+//! and holds its room for its run time. Pure: the caller brings
 //! the history and the seed, so a quote can be repeated, and runs the
 //! samples where and for as long as it likes ([`Forecast::run`]).
 
@@ -53,8 +55,9 @@ pub struct Arrival {
     /// lies past every finished run).
     pub class: Option<usize>,
     /// Decided before the request when both wait (a higher priority):
-    /// it takes freed room first. Otherwise it only takes room that is
-    /// free when it arrives. Work queued now is always ahead.
+    /// it takes freed room first. Otherwise it takes room that is free when
+    /// it arrives, or freed room the request could not use. Work queued now
+    /// is always ahead.
     pub ahead: bool,
 }
 
@@ -83,7 +86,7 @@ pub struct Chance {
     pub median_start_s: Option<u64>,
     /// The mean work rate of the copy at its start, over the samples that
     /// started (1: the reference model inside one switch domain; see
-    /// [`WorkRates`]); `None` when none started or no rates were given.
+    /// [`WorkRates`]; 1 without rates); `None` when none started.
     pub rate: Option<f64>,
 }
 
@@ -216,7 +219,7 @@ fn take(fleet: &mut Fleet, shape: &TaskShape, tasks: u32) -> Option<Vec<Allocati
 }
 
 /// Competing work waiting, by shape (first come first within each), tried
-/// in the order it came.
+/// in the order it joined this queue.
 struct Queue<'w> {
     by_shape: Vec<VecDeque<(u64, &'w Arrival)>>,
     /// Shapes given work since they last tried: tried against the whole
@@ -364,7 +367,7 @@ pub fn start_rate(fleet: &Fleet, request: &PendingShape, rates: Option<&WorkRate
         best = Some(best.map_or(r, |b: f64| b.max(r)));
     }
     // Only a copy across models fits: as slow as the slowest of them.
-    best.unwrap_or_else(|| (0..fleet.models.len() as u32).filter(|&m| request.shape.accepts(Some(m))).map(|m| rates.rate(Some(m), 2)).fold(1.0f64, f64::min))
+    best.unwrap_or_else(|| (0..fleet.models.len() as u32).filter(|&m| request.shape.accepts(Some(m))).map(|m| rates.rate(Some(m), 2)).reduce(f64::min).unwrap_or(1.0))
 }
 
 /// One quote's samples: each [`Forecast::run`] is one run forward, seeded
@@ -565,6 +568,11 @@ fn one_run(f: &Forecast<'_>, rng: &mut ChaCha8Rng) -> Option<Start> {
                 What::Free(k) => &running[k].allocations,
                 What::Arrive(k) => {
                     arrived.push((&history.arrivals[k], f.shapes.arrivals[k]));
+                    // The window comes again until the deadline.
+                    let again = at.saturating_add(history.window_s);
+                    if again <= deadline_s {
+                        push(&mut events, &mut whats, again, What::Arrive(k));
+                    }
                     continue;
                 }
                 What::Leave(h) => &held[h],

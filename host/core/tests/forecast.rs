@@ -163,3 +163,20 @@ fn samples_run_in_any_order_give_the_same_answer_and_the_rate_of_the_start() {
     let rate = want.rate.expect("some started");
     assert!(want.started > 0 && rate > 0.5 / 1.25 && rate < 1.0, "{want:?}");
 }
+
+#[test]
+fn the_window_of_arrivals_comes_again_until_the_deadline() {
+    let (fleet, allocs) = full();
+    // Both nodes free at 500 s (a planned end); the window is 100 s long
+    // and held one higher-priority whole-node job. Replayed once, one such
+    // job waits at 500 s and the request gets the other node; replayed
+    // every window, five wait ahead and take both.
+    let running: Vec<Running> = allocs.iter().map(|a| Running { allocations: vec![a.clone()], class: 0, elapsed_s: 0, planned_remaining_s: Some(500) }).collect();
+    let history = History { arrivals: vec![Arrival { at_s: 0, shape: whole_node(), tasks: 1, duration_s: 100_000, ahead: true, class: None }], window_s: 100, ..Default::default() };
+    let c = chance(Now { fleet: &fleet, running: &running, queued: &[], rates: None }, &one_node(), &history, 1_000, 100, 2);
+    assert_eq!(c.started, 0, "{c:?}");
+    // With the deadline inside the first window, one came and one node is left.
+    let short = History { window_s: 1_000, ..history.clone() };
+    let c = chance(Now { fleet: &fleet, running: &running, queued: &[], rates: None }, &one_node(), &short, 600, 100, 2);
+    assert_eq!((c.probability, c.median_start_s), (1.0, Some(500)), "{c:?}");
+}

@@ -45,7 +45,7 @@ pub fn run(run: Run<'_>, fleet: &Fleet, jobs: &[Job], horizon_s: u64, quotes: u3
         seed,
     };
     let probes = draw_probes(jobs, &settings);
-    anyhow::ensure!(!probes.is_empty(), "the replay is too short to ask quotes in (after its first quarter, before its longest deadline)");
+    anyhow::ensure!(!probes.is_empty(), "the replay is too short to ask quotes in (after its first day or quarter, before its longest deadline)");
     let mut policy = WasmPolicy::new(run.engine.clone(), run.placement.clone(), run.limits);
     let mut planner = run.compaction.map(|(p, _)| WasmPolicy::new(run.engine.clone(), p.clone(), run.limits));
     let deciders = Deciders {

@@ -827,7 +827,7 @@ impl Berth for Service {
             let quote = st.quote(&request, q.agent_nodes, deadline_s);
             let queued_ahead = st.queued_at_or_above(q.priority);
             // The chance runs on a copy of the state, off the partition's lock.
-            let inputs = deadline_s.map(|_| st.forecast_inputs(q.agent_nodes, q.priority, crate::util::unix_ms()));
+            let inputs = deadline_s.map(|_| st.forecast_inputs(q.agent_nodes, q.priority, st.clock.unix_ms()));
             let rates = this.live.work.as_ref().map(|w| w.rates(&st.fleet));
             drop(st);
             let mut reply = pb::QuoteResponse {
@@ -844,7 +844,7 @@ impl Berth for Service {
                 let samples = if q.samples == 0 { 1_000 } else { q.samples };
                 let budget = std::time::Duration::from_millis(if q.budget_ms == 0 { 1_000 } else { u64::from(q.budget_ms) });
                 // Seeded by the request: the same question on the same state
-                // gets the same answer.
+                // gets the same answer (when every run is made in the budget).
                 let seed = {
                     use std::hash::{Hash, Hasher};
                     let mut h = std::hash::DefaultHasher::new();
