@@ -183,7 +183,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
     by_arrival.sort_by_key(|&j| all[j].arrival_s);
     let mut quoted: Vec<Option<crate::forecast::Chance>> = vec![None; probes.len()];
     let mut next_probe = 0;
-    let mut watch = |now: u64, engine: &Engine, fleet: &Fleet, _: &[crate::engine::Event]| {
+    let mut watch = |now: u64, engine: &Engine, fleet: &Fleet| {
         if probes.get(next_probe).is_none_or(|p| p.at_s > now) {
             return;
         }
@@ -266,17 +266,13 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
 
 /// Run times of the trace's jobs that ended by `now`, by class.
 fn finished_by_class(engine: &Engine, trace_jobs: usize, now: u64, class_of: &dyn Fn(usize) -> usize) -> History {
-    let mut finished: Vec<Vec<u64>> = Vec::new();
+    let mut history = History::default();
     for (j, o) in engine.outcome().jobs.iter().enumerate().take(trace_jobs) {
         if let (Some(s), Some(e)) = (o.start_s, o.end_s)
             && e <= now
         {
-            let c = class_of(j);
-            if finished.len() <= c {
-                finished.resize(c + 1, Vec::new());
-            }
-            finished[c].push(e.saturating_sub(s));
+            history.add_finished(class_of(j), e.saturating_sub(s));
         }
     }
-    History { finished_s: finished, ..Default::default() }
+    history
 }

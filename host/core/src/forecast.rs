@@ -71,6 +71,16 @@ pub struct History {
     pub window_s: u64,
 }
 
+impl History {
+    /// Counts a finished run of `run_s` seconds in `class`.
+    pub fn add_finished(&mut self, class: usize, run_s: u64) {
+        if self.finished_s.len() <= class {
+            self.finished_s.resize(class + 1, Vec::new());
+        }
+        self.finished_s[class].push(run_s);
+    }
+}
+
 /// The forecast's answer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Chance {

@@ -40,19 +40,19 @@ pub fn simulate_with(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config
 /// [`simulate_with`], also recording every decision with its time (job
 /// slots are the indexes of `jobs`).
 pub fn simulate_recorded(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: SimConfig, log: Option<&mut Vec<(u64, Decision)>>) -> Result<SimOutcome, PolicyError> {
-    simulate_watched(fleet, jobs, deciders, config, log, &mut |_, _, _, _| {})
+    simulate_watched(fleet, jobs, deciders, config, log, &mut |_, _, _| {})
 }
 
 /// [`simulate_recorded`], showing `watch` the engine and the fleet at every
-/// event time before the engine handles that time's events (which are
-/// passed too): quotes issued then see what a caller would have seen.
+/// event time before the engine handles that time's events: quotes issued
+/// then see what a caller would have seen.
 pub fn simulate_watched(
     fleet: &mut Fleet,
     jobs: &[Job],
     mut deciders: Deciders,
     config: SimConfig,
     mut log: Option<&mut Vec<(u64, Decision)>>,
-    watch: &mut dyn FnMut(u64, &Engine, &Fleet, &[Event]),
+    watch: &mut dyn FnMut(u64, &Engine, &Fleet),
 ) -> Result<SimOutcome, PolicyError> {
     let horizon_s = config.horizon_s;
     let harvest = config.harvest;
@@ -119,7 +119,7 @@ pub fn simulate_watched(
             events.push(Event::Compact);
             next_compaction = Some(now + period);
         }
-        watch(now, &engine, fleet, &events);
+        watch(now, &engine, fleet);
         let pass = engine.handle(fleet, now, events, &mut deciders, &mut World::default());
         for d in &pass.decisions {
             if let Decision::Place { slot, .. } = d {

@@ -3,16 +3,15 @@
 //! [`berth_core::calibration`]), printed as a reliability table.
 
 use std::sync::Arc;
-
 use std::time::Duration;
 
 use berth_core::accounting::PendingShape;
 use berth_core::calibration::{calibrate, draw_probes, Calibration, Settings};
-use berth_core::forecast::{History, Now};
-use serde::Serialize;
 use berth_core::compaction::{CompactionConfig, CompactionPolicy};
+use berth_core::forecast::{History, Now};
 use berth_core::sim::{Deciders, Guards, Job, SimConfig};
 use berth_core::Fleet;
+use serde::Serialize;
 
 use super::workload::HIGH_PRIORITY;
 use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};

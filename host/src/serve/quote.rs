@@ -16,36 +16,43 @@ use berth_core::Allocation;
 
 use super::state::{JobRecord, JobState, PartitionState};
 
+/// What a running job holds now: nothing asleep (its GPUs are lent), and
+/// none of the tasks seen to end; `None` when it is not running.
+fn held_now(j: &JobRecord) -> Option<Vec<Allocation>> {
+    if j.state != JobState::Running || j.sleep == super::state::SleepState::Asleep {
+        return None;
+    }
+    Some(if j.runs.is_empty() {
+        j.allocations.clone()
+    } else {
+        j.allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a.clone()).collect()
+    })
+}
+
 impl PartitionState {
-    /// Quotes `request` on the nodes of this partition that such a job may
-    /// use, with an optional start deadline in seconds from now.
-    pub fn quote(&self, request: &PendingShape, agent_nodes: bool, deadline_s: Option<u64>) -> Quote {
-        // Nodes of the other kind take no part: a scratch fleet where they
-        // are not schedulable (the predicate then skips them).
+    /// This partition's nodes as a job of one kind sees them (agent nodes
+    /// for jobs with a command): those of the other kind are not
+    /// schedulable in this copy (the predicate then skips them).
+    pub fn fleet_of_kind(&self, agent_nodes: bool) -> berth_core::Fleet {
         let mut fleet = self.fleet.clone();
         for (i, node) in self.fleet.nodes().iter().enumerate() {
             if self.agent(i as u32) != agent_nodes && node.schedulable {
                 fleet.set_schedulable(i as u32, false).expect("a node of this fleet");
             }
         }
+        fleet
+    }
+
+    /// Quotes `request` on `fleet` (from [`Self::fleet_of_kind`]), with an
+    /// optional start deadline in seconds from now.
+    pub fn quote(&self, fleet: &berth_core::Fleet, request: &PendingShape, deadline_s: Option<u64>) -> Quote {
         let now = self.clock.now();
         let running: Vec<(u64, Vec<Allocation>)> = self
             .jobs
             .values()
-            // An asleep job holds nothing: its GPUs are lent.
-            .filter(|j| j.state == JobState::Running && j.sleep != super::state::SleepState::Asleep)
-            .filter_map(|j| {
-                let end = j.ends_at?;
-                // What the job still holds (tasks seen to end hold nothing).
-                let held: Vec<Allocation> = if j.runs.is_empty() {
-                    j.allocations.clone()
-                } else {
-                    j.allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a.clone()).collect()
-                };
-                Some((end.saturating_duration_since(now).as_secs_f64().ceil() as u64, held))
-            })
+            .filter_map(|j| Some((j.ends_at?.saturating_duration_since(now).as_secs_f64().ceil() as u64, held_now(j)?)))
             .collect();
-        accounting::quote(&fleet, request, &running, 0, deadline_s)
+        accounting::quote(fleet, request, &running, 0, deadline_s)
     }
 
     /// Pending jobs of at least `priority`: decided before a new one.
@@ -69,15 +76,9 @@ pub struct ForecastInputs {
 pub const QUOTE_WINDOW_S: u64 = 86_400;
 
 impl PartitionState {
-    /// The forecast's inputs for a job of `priority` on agent or simulated
-    /// nodes, at `now_ms`.
-    pub fn forecast_inputs(&self, agent_nodes: bool, priority: u32, now_ms: u64) -> ForecastInputs {
-        let mut fleet = self.fleet.clone();
-        for (i, node) in self.fleet.nodes().iter().enumerate() {
-            if self.agent(i as u32) != agent_nodes && node.schedulable {
-                fleet.set_schedulable(i as u32, false).expect("a node of this fleet");
-            }
-        }
+    /// The forecast's inputs for a job of `priority` on `fleet` (from
+    /// [`Self::fleet_of_kind`]: agent or simulated nodes), at `now_ms`.
+    pub fn forecast_inputs(&self, fleet: berth_core::Fleet, agent_nodes: bool, priority: u32, now_ms: u64) -> ForecastInputs {
         let now = self.clock.now();
         let mut classes: BTreeMap<u32, usize> = BTreeMap::new();
         let mut class = |p: u32| {
@@ -87,30 +88,21 @@ impl PartitionState {
         let kind = |j: &JobRecord| j.spec.argv.is_empty() != agent_nodes;
         let planned = |j: &JobRecord| (!j.spec.duration.is_zero()).then(|| j.spec.duration.as_secs().max(1));
         let mut running = Vec::new();
-        let mut finished: Vec<Vec<u64>> = Vec::new();
+        let mut history = History { window_s: QUOTE_WINDOW_S, ..Default::default() };
         let mut queued: Vec<(&JobRecord, Arrival)> = Vec::new();
-        let mut arrivals = Vec::new();
         let window_from_ms = now_ms.saturating_sub(QUOTE_WINDOW_S * 1000);
         for j in self.jobs.values().filter(|j| kind(j)) {
             let c = class(j.spec.job.priority);
             let started = j.started_unix_ms > 0;
             let ran_s = (started && j.state.is_ended()).then(|| j.ended_unix_ms.saturating_sub(j.started_unix_ms) / 1000);
             if let Some(ran) = ran_s {
-                if finished.len() <= c {
-                    finished.resize(c + 1, Vec::new());
-                }
-                finished[c].push(ran);
+                history.add_finished(c, ran);
             }
             let unknown_run = |j: &JobRecord| match planned(j) {
                 Some(d) => (d, None),
                 None => (3_600, Some(c)),
             };
-            if j.state == JobState::Running && j.sleep != super::state::SleepState::Asleep {
-                let held: Vec<Allocation> = if j.runs.is_empty() {
-                    j.allocations.clone()
-                } else {
-                    j.allocations.iter().zip(&j.runs).filter(|(_, r)| r.holds).map(|(a, _)| a.clone()).collect()
-                };
+            if let Some(held) = held_now(j) {
                 let planned_remaining_s = j.ends_at.map(|end| end.saturating_duration_since(now).as_secs_f64().ceil() as u64);
                 let elapsed_s = now_ms.saturating_sub(j.started_unix_ms) / 1000;
                 running.push(Running { allocations: held, class: c, elapsed_s, planned_remaining_s });
@@ -126,7 +118,7 @@ impl PartitionState {
                     Some(ran) => (ran.max(1), None),
                     None => unknown_run(j),
                 };
-                arrivals.push(Arrival {
+                history.arrivals.push(Arrival {
                     at_s: (j.submitted_unix_ms - window_from_ms) / 1000,
                     shape: j.spec.job.shape.clone(),
                     tasks: j.spec.job.tasks,
@@ -138,6 +130,6 @@ impl PartitionState {
         }
         // The queue's order: priority, then first come.
         queued.sort_by_key(|(j, _)| (std::cmp::Reverse(j.spec.job.priority), j.submitted_unix_ms));
-        ForecastInputs { fleet, running, queued: queued.into_iter().map(|(_, a)| a).collect(), history: History { finished_s: finished, arrivals, window_s: QUOTE_WINDOW_S } }
+        ForecastInputs { fleet, running, queued: queued.into_iter().map(|(_, a)| a).collect(), history }
     }
 }

@@ -824,10 +824,11 @@ impl Berth for Service {
             shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
             let deadline_s = (q.deadline_h > 0.0).then(|| (q.deadline_h * 3600.0).ceil() as u64);
             let request = PendingShape { shape, tasks, same_domain: q.same_domain };
-            let quote = st.quote(&request, q.agent_nodes, deadline_s);
+            let fleet = st.fleet_of_kind(q.agent_nodes);
+            let quote = st.quote(&fleet, &request, deadline_s);
             let queued_ahead = st.queued_at_or_above(q.priority);
             // The chance runs on a copy of the state, off the partition's lock.
-            let inputs = deadline_s.map(|_| st.forecast_inputs(q.agent_nodes, q.priority, st.clock.unix_ms()));
+            let inputs = deadline_s.map(|_| st.forecast_inputs(fleet, q.agent_nodes, q.priority, st.clock.unix_ms()));
             let rates = this.live.work.as_ref().map(|w| w.rates(&st.fleet));
             drop(st);
             let mut reply = pb::QuoteResponse {
