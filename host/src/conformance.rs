@@ -372,6 +372,91 @@ fn compact_cases() -> Vec<CompactCase> {
     ]
 }
 
+/// One model-pool scenario: the embedded market's models on a few
+/// executors, a short synthetic workload run through the pool simulation,
+/// which asks `pool-place` and `pool-step` and checks every answer by the
+/// same rules as `berth replay --pool`.
+struct PoolCase {
+    name: &'static str,
+    /// Executors per tensor-parallel degree.
+    layout: Vec<(u32, u32)>,
+    rate: f64,
+    duration_s: f64,
+    seed: u64,
+}
+
+fn pool_cases() -> Vec<PoolCase> {
+    vec![
+        PoolCase { name: "47 models on 4 + 2 executors, 2 requests a second for 30 s", layout: vec![(1, 4), (4, 2)], rate: 2.0, duration_s: 30.0, seed: 1 },
+        PoolCase { name: "one executor per degree: models switch", layout: vec![(1, 1), (4, 1)], rate: 1.0, duration_s: 30.0, seed: 2 },
+    ]
+}
+
+/// Which hook a pool run called last (an error belongs to it), and the
+/// slowest call.
+struct PoolWatch<'a> {
+    policy: &'a mut WasmPolicy,
+    last: &'static str,
+    slowest: Duration,
+}
+
+impl berth_core::pool::PoolPolicy for PoolWatch<'_> {
+    fn describe(&self) -> String {
+        self.policy.describe()
+    }
+    fn pool_place(&mut self, state: &berth_sdk::PoolState) -> Result<Option<berth_sdk::PoolPlacement>, PolicyError> {
+        self.last = "pool-place";
+        let t = Instant::now();
+        let r = self.policy.pool_place(state);
+        self.slowest = self.slowest.max(t.elapsed());
+        r
+    }
+    fn pool_step(&mut self, executor: &berth_sdk::PoolExecutor) -> Result<Option<berth_sdk::PoolStep>, PolicyError> {
+        self.last = "pool-step";
+        let t = Instant::now();
+        let r = self.policy.pool_step(executor);
+        self.slowest = self.slowest.max(t.elapsed());
+        r
+    }
+}
+
+/// Runs one pool scenario and files its verdicts under the hooks claimed:
+/// an error counts against the hook that gave it, a refused answer under
+/// that hook's `valid` rule; a run that completes passes every rule.
+fn pool_pass(
+    policy: &mut WasmPolicy,
+    hooks: Hooks,
+    k: usize,
+    case: &PoolCase,
+    rules: Option<&mut Rules>,
+    slowest: &mut Duration,
+) -> Option<String> {
+    use berth_core::pool::{self, PoolPolicy, RunOptions, Synthetic};
+    let file = crate::pool::PoolFile::load("default").expect("the embedded market parses");
+    let cfg = file.config();
+    let requests = Synthetic { rate: case.rate, duration_s: case.duration_s, ..file.workload.synthetic.clone() }.generate(cfg.models.len(), case.seed);
+    let mut watch = PoolWatch { policy, last: "", slowest: Duration::ZERO };
+    let result = pool::run(&cfg, &requests, &RunOptions { layout: case.layout.clone(), record_steps: false }, &mut watch as &mut dyn PoolPolicy);
+    *slowest = (*slowest).max(watch.slowest);
+    let label = format!("scenario {k} ({}, {} requests)", case.name, requests.len());
+    if let Some(rules) = rules {
+        for (hook, flag) in [("pool-place", Hooks::POOL_PLACE), ("pool-step", Hooks::POOL_STEP)] {
+            if !hooks.contains(flag) {
+                continue;
+            }
+            let mine = result.as_ref().err().filter(|_| watch.last == hook);
+            let refused = matches!(mine, Some(PolicyError::InvalidOutput(_)));
+            rules.check(&format!("{hook}/valid"), !refused, || format!("{label}: {}", mine.map(brief).unwrap_or_default()));
+            let call = match mine {
+                Some(e) if !refused => Err(e.clone()),
+                _ => Ok(()),
+            };
+            call_outcome(rules, hook, &label, &call);
+        }
+    }
+    result.ok().map(|(outcome, _)| serde_json::to_string(&outcome).unwrap_or_default())
+}
+
 fn task_of(shape: &TaskShape, job_id: u64, gang_size: u32, gang_index: u32, priority: u32) -> Task {
     Task {
         job_id,
@@ -393,6 +478,8 @@ struct Answers {
     domains: Vec<Option<Vec<u64>>>,
     rank: Vec<Option<Vec<u32>>>,
     compact: Vec<Option<Plan>>,
+    /// Each pool scenario's outcome, as JSON.
+    pool: Vec<Option<String>>,
 }
 
 fn bits(v: &[f64]) -> Vec<u64> {
@@ -404,6 +491,7 @@ struct Suite {
     domains: Vec<DomainCase>,
     rank: Vec<RankCase>,
     compact: Vec<CompactCase>,
+    pool: Vec<PoolCase>,
 }
 
 /// Runs the suite on a component file.
@@ -459,11 +547,13 @@ pub fn run_loaded(engine: Arc<PolicyEngine>, loaded: &Arc<LoadedPolicy>, opts: &
     let hooks = loaded.info.hooks;
 
     rules.declare("configure/accepts", "accepts the empty configuration (or the one given)");
-    for hook in ["score", "score-domains", "rank", "compact"] {
+    for hook in ["score", "score-domains", "rank", "compact", "pool-place", "pool-step"] {
         let claimed = match hook {
             "score" => hooks.contains(Hooks::SCORE),
             "score-domains" => hooks.contains(Hooks::DOMAINS),
             "rank" => hooks.contains(Hooks::RANK),
+            "pool-place" => hooks.contains(Hooks::POOL_PLACE),
+            "pool-step" => hooks.contains(Hooks::POOL_STEP),
             _ => hooks.contains(Hooks::COMPACT),
         };
         if !claimed {
@@ -485,6 +575,14 @@ pub fn run_loaded(engine: Arc<PolicyEngine>, loaded: &Arc<LoadedPolicy>, opts: &
                 rules.declare("rank/in-range", "every index names a victim");
                 rules.declare("rank/unique", "no victim ranked twice");
             }
+            "pool-place" => rules.declare(
+                "pool-place/valid",
+                "the pool's rules accept every placement (executors and models exist, tensor-parallel degrees match, weights >= 1, no pair twice, pinned weights fit)",
+            ),
+            "pool-step" => rules.declare(
+                "pool-step/valid",
+                "the pool's rules accept every step (the row exists and has work for its phase, iterations within the cap, evicted rows resident, unpinned and idle)",
+            ),
             _ => {
                 rules.declare("compact/lengths", "the plan's four columns have one entry per move");
                 rules.declare("compact/chains", "chains numbered from 0, each chain's moves contiguous");
@@ -499,7 +597,7 @@ pub fn run_loaded(engine: Arc<PolicyEngine>, loaded: &Arc<LoadedPolicy>, opts: &
         rules.declare(&format!("{hook}/deterministic"), "a fresh instance answers the same calls the same");
     }
 
-    let suite = Suite { score: score_cases(), domains: domain_cases(), rank: rank_cases(), compact: compact_cases() };
+    let suite = Suite { score: score_cases(), domains: domain_cases(), rank: rank_cases(), compact: compact_cases(), pool: pool_cases() };
     let mut slowest = Duration::ZERO;
     let first = pass(&engine, loaded, opts, &suite, Some(&mut rules), &mut slowest);
     let second = pass(&engine, loaded, opts, &suite, None, &mut slowest);
@@ -522,6 +620,10 @@ pub fn run_loaded(engine: Arc<PolicyEngine>, loaded: &Arc<LoadedPolicy>, opts: &
         );
         compare("rank", suite.rank.iter().map(|c| c.name).collect(), a.rank.iter().zip(&b.rank).map(|(x, y)| x == y).collect());
         compare("compact", suite.compact.iter().map(|c| c.name).collect(), a.compact.iter().zip(&b.compact).map(|(x, y)| x == y).collect());
+        // A pool run's outcome depends on every answer of both hooks.
+        let same: Vec<bool> = a.pool.iter().zip(&b.pool).map(|(x, y)| x == y).collect();
+        compare("pool-place", suite.pool.iter().map(|c| c.name).collect(), same.clone());
+        compare("pool-step", suite.pool.iter().map(|c| c.name).collect(), same);
     }
     report.rules = rules.into_vec();
     report
@@ -616,6 +718,11 @@ fn pass(
                     check_plan_host(rules, &label, case, plan);
                 }
             }
+        }
+    }
+    if hooks.contains(Hooks::POOL_PLACE) || hooks.contains(Hooks::POOL_STEP) {
+        for (k, case) in suite.pool.iter().enumerate() {
+            answers.pool.push(pool_pass(&mut policy, hooks, k, case, rules.as_deref_mut(), slowest));
         }
     }
     Some(answers)

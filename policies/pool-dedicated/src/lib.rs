@@ -9,7 +9,9 @@ use berth_sdk::{Hooks, Policy, PoolPlacement, PoolState};
 
 #[derive(Default)]
 pub struct Dedicated {
-    plan: Option<PoolPlacement>,
+    /// The plan, for the pool it was made for (executors' degrees, models):
+    /// a pool that changes gets a new one.
+    plan: Option<(Vec<u32>, usize, PoolPlacement)>,
 }
 
 /// Executors per model for `demand` (one entry per model) given `executors`:
@@ -38,7 +40,10 @@ impl Policy for Dedicated {
     const HOOKS: Hooks = Hooks::POOL_PLACE;
 
     fn pool_place(&mut self, s: &PoolState) -> Result<PoolPlacement, String> {
-        if let Some(plan) = &self.plan {
+        if let Some((tps, models, plan)) = &self.plan
+            && *tps == s.executor_tp
+            && *models == s.models()
+        {
             return Ok(plan.clone());
         }
         let mut out = PoolPlacement::default();
@@ -58,7 +63,7 @@ impl Policy for Dedicated {
                 }
             }
         }
-        self.plan = Some(out.clone());
+        self.plan = Some((s.executor_tp.clone(), s.models(), out.clone()));
         Ok(out)
     }
 }

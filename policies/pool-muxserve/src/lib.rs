@@ -11,7 +11,9 @@ use berth_sdk::{Hooks, Policy, PoolPlacement, PoolState};
 
 pub struct MuxServe {
     kv_reserve: f64,
-    plan: Option<PoolPlacement>,
+    /// The plan, for the pool it was made for (executors' degrees, models):
+    /// a pool that changes gets a new one.
+    plan: Option<(Vec<u32>, usize, PoolPlacement)>,
 }
 
 impl Default for MuxServe {
@@ -45,7 +47,10 @@ impl Policy for MuxServe {
     }
 
     fn pool_place(&mut self, s: &PoolState) -> Result<PoolPlacement, String> {
-        if let Some(plan) = &self.plan {
+        if let Some((tps, models, plan)) = &self.plan
+            && *tps == s.executor_tp
+            && *models == s.models()
+        {
             return Ok(plan.clone());
         }
         let mut out = PoolPlacement::default();
@@ -68,7 +73,7 @@ impl Policy for MuxServe {
                 out.push(e as u32, m as u32, 1, true);
             }
         }
-        self.plan = Some(out.clone());
+        self.plan = Some((s.executor_tp.clone(), s.models(), out.clone()));
         Ok(out)
     }
 }

@@ -71,7 +71,8 @@ impl Policy for Token {
         order.sort_by(|&a, &b| demand[b].total_cmp(&demand[a]).then(a.cmp(&b)));
         let mut previous: Vec<Vec<usize>> = vec![Vec::new(); s.models()];
         if let Some(last) = &self.last {
-            for i in 0..last.len() {
+            // The pool may have changed since (executors gone).
+            for i in (0..last.len()).filter(|&i| (last.model[i] as usize) < s.models() && (last.executor[i] as usize) < s.executors()) {
                 previous[last.model[i] as usize].push(last.executor[i] as usize);
             }
         }
