@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds every policy (policies/*, Rust, and best-fit in Python, JS and C) and
+# Builds every policy (policies/*: Rust, and best-fit, spot-gpu, drain and pool-demand in Python, JS and C) and
 # hostile test guest (tests/guests/*) to a wasm component, offline:
 #   target/policies/<name>.wasm     bundled policies
 #   target/test-guests/<name>.wasm  hostile guests for the tests
@@ -27,7 +27,7 @@ for arg in "$@"; do
 done
 # The Rust crates and the other-language policies to build.
 rust_pkgs=()
-langs=(best-fit-py best-fit-js best-fit-c)
+langs=(best-fit-py best-fit-js best-fit-c spot-gpu-py drain-js pool-demand-c)
 if [ ${#only[@]} -gt 0 ]; then
     langs=()
     for name in "${only[@]}"; do
@@ -88,7 +88,7 @@ source "$root/scripts/lang-env.sh"
 stamp_of() {
     local dir="$1" tool="$2"
     { find "$root/policies/$dir" -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum
-      sha256sum "$root/wit/v0.2.0/policy.wit"; "$tool" --version; } | sha256sum | cut -d' ' -f1
+      sha256sum "$root"/wit/v0.*/policy.wit "$root"/host/templates/c/unclaimed.c; "$tool" --version; } | sha256sum | cut -d' ' -f1
 }
 for dir in "${langs[@]}"; do
     case "$dir" in
