@@ -292,8 +292,17 @@ enum BenchCommand {
     /// as a ratio to the first policy.
     Languages {
         /// Policies to compare (repeatable); ratios are to the first.
-        #[arg(long = "policy", default_values_t = ["best-fit".to_string(), "best-fit-py".to_string(), "best-fit-js".to_string(), "best-fit-c".to_string()])]
+        /// Default: the bundled ones of the hook (place: best-fit in Rust,
+        /// Python, JS and C; rank: spot-gpu, spot-gpu-py; compact: drain,
+        /// drain-js; pool: pool-demand, pool-demand-c).
+        #[arg(long = "policy")]
         policies: Vec<String>,
+        /// The hook to measure: place (component size, load, one scoring
+        /// call, an openb replay), or rank, compact or pool (latency p50
+        /// and p99 of every call on generated inputs, and the instance's
+        /// memory after them).
+        #[arg(long, default_value = "place")]
+        hook: String,
         /// Candidate nodes in the scoring call.
         #[arg(long, default_value_t = 1000)]
         candidates: usize,
@@ -548,6 +557,12 @@ enum PolicyCommand {
         /// rust, python, js or c.
         #[arg(long)]
         lang: String,
+        /// The hook the policy starts with, as a working example: place
+        /// (best fit), rank (least work lost, SpotGPU), compact (free whole
+        /// nodes, one move per allocation) or pool (demand-balanced model
+        /// pool: pool-place and pool-step).
+        #[arg(long, default_value = "place")]
+        hook: String,
         /// Policy name (lowercase with dashes); also the folder created.
         name: String,
         /// Create the folder here instead of the current directory.
@@ -731,7 +746,18 @@ fn run() -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Bench { what: BenchCommand::Languages { policies, candidates, seed, json } } => {
+        Command::Bench { what: BenchCommand::Languages { policies, hook, candidates: _, seed, json } } if hook != "place" => {
+            let policies = if policies.is_empty() { berth::langbench::default_policies(&hook) } else { policies };
+            let r = berth::langbench::hooks(engine()?, &hook, &policies, seed)?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("{}: {}; seed {}", r.hook, r.input, r.seed);
+                print!("{}", berth::langbench::hook_table(&r));
+            }
+        }
+        Command::Bench { what: BenchCommand::Languages { policies, hook, candidates, seed, json } } => {
+            let policies = if policies.is_empty() { berth::langbench::default_policies(&hook) } else { policies };
             anyhow::ensure!(candidates > 0, "--candidates must be at least 1");
             let r = berth::langbench::run(engine()?, &policies, candidates, seed, berth::langbench::openb_dir().as_deref())?;
             if json {
@@ -812,9 +838,9 @@ fn run() -> anyhow::Result<()> {
                     std::process::exit(1);
                 }
             }
-            PolicyCommand::New { lang, name, dir } => {
+            PolicyCommand::New { lang, hook, name, dir } => {
                 let root = dir.unwrap_or_else(|| PathBuf::from("."));
-                let created = berth::scaffold::create(&lang, &name, &root)?;
+                let created = berth::scaffold::create(&lang, &hook, &name, &root)?;
                 println!("created {}; see its README.md: build, then test", created.display());
             }
             PolicyCommand::TypicalPods(trace) => {

@@ -1,9 +1,11 @@
-//! `berth policy new --lang rust|python|js|c <name>`: writes a policy
-//! project against the newest contract that builds from its own folder with
-//! that language's toolchain (its build.sh finds what Berth's installers put
-//! under ~/.cache/berth-tools, and names the installer when a tool is
-//! missing) and passes `berth policy test`. The templates are compiled into
-//! the binary.
+//! `berth policy new --lang rust|python|js|c --hook place|rank|compact|pool
+//! <name>`: writes a working policy project for that hook against the newest
+//! contract that builds from its own folder with that language's toolchain
+//! (its build.sh finds what Berth's installers put under ~/.cache/berth-tools,
+//! and names the installer when a tool is missing) and passes `berth policy
+//! test`. The templates are compiled into the binary; where Berth bundles a
+//! policy for that hook in that language, its source is the template, so
+//! what a project starts from is what the tests check against Rust.
 
 use std::path::{Path, PathBuf};
 
@@ -23,33 +25,63 @@ const WIT_BINDGEN: &str = "0.53.0";
 /// (path in the project, template text, executable)
 type File = (&'static str, &'static str, bool);
 
-const RUST: &[File] = &[
-    ("Cargo.toml", include_str!("../templates/rust/Cargo.toml"), false),
-    ("src/lib.rs", include_str!("../templates/rust/src/lib.rs"), false),
-    ("build.sh", include_str!("../templates/rust/build.sh"), true),
-];
-const PYTHON: &[File] = &[
-    ("app.py", include_str!("../templates/python/app.py"), false),
-    ("build.sh", include_str!("../templates/python/build.sh"), true),
-    ("wit/policy.wit", WIT, false),
-];
-const JS: &[File] = &[
-    ("policy.js", include_str!("../templates/js/policy.js"), false),
-    ("build.sh", include_str!("../templates/js/build.sh"), true),
-    ("wit/policy.wit", WIT, false),
-];
+const RUST: &[File] = &[("Cargo.toml", include_str!("../templates/rust/Cargo.toml"), false), ("build.sh", include_str!("../templates/rust/build.sh"), true)];
+const PYTHON: &[File] = &[("build.sh", include_str!("../templates/python/build.sh"), true), ("wit/policy.wit", WIT, false)];
+const JS: &[File] = &[("build.sh", include_str!("../templates/js/build.sh"), true), ("wit/policy.wit", WIT, false)];
 const C: &[File] = &[
-    ("policy.c", include_str!("../templates/c/policy.c"), false),
     ("build.sh", include_str!("../templates/c/build.sh"), true),
+    ("unclaimed.c", include_str!("../templates/c/unclaimed.c"), false),
     ("wit/policy.wit", WIT, false),
 ];
 
 const README: &str = include_str!("../templates/README.md");
 
+/// The hooks a project can start from, in the order of [`Lang::sources`].
+pub const HOOKS: [&str; 4] = ["place", "rank", "compact", "pool"];
+
+/// One hook's starting point: what it does, the contract hooks it claims,
+/// the C stubs its build leaves out, and how to run it.
+struct Hook {
+    kind: &'static str,
+    claims: &'static str,
+    c_claims: &'static str,
+    usage: &'static str,
+}
+
+const HOOK_INFO: [Hook; 4] = [
+    Hook { kind: "placement", claims: "`score`", c_claims: "-DBERTH_CLAIMS_SCORE", usage: "berth replay --policy ./{{name}}.wasm --seeds 42" },
+    Hook {
+        kind: "preemption-ranking",
+        claims: "`rank`",
+        c_claims: "-DBERTH_CLAIMS_RANK",
+        usage: "berth replay --fleet asi --fleet-scale 0.02 --days 2 --policy best-fit --preempt spot-gpu --preempt ./{{name}}.wasm",
+    },
+    Hook {
+        kind: "compaction",
+        claims: "`compact`",
+        c_claims: "-DBERTH_CLAIMS_COMPACT",
+        usage: "berth replay --fleet asi --fleet-scale 0.02 --days 2 --policy best-fit --compact ./{{name}}.wasm",
+    },
+    Hook {
+        kind: "model-pool",
+        claims: "`pool-place` and `pool-step`",
+        c_claims: "-DBERTH_CLAIMS_POOL_PLACE -DBERTH_CLAIMS_POOL_STEP",
+        usage: "berth replay --pool default --policy pool-token --policy ./{{name}}.wasm",
+    },
+];
+
+/// A hook's source: the template text, and the bundled policy it is (its
+/// name is replaced by the project's), if any.
+type Source = (&'static str, Option<&'static str>);
+
 /// A language `berth policy new` knows.
 struct Lang {
     name: &'static str,
     files: &'static [File],
+    /// Where the hook's source goes in the project.
+    main: &'static str,
+    /// One source per hook of [`HOOKS`].
+    sources: [Source; 4],
     /// What builds it.
     toolchain: &'static str,
     /// The Berth script that installs the toolchain (in scripts/).
@@ -62,6 +94,13 @@ const LANG_LIST: &[Lang] = &[
     Lang {
         name: "rust",
         files: RUST,
+        main: "src/lib.rs",
+        sources: [
+            (include_str!("../templates/rust/src/lib.rs"), None),
+            (include_str!("../../policies/spot-gpu/src/lib.rs"), Some("spot-gpu")),
+            (include_str!("../../policies/drain/src/lib.rs"), Some("drain")),
+            (include_str!("../../policies/pool-demand/src/lib.rs"), Some("pool-demand")),
+        ],
         toolchain: "cargo for wasm32 (rustup's wasm32-unknown-unknown target, or Debian's rustc-web with build-std) and the berth-sdk crate",
         installer: "install-guest-toolchain.sh",
         by_hand: "`rustup target add wasm32-unknown-unknown`, or `apt-get install rustc-web cargo-web rust-web-src lld`",
@@ -69,6 +108,13 @@ const LANG_LIST: &[Lang] = &[
     Lang {
         name: "python",
         files: PYTHON,
+        main: "app.py",
+        sources: [
+            (include_str!("../templates/python/app.py"), None),
+            (include_str!("../../policies/spot-gpu-py/app.py"), Some("spot-gpu-py")),
+            (include_str!("../templates/python/compact.py"), None),
+            (include_str!("../templates/python/pool.py"), None),
+        ],
         toolchain: "componentize-py {py} (PyPI)",
         installer: "install-lang-toolchains.sh",
         by_hand: "`pip install componentize-py=={py}`",
@@ -76,6 +122,13 @@ const LANG_LIST: &[Lang] = &[
     Lang {
         name: "js",
         files: JS,
+        main: "policy.js",
+        sources: [
+            (include_str!("../templates/js/policy.js"), None),
+            (include_str!("../templates/js/rank.js"), None),
+            (include_str!("../../policies/drain-js/drain.js"), Some("drain-js")),
+            (include_str!("../templates/js/pool.js"), None),
+        ],
         toolchain: "componentize-js {js} (npm) and node",
         installer: "install-lang-toolchains.sh",
         by_hand: "`apt-get install nodejs npm`, then `npm install -g @bytecodealliance/componentize-js@{js}`",
@@ -83,11 +136,27 @@ const LANG_LIST: &[Lang] = &[
     Lang {
         name: "c",
         files: C,
+        main: "policy.c",
+        sources: [
+            (include_str!("../templates/c/policy.c"), None),
+            (include_str!("../templates/c/rank.c"), None),
+            (include_str!("../templates/c/compact.c"), None),
+            (include_str!("../../policies/pool-demand-c/pool_demand.c"), Some("pool-demand-c")),
+        ],
         toolchain: "clang + lld + wasi-libc (apt) and wit-bindgen c {wb} (cargo install)",
         installer: "install-lang-toolchains.sh",
         by_hand: "`apt-get install clang lld wasi-libc libclang-rt-dev-wasm32`, then `cargo install --locked wit-bindgen-cli@{wb}`",
     },
 ];
+
+/// A bundled policy's source as a template: its name (quoted, and where
+/// its header names it) becomes the project's.
+fn as_template(text: &str, bundled: Option<&str>) -> String {
+    match bundled {
+        Some(b) => text.replace(&format!("\"{b}\""), "\"{{name}}\"").replacen(&format!("{b}:"), "{{name}}:", 1),
+        None => text.to_string(),
+    }
+}
 
 /// Fills in the pinned versions.
 fn versions(text: &str) -> String {
@@ -144,11 +213,25 @@ pub fn check_name(name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Creates `<parent>/<name>/` for `lang` and returns its path. Refuses to
-/// write into an existing folder.
-pub fn create(lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> {
+/// The index in [`HOOKS`] of a hook name (or an alias).
+fn hook_index(hook: &str) -> anyhow::Result<usize> {
+    let canonical = match hook {
+        "score" | "placement" => "place",
+        "pool-place" | "pool-step" => "pool",
+        other => other,
+    };
+    HOOKS.iter().position(|&h| h == canonical).ok_or_else(|| anyhow::anyhow!("unknown hook {hook:?}; one of: {}", HOOKS.join(", ")))
+}
+
+/// Creates `<parent>/<name>/` for `lang`, starting from a working policy of
+/// `hook`, and returns its path. Refuses to write into an existing folder.
+pub fn create(lang: &str, hook: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> {
     check_name(name)?;
     let lang = template(lang)?;
+    let hook_at = hook_index(hook)?;
+    let hook = &HOOK_INFO[hook_at];
+    let (source, bundled) = lang.sources[hook_at];
+    let source = as_template(source, bundled);
     let dir = parent.join(name);
     anyhow::ensure!(!dir.exists(), "{} already exists", dir.display());
     let sdk = sdk_dir();
@@ -183,13 +266,19 @@ pub fn create(lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> 
             .replace("{{componentize_js}}", COMPONENTIZE_JS)
             .replace("{{wit_bindgen}}", WIT_BINDGEN)
             .replace("{{contract}}", WIT_VERSION)
+            .replace("{{claims}}", hook.c_claims)
+            .replace("{{kind}}", hook.kind)
+            .replace("{{claimed}}", hook.claims)
+            .replace("{{usage}}", &hook.usage.replace("{{name}}", name))
+            .replace("{{main}}", lang.main)
     };
-    for (path, text, exec) in lang.files.iter().chain(std::iter::once(&("README.md", README, false))) {
+    let main: (&str, &str, bool) = (lang.main, &source, false);
+    for &(path, text, exec) in lang.files.iter().chain([&main, &("README.md", README, false)]) {
         let target = dir.join(path);
         std::fs::create_dir_all(target.parent().expect("inside dir")).with_context(|| format!("creating {}", dir.display()))?;
         std::fs::write(&target, fill(text)).with_context(|| format!("writing {}", target.display()))?;
         #[cfg(unix)]
-        if *exec {
+        if exec {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755))?;
         }
@@ -213,12 +302,21 @@ mod tests {
     fn every_placeholder_is_filled() {
         let scratch = std::env::temp_dir().join(format!("berth-scaffold-unit-{}", std::process::id()));
         for lang in LANG_LIST {
-            let dir = create(lang.name, &format!("p-{}", lang.name), &scratch).unwrap();
-            for (path, _, _) in lang.files.iter().chain(std::iter::once(&("README.md", "", false))) {
-                let text = std::fs::read_to_string(dir.join(path)).unwrap();
-                assert!(!text.contains("{{"), "{}: {path} has an unfilled placeholder", lang.name);
+            for hook in HOOKS {
+                let name = format!("p-{}-{hook}", lang.name);
+                let dir = create(lang.name, hook, &name, &scratch).unwrap();
+                for (path, _, _) in lang.files.iter().chain([&(lang.main, "", false), &("README.md", "", false)]) {
+                    let text = std::fs::read_to_string(dir.join(path)).unwrap();
+                    assert!(!text.contains("{{"), "{} {hook}: {path} has an unfilled placeholder", lang.name);
+                }
+                let main = std::fs::read_to_string(dir.join(lang.main)).unwrap();
+                assert!(main.contains(&format!("\"{name}\"")), "{} {hook}: the source does not carry the name", lang.name);
+                if let (_, Some(bundled)) = lang.sources[hook_index(hook).unwrap()] {
+                    assert!(!main.contains(&format!("\"{bundled}\"")), "{} {hook}: still named {bundled}", lang.name);
+                }
             }
         }
+        assert!(create("c", "evict", "x", &scratch).unwrap_err().to_string().contains("unknown hook"));
         std::fs::remove_dir_all(&scratch).unwrap();
     }
 

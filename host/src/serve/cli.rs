@@ -83,8 +83,9 @@ pub struct ServeArgs {
     /// Backoff after a trip before the version may run again (doubles per trip).
     #[arg(long, default_value_t = 60)]
     breaker_backoff_s: u64,
-    /// Largest policy component an upload may carry, in bytes.
-    #[arg(long, default_value_t = 16 << 20)]
+    /// Largest policy component an upload may carry, in bytes (Python
+    /// components carry their interpreter: about 18 MB).
+    #[arg(long, default_value_t = 32 << 20)]
     max_upload_bytes: usize,
     /// A node agent silent for this long is marked unreachable.
     #[arg(long, default_value_t = 10_000)]

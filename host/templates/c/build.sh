@@ -28,7 +28,9 @@ berth="${BERTH:-$created_by}"
 [ -x "$berth" ] || berth="$(command -v berth)" || missing "berth (the binary that created this project, $created_by, is gone)" "cargo build --release -p berth in the Berth repository, then put target/release on PATH or set BERTH"
 mkdir -p gen
 wit-bindgen c wit --world placement-policy --out-dir gen >/dev/null
-clang --target=wasm32-wasi -O2 -mexec-model=reactor -Wall -Werror -Wno-unused-function -I gen \
-    policy.c gen/placement_policy.c gen/placement_policy_component_type.o -o gen/module.wasm
+# The hooks policy.c implements: their stubs in unclaimed.c are left out.
+claims=({{claims}})
+clang --target=wasm32-wasi -O2 -mexec-model=reactor -Wall -Werror -Wno-unused-function -I gen "${claims[@]}" \
+    policy.c unclaimed.c gen/placement_policy.c gen/placement_policy_component_type.o -o gen/module.wasm
 "$berth" policy componentize gen/module.wasm -o {{name}}.wasm
 echo "built {{name}}.wasm"

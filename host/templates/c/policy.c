@@ -14,7 +14,8 @@
 void exports_berth_policy_policy_info(exports_berth_policy_policy_policy_info_t *ret) {
     placement_policy_string_dup(&ret->name, "{{name}}");
     placement_policy_string_dup(&ret->version, "0.1.0");
-    // The host calls only the hooks claimed here.
+    // The host calls only the hooks claimed here (build.sh leaves their
+    // stubs out of unclaimed.c).
     ret->hooks = BERTH_POLICY_TYPES_HOOKS_SCORE;
 }
 
@@ -50,55 +51,5 @@ bool exports_berth_policy_policy_score(exports_berth_policy_policy_task_t *task,
     return true;
 }
 
-// Optional hooks. The host calls only those claimed in info(), e.g.
-// BERTH_POLICY_TYPES_HOOKS_SCORE | BERTH_POLICY_TYPES_HOOKS_POOL_PLACE;
-// `berth policy test` then checks the claimed ones too.
-static bool unclaimed(placement_policy_string_t *err) {
-    placement_policy_string_dup(err, "not implemented");
-    return false;
-}
-
-bool exports_berth_policy_policy_score_domains(exports_berth_policy_policy_task_t *task, exports_berth_policy_policy_domains_t *domains,
-                                               placement_policy_list_f64_t *ret, placement_policy_string_t *err) {
-    (void)ret;
-    exports_berth_policy_policy_task_free(task);
-    exports_berth_policy_policy_domains_free(domains);
-    return unclaimed(err);
-}
-
-bool exports_berth_policy_policy_compact(exports_berth_policy_policy_snapshot_t *snapshot, exports_berth_policy_policy_plan_t *ret,
-                                         placement_policy_string_t *err) {
-    (void)ret;
-    exports_berth_policy_policy_snapshot_free(snapshot);
-    return unclaimed(err);
-}
-
-bool exports_berth_policy_policy_rank(exports_berth_policy_policy_task_t *demand, exports_berth_policy_policy_allocations_t *victims,
-                                      placement_policy_list_u32_t *ret, placement_policy_string_t *err) {
-    (void)ret;
-    exports_berth_policy_policy_task_free(demand);
-    exports_berth_policy_policy_allocations_free(victims);
-    return unclaimed(err);
-}
-
-// Contract 0.3.0, model pools (`berth replay --pool`). Unclaimed, the host's
-// defaults apply: every model on every executor of its tensor-parallel
-// degree, unpinned; each step prefills the row whose oldest request waited
-// longest, else decodes the row with least slack.
-bool exports_berth_policy_policy_pool_place(exports_berth_policy_policy_pool_state_t *state,
-                                            exports_berth_policy_policy_pool_placement_t *ret, placement_policy_string_t *err) {
-    // Fill ret with the complete assignment, as pairs (executor, model,
-    // weight >= 1, pinned 0/1), each column malloc'd.
-    (void)ret;
-    exports_berth_policy_policy_pool_state_free(state);
-    return unclaimed(err);
-}
-
-bool exports_berth_policy_policy_pool_step(exports_berth_policy_policy_pool_executor_t *executor,
-                                           exports_berth_policy_policy_pool_choice_t *ret, placement_policy_string_t *err) {
-    // E.g. ret->phase = BERTH_POLICY_TYPES_POOL_PHASE_PREFILL; ret->row = r;
-    // ret->iterations = 1; ret->evict.len = 0 to prefill row r.
-    (void)ret;
-    exports_berth_policy_policy_pool_executor_free(executor);
-    return unclaimed(err);
-}
+// The other hooks are in unclaimed.c: to claim one, add its flag above,
+// implement it here, and add -DBERTH_CLAIMS_<HOOK> to build.sh's claims.
