@@ -98,8 +98,19 @@ async fn fragment(d: &Path, api: &mut berth::client::Client, hub: &mut berth::ag
 }
 
 async fn upload_ipc(api: &mut berth::client::Client) {
-    let component = std::fs::read(policy_path("ipc")).unwrap();
-    let up = api.upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "compact".into(), ..Default::default() }).await.expect("upload ipc as compact").into_inner().policy.unwrap();
+    upload_compact(api, "ipc").await;
+}
+
+/// Uploads and activates the bundled `name` as p0's compact policy.
+async fn upload_compact(api: &mut berth::client::Client, name: &str) {
+    let component = std::fs::read(policy_path(name)).unwrap();
+    let up = api
+        .upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "compact".into(), ..Default::default() })
+        .await
+        .unwrap_or_else(|e| panic!("upload {name} as compact: {e:?}"))
+        .into_inner()
+        .policy
+        .unwrap();
     api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.version, hook: "compact".into() }).await.expect("activate compact");
 }
 
@@ -230,6 +241,53 @@ async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_
         "live compaction: chain {} moved job {} {} -> {} (overlap {} ms, takeover {} ms); {both} of {samples} API samples saw both copies running",
         chain.id, mv.job_id, mv.from_node, mv.to_node, mv.overlap_ms, mv.warmup_ms
     );
+    std::fs::write(d.join("release"), "0").unwrap();
+}
+
+/// A compact policy written in JavaScript (drain-js) plans the live step:
+/// one 2-GPU job moves make-before-break onto the other half-used node and
+/// the whole-node job starts on the node it emptied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_javascript_compact_policy_plans_a_live_step_and_its_move_is_made() {
+    let d = dir("live-compaction-js");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "60000", "--no-auto-compaction"]).await;
+    let _n1 = agent(&d, &url, "n1", "4xH20", NOTICE_BY_SIGNAL);
+    let _n2 = agent(&d, &url, "n2", "4xH20", NOTICE_BY_SIGNAL);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    schedulable(&api, &["n1", "n2"]).await;
+    upload_compact(&mut api, "drain-js").await;
+    std::fs::write(d.join("ready-ok"), "").unwrap();
+    let (a, b) = fragment(&d, &mut api, &mut hub).await;
+    let whole = api.submit_job(pb::SubmitJobRequest { job: Some(spec(&d, 4, false)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner();
+    assert!(step.policy.starts_with("drain-js@"), "{step:?}");
+    assert!(step.rejected.is_empty(), "{step:?}");
+    assert_eq!((step.moves.len(), step.chain_ids.len()), (1, 1), "{step:?}");
+    let moved = step.moves[0].clone();
+    let (mover, stayer) = if moved.job_id == a.id { (a, b) } else { (b, a) };
+    assert_eq!((moved.allocation_id, moved.to_node.as_str()), (mover.runs[0].allocation_id, stayer.runs[0].node.as_str()), "{step:?}");
+    let started = until("the whole-node job running", Duration::from_secs(90), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == whole && j.state == "running") }
+    })
+    .await;
+    assert_eq!((started.runs[0].node.as_str(), started.runs[0].gpus.len()), (mover.runs[0].node.as_str(), 4), "{started:?}");
+    let chain = until("the chain closed in the ledger", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { ledger(&api).await.into_iter().find(|c| c.state != "running") }
+    })
+    .await;
+    assert_eq!((chain.state.as_str(), chain.moves.len()), ("done", 1), "{chain:?}");
+    assert!(chain.policy.starts_with("drain-js"), "{chain:?}");
+    // Make-before-break: the new copy started before the old one's stop.
+    let mv = &chain.moves[0];
+    assert!(stamp(d.join(format!("start-{}", mv.to_allocation))) > stamp(d.join(format!("start-{}", mv.from_allocation))));
+    assert!(!std::fs::read_to_string(d.join(format!("copies-at-term-{}", mv.from_allocation))).unwrap().trim().is_empty());
+    let now = jobs(&api).await;
+    assert_one_owner(&now, &[]);
+    let m = now.iter().find(|j| j.id == mover.id).unwrap();
+    assert_eq!((m.state.as_str(), m.runs.len(), m.runs[0].node.as_str()), ("running", 1, stayer.runs[0].node.as_str()), "{m:?}");
     std::fs::write(d.join("release"), "0").unwrap();
 }
 

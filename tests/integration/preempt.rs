@@ -76,13 +76,25 @@ async fn evictions(api: &mut berth::client::Client) -> Vec<pb::Decision> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contract() {
-    let d = dir("preempt");
+    preempts_the_victims_of("spot-gpu").await;
+}
+
+/// The same with spot-gpu written in Python, uploaded with `--hook rank`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_rank_policy_chooses_the_victims_preempted_on_the_agents() {
+    preempts_the_victims_of("spot-gpu-py").await;
+}
+
+/// A high-priority job preempts the victims the bundled rank policy `rank`
+/// (spot-gpu's rule) chooses, under the contract, on a real agent.
+async fn preempts_the_victims_of(rank: &str) {
+    let d = dir(&format!("preempt-{rank}"));
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "1"]).await;
     let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
     let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     schedulable(&api, "n1").await;
-    let spot = upload_rank(&mut api, &policy_path("spot-gpu")).await;
+    let spot = upload_rank(&mut api, &policy_path(rank)).await;
 
     // Low-priority fill: A (2 GPUs, oldest), then B and C (1 GPU each).
     let mut low = Vec::new();
@@ -129,7 +141,7 @@ async fn a_high_priority_job_preempts_the_rank_policys_victims_under_the_contrac
     let mut victims: Vec<u64> = ev.iter().map(|d| d.job_id).collect();
     victims.sort_unstable();
     assert_eq!(victims, vec![b, c], "{ev:?}");
-    assert!(ev.iter().all(|d| d.policy == "spot-gpu" && d.policy_version == spot && d.detail.contains(&format!("for job {h}"))), "{ev:?}");
+    assert!(ev.iter().all(|d| d.policy == rank && d.policy_version == spot && d.detail.contains(&format!("for job {h}"))), "{ev:?}");
 
     // Releasing the high job gives the victims their turn again.
     std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
