@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use berth_core::accounting::PendingShape;
-use berth_core::forecast::{self, Chance, Forecast, History, Now, Start};
+use berth_core::forecast::{self, Chance, Forecast, History, Now, Runs, Start};
 
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -15,6 +15,12 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// at most `samples` runs spread over the machine's cores, stopping when
 /// `budget` is spent (the answer says how many ran).
 pub fn chance_within(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: u64, samples: u32, seed: u64, budget: Duration) -> Chance {
+    runs_within(now, request, history, deadline_s, samples, seed, budget).chance()
+}
+
+/// The runs of [`chance_within`], for a caller that asks about earlier
+/// deadlines too.
+pub fn runs_within(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: u64, samples: u32, seed: u64, budget: Duration) -> Runs {
     // One forecast at a time on this host: a flood of quotes waits its
     // turn instead of taking every core at once; each budget starts when
     // its turn comes.
@@ -47,5 +53,5 @@ pub fn chance_within(now: Now<'_>, request: &PendingShape, history: &History, de
             (all, n + r)
         })
     });
-    forecast::summarize(ran, starts)
+    Runs::new(ran, starts)
 }

@@ -579,8 +579,16 @@ fn quotes_asked_during_a_replay_come_true_as_often_as_they_say() {
             assert!((b["predicted"].as_f64().unwrap() - b["observed"].as_f64().unwrap()).abs() <= 0.1, "{row}");
         }
     }
+    // The second check, at a deadline read off each quote's runs: never
+    // past the one asked, and printed after the first table.
+    let spread = &c["at_spread"];
+    assert_eq!(spread["buckets"].as_array().unwrap().iter().map(|b| b["quotes"].as_u64().unwrap()).sum::<u64>(), 120);
+    assert!(quotes.iter().all(|q| q["spread_deadline_s"].as_u64() <= q["deadline_s"].as_u64()));
+    let brier_line = format!("Brier score {:.4}", spread["brier"].as_f64().unwrap());
+    let second_table = text.split("read off each quote's runs").nth(1).unwrap_or_else(|| panic!("{text}"));
+    assert!(second_table.contains(&brier_line), "{brier_line}: {text}");
     assert!(text.contains("time per quote on 400 nodes"), "{text}");
     let page = std::fs::read_to_string(dir.join("c.html")).unwrap();
-    assert_eq!(page.matches("<tr><th scope=\"row\">0.").count(), 10, "ten deciles in the page");
+    assert_eq!(page.matches("<tr><th scope=\"row\">0.").count(), 20, "ten deciles in each of the page's two tables");
     let _ = std::fs::remove_dir_all(&dir);
 }

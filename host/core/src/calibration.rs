@@ -6,6 +6,14 @@
 //! The quote is right as often as it says when, among quotes that said p,
 //! a fraction p of the copies started in time: the reliability table and
 //! the Brier score measure that.
+//!
+//! Quotes at deadlines drawn from a list are mostly sure (a copy that fits
+//! now, or a shape that waits for hours), so few land between 0.1 and 0.9.
+//! Each quote is therefore also checked at a second deadline, read off its
+//! own runs: the start time at a random rank among them (the deadline at
+//! which the quote says a uniformly drawn probability). A forecast whose
+//! spread of start times is right is right there too, and the quotes whose
+//! start is uncertain fill every decile.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -14,7 +22,7 @@ use serde::Serialize;
 use crate::accounting::PendingShape;
 use crate::engine::{Deciders, Engine, SimConfig};
 use crate::fleet::Fleet;
-use crate::forecast::{chance, survival, Arrival, Chance, History, Now, Running};
+use crate::forecast::{runs, survival, Arrival, History, Now, Running, Runs};
 use crate::job::Job;
 use crate::policy::PolicyError;
 use crate::sim::simulate_watched;
@@ -26,6 +34,9 @@ pub struct Probe {
     pub request: PendingShape,
     pub priority: u32,
     pub deadline_s: u64,
+    /// The rank, in (0, 1], of the run whose start sets the quote's second
+    /// deadline ([`Runs::deadline_at`]).
+    pub spread: f64,
 }
 
 /// How the probes are drawn and quoted.
@@ -62,6 +73,11 @@ pub struct Checked {
     /// When the copy started (seconds after the quote), if it did.
     pub started_after_s: Option<u64>,
     pub on_time: bool,
+    /// The second check: the deadline read off the quote's runs, what the
+    /// runs said for it, and whether the copy started by then.
+    pub spread_deadline_s: u64,
+    pub spread_probability: f64,
+    pub spread_on_time: bool,
 }
 
 /// Quotes whose probability fell in [from, to): their mean prediction
@@ -75,10 +91,20 @@ pub struct Bucket {
     pub observed: f64,
 }
 
-/// The reliability of a replay's quotes.
+/// The reliability of a replay's quotes: at the deadlines asked (the
+/// top-level table) and at the deadlines read off each quote's runs.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Calibration {
     pub quotes: Vec<Checked>,
+    #[serde(flatten)]
+    pub asked: Reliability,
+    pub at_spread: Reliability,
+    pub samples: u32,
+}
+
+/// Predicted probabilities against what happened.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Reliability {
     /// Ten deciles of predicted probability (the last includes 1.0).
     pub buckets: Vec<Bucket>,
     /// Mean squared error of the probabilities against the 0/1 outcomes
@@ -87,37 +113,47 @@ pub struct Calibration {
     /// The Brier score of always saying the base rate (the fraction on
     /// time): what a quote that knows nothing of the moment scores.
     pub brier_base_rate: f64,
-    pub samples: u32,
+    /// The fraction on time.
+    pub base_rate: f64,
 }
 
-impl Calibration {
-    pub fn of(quotes: Vec<Checked>, samples: u32) -> Calibration {
-        let n = quotes.len().max(1) as f64;
-        let outcome = |c: &Checked| if c.on_time { 1.0 } else { 0.0 };
-        let brier = quotes.iter().map(|c| (c.probability - outcome(c)).powi(2)).sum::<f64>() / n;
-        let base = quotes.iter().map(outcome).sum::<f64>() / n;
-        let brier_base_rate = quotes.iter().map(|c| (base - outcome(c)).powi(2)).sum::<f64>() / n;
+impl Reliability {
+    /// Of (predicted probability, came true) pairs.
+    pub fn of(said: &[(f64, bool)]) -> Reliability {
+        let n = said.len().max(1) as f64;
+        let outcome = |t: bool| if t { 1.0 } else { 0.0 };
+        let brier = said.iter().map(|&(p, t)| (p - outcome(t)).powi(2)).sum::<f64>() / n;
+        let base_rate = said.iter().map(|&(_, t)| outcome(t)).sum::<f64>() / n;
+        let brier_base_rate = said.iter().map(|&(_, t)| (base_rate - outcome(t)).powi(2)).sum::<f64>() / n;
         let buckets = (0..10)
             .map(|d| {
                 let (from, to) = (f64::from(d) / 10.0, f64::from(d + 1) / 10.0);
-                let inside: Vec<&Checked> = quotes.iter().filter(|c| c.probability >= from && (c.probability < to || (d == 9 && c.probability <= 1.0))).collect();
+                let inside: Vec<(f64, bool)> = said.iter().copied().filter(|&(p, _)| p >= from && (p < to || (d == 9 && p <= 1.0))).collect();
                 let k = inside.len().max(1) as f64;
                 Bucket {
                     from,
                     to,
                     quotes: inside.len() as u32,
-                    predicted: inside.iter().map(|c| c.probability).sum::<f64>() / k,
-                    observed: inside.iter().map(|c| outcome(c)).sum::<f64>() / k,
+                    predicted: inside.iter().map(|&(p, _)| p).sum::<f64>() / k,
+                    observed: inside.iter().map(|&(_, t)| outcome(t)).sum::<f64>() / k,
                 }
             })
             .collect();
-        Calibration { quotes, buckets, brier, brier_base_rate, samples }
+        Reliability { buckets, brier, brier_base_rate, base_rate }
     }
 
     /// The largest gap between predicted and observed over the deciles
     /// with at least `min_quotes` quotes (`None`: no such decile).
     pub fn worst_gap(&self, min_quotes: u32) -> Option<f64> {
         self.buckets.iter().filter(|b| b.quotes >= min_quotes).map(|b| (b.predicted - b.observed).abs()).reduce(f64::max)
+    }
+}
+
+impl Calibration {
+    pub fn of(quotes: Vec<Checked>, samples: u32) -> Calibration {
+        let asked: Vec<(f64, bool)> = quotes.iter().map(|c| (c.probability, c.on_time)).collect();
+        let at_spread: Vec<(f64, bool)> = quotes.iter().map(|c| (c.spread_probability, c.spread_on_time)).collect();
+        Calibration { asked: Reliability::of(&asked), at_spread: Reliability::of(&at_spread), quotes, samples }
     }
 }
 
@@ -138,9 +174,16 @@ pub fn draw_probes(jobs: &[Job], settings: &Settings) -> Vec<Probe> {
                 request: PendingShape { shape: like.shape.clone(), tasks: like.tasks.max(1), same_domain: false },
                 priority: like.priority,
                 deadline_s: settings.deadlines_s[rng.random_range(0..settings.deadlines_s.len())],
+                spread: 1.0,
             }
         })
         .collect();
+    // Ranks from a stream of their own: the probes asked stay those of the
+    // seed without the second check. (0, 1]: never before the first run.
+    let mut ranks = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x5EED_5B2E_AD00_0001);
+    for p in &mut probes {
+        p.spread = 1.0 - ranks.random::<f64>();
+    }
     probes.sort_by_key(|p| p.at_s);
     probes
 }
@@ -149,15 +192,15 @@ pub fn draw_probes(jobs: &[Job], settings: &Settings) -> Vec<Probe> {
 const PROBE_CLASS: usize = 256;
 
 /// How a quote is computed: (state, request, history, deadline, samples,
-/// seed) to its chance ([`chance`] by default; the host spreads the runs
-/// over its cores and times them).
-pub type QuoteFn<'q> = dyn FnMut(Now<'_>, &PendingShape, &History, u64, u32, u64) -> Chance + 'q;
+/// seed) to its runs ([`runs`] by default; the host spreads them over its
+/// cores and times them).
+pub type QuoteFn<'q> = dyn FnMut(Now<'_>, &PendingShape, &History, u64, u32, u64) -> Runs + 'q;
 
 /// Replays `jobs` with the probes' copies added as short jobs, quoting
 /// each probe when it is asked (by `quote`, or [`chance`]), and checks
 /// every quote against its copy's start.
 pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: SimConfig, probes: &[Probe], settings: &Settings, quote: Option<&mut QuoteFn<'_>>) -> Result<Calibration, PolicyError> {
-    let mut plain = |now: Now<'_>, r: &PendingShape, h: &History, d: u64, n: u32, seed: u64| chance(now, r, h, d, n, seed);
+    let mut plain = |now: Now<'_>, r: &PendingShape, h: &History, d: u64, n: u32, seed: u64| runs(now, r, h, d, n, seed);
     let quote: &mut QuoteFn<'_> = match quote {
         Some(q) => q,
         None => &mut plain,
@@ -181,7 +224,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
     // Trace jobs by arrival, for the window's arrivals.
     let mut by_arrival: Vec<usize> = (0..first_probe).collect();
     by_arrival.sort_by_key(|&j| all[j].arrival_s);
-    let mut quoted: Vec<Option<crate::forecast::Chance>> = vec![None; probes.len()];
+    let mut quoted: Vec<Option<Runs>> = vec![None; probes.len()];
     let mut next_probe = 0;
     let mut watch = |now: u64, engine: &Engine, fleet: &Fleet| {
         if probes.get(next_probe).is_none_or(|p| p.at_s > now) {
@@ -244,7 +287,9 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
         .zip(quoted)
         .enumerate()
         .filter_map(|(k, (p, q))| {
-            let q = q?;
+            let runs = q?;
+            let q = runs.within(p.deadline_s);
+            let spread_deadline_s = runs.deadline_at(p.spread, p.deadline_s);
             let started_after_s = out.jobs[first_probe + k].start_s.map(|s| s.saturating_sub(p.at_s));
             Some(Checked {
                 at_s: p.at_s,
@@ -258,6 +303,9 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
                 high: q.high,
                 started_after_s,
                 on_time: started_after_s.is_some_and(|s| s <= p.deadline_s),
+                spread_deadline_s,
+                spread_probability: runs.within(spread_deadline_s).probability,
+                spread_on_time: started_after_s.is_some_and(|s| s <= spread_deadline_s),
             })
         })
         .collect();

@@ -449,23 +449,73 @@ pub fn survival(history: &History, running: &[Running]) -> Vec<Survival> {
 
 /// The answer from the runs that were made (`samples` of them, `starts`
 /// those that started, in any order).
-pub fn summarize(samples: u32, mut starts: Vec<Start>) -> Chance {
-    let samples = samples.max(1);
-    let started = starts.len() as u32;
-    // Sorted first: the same runs give the same answer in any order.
-    starts.sort_by(|a, b| a.at_s.cmp(&b.at_s).then(a.rate.total_cmp(&b.rate)));
-    let (low, high) = wilson(started, samples);
-    let rate = (started > 0).then(|| starts.iter().map(|s| s.rate).sum::<f64>() / f64::from(started));
-    Chance { samples, started, probability: f64::from(started) / f64::from(samples), low, high, median_start_s: starts.get(starts.len() / 2).map(|s| s.at_s), rate }
+pub fn summarize(samples: u32, starts: Vec<Start>) -> Chance {
+    Runs::new(samples, starts).chance()
+}
+
+/// The runs forward of one quote: how many were made and when the copy
+/// started in those where it did. One set of runs to a deadline answers
+/// for every earlier deadline too ([`Runs::within`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Runs {
+    pub samples: u32,
+    /// Earliest first (the same runs give the same answer in any order).
+    pub starts: Vec<Start>,
+}
+
+impl Runs {
+    pub fn new(samples: u32, mut starts: Vec<Start>) -> Runs {
+        starts.sort_by(|a, b| a.at_s.cmp(&b.at_s).then(a.rate.total_cmp(&b.rate)));
+        Runs { samples: samples.max(1), starts }
+    }
+
+    /// The answer over every start the runs found.
+    pub fn chance(&self) -> Chance {
+        let started = self.starts.len() as u32;
+        let (low, high) = wilson(started, self.samples);
+        let rate = (started > 0).then(|| self.starts.iter().map(|s| s.rate).sum::<f64>() / f64::from(started));
+        Chance {
+            samples: self.samples,
+            started,
+            probability: f64::from(started) / f64::from(self.samples),
+            low,
+            high,
+            median_start_s: self.starts.get(self.starts.len() / 2).map(|s| s.at_s),
+            rate,
+        }
+    }
+
+    /// The answer for an earlier deadline: the runs whose copy started by
+    /// `deadline_s` (a deadline past the one the runs were made to answers
+    /// as that one).
+    pub fn within(&self, deadline_s: u64) -> Chance {
+        let by = self.starts.partition_point(|s| s.at_s <= deadline_s);
+        Runs { samples: self.samples, starts: self.starts[..by].to_vec() }.chance()
+    }
+
+    /// The deadline at which the runs say `quantile` (in (0, 1]): the start
+    /// of the run at that rank, or `longest` when fewer runs started. Used
+    /// to check a quote across its whole spread of start times, not only at
+    /// the deadline asked.
+    pub fn deadline_at(&self, quantile: f64, longest: u64) -> u64 {
+        let rank = (quantile.clamp(0.0, 1.0) * f64::from(self.samples)).ceil().max(1.0) as usize;
+        self.starts.get(rank - 1).map_or(longest, |s| s.at_s.min(longest))
+    }
+}
+
+/// The runs forward of a quote: `samples` of them (at most
+/// [`MAX_SAMPLES`]) to `deadline_s`, seeded by `seed`.
+pub fn runs(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: u64, samples: u32, seed: u64) -> Runs {
+    let samples = samples.clamp(1, MAX_SAMPLES);
+    let forecast = Forecast::new(now, request, history, deadline_s, seed);
+    Runs::new(samples, (0..samples).filter_map(|i| forecast.run(i)).collect())
 }
 
 /// The chance that one copy of `request` starts within `deadline_s` from
 /// `now`, over `samples` runs forward (at most [`MAX_SAMPLES`]) seeded by
 /// `seed`.
 pub fn chance(now: Now<'_>, request: &PendingShape, history: &History, deadline_s: u64, samples: u32, seed: u64) -> Chance {
-    let samples = samples.clamp(1, MAX_SAMPLES);
-    let forecast = Forecast::new(now, request, history, deadline_s, seed);
-    summarize(samples, (0..samples).filter_map(|i| forecast.run(i)).collect())
+    runs(now, request, history, deadline_s, samples, seed).chance()
 }
 
 /// One run forward: when a copy first fits, if by the deadline.

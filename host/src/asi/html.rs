@@ -6,6 +6,7 @@
 use std::fmt::Write;
 
 use super::calibration::Calibrated;
+use berth_core::calibration::Reliability;
 use super::report::ReplayOutcome;
 use crate::replay::report::{escape_html as e, STYLE};
 
@@ -50,34 +51,40 @@ pub fn page(setting: &str, runs: &[RunRow<'_>], calibration: Option<&Calibrated>
         writeln!(h, "<h2>Calibration of quotes</h2>")?;
         writeln!(
             h,
-            "<p>{} quotes of {} runs forward each, asked at random moments for the shapes of random jobs, each checked against its copy's start. Brier score {:.4}; always saying the base rate scores {:.4}. Time per quote on {} nodes: p50 {:.0} ms, p99 {:.0} ms.</p>",
+            "<p>{} quotes of {} runs forward each, asked at random moments for the shapes of random jobs, each checked against its copy's start at the deadline asked and at a deadline read off its own runs. Time per quote on {} nodes: p50 {:.0} ms, p99 {:.0} ms.</p>",
             c.quotes.len(),
             c.samples,
-            c.brier,
-            c.brier_base_rate,
             run.nodes,
             run.quote_ms_p50,
             run.quote_ms_p99
         )?;
-        writeln!(h, "<table id=\"reliability\">\n<thead><tr><th>predicted</th><th>quotes</th><th>mean predicted</th><th>started in time</th><th>gap (points)</th></tr></thead>\n<tbody>")?;
-        for b in &c.buckets {
-            if b.quotes == 0 {
-                writeln!(h, "<tr><th scope=\"row\">{:.1}-{:.1}</th><td>0</td><td>-</td><td>-</td><td>-</td></tr>", b.from, b.to)?;
-            } else {
-                writeln!(
-                    h,
-                    "<tr><th scope=\"row\">{:.1}-{:.1}</th><td>{}</td><td>{:.3}</td><td>{:.3}</td><td>{:+.1}</td></tr>",
-                    b.from,
-                    b.to,
-                    b.quotes,
-                    b.predicted,
-                    b.observed,
-                    100.0 * (b.observed - b.predicted)
-                )?;
-            }
-        }
-        writeln!(h, "</tbody>\n</table>")?;
+        reliability(&mut h, "reliability", "At the deadlines asked (10 min to 8 h)", &c.asked)?;
+        reliability(&mut h, "reliability-spread", "At a deadline read off each quote's runs (the start at a random rank)", &c.at_spread)?;
     }
     writeln!(h, "<footer>Written by berth {}.</footer>\n</body>\n</html>", env!("CARGO_PKG_VERSION"))?;
     Ok(h)
+}
+
+/// One reliability table: deciles of predicted probability against the
+/// share that started in time.
+fn reliability(h: &mut String, id: &str, caption: &str, r: &Reliability) -> std::fmt::Result {
+    writeln!(h, "<table id=\"{id}\">\n<caption>{caption}: Brier score {:.4}, always saying the base rate {:.4}</caption>", r.brier, r.brier_base_rate)?;
+    writeln!(h, "<thead><tr><th>predicted</th><th>quotes</th><th>mean predicted</th><th>started in time</th><th>gap (points)</th></tr></thead>\n<tbody>")?;
+    for b in &r.buckets {
+        if b.quotes == 0 {
+            writeln!(h, "<tr><th scope=\"row\">{:.1}-{:.1}</th><td>0</td><td>-</td><td>-</td><td>-</td></tr>", b.from, b.to)?;
+        } else {
+            writeln!(
+                h,
+                "<tr><th scope=\"row\">{:.1}-{:.1}</th><td>{}</td><td>{:.3}</td><td>{:.3}</td><td>{:+.1}</td></tr>",
+                b.from,
+                b.to,
+                b.quotes,
+                b.predicted,
+                b.observed,
+                100.0 * (b.observed - b.predicted)
+            )?;
+        }
+    }
+    writeln!(h, "</tbody>\n</table>")
 }
