@@ -190,7 +190,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
 
     let host_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let agent_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(THREAD_AGENTS).enable_all().build()?;
-    let host = host_rt.block_on(crate::serve::server::start_with_agents(config.clone(), hub_config))?;
+    let host = host_rt.block_on(crate::serve::server::start_with_agents(config.clone(), hub_config.clone()))?;
     let url = format!("http://{}", host.addr);
     let (driver_args, recovery_args) = (args.clone(), args.clone());
     let live = host.live.clone();

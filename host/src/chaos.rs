@@ -373,7 +373,7 @@ impl World {
         // link is cut goes silent, is unreachable after 30 s and given up 20
         // s later. Connected agents heartbeat before every clock move of at
         // most 20 s, so they never look silent.
-        let hub = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(HEARTBEAT_TIMEOUT_S), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(20)) };
+        let hub = crate::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(HEARTBEAT_TIMEOUT_S), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(20)), host_identity: String::new() };
         let h = crate::serve::server::start_with_agents(cfg, hub).await?;
         self.url = format!("http://{}", h.addr);
         self.api = Some(crate::client::connect(&self.url, Some(OPERATOR), None, None).await?);

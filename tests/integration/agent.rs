@@ -693,6 +693,69 @@ pub(crate) async fn node_info(api: &berth::client::Client, name: &str) -> Option
     nodes.into_iter().find(|n| n.name == name)
 }
 
+/// An agent's state folder outlives unrelated runs: a task that ended
+/// while its agent was down, under a host since replaced by one on a fresh
+/// state folder, is not reported to the new host (whose allocation ids
+/// start again and could name one of its own), and its records go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_tasks_of_an_earlier_host_are_forgotten_not_reported_to_a_new_one() {
+    let d = dir("foreign");
+    let records = d.join("n1-state");
+    let (mut first_host, url) = serve(&d, "serve1", &d.join("state1"), &[]).await;
+    let mut n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let old = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let alloc = until("the first host's task running", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == old && j.state == "running").and_then(|j| j.runs.first().map(|r| r.allocation_id)) }
+    })
+    .await;
+    let vis = d.join(format!("vis-{old}-{alloc}"));
+    until("the task started", Duration::from_secs(30), || {
+        let up = vis.exists();
+        async move { up.then_some(()) }
+    })
+    .await;
+    // The agent dies; its task ends with no agent to report it; the host
+    // goes too.
+    kill9(&mut n1);
+    std::fs::write(d.join(format!("release-{old}")), "0").unwrap();
+    let status = records.join(format!("alloc-{alloc}.status"));
+    until("the orphaned task's end recorded", Duration::from_secs(30), || {
+        let done = status.exists();
+        async move { done.then_some(()) }
+    })
+    .await;
+    kill9(&mut first_host);
+
+    // A new host on a fresh state folder; the same agent state folder.
+    let (_second_host, url2) = serve(&d, "serve2", &d.join("state2"), &[]).await;
+    let _n1 = agent(&d, &url2, "n1", "2xH20", &[]);
+    let api2 = berth::client::connect(&url2, Some("ops-test-token"), None, None).await.unwrap();
+    until("n1 schedulable on the new host", Duration::from_secs(60), || {
+        let api = api2.clone();
+        async move { node_info(&api, "n1").await.filter(|n| n.schedulable) }
+    })
+    .await;
+    assert!(!status.exists() && !records.join(format!("alloc-{alloc}.json")).exists(), "the earlier host's records are gone");
+    let log = plain(&std::fs::read_to_string(d.join("n1.log")).unwrap());
+    assert!(!log.contains("does not know this allocation"), "an earlier host's end was reported to the new one:\n{log}");
+    // The new host's own work runs and ends as usual, reported by the
+    // same agent, though its allocation ids may repeat the earlier host's.
+    let new = api2.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    until("the new host's task running", Duration::from_secs(60), || {
+        let api = api2.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == new && j.state == "running") }
+    })
+    .await;
+    std::fs::write(d.join(format!("release-{new}")), "0").unwrap();
+    until("the new host's job finished", Duration::from_secs(60), || {
+        let api = api2.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == new && j.state == "finished") }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu_twice() {
     let d = dir("agentkill");

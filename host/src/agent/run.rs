@@ -364,6 +364,10 @@ struct Record {
     alloc_id: u64,
     pid: u32,
     gpus: Vec<u32>,
+    /// The identity of the host that started it (empty: unknown, from an
+    /// agent before identities): a report of it means nothing to another.
+    #[serde(default)]
+    host: String,
 }
 
 extern "C" fn ignore(_: libc::c_int) {}
@@ -452,6 +456,12 @@ struct Agent {
     /// Exit reports the host has not acknowledged yet (it was away); their
     /// records stay on disk until it does.
     unsent: Mutex<Vec<pb::AllocationReport>>,
+    /// The identity of the host this agent registered with last (empty
+    /// before, or from a host that has none).
+    host: Mutex<String>,
+    /// The host named in each recovered record of a task that ended, by
+    /// allocation: its exit report goes only to that host.
+    ended_under: Mutex<HashMap<u64, String>>,
 }
 
 fn signal_group(pid: u32, sig: i32) -> std::io::Result<()> {
@@ -479,6 +489,8 @@ impl Agent {
             client: Mutex::new(None),
             state_dir,
             unsent: Mutex::new(Vec::new()),
+            host: Mutex::new(String::new()),
+            ended_under: Mutex::new(HashMap::new()),
         })
     }
 
@@ -534,6 +546,7 @@ impl Agent {
                 tracing::info!(target: "berth::agent", allocation = rec.alloc_id, pid = rec.pid, "adopted a running task");
             } else {
                 let r = self.ended_report(base, None);
+                self.ended_under.lock().unwrap().insert(rec.alloc_id, rec.host);
                 self.unsent.lock().unwrap().push(r);
             }
         }
@@ -652,8 +665,34 @@ impl Agent {
             switch_domain: self.args.switch_domain,
             aggregation: self.args.aggregation,
         };
-        let r = c.register(req).await.map_err(|s| anyhow::anyhow!("register: {:?}: {}", s.code(), s.message()))?;
-        Ok(r.into_inner().session)
+        let r = c.register(req).await.map_err(|s| anyhow::anyhow!("register: {:?}: {}", s.code(), s.message()))?.into_inner();
+        self.forget_other_hosts_ends(&r.host_identity);
+        *self.host.lock().unwrap() = r.host_identity;
+        Ok(r.session)
+    }
+
+    /// Drops the recorded ends of tasks another host started (an earlier,
+    /// unrelated run on this node's state folder): that host is gone, and
+    /// this one never gave those allocation ids. Tasks still running are
+    /// kept and listed: the host decides what runs on its GPUs.
+    fn forget_other_hosts_ends(&self, identity: &str) {
+        if identity.is_empty() {
+            return;
+        }
+        let foreign: Vec<u64> = {
+            let mut under = self.ended_under.lock().unwrap();
+            let foreign = under.iter().filter(|(_, host)| !host.is_empty() && *host != identity).map(|(&id, _)| id).collect::<Vec<_>>();
+            under.retain(|_, host| host.is_empty() || host == identity);
+            foreign
+        };
+        if foreign.is_empty() {
+            return;
+        }
+        self.unsent.lock().unwrap().retain(|r| !foreign.contains(&r.allocation_id));
+        for &id in &foreign {
+            self.forget_task_files(id);
+        }
+        tracing::info!(target: "berth::agent", dropped = foreign.len(), "ended tasks recorded under another host forgotten (an earlier run's state folder)");
     }
 
     async fn run(self: Arc<Self>) -> anyhow::Result<()> {
@@ -894,7 +933,7 @@ impl Agent {
                     }
                 };
                 let pid = child.id().unwrap_or(0);
-                let rec = Record { alloc_id: id, pid, gpus: gpus.clone() };
+                let rec = Record { alloc_id: id, pid, gpus: gpus.clone(), host: self.host.lock().unwrap().clone() };
                 if let Err(e) = crate::util::write_atomic(&record, &serde_json::to_vec(&rec).expect("serializes")) {
                     tracing::warn!(target: "berth::agent", allocation = id, "{}: {e}; a restarted agent will not adopt this task", record.display());
                 }

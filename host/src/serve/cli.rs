@@ -245,6 +245,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             heartbeat_timeout: Duration::from_millis(args.agent_timeout_ms.max(1)),
             productive_sm_pct: args.productive_sm_pct,
             reschedule_after,
+            host_identity: String::new(),
         };
         if let StoreChoice::Etcd(e) = &config.store {
             eprintln!("berth serve: campaigning for the leader lease on {} as {} (a standby serves nothing until it leads)", e.endpoints.join(","), e.id);

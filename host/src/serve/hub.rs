@@ -23,7 +23,7 @@ use crate::serve::lifecycle::{Report, TaskState};
 use crate::serve::state::{Actuator, Beat, Live, Reconciled, Start};
 
 /// Host-side agent settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct HubConfig {
     /// A node whose last heartbeat is older than this is unreachable.
     pub heartbeat_timeout: Duration,
@@ -33,11 +33,14 @@ pub struct HubConfig {
     /// How long an unreachable node's jobs wait for it before they are
     /// requeued elsewhere (None: they wait for it forever).
     pub reschedule_after: Option<Duration>,
+    /// The host's identity, told to agents when they register (see
+    /// [`crate::serve::persist::host_identity`]); empty: none.
+    pub host_identity: String,
 }
 
 impl Default for HubConfig {
     fn default() -> Self {
-        HubConfig { heartbeat_timeout: Duration::from_secs(10), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(60)) }
+        HubConfig { heartbeat_timeout: Duration::from_secs(10), productive_sm_pct: 10, reschedule_after: Some(Duration::from_secs(60)), host_identity: String::new() }
     }
 }
 
@@ -291,7 +294,7 @@ impl Hub {
                 powered_down: None,
             },
         );
-        (pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64 }, unhealthy)
+        (pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64, host_identity: self.config.host_identity.clone() }, unhealthy)
     }
 
     /// Records a heartbeat; returns what the partition must learn of it.

@@ -141,6 +141,22 @@ fn instant_of(clock: &dyn Clock, unix: u64) -> Instant {
     if unix >= now_ms { now + Duration::from_millis(unix - now_ms) } else { now.checked_sub(Duration::from_millis(now_ms - unix)).unwrap_or(now) }
 }
 
+/// Where the host's identity is kept.
+const IDENTITY_KEY: &str = "meta/host-identity";
+
+/// The host's identity: made once per store and kept, so a restarted host
+/// or a new leader on the same etcd is the same host to its agents, and a
+/// host on a fresh state folder is another (agents then forget the ended
+/// tasks of the earlier one instead of reporting allocations it never gave).
+pub fn host_identity(store: &dyn Store) -> anyhow::Result<String> {
+    if let Some(v) = store.get(IDENTITY_KEY)? {
+        return Ok(crate::text::printable(&String::from_utf8_lossy(&v), 64).into_owned());
+    }
+    let identity = format!("{:032x}", rand::random::<u128>());
+    store.put(IDENTITY_KEY.into(), identity.clone().into_bytes())?;
+    Ok(identity)
+}
+
 /// The number stored at `key` (a high-water mark), if any.
 fn stored_number(store: &dyn Store, key: &str) -> anyhow::Result<Option<u64>> {
     let Some(v) = store.get(key)? else { return Ok(None) };

@@ -264,7 +264,9 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         live.restore_aux(name, PolicyHook::Rank).with_context(|| format!("partition {name}: rank hook"))?;
         live.restore_aux(name, PolicyHook::Compact).with_context(|| format!("partition {name}: compact hook"))?;
     }
+    let mut agents = agents;
     if let Some(store) = store {
+        agents.host_identity = super::persist::host_identity(&*store).with_context(|| format!("the host's identity in {}", store.describe()))?;
         let started = std::time::Instant::now();
         let (jobs, running, held) = live.recover(&*store).with_context(|| format!("recovering state from {}", store.describe()))?;
         live.recover_guards(&*store).with_context(|| format!("recovering guards from {}", store.describe()))?;
