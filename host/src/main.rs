@@ -847,9 +847,9 @@ fn run() -> anyhow::Result<()> {
                 println!("{}", berth::replay::openb_trace_config(&trace.nodes, &trace.pods, trace.seed)?.1);
             }
             PolicyCommand::List => {
-                let dir = catalog::policy_dir();
-                println!("{}:", dir.display());
-                for name in catalog::available(&dir) {
+                let found = catalog::find_policy_dir();
+                println!("{} ({}):", found.dir.display(), found.source);
+                for name in catalog::available(&found.dir) {
                     println!("  {name}");
                 }
             }

@@ -66,3 +66,43 @@ async fn a_closed_pipe_is_quiet_and_exit_statuses_tell_usage_refusal_and_outage_
     let (code, stderr) = status_of(&["jobs", "--server", &url, "--token", "ops-test-token"]);
     assert_eq!(code, Some(0), "{stderr}");
 }
+
+/// A `berth` installed elsewhere finds its bundled policies, run from any
+/// folder: beside it in `<prefix>/share/berth/policies` (where
+/// scripts/install.sh puts them), else in the checkout it was built from;
+/// `berth policy list` says which.
+#[test]
+fn an_installed_berth_finds_its_policies_from_any_folder_and_says_where() {
+    let d = dir("installed");
+    let prefix = d.join("prefix");
+    let shared = prefix.join("share/berth/policies");
+    std::fs::create_dir_all(prefix.join("bin")).unwrap();
+    std::fs::create_dir_all(&shared).unwrap();
+    std::fs::copy(BERTH, prefix.join("bin/berth")).unwrap();
+    for name in ["binpack", "best-fit"] {
+        std::fs::copy(repo_root().join(format!("target/policies/{name}.wasm")), shared.join(format!("{name}.wasm"))).unwrap();
+    }
+    let elsewhere = d.join("work");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let run = |berth: &std::path::Path, args: &[&str]| {
+        let out = Command::new(berth).args(args).current_dir(&elsewhere).env_remove("BERTH_POLICY_DIR").stdin(Stdio::null()).output().unwrap();
+        assert!(out.status.success(), "{} {args:?}: {}", berth.display(), String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let listed = run(&prefix.join("bin/berth"), &["policy", "list"]);
+    let mut lines = listed.lines();
+    let head = lines.next().unwrap();
+    assert!(head.contains("installed beside the binary") && head.contains("share/berth/policies"), "{listed}");
+    assert_eq!(lines.map(str::trim).collect::<Vec<_>>(), ["best-fit", "binpack"], "{listed}");
+    // And it decides with them: the demo's replay of best-fit.
+    let demo = run(&prefix.join("bin/berth"), &["demo", "--nodes", "16", "--policy", "best-fit"]);
+    assert!(demo.lines().any(|l| l.starts_with("best-fit")), "{demo}");
+
+    // A binary with nothing beside it: the checkout it was built from.
+    std::fs::copy(BERTH, elsewhere.join("berth")).unwrap();
+    let listed = run(&elsewhere.join("berth"), &["policy", "list"]);
+    let head = listed.lines().next().unwrap();
+    assert!(head.contains("the checkout the binary was built from"), "{listed}");
+    assert!(listed.lines().any(|l| l.trim() == "binpack"), "{listed}");
+    let _ = std::fs::remove_dir_all(&d);
+}
