@@ -221,8 +221,10 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
         reports_exit: false,
     }));
     let class_of = |slot: usize| if slot >= first_probe { PROBE_CLASS } else { usize::from(all[slot].class) };
-    // Trace jobs by arrival, for the window's arrivals.
-    let mut by_arrival: Vec<usize> = (0..first_probe).collect();
+    // Every job by arrival, for the window's arrivals: the probes' copies
+    // too, which compete with later copies as any work does (left out, a
+    // run with many probes quotes against less work than the replay has).
+    let mut by_arrival: Vec<usize> = (0..all.len()).collect();
     by_arrival.sort_by_key(|&j| all[j].arrival_s);
     let mut quoted: Vec<Option<Runs>> = vec![None; probes.len()];
     let mut next_probe = 0;
@@ -265,13 +267,15 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
                 .map(|&j| {
                     let o = &engine.outcome().jobs[j];
                     let ran = o.start_s.zip(o.end_s.filter(|&e| e <= now)).map(|(s, e)| e.saturating_sub(s));
+                    // A probe's copy runs as long as it was made to.
+                    let planned = (j >= first_probe).then(|| settings.probe_run_s.max(1));
                     Arrival {
                         at_s: all[j].arrival_s - window_from,
                         shape: all[j].shape.clone(),
                         tasks: all[j].tasks,
-                        duration_s: ran.unwrap_or_else(|| expected(j)),
+                        duration_s: ran.or(planned).unwrap_or_else(|| expected(j)),
                         ahead: all[j].priority > p.priority,
-                        class: ran.is_none().then(|| class_of(j)),
+                        class: (ran.is_none() && planned.is_none()).then(|| class_of(j)),
                     }
                 })
                 .collect();
