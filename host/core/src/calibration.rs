@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::accounting::PendingShape;
 use crate::engine::{Deciders, Engine, SimConfig};
 use crate::fleet::Fleet;
-use crate::forecast::{runs, survival, Arrival, History, Now, Running, Runs};
+use crate::forecast::{run_rates, runs, survival, Arrival, History, Now, Running, Runs};
 use crate::job::Job;
 use crate::policy::PolicyError;
 use crate::sim::simulate_watched;
@@ -226,13 +226,15 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
     // run with many probes quotes against less work than the replay has).
     let mut by_arrival: Vec<usize> = (0..all.len()).collect();
     by_arrival.sort_by_key(|&j| all[j].arrival_s);
+    // The host knows how fast each placement works (`[work]`), as live.
+    let rates = config.work.clone();
     let mut quoted: Vec<Option<Runs>> = vec![None; probes.len()];
     let mut next_probe = 0;
     let mut watch = |now: u64, engine: &Engine, fleet: &Fleet| {
         if probes.get(next_probe).is_none_or(|p| p.at_s > now) {
             return;
         }
-        let history = finished_by_class(engine, first_probe, now, &class_of);
+        let history = finished_by_class(engine, &all[..first_probe], now, &class_of);
         let running: Vec<Running> = engine
             .running()
             .into_iter()
@@ -247,7 +249,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
             .collect();
         // Waiting and recent work runs its class's median (a day where
         // fewer than half of the class's runs have finished).
-        let medians: Vec<Option<u64>> = survival(&history, &running).iter().map(|s| s.median()).collect();
+        let medians: Vec<Option<u64>> = survival(&history, &running, &run_rates(fleet, &running, rates.as_ref())).iter().map(|s| s.median()).collect();
         let expected = |slot: usize| medians.get(class_of(slot)).copied().flatten().unwrap_or(86_400);
         let window_from = now.saturating_sub(settings.window_s);
         let lo = by_arrival.partition_point(|&j| all[j].arrival_s < window_from);
@@ -265,22 +267,23 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
             let arrivals: Vec<Arrival> = by_arrival[lo..hi]
                 .iter()
                 .map(|&j| {
-                    let o = &engine.outcome().jobs[j];
-                    let ran = o.start_s.zip(o.end_s.filter(|&e| e <= now)).map(|(s, e)| e.saturating_sub(s));
-                    // A probe's copy runs as long as it was made to.
+                    // A probe's copy runs as long as it was made to; the
+                    // trace's work stands for work like it to come, so its
+                    // length is drawn from its class (the window's jobs
+                    // that already finished are its short ones).
                     let planned = (j >= first_probe).then(|| settings.probe_run_s.max(1));
                     Arrival {
                         at_s: all[j].arrival_s - window_from,
                         shape: all[j].shape.clone(),
                         tasks: all[j].tasks,
-                        duration_s: ran.or(planned).unwrap_or_else(|| expected(j)),
+                        duration_s: planned.unwrap_or_else(|| expected(j)),
                         ahead: all[j].priority > p.priority,
-                        class: (ran.is_none() && planned.is_none()).then(|| class_of(j)),
+                        class: planned.is_none().then(|| class_of(j)),
                     }
                 })
                 .collect();
             let history = History { arrivals, window_s: settings.window_s, ..history.clone() };
-            let now_state = Now { fleet, running: &running, queued: &queued, rates: None };
+            let now_state = Now { fleet, running: &running, queued: &queued, rates: rates.as_ref() };
             quoted[next_probe] = Some(quote(now_state, &p.request, &history, p.deadline_s, settings.samples, settings.seed ^ next_probe as u64));
             next_probe += 1;
         }
@@ -316,14 +319,14 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
     Ok(Calibration::of(checked, settings.samples))
 }
 
-/// Run times of the trace's jobs that ended by `now`, by class.
-fn finished_by_class(engine: &Engine, trace_jobs: usize, now: u64, class_of: &dyn Fn(usize) -> usize) -> History {
+/// The work of the trace's jobs that ended by `now`, by class: a job
+/// ends when its work is done, so its work is its duration (what a live
+/// host reads as run time x the run's rate).
+fn finished_by_class(engine: &Engine, trace: &[Job], now: u64, class_of: &dyn Fn(usize) -> usize) -> History {
     let mut history = History::default();
-    for (j, o) in engine.outcome().jobs.iter().enumerate().take(trace_jobs) {
-        if let (Some(s), Some(e)) = (o.start_s, o.end_s)
-            && e <= now
-        {
-            history.add_finished(class_of(j), e.saturating_sub(s));
+    for (j, o) in engine.outcome().jobs.iter().enumerate().take(trace.len()) {
+        if o.start_s.is_some() && o.end_s.is_some_and(|e| e <= now) {
+            history.add_finished(class_of(j), trace[j].duration_s);
         }
     }
     history

@@ -138,6 +138,17 @@ impl WorkRates {
         let slowdown = if domains > 1 { self.cross_domain_slowdown } else { 1.0 };
         (speed / slowdown).max(1e-3)
     }
+
+    /// The rate of a run holding `allocations` on `fleet`: its first node's
+    /// model, across the switch domains its nodes span (as placement sets it).
+    pub fn of_run(&self, fleet: &Fleet, allocations: &[Allocation]) -> f64 {
+        let node = |a: &Allocation| fleet.nodes().get(a.node as usize);
+        let model = allocations.first().and_then(node).and_then(|n| n.model);
+        let mut domains: Vec<u32> = allocations.iter().filter_map(node).map(|n| n.switch_domain).collect();
+        domains.sort_unstable();
+        domains.dedup();
+        self.rate(model, domains.len() as u32)
+    }
 }
 
 impl SimConfig {

@@ -1,7 +1,7 @@
 //! Quotes with a probability: the chance that one copy of a shape starts by
 //! a deadline, found by running the fleet forward many times. In each
 //! sample, every running job ends after a remaining time drawn from the
-//! finished jobs of its class that ran longer than it has (capped by its
+//! finished jobs of its class that did more work than it has (capped by its
 //! planned end; the planned end when none did), and competing work arrives
 //! as it did in a recent window, replayed from a random phase (and again
 //! each window until the deadline). Work ahead of the request (queued now,
@@ -9,7 +9,12 @@
 //! behind it takes room that is free when it comes (the request did not fit
 //! then) and, waiting, room freed that the request could not use.
 //! Competing work is placed best-fit (the node with the fewest GPUs free)
-//! and holds its room for its run time. Pure: the caller brings
+//! and holds its room for its run time. With work rates, run times are
+//! compared as work (seconds at the reference rate): a job on a GPU model
+//! at half speed, or a gang across switch domains, runs longer for the same
+//! work, and a class's history mixes placements of every speed (left as
+//! seconds, jobs on slow models were quoted to end as soon as fast ones,
+//! and quotes for them came out optimistic). Pure: the caller brings
 //! the history and the seed, so a quote can be repeated, and runs the
 //! samples where and for as long as it likes ([`Forecast::run`]).
 
@@ -49,10 +54,11 @@ pub struct Arrival {
     pub at_s: u64,
     pub shape: TaskShape,
     pub tasks: u32,
+    /// Its run time in seconds; with `class`, its work instead.
     pub duration_s: u64,
     /// When its run time is not known (it waits, or still runs): each run
-    /// draws one from this class's run times (`duration_s` where the draw
-    /// lies past every finished run).
+    /// draws its work from this class's and runs it at the rate of where it
+    /// was placed (`duration_s` where the draw lies past every finished run).
     pub class: Option<usize>,
     /// Decided before the request when both wait (a higher priority):
     /// it takes freed room first. Otherwise it takes room that is free when
@@ -64,7 +70,9 @@ pub struct Arrival {
 /// What the forecast samples from.
 #[derive(Clone, Debug, Default)]
 pub struct History {
-    /// Run times of finished jobs, by class (any order).
+    /// The work finished jobs did, by class (any order): seconds at the
+    /// reference rate (run seconds x the run's rate; plain run seconds
+    /// without rates). A class's draws for waiting work are work too.
     pub finished_s: Vec<Vec<u64>>,
     /// Competing arrivals of the recent window.
     pub arrivals: Vec<Arrival>,
@@ -72,12 +80,13 @@ pub struct History {
 }
 
 impl History {
-    /// Counts a finished run of `run_s` seconds in `class`.
-    pub fn add_finished(&mut self, class: usize, run_s: u64) {
+    /// Counts a finished run of `work_s` (seconds at the reference rate)
+    /// in `class`.
+    pub fn add_finished(&mut self, class: usize, work_s: u64) {
         if self.finished_s.len() <= class {
             self.finished_s.resize(class + 1, Vec::new());
         }
-        self.finished_s[class].push(run_s);
+        self.finished_s[class].push(work_s);
     }
 }
 
@@ -171,15 +180,35 @@ impl Survival {
     }
 }
 
-/// Seconds left of a job of a class that has run `elapsed`, drawn from
-/// the class's runs longer than that; no job runs past its planned end (a
-/// duration, a time limit), which also stands in when no run was longer.
-fn remaining(rng: &mut ChaCha8Rng, class: &Survival, elapsed: u64, planned: Option<u64>) -> Option<u64> {
+/// Seconds left of a job of a class that has run `elapsed` seconds at
+/// `rate`, drawn from the class's runs that did more work than that; no
+/// job runs past its planned end (a duration, a time limit), which also
+/// stands in when no run did more.
+fn remaining(rng: &mut ChaCha8Rng, class: &Survival, elapsed: u64, rate: f64, planned: Option<u64>) -> Option<u64> {
     let u = 1.0 - rng.random::<f64>();
-    match class.draw_beyond(elapsed, u) {
-        Some(d) => Some(planned.map_or(d - elapsed, |p| p.min(d - elapsed))),
+    let done = work_of(elapsed, rate);
+    match class.draw_beyond(done, u) {
+        Some(d) => {
+            let left = seconds_of(d - done, rate);
+            Some(planned.map_or(left, |p| p.min(left)))
+        }
         None => planned,
     }
+}
+
+/// Work (seconds at the reference rate) done in `seconds` at `rate`.
+fn work_of(seconds: u64, rate: f64) -> u64 {
+    if rate == 1.0 { seconds } else { (seconds as f64 * rate).round() as u64 }
+}
+
+/// Seconds `work` takes at `rate`.
+fn seconds_of(work: u64, rate: f64) -> u64 {
+    if rate == 1.0 { work } else { (work as f64 / rate).ceil() as u64 }
+}
+
+/// The work rate of each running job's run (1 without rates).
+pub fn run_rates(fleet: &Fleet, running: &[Running], rates: Option<&WorkRates>) -> Vec<f64> {
+    running.iter().map(|r| rates.map_or(1.0, |w| w.of_run(fleet, &r.allocations))).collect()
 }
 
 /// Takes room for `tasks` tasks of `shape` (all or none), each on the
@@ -391,9 +420,11 @@ pub struct Forecast<'a> {
     seed: u64,
     /// Nothing ahead and a copy fits: every run starts now, at this rate.
     now_start: Option<Start>,
-    /// Run times by class: the finished jobs, and the running ones as
-    /// lasting at least as long as they have.
+    /// Work by class: the finished jobs', and the running ones' as at
+    /// least what they have done.
     survival: Vec<Survival>,
+    /// Each running job's work rate.
+    run_rates: Vec<f64>,
     /// Competing work's (shape, tasks), interned: queues hold many jobs of
     /// few shapes, and a run remembers per shape what found no room.
     shapes: Shapes,
@@ -424,7 +455,8 @@ impl<'a> Forecast<'a> {
     pub fn new(now: Now<'a>, request: &'a PendingShape, history: &'a History, deadline_s: u64, seed: u64) -> Forecast<'a> {
         let now_start = (now.queued.is_empty() && copies(now.fleet, request, 1) > 0).then(|| Start { at_s: 0, rate: start_rate(now.fleet, request, now.rates) });
         let shapes = Shapes::new(now.queued, &history.arrivals);
-        Forecast { now, request, history, deadline_s, seed, now_start, survival: survival(history, now.running), shapes }
+        let run_rates = run_rates(now.fleet, now.running, now.rates);
+        Forecast { now, request, history, deadline_s, seed, now_start, survival: survival(history, now.running, &run_rates), run_rates, shapes }
     }
 
     /// Sample `i`: when a copy first fits, if by the deadline.
@@ -437,12 +469,13 @@ impl<'a> Forecast<'a> {
     }
 }
 
-/// Each class's [`Survival`] from `history` and the jobs `running` now.
-pub fn survival(history: &History, running: &[Running]) -> Vec<Survival> {
+/// Each class's [`Survival`] (of work) from `history` and the jobs
+/// `running` now at their `run_rates` ([`run_rates`]).
+pub fn survival(history: &History, running: &[Running], run_rates: &[f64]) -> Vec<Survival> {
     let classes = running.iter().map(|r| r.class + 1).max().unwrap_or(0).max(history.finished_s.len());
     let mut elapsed: Vec<Vec<u64>> = vec![Vec::new(); classes];
-    for r in running {
-        elapsed[r.class].push(r.elapsed_s);
+    for (k, r) in running.iter().enumerate() {
+        elapsed[r.class].push(work_of(r.elapsed_s, run_rates.get(k).copied().unwrap_or(1.0)));
     }
     (0..classes).map(|c| Survival::new(history.finished_s.get(c).map_or(&[], |f| f.as_slice()), &elapsed[c])).collect()
 }
@@ -541,7 +574,7 @@ fn one_run(f: &Forecast<'_>, rng: &mut ChaCha8Rng) -> Option<Start> {
     let none = Survival::default();
     for (k, r) in running.iter().enumerate() {
         let class = survival.get(r.class).unwrap_or(&none);
-        if let Some(left) = remaining(rng, class, r.elapsed_s, r.planned_remaining_s)
+        if let Some(left) = remaining(rng, class, r.elapsed_s, f.run_rates[k], r.planned_remaining_s)
             && left <= deadline_s
         {
             push(&mut events, &mut whats, left, What::Free(k));
@@ -556,8 +589,14 @@ fn one_run(f: &Forecast<'_>, rng: &mut ChaCha8Rng) -> Option<Start> {
             }
         }
     }
-    let run_time = |a: &Arrival, rng: &mut ChaCha8Rng| match a.class {
-        Some(c) => survival.get(c).and_then(|s| s.draw_beyond(0, 1.0 - rng.random::<f64>())).unwrap_or(a.duration_s),
+    // Seconds of run for work placed at `allocs`: a class's draw is work
+    // (its `duration_s` stands in as work where the draw lies past every
+    // finished run); a known run time is seconds already.
+    let run_time = |a: &Arrival, rng: &mut ChaCha8Rng, scratch: &Fleet, allocs: &[Allocation]| match a.class {
+        Some(c) => {
+            let work = survival.get(c).and_then(|s| s.draw_beyond(0, 1.0 - rng.random::<f64>())).unwrap_or(a.duration_s);
+            seconds_of(work, rates.map_or(1.0, |w| w.of_run(scratch, allocs)))
+        }
         None => a.duration_s,
     };
     let mut scratch = fleet.clone();
@@ -585,8 +624,8 @@ fn one_run(f: &Forecast<'_>, rng: &mut ChaCha8Rng) -> Option<Start> {
         for x in &allocs {
             fits.update(scratch, x.node as usize);
         }
+        let leave = at.saturating_add(run_time(work, rng, scratch, &allocs).max(1));
         held.push(allocs);
-        let leave = at.saturating_add(run_time(work, rng).max(1));
         if leave <= deadline_s {
             push(events, whats, leave, What::Leave(held.len() - 1));
         }

@@ -3,6 +3,7 @@
 
 use berth_core::accounting::PendingShape;
 use berth_core::forecast::{chance, Arrival, History, Now, Running};
+use berth_core::sim::WorkRates;
 use berth_core::{Allocation, Fleet, Node, TaskShape};
 
 fn whole_node() -> TaskShape {
@@ -126,7 +127,6 @@ fn a_running_job_never_outlives_its_planned_end() {
 #[test]
 fn samples_run_in_any_order_give_the_same_answer_and_the_rate_of_the_start() {
     use berth_core::forecast::{start_rate, summarize, Forecast};
-    use berth_core::sim::WorkRates;
     // Two models, two switch domains: model F (speed 1) on domain 0, model
     // S (speed 0.5) on domain 1, two 8-GPU nodes each.
     let node = |i: u32, model: u32, domain: u32| {
@@ -179,4 +179,32 @@ fn the_window_of_arrivals_comes_again_until_the_deadline() {
     let short = History { window_s: 1_000, ..history.clone() };
     let c = chance(Now { fleet: &fleet, running: &running, queued: &[], rates: None }, &one_node(), &short, 600, 100, 2);
     assert_eq!((c.probability, c.median_start_s), (1.0, Some(500)), "{c:?}");
+}
+
+#[test]
+fn runs_on_slower_placements_last_longer_for_the_same_work() {
+    // Node 0 is of model A (full speed), node 1 of model B (half speed);
+    // each is held whole by a job that has run 50 s. Finished jobs all did
+    // 100 s of work: at full speed the job on A ends at 50 s; the one on B
+    // has done 25 s of work and ends after 75 s of work more, 150 s.
+    let mut fleet = Fleet::new(vec!["A".into(), "B".into()], (0..2).map(|i| Node::new(format!("n{i}"), Some(i), 8, 64_000, 512_000)).collect()).unwrap();
+    let allocs: Vec<Allocation> = (0..2).map(|n| Fleet::allocation(n, &whole_node(), 0xff)).collect();
+    for a in &allocs {
+        fleet.allocate(a).unwrap();
+    }
+    let running: Vec<Running> = allocs.iter().map(|a| Running { allocations: vec![a.clone()], class: 0, elapsed_s: 50, planned_remaining_s: None }).collect();
+    let history = History { finished_s: vec![vec![100; 40]], ..Default::default() };
+    let rates = WorkRates { model_speed: vec![1.0, 0.5], cross_domain_slowdown: 1.27 };
+    let on = |model: u32| PendingShape { shape: TaskShape { models: vec![model], ..whole_node() }, tasks: 1, same_domain: false };
+    let quote = |model: u32, deadline_s: u64, rates: Option<&WorkRates>| chance(Now { fleet: &fleet, running: &running, queued: &[], rates }, &on(model), &history, deadline_s, 200, 5);
+    assert_eq!(quote(0, 60, Some(&rates)).median_start_s, Some(50));
+    assert_eq!(quote(1, 140, Some(&rates)).started, 0);
+    assert_eq!(quote(1, 150, Some(&rates)).median_start_s, Some(150));
+    // Without rates, seconds are work: both end at 50 s.
+    assert_eq!(quote(1, 60, None).median_start_s, Some(50));
+    // Waiting work drawn from the class runs at the rate of where it lands:
+    // queued ahead for model B, it takes node 1 at 150 s for 200 s.
+    let queued = [Arrival { at_s: 0, shape: TaskShape { models: vec![1], ..whole_node() }, tasks: 1, duration_s: 100, ahead: true, class: Some(0) }];
+    let behind = chance(Now { fleet: &fleet, running: &running, queued: &queued, rates: Some(&rates) }, &on(1), &history, 400, 200, 5);
+    assert_eq!(behind.median_start_s, Some(350));
 }

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 
 use berth_core::accounting::{self, PendingShape, Quote};
 use berth_core::forecast::{Arrival, History, Running};
+use berth_core::sim::WorkRates;
 use berth_core::Allocation;
 
 use super::state::{JobRecord, JobState, PartitionState};
@@ -77,8 +78,10 @@ pub const QUOTE_WINDOW_S: u64 = 86_400;
 
 impl PartitionState {
     /// The forecast's inputs for a job of `priority` on `fleet` (from
-    /// [`Self::fleet_of_kind`]: agent or simulated nodes), at `now_ms`.
-    pub fn forecast_inputs(&self, fleet: berth_core::Fleet, agent_nodes: bool, priority: u32, now_ms: u64) -> ForecastInputs {
+    /// [`Self::fleet_of_kind`]: agent or simulated nodes), at `now_ms`;
+    /// with work `rates`, finished runs count as work (run time x the
+    /// run's rate), as the forecast compares them.
+    pub fn forecast_inputs(&self, fleet: berth_core::Fleet, agent_nodes: bool, priority: u32, now_ms: u64, rates: Option<&WorkRates>) -> ForecastInputs {
         let now = self.clock.now();
         let mut classes: BTreeMap<u32, usize> = BTreeMap::new();
         let mut class = |p: u32| {
@@ -96,7 +99,8 @@ impl PartitionState {
             let started = j.started_unix_ms > 0;
             let ran_s = (started && j.state.is_ended()).then(|| j.ended_unix_ms.saturating_sub(j.started_unix_ms) / 1000);
             if let Some(ran) = ran_s {
-                history.add_finished(c, ran);
+                let rate = rates.map_or(1.0, |w| w.of_run(&fleet, &j.allocations));
+                history.add_finished(c, if rate == 1.0 { ran } else { (ran as f64 * rate).round() as u64 });
             }
             let unknown_run = |j: &JobRecord| match planned(j) {
                 Some(d) => (d, None),
@@ -112,12 +116,12 @@ impl PartitionState {
                 queued.push((j, Arrival { at_s: 0, shape: j.spec.job.shape.clone(), tasks: j.spec.job.tasks, duration_s, ahead: true, class }));
             }
             // Work that came in the window and ran or waits: what may come
-            // next. (Cancelled before it ran, it took no room.)
+            // next. (Cancelled before it ran, it took no room.) It stands
+            // for work like it, so its length is drawn from its class even
+            // where it finished (the window's finished jobs are its short
+            // ones).
             if j.submitted_unix_ms >= window_from_ms && j.submitted_unix_ms < now_ms && (started || j.state == JobState::Pending) {
-                let (duration_s, class) = match ran_s {
-                    Some(ran) => (ran.max(1), None),
-                    None => unknown_run(j),
-                };
+                let (duration_s, class) = unknown_run(j);
                 history.arrivals.push(Arrival {
                     at_s: (j.submitted_unix_ms - window_from_ms) / 1000,
                     shape: j.spec.job.shape.clone(),

@@ -828,8 +828,8 @@ impl Berth for Service {
             let quote = st.quote(&fleet, &request, deadline_s);
             let queued_ahead = st.queued_at_or_above(q.priority);
             // The chance runs on a copy of the state, off the partition's lock.
-            let inputs = deadline_s.map(|_| st.forecast_inputs(fleet, q.agent_nodes, q.priority, st.clock.unix_ms()));
             let rates = this.live.work.as_ref().map(|w| w.rates(&st.fleet));
+            let inputs = deadline_s.map(|_| st.forecast_inputs(fleet, q.agent_nodes, q.priority, st.clock.unix_ms(), rates.as_ref()));
             drop(st);
             let mut reply = pb::QuoteResponse {
                 now: quote.now,
