@@ -106,3 +106,115 @@ fn serve_and_agent_do_not_import_each_other() {
         assert!(files > 2, "host/src/{dir} has its modules");
     }
 }
+
+/// The `berth ...` commands of the command blocks of README.md and the
+/// book (`sh` blocks, and `$ berth` lines of session transcripts), with
+/// continuation lines joined and comments dropped: (page:line, arguments
+/// as the shell would see them). Synopses (`[--flag]`, `a|b`, `<name>`,
+/// `...`) are left out: they are not command lines.
+fn book_commands() -> (Vec<(String, String)>, usize) {
+    let mut pages = book_pages();
+    pages.insert(0, repo_root().join("README.md"));
+    let (mut commands, mut synopses) = (Vec::new(), 0);
+    for page in pages {
+        let text = std::fs::read_to_string(&page).unwrap();
+        let name = page.file_name().unwrap().to_string_lossy().into_owned();
+        let (mut fence, mut joined, mut first) = (None::<String>, String::new(), 0);
+        for (n, line) in text.lines().enumerate() {
+            if let Some(lang) = line.trim_start().strip_prefix("```") {
+                fence = if fence.is_some() { None } else { Some(lang.trim().to_string()) };
+                continue;
+            }
+            let Some(lang) = &fence else { continue };
+            let line = if lang == "sh" { line } else if let Some(l) = line.strip_prefix("$ ") { l } else { continue };
+            if joined.is_empty() {
+                first = n + 1;
+            }
+            match line.strip_suffix('\\') {
+                Some(part) => {
+                    joined.push_str(part);
+                    joined.push(' ');
+                    continue;
+                }
+                None => joined.push_str(line),
+            }
+            let whole = std::mem::take(&mut joined);
+            // A comment starts at a `#` after a space (none is quoted here).
+            let code = match whole.find(" #") {
+                Some(i) => &whole[..i],
+                None => whole.as_str(),
+            };
+            for segment in shell_commands(code) {
+                let segment = segment.trim().trim_start_matches('(').trim_end_matches(')').trim().trim_end_matches('&').trim();
+                let Some(args) = segment.strip_prefix("berth ").or_else(|| segment.strip_prefix("./target/release/berth ")) else { continue };
+                if args.contains(['[', ']', '<', '>', '|']) || args.contains("...") {
+                    synopses += 1;
+                    continue;
+                }
+                commands.push((format!("{name}:{first}"), args.to_string()));
+            }
+        }
+    }
+    (commands, synopses)
+}
+
+/// The commands of a shell line: split at `&&`, `;` and ` | ` outside
+/// quotes.
+fn shell_commands(line: &str) -> Vec<String> {
+    let (mut out, mut current, mut quote) = (Vec::new(), String::new(), None::<char>);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (None, '\'' | '"') => quote = Some(c),
+            (None, ';') => out.push(std::mem::take(&mut current)),
+            (None, '&') if chars.peek() == Some(&'&') => {
+                chars.next();
+                out.push(std::mem::take(&mut current));
+                continue;
+            }
+            (None, '|') if current.ends_with(' ') && chars.peek() == Some(&' ') => {
+                out.push(std::mem::take(&mut current));
+                continue;
+            }
+            _ => {}
+        }
+        if !(quote.is_none() && c == ';') {
+            current.push(c);
+        }
+    }
+    out.push(current);
+    out
+}
+
+/// Every command line the README and the book show parses with the flags
+/// `berth` has (a renamed or removed flag, a missing argument, a positional
+/// given as a flag fail here), checked by the binary itself without
+/// running anything (`BERTH_CHECK_ARGS=1`). Running them is the job of the
+/// tests of each chapter.
+#[test]
+fn every_berth_command_the_book_shows_parses() {
+    let (commands, synopses) = book_commands();
+    // The tour alone shows about thirty; a parser that found none would
+    // check nothing.
+    assert!(commands.len() >= 60, "only {} command lines found ({synopses} synopses)", commands.len());
+    let mut failed = Vec::new();
+    for (at, args) in &commands {
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec \"$BERTH_BIN\" {args}"))
+            .env("BERTH_BIN", crate::agent::BERTH)
+            .env("BERTH_CHECK_ARGS", "1")
+            .env("BERTH_TOKEN", "docs-test-token")
+            .env_remove("BERTH_SERVER")
+            .current_dir(std::env::temp_dir())
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            failed.push(format!("{at}: berth {args}\n    {}", err.lines().next().unwrap_or("")));
+        }
+    }
+    assert!(failed.is_empty(), "{} of {} command lines do not parse:\n{}", failed.len(), commands.len(), failed.join("\n"));
+}
