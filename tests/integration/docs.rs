@@ -167,7 +167,10 @@ fn shell_commands(line: &str) -> Vec<String> {
         match (quote, c) {
             (Some(q), c) if c == q => quote = None,
             (None, '\'' | '"') => quote = Some(c),
-            (None, ';') => out.push(std::mem::take(&mut current)),
+            (None, ';') => {
+                out.push(std::mem::take(&mut current));
+                continue;
+            }
             (None, '&') if chars.peek() == Some(&'&') => {
                 chars.next();
                 out.push(std::mem::take(&mut current));
@@ -179,9 +182,7 @@ fn shell_commands(line: &str) -> Vec<String> {
             }
             _ => {}
         }
-        if !(quote.is_none() && c == ';') {
-            current.push(c);
-        }
+        current.push(c);
     }
     out.push(current);
     out

@@ -140,14 +140,14 @@ impl WorkRates {
     }
 
     /// The rate of a run holding `allocations` on `fleet`: its first node's
-    /// model, across the switch domains its nodes span (as placement sets it).
+    /// model, slowed when its nodes span more than one switch domain (as
+    /// placement sets it). No allocation: the forecast calls it per
+    /// placement of every run forward.
     pub fn of_run(&self, fleet: &Fleet, allocations: &[Allocation]) -> f64 {
         let node = |a: &Allocation| fleet.nodes().get(a.node as usize);
-        let model = allocations.first().and_then(node).and_then(|n| n.model);
-        let mut domains: Vec<u32> = allocations.iter().filter_map(node).map(|n| n.switch_domain).collect();
-        domains.sort_unstable();
-        domains.dedup();
-        self.rate(model, domains.len() as u32)
+        let first = allocations.first().and_then(node);
+        let spans = allocations.iter().filter_map(node).any(|n| first.is_some_and(|f| n.switch_domain != f.switch_domain));
+        self.rate(first.and_then(|n| n.model), if spans { 2 } else { 1 })
     }
 }
 

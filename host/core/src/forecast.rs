@@ -197,7 +197,7 @@ fn remaining(rng: &mut ChaCha8Rng, class: &Survival, elapsed: u64, rate: f64, pl
 }
 
 /// Work (seconds at the reference rate) done in `seconds` at `rate`.
-fn work_of(seconds: u64, rate: f64) -> u64 {
+pub fn work_of(seconds: u64, rate: f64) -> u64 {
     if rate == 1.0 { seconds } else { (seconds as f64 * rate).round() as u64 }
 }
 

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use berth_core::accounting::{self, PendingShape, Quote};
-use berth_core::forecast::{Arrival, History, Running};
+use berth_core::forecast::{work_of, Arrival, History, Running};
 use berth_core::sim::WorkRates;
 use berth_core::Allocation;
 
@@ -100,7 +100,7 @@ impl PartitionState {
             let ran_s = (started && j.state.is_ended()).then(|| j.ended_unix_ms.saturating_sub(j.started_unix_ms) / 1000);
             if let Some(ran) = ran_s {
                 let rate = rates.map_or(1.0, |w| w.of_run(&fleet, &j.allocations));
-                history.add_finished(c, if rate == 1.0 { ran } else { (ran as f64 * rate).round() as u64 });
+                history.add_finished(c, work_of(ran, rate));
             }
             let unknown_run = |j: &JobRecord| match planned(j) {
                 Some(d) => (d, None),
