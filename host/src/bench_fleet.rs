@@ -635,7 +635,7 @@ impl BenchNode {
                             .map(|g| pb::GpuTelemetry { index: g, sm_util_pct: if busy { 60 } else { 0 }, memory_used_mib: if busy { 40_000 } else { 0 }, temperature_c: 50, power_mw: 300_000, ..Default::default() })
                             .collect();
                         let (t, phase) = (Instant::now(), stats.phase.load(Ordering::SeqCst));
-                        if hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, gpus: telemetry, running, powered_down: false }).await.is_ok() {
+                        if hub.heartbeat(pb::HeartbeatRequest { node: node.clone(), session, gpus: telemetry, running, powered_down: false, ..Default::default() }).await.is_ok() {
                             let mut trips = stats.round_trip_us.lock().unwrap();
                             if stats.phase.load(Ordering::SeqCst) == phase {
                                 trips.push(t.elapsed().as_micros() as u64);

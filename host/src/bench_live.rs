@@ -184,6 +184,7 @@ pub(crate) fn bench_registration(node: &str, switch_domain: u32) -> pb::Register
         memory_mib: 2 << 20,
         switch_domain: Some(switch_domain),
         aggregation: Some(0),
+        ..Default::default()
     }
 }
 

@@ -289,8 +289,7 @@ async fn two_agents_run_children_on_their_gpus_and_a_killed_agent_becomes_unreac
     let control = |action: &str| pb::ControlAllocationRequest { allocation_id: long, action: action.into() };
     hub.control_allocation(control("sleep")).await.unwrap();
     until("sleeping", Duration::from_secs(60), state("sleeping")).await;
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", running.pid)).unwrap();
-    assert_eq!(stat.rsplit(')').next().unwrap().split_whitespace().next(), Some("T"), "the child is not stopped: {stat}");
+    assert!(task_asleep(running.pid), "the child is neither frozen nor stopped");
     hub.control_allocation(control("wake")).await.unwrap();
     until("awake", Duration::from_secs(60), state("running")).await;
     hub.control_allocation(control("checkpoint")).await.unwrap();
@@ -681,6 +680,50 @@ async fn a_host_killed_with_sigkill_recovers_jobs_and_allocations_from_its_store
 pub(crate) fn task_pid(state: &Path, alloc: u64) -> u32 {
     let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(state.join(format!("alloc-{alloc}.json"))).unwrap()).unwrap();
     rec["pid"].as_u64().unwrap() as u32
+}
+
+/// The processes below `pid` (its children, theirs, ...).
+pub(crate) fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        let tids = std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str().and_then(|t| t.parse::<u32>().ok()));
+        for tid in tids.collect::<Vec<_>>() {
+            let children = std::fs::read_to_string(format!("/proc/{p}/task/{tid}/children")).unwrap_or_default();
+            for c in children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()) {
+                out.push(c);
+                next.push(c);
+            }
+        }
+    }
+    out
+}
+
+/// Whether process `pid` is held by a frozen cgroup (v1 freezer or v2).
+fn in_frozen_cgroup(pid: u32) -> bool {
+    let groups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    groups.lines().any(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or("").trim_start_matches('/'));
+        if controllers.split(',').any(|c| c == "freezer") {
+            std::fs::read_to_string(Path::new("/sys/fs/cgroup/freezer").join(path).join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN")
+        } else if controllers.is_empty() {
+            ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+                .iter()
+                .any(|root| std::fs::read_to_string(Path::new(root).join(path).join("cgroup.events")).is_ok_and(|s| s.lines().any(|l| l == "frozen 1")))
+        } else {
+            false
+        }
+    })
+}
+
+/// Whether the task under supervisor `pid` is asleep as its agent puts a
+/// task to sleep: its processes in a frozen cgroup (the freezer), or
+/// stopped (SIGSTOP to its group, where there is no freezer).
+pub(crate) fn task_asleep(pid: u32) -> bool {
+    let state = |p: u32| std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default().rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(str::to_string);
+    let below = descendants(pid);
+    !below.is_empty() && below.iter().all(|&p| state(p).as_deref() == Some("T") || in_frozen_cgroup(p))
 }
 
 pub(crate) fn alive(pid: u32) -> bool {

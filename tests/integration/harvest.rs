@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use berth::proto as pb;
 
-use crate::agent::{agent, agent_job, dir, free_port, jobs, kill9, serve, until, BERTH};
+use crate::agent::{agent, agent_job, dir, free_port, jobs, kill9, serve, task_asleep, until, BERTH};
 
 /// The state letter of a process in /proc (T: stopped).
 fn proc_state(pid: u32) -> String {
@@ -94,7 +94,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     assert!(said.contains(&format!("job {r}: ")) && (said.contains("asked to sleep") || said.contains("asleep")), "{said}");
     let asleep = |j: &pb::Job| j.sleep == "asleep" && j.runs.iter().all(|r| r.state == "sleeping");
     up(&api, "the replica asleep", asleep, r).await;
-    assert_eq!(proc_state(pid), "T", "the replica's process is not stopped");
+    assert!(task_asleep(pid), "the replica's process is neither frozen nor stopped");
     let borrower = up(&api, "the borrower running on lent GPUs", awake, low).await;
     assert!(borrower.runs[0].gpus.iter().all(|g| rj.runs[0].gpus.contains(g)), "{borrower:?}");
     assert_eq!(shared_gpus(&jobs(&api).await), None);
@@ -103,7 +103,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     let direct = pb::ControlAllocationRequest { allocation_id: rj.runs[0].allocation_id, action: "wake".into() };
     let e = hub.control_allocation(direct).await.unwrap_err();
     assert!(e.code() == tonic::Code::FailedPrecondition && e.message().contains("harvest schedule"), "{e:?}");
-    assert_eq!(proc_state(pid), "T", "the replica stays asleep");
+    assert!(task_asleep(pid), "the replica stays asleep");
 
     // Lent GPUs are for low-priority work only: a high-priority job waits
     // (and takes nothing back from the borrower either).
@@ -150,7 +150,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     stop.store(true, Ordering::SeqCst);
     watcher.await.unwrap();
     assert_eq!(*seen.lock().unwrap(), Vec::<String>::new(), "a GPU had two running users during the wake");
-    assert_ne!(proc_state(pid), "T", "the replica's process is still stopped");
+    assert!(!task_asleep(pid), "the replica's process is still asleep");
     let js = jobs(&api).await;
     let l = job(&js, low);
     assert_eq!(l.state, "pending", "{l:?}");
@@ -214,7 +214,7 @@ async fn a_replica_cancelled_asleep_is_killed_frozen_not_woken_onto_its_lent_gpu
     let low = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 2, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
     cli(&url, "sleep", r);
     find(&api, "the borrower running on lent GPUs", awake, low).await;
-    assert_eq!(proc_state(pid), "T", "the replica's process is frozen");
+    assert!(task_asleep(pid), "the replica's process is frozen");
     let beats_frozen = std::fs::read_to_string(&beats).unwrap().lines().count();
     assert!(beats_frozen > 0, "the replica never beat");
 

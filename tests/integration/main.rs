@@ -14,6 +14,7 @@ mod docs;
 mod equivalence;
 mod guard;
 mod harvest;
+mod isolation;
 mod ha;
 mod html_report;
 mod languages;

@@ -17,6 +17,7 @@
 //! sends start/stop/sleep/wake/checkpoint commands down a server stream.
 
 pub mod devices;
+pub mod isolation;
 pub mod run;
 
 use std::path::Path;

@@ -11,6 +11,7 @@ use serde::Serialize;
 use tokio::process::Command;
 
 use super::devices::{DeviceSource, Gpu, Nvml, Sample, Synthetic};
+use super::isolation::{self, CpuList, Isolation};
 use super::{connect_hub, HubClient};
 use crate::proto as pb;
 
@@ -113,6 +114,13 @@ pub struct AgentArgs {
     supervise: Option<PathBuf>,
     #[arg(last = true, hide = true)]
     command: Vec<String>,
+    /// Internal (with --supervise): a cgroup's cgroup.procs the task joins
+    /// before it runs (repeatable).
+    #[arg(long, hide = true)]
+    cgroup_procs: Vec<PathBuf>,
+    /// Internal (with --supervise): the CPUs the task is pinned to.
+    #[arg(long, hide = true, value_parser = CpuList::parse)]
+    pin: Option<CpuList>,
     /// File holding the bearer token of an identity with the agent role on
     /// --partition for this node (`roles = { "p0" = "agent" }` and `nodes`
     /// in the access file). Read from a file, never from argv or the
@@ -191,6 +199,20 @@ pub struct AgentArgs {
     /// Host memory offered for placement, GiB (see --cpu-cores).
     #[arg(long)]
     memory_gib: Option<u64>,
+    /// The node's CPUs, as a kernel CPU list (e.g. 0-3 or 0,2,4-7): every
+    /// task runs on these only, and they are the cores offered unless
+    /// --cpu-cores says otherwise. Two agents given disjoint lists are two
+    /// nodes for CPU purposes on one machine. Default: the CPUs the agent
+    /// may run on.
+    #[arg(long, value_parser = CpuList::parse)]
+    cpus: Option<CpuList>,
+    /// How tasks' CPU and memory requests are enforced: auto (a cgroup per
+    /// task with a CPU quota, a memory limit and the freezer, v2 or v1,
+    /// where the agent may write them; else CPU affinity, said once at
+    /// start), cgroup (or refuse to start), affinity (the CPU list only) or
+    /// none.
+    #[arg(long, value_enum, default_value = "auto")]
+    isolation: isolation::Mode,
     /// Another of the agent's environment variables every task inherits
     /// (repeatable), beside the fixed allowlist: e.g. LD_LIBRARY_PATH or
     /// CUDA_HOME on a node whose CUDA libraries need them. Never a
@@ -307,7 +329,7 @@ fn telemetry(s: Sample) -> pb::GpuTelemetry {
 /// and no `--synthetic-gpus`.
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     if let Some(status) = &args.supervise {
-        supervise(status, &args.command);
+        supervise(status, &args.command, &args.cgroup_procs, args.pin.as_ref());
     }
     let node = args.node.clone().unwrap_or_else(hostname);
     let mut src = match source(&args, &node) {
@@ -347,8 +369,22 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         anyhow::bail!("--task-env {name:?}: not a variable a task may inherit (empty, '=' or NUL, or BERTH_*)");
     }
     let token = args.token_file.as_deref().map(read_token_file).transpose()?;
+    let state_dir = args.state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("berth-agent-{node}")));
+    std::fs::create_dir_all(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
+    let isolation = Isolation::detect(args.isolation, &group_tag(&node, &state_dir), args.cpus.clone()).map_err(|e| anyhow::anyhow!(e))?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    runtime.block_on(Agent::new(args, token, node, src).run())
+    runtime.block_on(Agent::new(args, token, node, state_dir, isolation, src).run())
+}
+
+/// The name of this agent instance's cgroups: the node, and a digest of its
+/// state folder (two agents of one name in different folders, as tests
+/// run them, never share groups; a restarted agent finds its own).
+fn group_tag(node: &str, state_dir: &std::path::Path) -> String {
+    use sha2::Digest;
+    let dir = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    let digest = sha2::Sha256::digest(dir.as_os_str().as_encoded_bytes());
+    let safe: String = node.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).take(40).collect();
+    format!("{safe}-{}", hex::encode(&digest[..4]))
 }
 
 /// How a task ended, written by its supervisor.
@@ -356,6 +392,9 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
 struct Ended {
     exit_code: i32,
     signal: i32,
+    /// Why the task never ran (it could not be spawned or confined).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    error: String,
 }
 
 /// What the agent records per task it starts.
@@ -394,7 +433,7 @@ fn parse_notice_signal(name: &str) -> Result<NoticeSignal, String> {
 /// The supervisor: runs the task in its own process group (the group the
 /// agent signals), outlives the agent if it dies, and writes how the task
 /// ended to `status` for whichever agent adopts it.
-fn supervise(status: &std::path::Path, argv: &[String]) -> ! {
+fn supervise(status: &std::path::Path, argv: &[String], cgroups: &[PathBuf], pin: Option<&CpuList>) -> ! {
     // A handler, not SIG_IGN (which the task would inherit): signals sent to
     // the group reach the task, and the supervisor stays to record the end.
     for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGUSR1] {
@@ -405,16 +444,44 @@ fn supervise(status: &std::path::Path, argv: &[String]) -> ! {
         eprintln!("berth agent --supervise: no command");
         std::process::exit(2);
     };
-    use std::os::unix::process::ExitStatusExt;
-    let ended = match std::process::Command::new(prog).args(rest).status() {
-        Ok(s) => Ended { exit_code: s.code().unwrap_or(-1), signal: s.signal().unwrap_or(0) },
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    // The task (not the supervisor) joins its cgroups and CPU list before
+    // it runs: a task over its memory is the one the kernel kills, and the
+    // supervisor stays to record it.
+    let confine = match isolation::Confine::new(cgroups, pin) {
+        Ok(c) => c,
         Err(e) => {
-            eprintln!("berth agent --supervise: spawn {prog:?}: {e}");
-            Ended { exit_code: 127, signal: 0 }
+            eprintln!("berth agent --supervise: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut command = std::process::Command::new(prog);
+    command.args(rest);
+    // SAFETY: Confine::apply makes only async-signal-safe calls.
+    unsafe { command.pre_exec(move || confine.apply()) };
+    let ended = match command.status() {
+        Ok(s) => Ended { exit_code: s.code().unwrap_or(-1), signal: s.signal().unwrap_or(0), error: String::new() },
+        Err(e) => {
+            let error = format!("spawn {prog:?}: {e}{}", if cgroups.is_empty() && pin.is_none() { "" } else { " (or joining its cgroup and CPU list)" });
+            eprintln!("berth agent --supervise: {error}");
+            Ended { exit_code: 127, signal: 0, error }
         }
     };
     let _ = crate::util::write_atomic(status, &serde_json::to_vec(&ended).expect("serializes"));
     std::process::exit(if ended.signal != 0 { 128 + ended.signal } else { ended.exit_code });
+}
+
+fn task_usage(id: u64, u: &isolation::Usage, cpu_milli: u32) -> pb::TaskUsage {
+    pb::TaskUsage {
+        allocation_id: id,
+        cpu_ms: u.cpu_us / 1000,
+        throttled_ms: u.throttled_us / 1000,
+        nr_throttled: u.nr_throttled,
+        cpu_milli,
+        memory_mib: u.memory_bytes >> 20,
+        memory_peak_mib: u.memory_peak_bytes >> 20,
+        oom_kills: u.oom_kills,
+    }
 }
 
 /// Whether `pid` is a live supervisor (not a zombie, not a reused pid).
@@ -462,6 +529,10 @@ struct Agent {
     /// The host named in each recovered record of a task that ended, by
     /// allocation: its exit report goes only to that host.
     ended_under: Mutex<HashMap<u64, String>>,
+    /// How tasks are confined (cgroups, affinity or nothing).
+    isolation: Isolation,
+    /// Each task's CPU time at the previous heartbeat, for its rate.
+    cpu_seen: Mutex<HashMap<u64, (std::time::Instant, u64)>>,
 }
 
 fn signal_group(pid: u32, sig: i32) -> std::io::Result<()> {
@@ -475,9 +546,8 @@ fn signal_group(pid: u32, sig: i32) -> std::io::Result<()> {
 }
 
 impl Agent {
-    fn new(args: AgentArgs, token: Option<String>, node: String, src: Box<dyn DeviceSource>) -> Arc<Agent> {
+    fn new(args: AgentArgs, token: Option<String>, node: String, state_dir: PathBuf, isolation: Isolation, src: Box<dyn DeviceSource>) -> Arc<Agent> {
         let servers = args.server.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-        let state_dir = args.state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("berth-agent-{node}")));
         Arc::new(Agent {
             args,
             token,
@@ -491,6 +561,8 @@ impl Agent {
             unsent: Mutex::new(Vec::new()),
             host: Mutex::new(String::new()),
             ended_under: Mutex::new(HashMap::new()),
+            isolation,
+            cpu_seen: Mutex::new(HashMap::new()),
         })
     }
 
@@ -528,6 +600,7 @@ impl Agent {
     fn recover_children(&self) -> anyhow::Result<Vec<(u64, u32)>> {
         std::fs::create_dir_all(&self.state_dir).with_context(|| format!("creating {}", self.state_dir.display()))?;
         let mut adopted = Vec::new();
+        let mut recorded = Vec::new();
         for entry in std::fs::read_dir(&self.state_dir)? {
             let path = entry?.path();
             if path.extension().is_none_or(|e| e != "json") {
@@ -537,10 +610,11 @@ impl Agent {
                 tracing::warn!(target: "berth::agent", "{}: unreadable record, skipped", path.display());
                 continue;
             };
+            recorded.push(rec.alloc_id);
             let base = pb::AllocationReport { node: self.node.clone(), allocation_id: rec.alloc_id, pid: rec.pid, ..Default::default() };
             if supervisor_alive(rec.pid) {
                 let stat = std::fs::read_to_string(format!("/proc/{}/stat", rec.pid)).unwrap_or_default();
-                let sleeping = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T");
+                let sleeping = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T") || self.isolation.group(rec.alloc_id).frozen();
                 self.children.lock().unwrap().insert(rec.alloc_id, Child { pid: rec.pid, gpus: rec.gpus, sleeping, stop: None });
                 adopted.push((rec.alloc_id, rec.pid));
                 tracing::info!(target: "berth::agent", allocation = rec.alloc_id, pid = rec.pid, "adopted a running task");
@@ -550,6 +624,9 @@ impl Agent {
                 self.unsent.lock().unwrap().push(r);
             }
         }
+        // Groups of tasks with no record left (their end was acknowledged
+        // just before an agent was killed) go.
+        self.isolation.remove_stale(&recorded);
         Ok(adopted)
     }
 
@@ -562,11 +639,25 @@ impl Agent {
         // been relayed yet).
         base.work_units = read_count(&self.progress_marker(base.allocation_id));
         base.work_checkpointed = checkpoint_units(&self.checkpoint_marker(base.allocation_id));
+        // What its cgroup saw, an OOM kill included (the group stays until
+        // the host has this report).
+        let usage = self.isolation.group(base.allocation_id).usage();
+        base.usage = Some(task_usage(base.allocation_id, &usage, 0));
+        if usage.oom_kills > 0 {
+            base.limit = "oom".into();
+        }
+        let oom = (usage.oom_kills > 0).then(|| format!("killed by the kernel over its memory limit ({} OOM kill(s), peak {} MiB); ", usage.oom_kills, usage.memory_peak_bytes >> 20));
         let status = std::fs::read(self.record_path(base.allocation_id).1).ok().and_then(|b| serde_json::from_slice::<Ended>(&b).ok());
         match (status, waited) {
             (Some(e), _) => {
-                let detail = if e.signal != 0 { format!("signal {}", e.signal) } else { format!("exit status: {}", e.exit_code) };
-                pb::AllocationReport { state: "exited".into(), exit_code: e.exit_code, signal: e.signal, detail, ..base }
+                let detail = if !e.error.is_empty() {
+                    e.error
+                } else if e.signal != 0 {
+                    format!("signal {}", e.signal)
+                } else {
+                    format!("exit status: {}", e.exit_code)
+                };
+                pb::AllocationReport { state: "exited".into(), exit_code: e.exit_code, signal: e.signal, detail: format!("{}{detail}", oom.unwrap_or_default()), ..base }
             }
             (None, Some(Ok(s))) => pb::AllocationReport { state: "exited".into(), exit_code: s.code().unwrap_or(-1), signal: s.signal().unwrap_or(0), detail: s.to_string(), ..base },
             (None, Some(Err(e))) => pb::AllocationReport { state: "failed".into(), detail: format!("wait: {e}"), ..base },
@@ -630,6 +721,8 @@ impl Agent {
         for f in [rec, status, count_lock(&progress), progress, self.checkpoint_marker(id)] {
             let _ = std::fs::remove_file(f);
         }
+        self.isolation.remove(id);
+        self.cpu_seen.lock().unwrap().remove(&id);
     }
 
     /// Watches an adopted task (not our child: polled) until it ends.
@@ -652,7 +745,10 @@ impl Agent {
         let source = self.src.lock().unwrap().kind().to_string();
         let synthetic = self.args.synthetic_gpus.is_some();
         let n = self.src.lock().unwrap().gpus().len() as u32;
-        let cores = self.args.cpu_cores.unwrap_or(if synthetic { 16 * n.max(1) } else { std::thread::available_parallelism().map_or(1, |c| c.get() as u32) });
+        // Cores offered: as told, else the agent's CPU list when it was
+        // given one, else (synthetic) 16 per GPU or the machine's.
+        let listed = self.args.cpus.as_ref().map(|c| c.len() as u32);
+        let cores = self.args.cpu_cores.or(listed).unwrap_or(if synthetic { 16 * n.max(1) } else { self.isolation.cpus().map_or(1, |c| c.len() as u32) });
         let memory = self.args.memory_gib.map_or(if synthetic { 128 * 1024 * u64::from(n.max(1)) } else { memory_mib() }, |g| g * 1024);
         let req = pb::RegisterAgentRequest {
             cpu_milli: cores.saturating_mul(1000),
@@ -664,6 +760,8 @@ impl Agent {
             agent_version: env!("CARGO_PKG_VERSION").into(),
             switch_domain: self.args.switch_domain,
             aggregation: self.args.aggregation,
+            isolation: self.isolation.name().into(),
+            cpus: self.isolation.cpus().map(|c| c.to_string()).unwrap_or_default(),
         };
         let r = c.register(req).await.map_err(|s| anyhow::anyhow!("register: {:?}: {}", s.code(), s.message()))?.into_inner();
         self.forget_other_hosts_ends(&r.host_identity);
@@ -702,7 +800,13 @@ impl Agent {
         // Registration failures other than the connection (a bad token, an
         // unknown partition) are fatal: retrying cannot fix them.
         let session = self.register().await?;
-        eprintln!("berth agent: node {} registered with {} ({} GPUs, session {session})", self.node, self.args.server, self.src.lock().unwrap().gpus().len());
+        eprintln!(
+            "berth agent: node {} registered with {} ({} GPUs, session {session}); tasks confined by {}",
+            self.node,
+            self.args.server,
+            self.src.lock().unwrap().gpus().len(),
+            self.isolation.describe()
+        );
         // Ends the host has not heard of go before the first heartbeat, which
         // lists what still runs.
         self.flush().await;
@@ -730,7 +834,16 @@ impl Agent {
             running.dedup();
             let gpus = self.src.lock().unwrap().sample(&busy).into_iter().map(telemetry).collect();
             let powered_down = self.args.power_file.as_deref().is_some_and(powered_off);
-            let req = pb::HeartbeatRequest { node: self.node.clone(), session: session.load(std::sync::atomic::Ordering::SeqCst), gpus, running, powered_down };
+            let (contention, tasks) = self.sample_usage();
+            let req = pb::HeartbeatRequest {
+                node: self.node.clone(),
+                session: session.load(std::sync::atomic::Ordering::SeqCst),
+                gpus,
+                running,
+                powered_down,
+                contention: Some(contention),
+                tasks,
+            };
             match self.client().heartbeat(req).await {
                 Ok(_) => {
                     if !self.unsent.lock().unwrap().is_empty() {
@@ -760,6 +873,35 @@ impl Agent {
             let _ = signal_group(c.pid, libc::SIGTERM);
         }
         Ok(())
+    }
+
+    /// The node's pressure and each running task's use (from its cgroup),
+    /// with CPU rates since the previous sample.
+    fn sample_usage(&self) -> (pb::NodeContention, Vec<pb::TaskUsage>) {
+        let pressure = |r: &str| isolation::pressure(r).map(|p| pb::Pressure { some_avg10: p.some_avg10, some_avg60: p.some_avg60, full_avg10: p.full_avg10, some_total_us: p.some_total_us });
+        let mut contention = pb::NodeContention { cpu: pressure("cpu"), memory: pressure("memory"), io: pressure("io"), ..Default::default() };
+        let children: Vec<(u64, bool)> = self.children.lock().unwrap().iter().map(|(&id, c)| (id, c.gpus.is_empty())).collect();
+        let mut tasks = Vec::with_capacity(children.len());
+        if matches!(self.isolation.name(), "cgroup-v1" | "cgroup-v2") {
+            let now = std::time::Instant::now();
+            let mut seen = self.cpu_seen.lock().unwrap();
+            for (id, cpu_only) in children {
+                let usage = self.isolation.group(id).usage();
+                let milli = match seen.insert(id, (now, usage.cpu_us)) {
+                    Some((at, before)) if now > at => {
+                        let secs = now.duration_since(at).as_secs_f64();
+                        (usage.cpu_us.saturating_sub(before) as f64 / 1000.0 / secs).round().min(f64::from(u32::MAX)) as u32
+                    }
+                    _ => 0,
+                };
+                contention.tasks_cpu_milli = contention.tasks_cpu_milli.saturating_add(milli);
+                if cpu_only {
+                    contention.cpu_only_cpu_milli = contention.cpu_only_cpu_milli.saturating_add(milli);
+                }
+                tasks.push(task_usage(id, &usage, milli));
+            }
+        }
+        (contention, tasks)
     }
 
     async fn command_loop(self: Arc<Self>, session: Arc<std::sync::atomic::AtomicU64>) {
@@ -899,13 +1041,27 @@ impl Agent {
                         return;
                     }
                 };
+                // Its own cgroup with what it asked for, or no start: a task
+                // must not run past what it was given.
+                let group = match self.isolation.create(id, cmd.cpu_milli, cmd.memory_mib) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        self.isolation.remove(id);
+                        self.report(pb::AllocationReport { state: "failed".into(), detail: format!("confining the task: {e}"), ..base }).await;
+                        return;
+                    }
+                };
                 let mut task_env = allowed_env(&self.args.task_env);
                 with_own_dir_on_path(&mut task_env, &exe);
                 let mut c = Command::new(exe);
-                c.arg("agent")
-                    .arg("--supervise")
-                    .arg(&status)
-                    .arg("--")
+                c.arg("agent").arg("--supervise").arg(&status);
+                for procs in group.procs_files() {
+                    c.arg("--cgroup-procs").arg(procs);
+                }
+                if let Some(pin) = self.isolation.affinity() {
+                    c.arg("--pin").arg(pin.to_string());
+                }
+                c.arg("--")
                     .args(&cmd.argv)
                     // Built, never inherited: the agent's own environment
                     // (its credentials, the operator's shell) is not the
@@ -970,7 +1126,14 @@ impl Agent {
                         .await
                         .and_then(|s| if s.success() { Ok(()) } else { Err(std::io::Error::other(format!("hook {hook:?}: {s}"))) })
                 } else {
+                    // The cgroup freezer where the task has one (every
+                    // process of the task, those that left its process
+                    // group too), else SIGSTOP and SIGCONT to its group.
+                    let group = self.isolation.group(id);
+                    let freezer = group.has_freezer();
                     match action {
+                        "sleep" if freezer => group.freeze(true).map_err(std::io::Error::other),
+                        "wake" if freezer => group.freeze(false).map_err(std::io::Error::other),
                         "sleep" => signal_group(pid, libc::SIGSTOP),
                         "wake" => signal_group(pid, libc::SIGCONT),
                         "checkpoint" => self.notify_checkpoint(id, pid),
@@ -979,7 +1142,11 @@ impl Agent {
                         // continued onto them to act on SIGTERM.
                         _ if frozen => {
                             self.stop_sent(id, true);
-                            signal_group(pid, libc::SIGKILL)
+                            let r = signal_group(pid, libc::SIGKILL);
+                            // Killed, then thawed: the kill lands before
+                            // any of its code runs again.
+                            group.kill_all();
+                            r
                         }
                         _ => {
                             self.stop_sent(id, false);
@@ -999,6 +1166,8 @@ impl Agent {
                                     {
                                         stop.killed = true;
                                     }
+                                    // And whatever of it left its process group.
+                                    agent.isolation.group(id).kill_all();
                                 }
                             });
                             r
@@ -1095,7 +1264,7 @@ pub fn alloc(cmd: AllocCommand) -> anyhow::Result<()> {
                         .map(|a| {
                             serde_json::json!({
                                 "node": a.node, "partition": a.partition, "state": a.state, "source": a.source,
-                                "heartbeats": a.heartbeats,
+                                "heartbeats": a.heartbeats, "isolation": a.isolation, "cpus": a.cpus, "contention": a.contention,
                                 "gpus": a.gpus.iter().map(|g| {
                                     let i = g.info.clone().unwrap_or_default();
                                     serde_json::json!({"index": i.index, "uuid": i.uuid, "model": i.model, "memory_total_mib": i.memory_total_mib,
@@ -1108,7 +1277,8 @@ pub fn alloc(cmd: AllocCommand) -> anyhow::Result<()> {
                         .allocations
                         .iter()
                         .map(|a| serde_json::json!({"id": a.id, "node": a.node, "gpus": a.gpus, "gpu_uuids": a.gpu_uuids, "argv": a.argv,
-                            "state": a.state, "pid": a.pid, "exit_code": a.exit_code, "signal": a.signal, "detail": a.detail}))
+                            "state": a.state, "pid": a.pid, "exit_code": a.exit_code, "signal": a.signal, "detail": a.detail,
+                            "usage": a.usage, "limit": a.limit}))
                         .collect();
                     println!("{}", serde_json::to_string_pretty(&serde_json::json!({"agents": agents, "allocations": allocs}))?);
                 } else {
@@ -1117,9 +1287,26 @@ pub fn alloc(cmd: AllocCommand) -> anyhow::Result<()> {
                         let model = a.gpus.first().and_then(|g| g.info.as_ref()).map_or("-".into(), |i| i.model.clone());
                         println!("{:<16} {:<5} {:<11} {}x{} {:<9} {} heartbeats{}", a.node, a.partition, a.state, a.gpus.len(), model, a.source, a.heartbeats,
                             if bad.is_empty() { String::new() } else { format!(", unhealthy: {}", bad.join(", ")) });
+                        if let Some(c) = &a.contention {
+                            let some = |p: &Option<pb::Pressure>| p.as_ref().map_or("-".into(), |p| format!("{:.1}%", p.some_avg10));
+                            println!(
+                                "  CPUs {} ({}); pressure (some, 10 s): CPU {}, memory {}, IO {}; tasks use {:.2} cores, CPU-only ones {:.2}",
+                                if a.cpus.is_empty() { "-" } else { &a.cpus },
+                                a.isolation,
+                                some(&c.cpu),
+                                some(&c.memory),
+                                some(&c.io),
+                                f64::from(c.tasks_cpu_milli) / 1000.0,
+                                f64::from(c.cpu_only_cpu_milli) / 1000.0
+                            );
+                        }
                     }
                     for a in &r.allocations {
-                        println!("allocation {} on {} GPUs {:?}: {} (exit {}, signal {}) {:?}", a.id, a.node, a.gpus, a.state, a.exit_code, a.signal, a.argv);
+                        let usage = a.usage.as_ref().map_or(String::new(), |u| {
+                            format!(", CPU {:.2} cores, throttled {:.1} s, memory {} MiB (peak {})", f64::from(u.cpu_milli) / 1000.0, u.throttled_ms as f64 / 1000.0, u.memory_mib, u.memory_peak_mib)
+                        });
+                        let oom = if a.limit == "oom" { ", killed over its memory limit" } else { "" };
+                        println!("allocation {} on {} GPUs {:?}: {} (exit {}, signal {}{usage}{oom}) {:?}", a.id, a.node, a.gpus, a.state, a.exit_code, a.signal, a.argv);
                     }
                 }
             }

@@ -220,6 +220,7 @@ impl Live {
     pub(crate) fn actuate(&self, part: &Partition, st: &mut PartitionState, id: u64) {
         let Some(job) = st.jobs.get_mut(&id) else { return };
         let mut runs: Vec<TaskRun> = Vec::with_capacity(job.allocations.len());
+        let asked: Vec<(u32, u64)> = job.allocations.iter().map(|a| (a.cpu_milli, a.memory_mib)).collect();
         for a in &job.allocations {
             let node = st.fleet.nodes()[a.node as usize].name.clone();
             match self.next_alloc_id() {
@@ -239,8 +240,8 @@ impl Live {
             return self.not_started(part, st, id, &e);
         }
         let mut undelivered = Vec::new();
-        for r in &runs {
-            let start = Start { alloc_id: r.alloc_id, job_id: id, node: &r.node, gpus: &r.gpus, argv: &argv, env: &env };
+        for (r, &(cpu_milli, memory_mib)) in runs.iter().zip(&asked) {
+            let start = Start { alloc_id: r.alloc_id, job_id: id, node: &r.node, gpus: &r.gpus, argv: &argv, env: &env, cpu_milli, memory_mib };
             let sent = match self.actuator() {
                 Some(a) => a.start(start),
                 None => Err("no agent hub".into()),
@@ -415,7 +416,7 @@ impl Live {
         }
         env.insert("BERTH_MIGRATED_FROM".into(), alloc_id.to_string());
         tracing::info!(target: "berth::serve", job = job_id, from = alloc_id, to = new_id, node = %dest, gpus = ?gpus, "migration: starting the new copy");
-        let start = Start { alloc_id: new_id, job_id, node: &dest, gpus: &gpus, argv: &argv, env: &env };
+        let start = Start { alloc_id: new_id, job_id, node: &dest, gpus: &gpus, argv: &argv, env: &env, cpu_milli: new.cpu_milli, memory_mib: new.memory_mib };
         let sent = match self.actuator() {
             Some(a) => a.start(start),
             None => Err("no agent hub".into()),

@@ -854,7 +854,10 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 let decided = if j.decision_id == 0 { "-".to_string() } else { format!("#{}", j.decision_id) };
                 let ver = if j.policy_version == 0 { "-".to_string() } else { format!("v{}", j.policy_version) };
                 let state = if j.sleep.is_empty() || j.sleep == "awake" { j.state } else { j.sleep };
-                println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}", j.id, s.partition, j.owner, state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
+                // Tasks the kernel killed over their memory limit, named.
+                let oom: Vec<String> = j.runs.iter().filter(|r| r.limit == "oom").map(|r| r.allocation_id.to_string()).collect();
+                let oom = if oom.is_empty() { String::new() } else { format!("  (over its memory limit: task {})", oom.join(", ")) };
+                println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}{oom}", j.id, s.partition, j.owner, state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
             }
             if next != 0 {
                 // On stderr: the table stays a table for scripts.
@@ -959,6 +962,9 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             println!("  {}", esc(&r.summary));
             if !r.last_decision.is_empty() {
                 println!("  last: {}", esc(&r.last_decision));
+            }
+            for t in &r.tasks {
+                println!("  {}", esc(t));
             }
         }
         ApiCommand::Quote { partition, gpus, tasks, gpu_milli, cores, memory_gib, models, same_domain, deadline_h, duration_h, samples, budget_ms, agents, priority, conn } => {

@@ -86,6 +86,11 @@ struct AgentRecord {
     /// Whether it reports itself powered down (None: no beat yet this
     /// session, so the first beat's state is passed on whatever it is).
     powered_down: Option<bool>,
+    /// How it confines tasks ("cgroup-v1", "affinity", ...) and its CPUs.
+    isolation: String,
+    cpus: String,
+    /// Its latest contention sample.
+    contention: Option<pb::NodeContention>,
 }
 
 #[derive(Default)]
@@ -133,6 +138,14 @@ pub struct Hub {
 type Reply<T> = Result<Response<T>, Status>;
 
 impl Hub {
+    /// What the cgroups of allocations `ids` said they used (latest
+    /// heartbeat, or their end) and "oom" where the kernel killed one over
+    /// its memory limit; only those the hub still lists.
+    pub fn usage_of(&self, ids: impl IntoIterator<Item = u64>) -> std::collections::HashMap<u64, (Option<pb::TaskUsage>, String)> {
+        let st = self.state.lock().unwrap();
+        ids.into_iter().filter_map(|id| st.allocations.get(&id).map(|a| (id, (a.usage.clone(), a.limit.clone())))).collect()
+    }
+
     pub fn new(live: Arc<Live>, config: HubConfig) -> Arc<Hub> {
         Arc::new(Hub { live, config, state: Mutex::new(HubState { next_session: 1, ..HubState::default() }) })
     }
@@ -292,6 +305,9 @@ impl Hub {
                 stopped: Default::default(),
                 given_up: false,
                 powered_down: None,
+                isolation: r.isolation,
+                cpus: r.cpus,
+                contention: None,
             },
         );
         (pb::RegisterAgentResponse { session, heartbeat_timeout_ms: self.config.heartbeat_timeout.as_millis() as u64, host_identity: self.config.host_identity.clone() }, unhealthy)
@@ -335,6 +351,13 @@ impl Hub {
                 active.push(t.index);
             }
             g.last = Some(t.clone());
+        }
+        a.contention = r.contention.clone();
+        // Each task's use, kept with its allocation (this node's only).
+        for u in &r.tasks {
+            if let Some(alloc) = st.allocations.get_mut(&u.allocation_id).filter(|x| x.node == r.node) {
+                alloc.usage = Some(u.clone());
+            }
         }
         Ok(BeatNews { unhealthy, active, schedulable, registered_below, power })
     }
@@ -397,6 +420,14 @@ fn list(name: &str, len: usize, max: usize) -> Result<(), Status> {
 fn check_registration(r: &pb::RegisterAgentRequest) -> Result<(), Status> {
     field("source", &r.source)?;
     field("agent_version", &r.agent_version)?;
+    // Shown in listings as sent: one of the known names, a plain CPU list.
+    if !["", "cgroup-v2", "cgroup-v1", "affinity", "none"].contains(&r.isolation.as_str()) {
+        return Err(Status::invalid_argument(format!("isolation \"{}\": one of cgroup-v2, cgroup-v1, affinity, none", crate::text::printable(&r.isolation, 32))));
+    }
+    field("cpus", &r.cpus)?;
+    if !r.cpus.bytes().all(|b| b.is_ascii_digit() || b == b',' || b == b'-') {
+        return Err(Status::invalid_argument(format!("cpus \"{}\": a CPU list such as 0-3,6", crate::text::printable(&r.cpus, 32))));
+    }
     list("gpus", r.gpus.len(), MAX_AGENT_GPUS)?;
     for (i, g) in r.gpus.iter().enumerate() {
         field("gpus.uuid", &g.uuid)?;
@@ -428,6 +459,16 @@ fn check_registration(r: &pb::RegisterAgentRequest) -> Result<(), Status> {
 fn check_heartbeat(r: &pb::HeartbeatRequest) -> Result<(), Status> {
     list("gpus", r.gpus.len(), MAX_AGENT_GPUS)?;
     list("running", r.running.len(), MAX_AGENT_LIST)?;
+    list("tasks", r.tasks.len(), MAX_AGENT_LIST)?;
+    if let Some(c) = &r.contention {
+        for (name, p) in [("cpu", &c.cpu), ("memory", &c.memory), ("io", &c.io)] {
+            if let Some(p) = p
+                && [p.some_avg10, p.some_avg60, p.full_avg10].iter().any(|v| !v.is_finite() || !(0.0..=100.0).contains(v))
+            {
+                return Err(Status::invalid_argument(format!("contention.{name}: pressure averages are percentages (0-100)")));
+            }
+        }
+    }
     for g in &r.gpus {
         list("gpus.events", g.events.len(), 64)?;
         for e in &g.events {
@@ -588,6 +629,12 @@ impl AgentHub for Arc<Hub> {
                 a.exit_code = r.exit_code;
                 a.signal = r.signal;
                 a.detail = r.detail.clone();
+                if r.usage.is_some() {
+                    a.usage = r.usage.clone();
+                }
+                if r.limit == "oom" {
+                    a.limit = r.limit.clone();
+                }
                 if !holds_gpus(&a.state) {
                     st.ended(r.allocation_id, hub.live.retention.ended_allocations);
                 }
@@ -644,6 +691,9 @@ impl AgentHub for Arc<Hub> {
                     state: if a.reachable { "ready" } else { "unreachable" }.into(),
                     last_heartbeat_unix_ms: a.last_heartbeat_unix_ms,
                     heartbeats: a.heartbeats,
+                    contention: a.contention.clone(),
+                    isolation: a.isolation.clone(),
+                    cpus: a.cpus.clone(),
                     commands_connected: a.commands.as_ref().is_some_and(|c| !c.is_closed()),
                     gpus: a
                         .gpus
@@ -711,7 +761,7 @@ impl AgentHub for Arc<Hub> {
                     ..Default::default()
                 };
                 st.allocations.insert(id_, alloc.clone());
-                let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env };
+                let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env, ..Default::default() };
                 (alloc, cmd)
             };
             if let Err(e) = hub.send(&r.node, cmd) {
@@ -799,7 +849,7 @@ impl Actuator for Hub {
                 },
             );
             let env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).chain([("BERTH_JOB".to_string(), s.job_id.to_string())]).collect();
-            pb::AgentCommand { allocation_id: s.alloc_id, action: "start".into(), argv: s.argv.to_vec(), gpu_uuids: uuids, env }
+            pb::AgentCommand { allocation_id: s.alloc_id, action: "start".into(), argv: s.argv.to_vec(), gpu_uuids: uuids, env, cpu_milli: s.cpu_milli, memory_mib: s.memory_mib }
         };
         tracing::info!(target: "berth::agent", allocation = s.alloc_id, job = s.job_id, node = %s.node, gpus = ?s.gpus, "task sent");
         self.send(s.node, cmd).map_err(|e| e.message().to_string()).inspect_err(|e| {

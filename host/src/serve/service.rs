@@ -114,6 +114,19 @@ impl Service {
     /// The partition of `job_id` if the caller may see it. A job in a
     /// partition the caller has no role in is answered exactly as a job that
     /// does not exist, so job ids cannot be probed.
+    /// Each run's usage and OOM mark, from the agent hub (one lock for the
+    /// page).
+    fn with_usage(&self, jobs: &mut [pb::Job]) {
+        let Some(hub) = &self.agents else { return };
+        let usage = hub.usage_of(jobs.iter().flat_map(|j| j.runs.iter().map(|r| r.allocation_id)));
+        for r in jobs.iter_mut().flat_map(|j| j.runs.iter_mut()) {
+            if let Some((u, limit)) = usage.get(&r.allocation_id) {
+                r.usage = u.clone();
+                r.limit = limit.clone();
+            }
+        }
+    }
+
     fn job_partition(&self, id: &Identity, job_id: u64) -> Result<usize, Status> {
         let hidden = || Status::from(ServeError::UnknownJob(job_id));
         let p = self.live.job_partition(job_id).map_err(|_| hidden())?;
@@ -276,6 +289,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
                 checkpointed_unix_ms: r.checkpointed_unix_ms,
                 work_units: r.work_units,
                 work_checkpointed: r.work_checkpointed,
+                ..Default::default()
             })
             .collect(),
         detail: j.detail.clone(),
@@ -283,6 +297,31 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
         work_done: j.work.done,
         work_lost: j.work.lost,
     }
+}
+
+/// One line on what a task used against what it asked for.
+fn task_usage_line(alloc: u64, node: &str, cpu_milli: u32, memory_mib: u64, u: Option<&pb::TaskUsage>, limit: &str) -> String {
+    let mut line = format!("task {alloc} on {node}");
+    match u {
+        Some(u) => {
+            line += &format!(
+                ": CPU {:.2} of {:.2} cores now, {:.1} s in all, held back {:.1} s by its quota ({} periods); memory {} MiB, peak {} of {} MiB",
+                f64::from(u.cpu_milli) / 1000.0,
+                f64::from(cpu_milli) / 1000.0,
+                u.cpu_ms as f64 / 1000.0,
+                u.throttled_ms as f64 / 1000.0,
+                u.nr_throttled,
+                u.memory_mib,
+                u.memory_peak_mib,
+                memory_mib
+            );
+        }
+        None => line += ": no usage reported (its agent has no cgroups)",
+    }
+    if limit == "oom" {
+        line += "; killed by the kernel over its memory limit";
+    }
+    line
 }
 
 fn decision_message(d: DecisionRecord) -> pb::Decision {
@@ -421,6 +460,7 @@ impl Berth for Service {
             }
             jobs.sort_by_key(|j| std::cmp::Reverse(j.id));
             more |= jobs.len() > limit;
+            this.with_usage(&mut jobs);
             jobs.truncate(limit);
             let gathered = jobs.len();
             fit_reply(&mut jobs);
@@ -448,8 +488,21 @@ impl Berth for Service {
                         "running on {}",
                         job.placements.iter().map(|p| format!("{} GPUs {:?}", p.node, p.gpus)).collect::<Vec<_>>().join(", ")
                     ),
-                    s => s.as_str().to_string(),
+                    s if job.detail.is_empty() => s.as_str().to_string(),
+                    s => format!("{}: {}", s.as_str(), job.detail),
                 };
+                // The latest run's tasks: what each used against what it
+                // asked for.
+                if let Some(hub) = &this.agents {
+                    let latest: Vec<&super::state::TaskRun> = job.runs.iter().collect();
+                    let usage = hub.usage_of(latest.iter().map(|r| r.alloc_id));
+                    let shape = &job.spec.job.shape;
+                    for r in latest {
+                        if let Some((u, limit)) = usage.get(&r.alloc_id) {
+                            out.tasks.push(task_usage_line(r.alloc_id, &r.node, shape.cpu_milli, shape.memory_mib, u.as_ref(), limit));
+                        }
+                    }
+                }
                 return Ok(Response::new(out));
             }
             let shape = &job.spec.job.shape;

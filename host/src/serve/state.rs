@@ -266,6 +266,9 @@ pub struct Start<'a> {
     pub gpus: &'a [u32],
     pub argv: &'a [String],
     pub env: &'a BTreeMap<String, String>,
+    /// What the task asked for, enforced on its node (0: no limit).
+    pub cpu_milli: u32,
+    pub memory_mib: u64,
 }
 
 /// A job as submitted, checked.

@@ -1,0 +1,146 @@
+//! A task gets what it asked for on its node and no more, checked against
+//! the process table and the kernel's own counters: a real `berth serve`
+//! and a real agent with cgroups; a task asking for one core runs two busy
+//! loops and uses one core; a task over its memory limit is killed alone
+//! and reported as such (`berth jobs`, `berth explain`); its neighbour runs
+//! on; the agent reports the node's pressure and each task's use.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use berth::proto as pb;
+
+use crate::agent::{agent, descendants, dir, jobs, serve, until_logged, BERTH};
+
+/// CPU time (user + system, seconds) of processes `pids` now.
+fn cpu_seconds(pids: &[u32]) -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    pids.iter()
+        .map(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+            // After the name: state is field 0, utime 11, stime 12.
+            let num = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            (num(11) + num(12)) / ticks
+        })
+        .sum()
+}
+
+/// The CPUs this process may use.
+fn own_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn cli(url: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(BERTH).args(args).env("BERTH_SERVER", url).env("BERTH_TOKEN", "ops-test-token").output().unwrap();
+    assert!(out.status.success(), "berth {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn job(argv: &str, cores: u32, memory_mib: u64) -> pb::SubmitJobRequest {
+    let spec = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 1, cpu_milli: cores * 1000, memory_mib, argv: vec!["sh".into(), "-c".into(), argv.into()], ..Default::default() };
+    pb::SubmitJobRequest { job: Some(spec), ..Default::default() }
+}
+
+/// The supervisor of job `id`'s first task, once it runs.
+async fn task_pid(d: &Path, api: &berth::client::Client, hub: &berth::agent::HubClient, id: u64) -> u32 {
+    until_logged(d, &format!("job {id}'s task running"), Duration::from_secs(60), || {
+        let (mut hub, api) = (hub.clone(), api.clone());
+        async move {
+            let alloc = jobs(&api).await.into_iter().find(|j| j.id == id)?.runs.first()?.allocation_id;
+            let allocs = hub.list_agents(pb::ListAgentsRequest::default()).await.ok()?.into_inner().allocations;
+            allocs.into_iter().find(|a| a.id == alloc && a.state == "running" && a.pid != 0).map(|a| a.pid)
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_gets_the_cores_and_memory_it_asked_for_and_an_oom_kill_is_its_own() {
+    if own_cpus() < 2 {
+        crate::common::skip("fewer than 2 CPUs: a one-core limit cannot be told from the machine's");
+        return;
+    }
+    let d = dir("isolation");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &[]).await;
+    let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    let node = until_logged(&d, "n1 registered", Duration::from_secs(60), || {
+        let mut hub = hub.clone();
+        async move { hub.list_agents(pb::ListAgentsRequest::default()).await.ok()?.into_inner().agents.into_iter().find(|a| a.node == "n1") }
+    })
+    .await;
+    if !node.isolation.starts_with("cgroup") {
+        crate::common::skip(&format!("the agent has no cgroups here ({}): nothing enforces a task's memory", node.isolation));
+        return;
+    }
+
+    // One core asked for, two busy loops run: the kernel holds it to one.
+    let hog = api.submit_job(job("while :; do :; done & while :; do :; done", 1, 1024)).await.unwrap().into_inner().job_id;
+    let neighbour = api.submit_job(job("sleep 600", 1, 1024)).await.unwrap().into_inner().job_id;
+    let hog_pid = task_pid(&d, &api, &hub, hog).await;
+    let neighbour_pid = task_pid(&d, &api, &hub, neighbour).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let loops = descendants(hog_pid);
+    assert!(loops.len() >= 2, "the hog's loops are not running: {loops:?}");
+    let (t0, c0) = (Instant::now(), cpu_seconds(&loops));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let cores = (cpu_seconds(&loops) - c0) / t0.elapsed().as_secs_f64();
+    assert!(cores <= 1.15, "a task asking for 1 core used {cores:.2} cores (measured in the process table)");
+    assert!(cores >= 0.3, "the hog barely ran ({cores:.2} cores): the measurement says nothing");
+
+    // The host has the kernel's view of it: throttled, about a core.
+    let run = until_logged(&d, "the hog's usage reported, throttled", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move {
+            let r = jobs(&api).await.into_iter().find(|j| j.id == hog)?.runs.first()?.clone();
+            let throttled = r.usage.as_ref().is_some_and(|u| u.nr_throttled > 0 && u.cpu_milli > 0);
+            throttled.then_some(r)
+        }
+    })
+    .await;
+    let u = run.usage.unwrap();
+    assert!(u.cpu_milli <= 1150, "reported {} thousandths of a core for a one-core task", u.cpu_milli);
+    let beat = until_logged(&d, "the node's contention reported", Duration::from_secs(30), || {
+        let mut hub = hub.clone();
+        async move {
+            let a = hub.list_agents(pb::ListAgentsRequest::default()).await.ok()?.into_inner().agents.into_iter().find(|a| a.node == "n1")?;
+            a.contention.filter(|c| c.tasks_cpu_milli >= 500)
+        }
+    })
+    .await;
+    if Path::new("/proc/pressure/cpu").exists() {
+        assert!(beat.cpu.is_some(), "the node's CPU pressure is missing: {beat:?}");
+    }
+    let explain = cli(&url, &["explain", &hog.to_string()]);
+    assert!(explain.contains("held back") && explain.contains("of 1.00 cores"), "explain shows no usage:\n{explain}");
+
+    // Over its memory: killed by the kernel, alone, and said so.
+    let greedy = api.submit_job(job("head -c 3000000000 /dev/zero | tail > /dev/null", 1, 256)).await.unwrap().into_inner().job_id;
+    let failed = until_logged(&d, "the greedy job failed", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == greedy && j.state == "failed") }
+    })
+    .await;
+    assert_eq!(failed.runs[0].limit, "oom", "the run is not marked OOM: {:?}", failed.runs[0]);
+    let listed = cli(&url, &["jobs", "--partition", "p0"]);
+    let line = listed.lines().find(|l| l.split_whitespace().next() == Some(&greedy.to_string())).unwrap();
+    assert!(line.contains("over its memory limit"), "berth jobs does not say why:\n{listed}");
+    let explain = cli(&url, &["explain", &greedy.to_string()]);
+    assert!(explain.contains("killed by the kernel over its memory limit"), "explain does not say why:\n{explain}");
+    assert!(crate::agent::alive(neighbour_pid), "the neighbour died with the greedy task");
+    assert!(descendants(neighbour_pid).iter().any(|&p| crate::agent::alive(p)), "the neighbour's process is gone");
+    let running: Vec<u64> = jobs(&api).await.into_iter().filter(|j| j.state == "running").map(|j| j.id).collect();
+    assert!(running.contains(&neighbour) && running.contains(&hog), "the other jobs stopped: {running:?}");
+
+    for id in [hog, neighbour] {
+        api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
+    }
+    until_logged(&d, "the loops stopped", Duration::from_secs(30), || {
+        let gone = loops.iter().all(|&p| !crate::agent::alive(p));
+        async move { gone.then_some(()) }
+    })
+    .await;
+}
