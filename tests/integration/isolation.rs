@@ -144,3 +144,61 @@ async fn a_task_gets_the_cores_and_memory_it_asked_for_and_an_oom_kill_is_its_ow
     })
     .await;
 }
+
+/// The CPU list a process may run on (/proc/PID/status).
+fn allowed_cpus(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap_or("").trim().to_string()
+}
+
+/// Two agents on one machine given disjoint CPU lists are two nodes for
+/// CPU purposes: each offers its CPUs' cores, and its tasks run on its
+/// CPUs only, with cgroups (a cpuset) or, asked for, affinity alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_on_one_machine_split_its_cpus_and_their_tasks_stay_on_them() {
+    if own_cpus() < 2 {
+        crate::common::skip("fewer than 2 CPUs: nothing to split");
+        return;
+    }
+    let d = dir("cpu-split");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &[]).await;
+    let _n1 = agent(&d, &url, "n1", "1xH20", &["--cpus", "0"]);
+    let _n2 = agent(&d, &url, "n2", "1xH20", &["--cpus", "1", "--isolation", "affinity"]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    let agents = until_logged(&d, "both agents registered", Duration::from_secs(60), || {
+        let mut hub = hub.clone();
+        async move {
+            let agents = hub.list_agents(pb::ListAgentsRequest::default()).await.ok()?.into_inner().agents;
+            (agents.len() == 2).then_some(agents)
+        }
+    })
+    .await;
+    let by_node = |n: &str| agents.iter().find(|a| a.node == n).unwrap().clone();
+    assert_eq!((by_node("n1").cpus.as_str(), by_node("n2").cpus.as_str()), ("0", "1"));
+    assert_eq!(by_node("n2").isolation, "affinity");
+    for n in ["n1", "n2"] {
+        let info = until_logged(&d, &format!("{n} in the fleet"), Duration::from_secs(30), || {
+            let api = api.clone();
+            async move { crate::agent::node_info(&api, n).await }
+        })
+        .await;
+        assert_eq!(info.cpu_total_milli, 1000, "{n} offers the cores of its CPU list");
+    }
+    let a = api.submit_job(job("sleep 600", 1, 512)).await.unwrap().into_inner().job_id;
+    let b = api.submit_job(job("sleep 600", 1, 512)).await.unwrap().into_inner().job_id;
+    for id in [a, b] {
+        let pid = task_pid(&d, &api, &hub, id).await;
+        let node = jobs(&api).await.into_iter().find(|j| j.id == id).unwrap().runs[0].node.clone();
+        let want = if node == "n1" { "0" } else { "1" };
+        let task = until_logged(&d, "the task's process", Duration::from_secs(10), || {
+            let below = descendants(pid);
+            async move { below.first().copied() }
+        })
+        .await;
+        assert_eq!(allowed_cpus(task), want, "job {id}'s task on {node} runs on CPUs {} (its node has {want})", allowed_cpus(task));
+    }
+    for id in [a, b] {
+        api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
+    }
+}
