@@ -10,6 +10,11 @@
 //! and reports how the others ended. Exit reports the host has not
 //! acknowledged are kept and resent (to the next host, in HA).
 //!
+//! Each task runs confined to what it asked for ([`isolation`]): its own
+//! cgroup with a CPU quota, a memory limit and the node's CPU list (or CPU
+//! affinity alone where there are no cgroups); heartbeats carry the node's
+//! pressure and each task's use.
+//!
 //! The host side ([`hub`]) records agents, marks a GPU unhealthy on an XID
 //! or ECC event, marks a node unreachable after missed heartbeats (and
 //! requeues its jobs after a grace, fencing its GPUs until it returns),
