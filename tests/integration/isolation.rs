@@ -63,7 +63,7 @@ async fn a_task_gets_the_cores_and_memory_it_asked_for_and_an_oom_kill_is_its_ow
         return;
     }
     let d = dir("isolation");
-    let (_serve, url) = serve(&d, "serve", &d.join("state"), &[]).await;
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--metrics-listen", "127.0.0.1:0"]).await;
     let _n1 = agent(&d, &url, "n1", "4xH20", &[]);
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
@@ -134,6 +134,9 @@ async fn a_task_gets_the_cores_and_memory_it_asked_for_and_an_oom_kill_is_its_ow
     assert!(descendants(neighbour_pid).iter().any(|&p| crate::agent::alive(p)), "the neighbour's process is gone");
     let running: Vec<u64> = jobs(&api).await.into_iter().filter(|j| j.state == "running").map(|j| j.id).collect();
     assert!(running.contains(&neighbour) && running.contains(&hog), "the other jobs stopped: {running:?}");
+    let text = scrape(&d).await;
+    assert!(text.contains("berth_task_oom_kills_total{partition=\"p0\"} 1"), "no OOM kill counted:\n{text}");
+    assert!(text.contains("berth_node_task_cores{node=\"n1\",partition=\"p0\",tasks=\"all\"}"), "no node task cores:\n{text}");
 
     for id in [hog, neighbour] {
         api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
@@ -143,6 +146,18 @@ async fn a_task_gets_the_cores_and_memory_it_asked_for_and_an_oom_kill_is_its_ow
         async move { gone.then_some(()) }
     })
     .await;
+}
+
+/// The host's /metrics (its address from the log line "metrics on ...").
+async fn scrape(d: &Path) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let log = std::fs::read_to_string(d.join("serve.log")).unwrap();
+    let addr = log.split("metrics on http://").nth(1).and_then(|r| r.split('/').next()).expect("the metrics address in the log").to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
 }
 
 /// The CPU list a process may run on (/proc/PID/status).

@@ -533,6 +533,16 @@ impl AgentHub for Arc<Hub> {
         let partition = self.agent_node_partition(&id, &r.node)?;
         check_heartbeat(&r)?;
         let BeatNews { unhealthy, active, schedulable, registered_below, power } = self.heartbeat_locked(&r)?;
+        if let Some(c) = &r.contention {
+            let m = &self.live.metrics;
+            for (resource, p) in [("cpu", &c.cpu), ("memory", &c.memory), ("io", &c.io)] {
+                if let Some(p) = p {
+                    m.node_pressure.with_label_values(&[partition.as_str(), r.node.as_str(), resource]).set(f64::from(p.some_avg10) / 100.0);
+                }
+            }
+            m.node_task_cores.with_label_values(&[partition.as_str(), r.node.as_str(), "all"]).set(f64::from(c.tasks_cpu_milli) / 1000.0);
+            m.node_task_cores.with_label_values(&[partition.as_str(), r.node.as_str(), "cpu_only"]).set(f64::from(c.cpu_only_cpu_milli) / 1000.0);
+        }
         if schedulable.is_some() || !unhealthy.is_empty() || power.is_some() {
             // A node back, a GPU newly unhealthy, a node powered down or
             // up: rare, taken in now (the partition's lock may be held by a
@@ -632,8 +642,9 @@ impl AgentHub for Arc<Hub> {
                 if r.usage.is_some() {
                     a.usage = r.usage.clone();
                 }
-                if r.limit == "oom" {
+                if r.limit == "oom" && a.limit != "oom" {
                     a.limit = r.limit.clone();
+                    hub.live.metrics.oom_kills.with_label_values(&[partition.as_str()]).inc();
                 }
                 if !holds_gpus(&a.state) {
                     st.ended(r.allocation_id, hub.live.retention.ended_allocations);

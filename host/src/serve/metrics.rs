@@ -57,6 +57,14 @@ pub struct Metrics {
     /// Work units named in labels so far: tenants name units, so beyond
     /// [`MAX_UNIT_LABELS`] they are counted as "other".
     unit_labels: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// partition, node, resource (cpu, memory, io): the node's pressure,
+    /// the share of the last 10 s some task waited (PSI "some avg10").
+    pub node_pressure: prometheus::GaugeVec,
+    /// partition, node, tasks (all, cpu_only): cores the node's tasks used
+    /// since its previous heartbeat.
+    pub node_task_cores: prometheus::GaugeVec,
+    /// partition: tasks the kernel killed over their memory limit.
+    pub oom_kills: IntCounterVec,
 }
 
 /// Distinct work units the metrics name (a bound on label cardinality).
@@ -139,6 +147,17 @@ impl Metrics {
             work_done: counter("berth_work_done_total", "Work tasks reported done (berth progress), in the jobs' units", &["partition", "unit"]),
             work_lost: counter("berth_work_lost_total", "Reported work lost: done after a run's last checkpoint by a run preempted, migrated, failed or lost", &["partition", "unit"]),
             unit_labels: Default::default(),
+            node_pressure: {
+                let g = prometheus::GaugeVec::new(Opts::new("berth_node_pressure_ratio", "Share of the last 10 s some task on the agent node waited for the resource (PSI some avg10)"), &["partition", "node", "resource"]).expect("valid metric");
+                registry.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
+            node_task_cores: {
+                let g = prometheus::GaugeVec::new(Opts::new("berth_node_task_cores", "Cores the agent node's tasks used since its previous heartbeat (all, or those holding no GPU)"), &["partition", "node", "tasks"]).expect("valid metric");
+                registry.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
+            oom_kills: counter("berth_task_oom_kills_total", "Tasks the kernel killed over their memory limit", &["partition"]),
             registry,
         }
     }
