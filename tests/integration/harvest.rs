@@ -290,3 +290,66 @@ fn the_harvest_schedule_puts_sleepable_jobs_to_sleep_in_the_trough_and_wakes_the
     rt.block_on(h.shutdown());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A sleeping replica whose GPU memory is still held lends nothing: its
+/// task declares 40 GiB on each GPU (the synthetic agent's stand-in for
+/// NVML), so once asleep its agent reports the memory and the host keeps
+/// its GPUs from a borrower; a replica whose sleep released it (below
+/// --lend-max-memory-mib) lends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleeping_replica_that_still_holds_gpu_memory_lends_nothing() {
+    let d = dir("harvest-memory");
+    let (_host, url) = serve(&d, "serve", &d.join("state"), &["--agent-timeout-ms", "3000", "--notice-s", "1"]).await;
+    let _n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let until_job = |api: &berth::client::Client, what: &'static str, id: u64, f: fn(&pb::Job) -> bool| {
+        let api = api.clone();
+        until(what, Duration::from_secs(60), move || {
+            let api = api.clone();
+            async move { jobs(&api).await.into_iter().find(|j| j.id == id && f(j)) }
+        })
+    };
+    // Two replicas, one GPU each: one keeps 40 GiB resident, one releases
+    // everything but a 300 MiB context.
+    let mut ids = Vec::new();
+    for mib in [40_960, 300] {
+        let mut replica = agent_job(&d, 1, 1);
+        replica.priority = 5;
+        replica.argv = vec!["sh".into(), "-c".into(), format!("echo {mib} > $BERTH_GPU_MEMORY; sleep 600")];
+        ids.push(api.submit_job(pb::SubmitJobRequest { job: Some(replica), ..Default::default() }).await.unwrap().into_inner().job_id);
+    }
+    let (held, released) = (ids[0], ids[1]);
+    for &id in &ids {
+        until_job(&api, "a replica running", id, |j| j.state == "running" && j.runs.iter().all(|r| r.state == "running")).await;
+    }
+    // Its memory declared before it sleeps (the task wrote it at start).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let low = api.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+
+    cli(&url, "sleep", held);
+    let refused = until_job(&api, "the holding replica's tasks asleep", held, |j| j.runs.iter().all(|r| r.state == "sleeping") && j.runs[0].state == "sleeping").await;
+    let why = until("the refusal said", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move {
+            let e = api.explain_job(pb::ExplainJobRequest { job_id: held }).await.ok()?.into_inner();
+            e.last_decision.contains("GPUs not lent").then_some(e.last_decision)
+        }
+    })
+    .await;
+    assert!(why.contains("40960 MiB"), "{why}");
+    assert_ne!(refused.sleep, "asleep", "the replica counts as asleep with its memory held: {refused:?}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let js = jobs(&api).await;
+    assert_eq!(job(&js, low).state, "pending", "a borrower started beside GPU memory still held: {:?}", job(&js, low));
+
+    // The other replica's sleep released its memory: its GPU is lent.
+    cli(&url, "sleep", released);
+    until_job(&api, "the releasing replica asleep", released, |j| j.sleep == "asleep").await;
+    let borrower = until_job(&api, "the borrower on the lent GPU", low, |j| j.state == "running").await;
+    let lent = job(&jobs(&api).await, released).runs[0].gpus.clone();
+    assert_eq!(borrower.runs[0].gpus, lent, "{borrower:?}");
+    assert_eq!(shared_gpus(&jobs(&api).await), None);
+    for id in [low, held, released] {
+        api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
+    }
+}

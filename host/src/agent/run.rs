@@ -25,6 +25,11 @@ pub const PROGRESS_ENV: &str = "BERTH_PROGRESS";
 /// Set in a task's environment: the file the agent writes when the task is
 /// told to checkpoint (a preemption's or a migration's notice).
 pub const NOTICE_ENV: &str = "BERTH_NOTICE";
+/// Set in a task's environment: on synthetic GPUs, the file in which the
+/// task declares the GPU memory it holds on each of its GPUs (MiB, decimal;
+/// absent: none). Stands in for NVML's count when the agent checks that a
+/// sleeping task released its GPUs' memory.
+pub const GPU_MEMORY_ENV: &str = "BERTH_GPU_MEMORY";
 /// How often the agent looks for a task's checkpoint report.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 
@@ -718,7 +723,7 @@ impl Agent {
     fn forget_task_files(&self, id: u64) {
         let (rec, status) = self.record_path(id);
         let progress = self.progress_marker(id);
-        for f in [rec, status, count_lock(&progress), progress, self.checkpoint_marker(id)] {
+        for f in [rec, status, count_lock(&progress), progress, self.checkpoint_marker(id), self.gpu_memory_marker(id)] {
             let _ = std::fs::remove_file(f);
         }
         self.isolation.remove(id);
@@ -949,6 +954,24 @@ impl Agent {
         self.state_dir.join(format!("alloc-{id}.ready"))
     }
 
+    /// The file a task on synthetic GPUs declares its GPU memory in.
+    fn gpu_memory_marker(&self, id: u64) -> PathBuf {
+        self.state_dir.join(format!("alloc-{id}.gpu-memory"))
+    }
+
+    /// GPU memory still used on each of task `id`'s GPUs: NVML's count, or
+    /// on synthetic GPUs what the task declared ($BERTH_GPU_MEMORY; none
+    /// declared: none held).
+    fn gpu_memory_held(&self, id: u64) -> Vec<u64> {
+        let Some(gpus) = self.children.lock().unwrap().get(&id).map(|c| c.gpus.clone()) else { return Vec::new() };
+        if self.args.synthetic_gpus.is_some() {
+            let declared = read_count(&self.gpu_memory_marker(id));
+            return vec![declared; gpus.len()];
+        }
+        let sample = self.src.lock().unwrap().sample(&[]);
+        gpus.iter().map(|g| sample.iter().find(|s| s.index == *g).map_or(0, |s| s.memory_used_mib)).collect()
+    }
+
     /// The file the agent writes at a checkpoint notice (the task polls it,
     /// or traps --notice-signal).
     fn notice_marker(&self, id: u64) -> PathBuf {
@@ -1078,6 +1101,7 @@ impl Agent {
                     .env(READY_ENV, self.ready_marker(id))
                     .env(NOTICE_ENV, self.notice_marker(id))
                     .env(PROGRESS_ENV, self.progress_marker(id))
+                    .env(GPU_MEMORY_ENV, self.gpu_memory_marker(id))
                     .stdin(std::process::Stdio::null())
                     .process_group(0)
                     .kill_on_drop(false);
@@ -1181,7 +1205,10 @@ impl Agent {
                     c.sleeping = action == "sleep";
                 }
                 match (action, result) {
-                    ("sleep", Ok(())) => self.report(pb::AllocationReport { state: "sleeping".into(), pid, ..base }).await,
+                    ("sleep", Ok(())) => {
+                        let gpu_memory_used_mib = self.gpu_memory_held(id);
+                        self.report(pb::AllocationReport { state: "sleeping".into(), pid, gpu_memory_used_mib, ..base }).await
+                    }
                     ("wake", Ok(())) => self.report(pb::AllocationReport { state: "running".into(), pid, ..base }).await,
                     (_, Ok(())) => tracing::info!(target: "berth::agent", allocation = id, "{action} sent"),
                     (_, Err(e)) => tracing::warn!(target: "berth::agent", allocation = id, "{action}: {e}"),

@@ -694,7 +694,7 @@ impl Live {
     /// once (the partitions' locks are waited for); the agents' reports
     /// through the hub are queued instead ([`Live::queue_report`]).
     pub fn task_report(&self, alloc_id: u64, report: Report, exit_code: i32, signal: i32, detail: &str, stopped: Option<Stopped>) {
-        self.report_anywhere(&QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped, work_units: 0, work_checkpointed: 0, taken: None });
+        self.report_anywhere(&QueuedReport { alloc_id, report, exit_code, signal, detail: detail.to_string(), stopped, work_units: 0, work_checkpointed: 0, gpu_memory_held_mib: 0, taken: None });
     }
 
     /// Takes report `r` in at the partition holding its allocation.
@@ -744,6 +744,7 @@ impl Live {
     /// holds no such allocation.
     fn report_in(&self, part: &Partition, st: &mut PartitionState, r: &QueuedReport) -> bool {
         let (alloc_id, report, exit_code, signal, detail, stopped) = (r.alloc_id, r.report, r.exit_code, r.signal, r.detail.as_str(), r.stopped);
+        let held_memory = r.gpu_memory_held_mib;
         let report_saved = r.work_checkpointed;
         let Some(&job_id) = st.by_alloc.get(&alloc_id) else { return false };
         // Every report carries the run's work count: taken in first, so an
@@ -803,6 +804,9 @@ impl Live {
                         r.state = was.after_report(state);
                         woke = was == TaskState::Sleeping && r.state == TaskState::Running;
                         slept = r.state == TaskState::Sleeping;
+                        if slept {
+                            r.gpu_memory_held_mib = held_memory;
+                        }
                         was == TaskState::Starting && r.serves(wait_ready)
                     }
                     _ => {

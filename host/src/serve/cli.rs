@@ -138,6 +138,13 @@ pub struct ServeArgs {
     /// work; at WAKE_H every sleeping `--sleepable` job wakes.
     #[arg(long)]
     harvest: Option<String>,
+    /// A sleeping job's GPUs are lent only when none of its tasks still
+    /// uses more GPU memory than this on one of them (MiB), as its agent
+    /// measured once the task was asleep (NVML; a synthetic task declares
+    /// its own in $BERTH_GPU_MEMORY). A sleep that keeps the weights and
+    /// cache resident (the default freeze, on real GPUs) lends nothing.
+    #[arg(long, default_value_t = crate::serve::state::DEFAULT_LEND_MAX_MEMORY_MIB)]
+    lend_max_memory_mib: u64,
     /// Ended jobs (finished, failed, cancelled) stay listed, explainable and
     /// stored this many hours after they end; then they leave memory and
     /// the store (with their idempotency keys).
@@ -202,6 +209,7 @@ impl ServeArgs {
                 },
                 auto_compaction: !self.no_auto_compaction,
                 harvest: self.harvest.as_deref().map(crate::asi::preempt::parse_harvest).transpose().context("--harvest")?,
+                lend_max_memory_mib: self.lend_max_memory_mib,
                 retention: {
                     anyhow::ensure!(self.retain_ended_h.is_finite() && self.retain_ended_h >= 0.0, "--retain-ended-h must be a number of hours, 0 or more");
                     anyhow::ensure!(self.decision_log_mib >= 1, "--decision-log-mib must be at least 1");

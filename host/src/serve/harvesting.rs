@@ -135,13 +135,28 @@ impl Live {
         }
     }
 
-    /// An agent reported a task asleep: once all of them are, the job's
-    /// GPUs are lent.
+    /// An agent reported a task asleep: once all of them are, and their
+    /// GPU memory is released, the job's GPUs are lent. A job asleep whose
+    /// memory is still held lends nothing (a borrower would not fit beside
+    /// it); it stays asked to sleep until woken or cancelled.
     pub(crate) fn task_slept(&self, part: &Partition, st: &mut PartitionState, id: u64) {
-        let Some(job) = st.jobs.get(&id) else { return };
-        if job.state == JobState::Running && job.sleep == SleepState::Asked && job.runs.iter().filter(|r| r.holds).all(|r| r.state == super::lifecycle::TaskState::Sleeping) {
-            self.fall_asleep(part, st, id);
+        let Some(job) = st.jobs.get_mut(&id) else { return };
+        if job.state != JobState::Running || job.sleep != SleepState::Asked || !job.runs.iter().filter(|r| r.holds).all(|r| r.state == super::lifecycle::TaskState::Sleeping) {
+            return;
         }
+        let limit = self.lend_max_memory_mib;
+        if let Some(r) = job.runs.iter().filter(|r| r.holds).max_by_key(|r| r.gpu_memory_held_mib).filter(|r| r.gpu_memory_held_mib > limit) {
+            job.last_decision = format!(
+                "asleep, GPUs not lent: task {} on {} still uses {} MiB of GPU memory on one GPU (at most {limit} MiB may stay for its GPUs to be lent); a sleep that releases GPU memory (the agent's --sleep-hook) lets them be lent",
+                r.alloc_id, r.node, r.gpu_memory_held_mib
+            );
+            let detail = job.last_decision.clone();
+            self.metrics.harvest.with_label_values(&[&part.name, "lend_refused"]).inc();
+            tracing::warn!(target: "berth::serve", job = id, "{detail}");
+            self.log_harvest(part, id, "not-lent", detail);
+            return;
+        }
+        self.fall_asleep(part, st, id);
     }
 
     fn fall_asleep(&self, part: &Partition, st: &mut PartitionState, id: u64) {

@@ -661,6 +661,7 @@ impl AgentHub for Arc<Hub> {
                 stopped,
                 work_units: r.work_units,
                 work_checkpointed: r.work_checkpointed,
+                gpu_memory_held_mib: r.gpu_memory_used_mib.iter().copied().max().unwrap_or(0),
                 taken: Some(taken),
             };
             hub.live.queue_report(&partition, queued);

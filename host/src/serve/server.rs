@@ -109,6 +109,9 @@ pub struct Scheduling {
     pub clock: std::sync::Arc<dyn super::clock::Clock>,
     /// How much ended work is kept (jobs, decisions, agent allocations).
     pub retention: super::state::Retention,
+    /// GPU memory (MiB) a sleeping task may still use on one GPU for its
+    /// job's GPUs to be lent.
+    pub lend_max_memory_mib: u64,
 }
 
 impl Default for Scheduling {
@@ -123,6 +126,7 @@ impl Default for Scheduling {
             harvest: None,
             clock: std::sync::Arc::new(super::clock::SystemClock),
             retention: Default::default(),
+            lend_max_memory_mib: super::state::DEFAULT_LEND_MAX_MEMORY_MIB,
         }
     }
 }
@@ -256,6 +260,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         config.scheduling.clock.clone(),
     );
     live.retention = retention;
+    live.lend_max_memory_mib = config.scheduling.lend_max_memory_mib;
     live.cost_per_gpu_hour = config.fleet.costs();
     live.work = config.fleet.work.clone();
     let live = Arc::new(live);

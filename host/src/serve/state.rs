@@ -75,6 +75,11 @@ pub struct TaskRun {
     /// With `replaces`: send the old copy a checkpoint notice before its stop.
     #[serde(default)]
     pub checkpoint_old: bool,
+    /// Asleep: the most GPU memory its agent found still used on one of its
+    /// GPUs (MiB); its job's GPUs are lent only when every task's is at
+    /// most the host's `--lend-max-memory-mib`.
+    #[serde(default)]
+    pub gpu_memory_held_mib: u64,
     /// When the task last reported a checkpoint (`berth checkpointed`), in
     /// Unix ms; 0: never.
     #[serde(default)]
@@ -125,6 +130,9 @@ pub struct QueuedReport {
     /// those the units its latest checkpoint saved (0: not said).
     pub work_units: u64,
     pub work_checkpointed: u64,
+    /// For an asleep report: the most GPU memory still used on one of the
+    /// task's GPUs (MiB).
+    pub gpu_memory_held_mib: u64,
     /// Told once the report is taken in (the agent's call waits for it).
     pub taken: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -156,6 +164,7 @@ impl TaskRun {
             holds: true,
             replaces: 0,
             checkpoint_old: false,
+            gpu_memory_held_mib: 0,
             checkpointed_unix_ms: 0,
             ready: false,
             stop_at_unix_ms: 0,
@@ -789,6 +798,11 @@ impl Partition {
     }
 }
 
+/// GPU memory (MiB) a sleeping task may still use on a GPU that is lent:
+/// about what a CUDA context keeps after an inference engine's own sleep
+/// released its weights and cache.
+pub const DEFAULT_LEND_MAX_MEMORY_MIB: u64 = 1024;
+
 /// Everything the live host shares between the API and the schedulers.
 pub struct Live {
     /// What the host decides by (see [`super::clock`]).
@@ -822,6 +836,9 @@ pub struct Live {
     pub shutdown: AtomicBool,
     /// How much ended work is kept (see [`super::retention`]).
     pub retention: Retention,
+    /// A sleeping job's GPUs are lent only when none of its tasks still
+    /// uses more GPU memory than this on one GPU (MiB).
+    pub lend_max_memory_mib: u64,
     /// Cost of a GPU-hour by GPU model (lower-case), from the fleet
     /// config's `cost_per_gpu_hour`: prices the outcome.
     pub cost_per_gpu_hour: BTreeMap<String, f64>,
@@ -893,6 +910,7 @@ impl Live {
             max_upload_bytes,
             shutdown: AtomicBool::new(false),
             retention: Default::default(),
+            lend_max_memory_mib: DEFAULT_LEND_MAX_MEMORY_MIB,
             cost_per_gpu_hour: BTreeMap::new(),
             work: None,
             pruned_job_floor: AtomicU64::new(0),
