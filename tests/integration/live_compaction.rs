@@ -396,3 +396,99 @@ async fn a_hostile_compact_policy_trips_its_breaker_and_nothing_moves() {
     assert!(ledger(&api).await.is_empty());
     assert_eq!(jobs(&api).await.iter().find(|j| j.id == job).unwrap().state, "pending");
 }
+
+/// A move is verified after it: two agents pinned to one CPU each (and
+/// offering four cores, so placement may stack two one-core tasks), a
+/// CPU-bound job on each; compaction moves one onto the other's node,
+/// where the two share one CPU. Its rate (from its cgroup) drops by about
+/// half against before the move, past the margin, so within the
+/// verification window it is moved back to its source GPUs, which stayed
+/// reserved; no GPU has two owners meanwhile, and the ledger shows both
+/// rates and the neighbour's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        crate::common::skip("fewer than 2 CPUs: two agents cannot be given one each");
+        return;
+    }
+    let d = dir("verified-move");
+    let extra = ["--agent-timeout-ms", "60000", "--no-auto-compaction", "--compaction", r#"{"verify_s": 4, "min_residence_s": 0}"#];
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &extra).await;
+    let _n1 = agent(&d, &url, "n1", "4xH20", &["--cpus", "0", "--cpu-cores", "4"]);
+    let _n2 = agent(&d, &url, "n2", "4xH20", &["--cpus", "1", "--cpu-cores", "4"]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    schedulable(&api, &["n1", "n2"]).await;
+    let agents = hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner().agents;
+    if agents.iter().any(|a| !a.isolation.starts_with("cgroup")) {
+        crate::common::skip("no cgroups here: a task's CPU rate is not measured");
+        return;
+    }
+    upload_ipc(&mut api).await;
+    let busy = |d: &Path| pb::JobSpec {
+        partition: "p0".into(),
+        tasks: 1,
+        gpus: 2,
+        cpu_milli: 1000,
+        memory_mib: 256,
+        argv: vec!["sh".into(), "-c".into(), format!("while [ ! -f {}/release ]; do :; done", d.display())],
+        movable: true,
+        ..Default::default()
+    };
+    // One busy job per node (operator holds steer them).
+    let h2 = hold(&mut hub, "n2", vec![0, 1, 2, 3]).await;
+    let a = api.submit_job(pb::SubmitJobRequest { job: Some(busy(&d)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let a = until_running(&api, a).await;
+    let free: Vec<u32> = (0..4).filter(|g| !a.runs[0].gpus.contains(g)).collect();
+    let h1 = hold(&mut hub, "n1", free).await;
+    release(&mut hub, &api, h2, "n2", 4).await;
+    let b = api.submit_job(pb::SubmitJobRequest { job: Some(busy(&d)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let b = until_running(&api, b).await;
+    release(&mut hub, &api, h1, "n1", 2).await;
+    assert_ne!(a.runs[0].node, b.runs[0].node);
+    // Both rates known to the host before the move.
+    until("both tasks' CPU rates reported", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().filter(|j| j.runs.first().and_then(|r| r.usage.as_ref()).is_some_and(|u| u.cpu_milli >= 700)).count().eq(&2).then_some(()) }
+    })
+    .await;
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let (api, stop) = (api.clone(), stop.clone());
+        async move {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                assert_one_owner(&jobs(&api).await, &[]);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner();
+    assert_eq!(step.chain_ids.len(), 1, "{step:?}");
+    let mv = until("the move verified and moved back", Duration::from_secs(90), || {
+        let api = api.clone();
+        async move { ledger(&api).await.into_iter().flat_map(|c| c.moves).find(|m| m.state == "moved-back") }
+    })
+    .await;
+    assert!(mv.rate_before_milli >= 700, "{mv:?}");
+    assert!(f64::from(mv.rate_after_milli) < 0.8 * f64::from(mv.rate_before_milli), "{mv:?}");
+    assert!(mv.neighbours_before_milli >= 700 && mv.neighbours_after_milli < mv.neighbours_before_milli, "the neighbour's loss is not recorded: {mv:?}");
+    assert!(mv.cause.contains("slower on") && mv.cause.contains("moved back"), "{mv:?}");
+    let chain = ledger(&api).await.into_iter().find(|c| c.moves.iter().any(|m| m.state == "moved-back")).unwrap();
+    assert_eq!(chain.state, "rolled-back", "{chain:?}");
+    // Back where it was, on the GPUs it left.
+    let back = until("the moved job running on its source again", Duration::from_secs(60), || {
+        let api = api.clone();
+        let from = mv.from_node.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == mv.job_id && j.runs.len() == 1 && j.runs[0].state == "running" && j.runs[0].node == from) }
+    })
+    .await;
+    let before = if back.id == a.id { &a } else { &b };
+    assert_eq!(back.runs[0].gpus, before.runs[0].gpus, "not back on the GPUs it left");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    watcher.await.unwrap();
+    let text = std::process::Command::new(crate::agent::BERTH).args(["compactions", "--partition", "p0", "--server", &url, "--token", "ops-test-token"]).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("moved-back") && text.contains("neighbours"), "{text}");
+    std::fs::write(d.join("release"), "").unwrap();
+}

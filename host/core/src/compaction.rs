@@ -123,6 +123,16 @@ pub struct CompactionConfig {
     pub max_moves: usize,
     /// Pending shapes offered to the policy per partition, largest first.
     pub max_pending: usize,
+    /// Live: after a move takes over, its task's rate (CPU used, from its
+    /// cgroup) is watched this long, seconds, while the source's GPUs stay
+    /// reserved; 0 turns verification off.
+    pub verify_s: f64,
+    /// A task running slower than its rate before the move by more than
+    /// this share is moved back.
+    pub verify_margin: f64,
+    /// Tasks using less than this many cores before the move are not
+    /// verified (an idle task's rate says nothing).
+    pub verify_min_cores: f64,
 }
 
 impl Default for CompactionConfig {
@@ -144,6 +154,9 @@ impl Default for CompactionConfig {
             default_state_bytes_per_gpu: 40 << 30,
             max_moves: 10_000,
             max_pending: 64,
+            verify_s: 30.0,
+            verify_margin: 0.2,
+            verify_min_cores: 0.1,
         }
     }
 }
@@ -169,6 +182,8 @@ impl CompactionConfig {
             ("switchover_s", self.switchover_s),
             ("warmup_s", self.warmup_s),
             ("destination_deadline_s", self.destination_deadline_s),
+            ("verify_s", self.verify_s),
+            ("verify_min_cores", self.verify_min_cores),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be finite and >= 0"));
@@ -176,6 +191,9 @@ impl CompactionConfig {
         }
         if self.period_s == 0 {
             return Err("period_s must be at least 1".into());
+        }
+        if !(0.0..1.0).contains(&self.verify_margin) {
+            return Err("verify_margin must lie in 0..1".into());
         }
         Ok(())
     }

@@ -871,7 +871,7 @@ impl Live {
     /// logged and counted (`berth_invariant_breaks_total`; the simulation
     /// test fails on any), and the partition goes on deciding. A panic here
     /// would poison the state lock on a path an agent's report reaches.
-    fn release_checked(&self, partition: &str, fleet: &mut Fleet, alloc: &Allocation, alloc_id: u64) {
+    pub(super) fn release_checked(&self, partition: &str, fleet: &mut Fleet, alloc: &Allocation, alloc_id: u64) {
         if let Err(e) = fleet.release(alloc) {
             self.metrics.invariant_breaks.with_label_values(&[partition, "release"]).inc();
             tracing::error!(target: "berth::serve", partition, allocation = alloc_id, "broken invariant: the fleet did not hold allocation {alloc_id}'s capacity ({e}); nothing released");

@@ -329,7 +329,9 @@ fn chains_json(chains: &[pb::CompactionChain]) -> Vec<serde_json::Value> {
             let moves: Vec<serde_json::Value> = c
                 .moves
                 .iter()
-                .map(|m| serde_json::json!({"job": m.job_id, "from_allocation": m.from_allocation, "to_allocation": m.to_allocation, "from": m.from_node, "to": m.to_node, "gpus": m.to_gpus, "tier": m.tier, "state_bytes": m.state_bytes, "state": m.state, "overlap_ms": m.overlap_ms, "takeover_ms": m.warmup_ms, "cause": m.cause}))
+                .map(|m| serde_json::json!({"job": m.job_id, "from_allocation": m.from_allocation, "to_allocation": m.to_allocation, "from": m.from_node, "to": m.to_node, "gpus": m.to_gpus, "tier": m.tier, "state_bytes": m.state_bytes, "state": m.state, "overlap_ms": m.overlap_ms, "takeover_ms": m.warmup_ms, "cause": m.cause,
+                    "rate_before_milli": m.rate_before_milli, "rate_after_milli": m.rate_after_milli,
+                    "neighbours_before_milli": m.neighbours_before_milli, "neighbours_after_milli": m.neighbours_after_milli}))
                 .collect();
             serde_json::json!({
                 "id": c.id, "partition": c.partition, "policy": c.policy, "state": c.state, "cause": c.cause,
@@ -947,7 +949,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 );
                 for m in &c.moves {
                     println!(
-                        "  job {} allocation {} {} -> {} GPUs {:?} -> allocation {}: {} ({}, {:.1} GiB; overlap {} ms, takeover {} ms){}",
+                        "  job {} allocation {} {} -> {} GPUs {:?} -> allocation {}: {} ({}, {:.1} GiB; overlap {} ms, takeover {} ms{}){}",
                         m.job_id,
                         m.from_allocation,
                         m.from_node,
@@ -959,6 +961,17 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                         m.state_bytes as f64 / f64::from(1u32 << 30),
                         m.overlap_ms,
                         m.warmup_ms,
+                        if m.rate_before_milli == 0 && m.rate_after_milli == 0 {
+                            String::new()
+                        } else {
+                            format!(
+                                "; CPU {:.2} -> {:.2} cores, neighbours {:.2} -> {:.2}",
+                                f64::from(m.rate_before_milli) / 1000.0,
+                                f64::from(m.rate_after_milli) / 1000.0,
+                                f64::from(m.neighbours_before_milli) / 1000.0,
+                                f64::from(m.neighbours_after_milli) / 1000.0
+                            )
+                        },
                         if m.cause.is_empty() { String::new() } else { format!(": {}", esc(&m.cause)) }
                     );
                 }

@@ -29,7 +29,8 @@ use berth_core::units::NodeId;
 use berth_core::PolicyError;
 
 use super::breaker::Call;
-use super::state::{ChainRecord, InFlight, JobState, Live, MoveRecord, Origin, Partition, PartitionState, PolicyHook, RunState, SleepState, LEDGER_KEEP};
+use super::state::{ChainRecord, InFlight, JobState, Live, MoveRecord, Origin, Partition, PartitionState, PolicyHook, RunState, SleepState, Verify, LEDGER_KEEP};
+use berth_core::Allocation;
 use super::lifecycle::{ChainState, MoveState};
 use super::error::ServeError;
 use crate::util::unix_ms;
@@ -329,9 +330,20 @@ impl Live {
             }
             match self.start_move(part, st, &m, origin) {
                 Ok(new_alloc) => {
+                    // What verification compares with: the task's rate where
+                    // it ran, and its destination neighbours' (the agents'
+                    // latest heartbeats).
+                    let source = st.jobs.get(&origin.job_id).and_then(|j| j.allocations.get(origin.task)).cloned().unwrap_or_else(|| m.from.clone());
+                    let dest = st.fleet.nodes()[m.to_node as usize].name.clone();
+                    let (rate_before_milli, neighbours_before_milli) = match self.actuator() {
+                        Some(a) => (a.usage(origin.alloc_id).map(|u| u.cpu_milli), a.node_cpu_milli(&dest, new_alloc)),
+                        None => (None, 0),
+                    };
                     if let Some(r) = st.compaction.record_mut(chain_id) {
                         r.moves[index].state = MoveState::Moving;
                         r.moves[index].to_allocation = new_alloc;
+                        r.moves[index].rate_before_milli = rate_before_milli.unwrap_or(0);
+                        r.moves[index].neighbours_before_milli = neighbours_before_milli;
                     }
                     self.persist_logged(st.chain_op(&part.name, chain_id).into_iter().collect());
                     let run = st.compaction.run.as_mut().expect("checked above");
@@ -345,6 +357,10 @@ impl Live {
                         started: self.clock.now(),
                         took_over: None,
                         stopped_for: None,
+                        task: origin.task,
+                        source,
+                        rate_before_milli,
+                        verify: None,
                     });
                     return;
                 }
@@ -427,18 +443,72 @@ impl Live {
             let wait_ready = job.is_some_and(|j| j.spec.wait_ready);
             let copy = job.and_then(|j| j.runs.iter().find(|r| r.alloc_id == c.new_alloc && r.holds));
             let elapsed_ms = now.saturating_duration_since(c.started).as_millis() as u64;
+            let config = st.compaction.config.clone();
+            let verify_rate = c.rate_before_milli.filter(|&r| config.verify_s > 0.0 && f64::from(r) >= config.verify_min_cores * 1000.0);
             match copy {
-                Some(r) if r.replaces == 0 => {
-                    // The old copy is gone and the new one is the task.
-                    let c = run.current.take().expect("matched above");
+                Some(r) if r.replaces == 0 && c.verify.is_none() && verify_rate.is_some() => {
+                    // Took over: watched for verify_s with the source's GPUs
+                    // kept (reserved before any pass can give them away).
+                    let reserved = Allocation { cpu_milli: 0, memory_mib: 0, ..c.source.clone() };
+                    let reserved = st.fleet.allocate(&reserved).ok().map(|()| reserved);
+                    let cpu_ms_at = self.actuator().and_then(|a| a.usage(c.new_alloc)).map_or(0, |u| u.cpu_ms);
                     let warmup_ms = c.took_over.map_or(elapsed_ms, |t| t.saturating_duration_since(c.started).as_millis() as u64);
+                    tracing::info!(target: "berth::serve", partition = %part.name, chain = c.chain_id, job = c.job_id, to = c.new_alloc, reserved = reserved.is_some(), "compaction move took over: verifying its rate");
+                    c.verify = Some(Verify { since: now, cpu_ms_at, reserved, warmup_ms, overlap_ms: elapsed_ms });
+                    let (chain_id, index) = (c.chain_id, c.index);
+                    if let Some(rec) = st.compaction.record_mut(chain_id) {
+                        rec.moves[index].state = MoveState::Verifying;
+                        rec.moves[index].overlap_ms = elapsed_ms;
+                        rec.moves[index].warmup_ms = warmup_ms;
+                    }
+                    self.persist_logged(st.chain_op(&part.name, chain_id).into_iter().collect());
+                }
+                Some(r) if r.replaces == 0 && c.verify.as_ref().is_some_and(|v| now.saturating_duration_since(v.since).as_secs_f64() < config.verify_s) => {
+                    let _ = r;
+                }
+                Some(r) if r.replaces == 0 => {
+                    // The old copy is gone and the new one is the task (and,
+                    // when verified, kept its rate).
+                    let mut c = run.current.take().expect("matched above");
+                    let node = r.node.clone();
+                    let (mut warmup_ms, mut overlap_ms) = (c.took_over.map_or(elapsed_ms, |t| t.saturating_duration_since(c.started).as_millis() as u64), elapsed_ms);
+                    let mut measured = None;
+                    if let Some(v) = c.verify.take() {
+                        (warmup_ms, overlap_ms) = (v.warmup_ms, v.overlap_ms);
+                        if let Some(reserved) = &v.reserved {
+                            self.release_checked(&part.name, &mut st.fleet, reserved, c.new_alloc);
+                        }
+                        let window_ms = now.saturating_duration_since(v.since).as_millis().max(1) as u64;
+                        let (cpu_ms, neighbours) = match self.actuator() {
+                            Some(a) => (a.usage(c.new_alloc).map_or(v.cpu_ms_at, |u| u.cpu_ms), a.node_cpu_milli(&node, c.new_alloc)),
+                            None => (v.cpu_ms_at, 0),
+                        };
+                        let after = (cpu_ms.saturating_sub(v.cpu_ms_at).saturating_mul(1000) / window_ms).min(u64::from(u32::MAX)) as u32;
+                        measured = Some((after, neighbours));
+                        let before = c.rate_before_milli.unwrap_or(0);
+                        if f64::from(after) < f64::from(before) * (1.0 - config.verify_margin) {
+                            let cause = format!(
+                                "slower on {node}: {:.2} cores in the {:.0} s after the move against {:.2} before (margin {:.0}%)",
+                                f64::from(after) / 1000.0,
+                                window_ms as f64 / 1000.0,
+                                f64::from(before) / 1000.0,
+                                config.verify_margin * 100.0
+                            );
+                            self.move_back(part, st, &c, cause, after, neighbours);
+                            return self.after_tick(p, st, now);
+                        }
+                    }
                     st.compaction.moved_at.insert(c.new_alloc, self.now_s());
                     self.metrics.compaction_moves.with_label_values(&[&part.name, MoveState::Done.as_str()]).inc();
                     if let Some(rec) = st.compaction.record_mut(c.chain_id) {
                         let mv = &mut rec.moves[c.index];
                         mv.state = MoveState::Done;
-                        mv.overlap_ms = elapsed_ms;
+                        mv.overlap_ms = overlap_ms;
                         mv.warmup_ms = warmup_ms;
+                        if let Some((after, neighbours)) = measured {
+                            mv.rate_after_milli = after;
+                            mv.neighbours_after_milli = neighbours;
+                        }
                         let tier = match mv.tier.as_str() {
                             "same-switch" => 0,
                             "same-aggregation" => 1,
@@ -466,7 +536,11 @@ impl Live {
                 None => {
                     // The new copy is gone: rolled back (its start failed, it
                     // exited, its node was lost, or the job ended).
-                    let c = run.current.take().expect("matched above");
+                    let mut c = run.current.take().expect("matched above");
+                    if let Some(reserved) = c.verify.take().and_then(|v| v.reserved) {
+                        self.release_checked(&part.name, &mut st.fleet, &reserved, c.new_alloc);
+                        st.dirty = true;
+                    }
                     run.cursor.abandon(c.chain);
                     let cause = c.stopped_for.clone().unwrap_or_else(|| match st.jobs.get(&c.job_id) {
                         Some(j) if !j.detail.is_empty() => j.detail.clone(),
@@ -477,6 +551,45 @@ impl Live {
                 }
             }
         }
+        self.after_tick(p, st, now);
+    }
+
+    /// A verified move that ran slower on its destination: the source's
+    /// GPUs are given back to the task (make-before-break again, the same
+    /// migration path), the move is recorded moved back and its chain ends
+    /// rolled back.
+    fn move_back(&self, part: &Partition, st: &mut PartitionState, c: &InFlight, cause: String, after: u32, neighbours: u32) {
+        tracing::warn!(target: "berth::serve", partition = %part.name, chain = c.chain_id, job = c.job_id, allocation = c.new_alloc, "compaction move verified slower: {cause}; moving back");
+        let src_name = st.fleet.nodes()[c.source.node as usize].name.clone();
+        let back = self.start_copy(part, st, c.job_id, c.task, &src_name, c.source.node, c.source.gpus, true);
+        let state = if back.is_ok() { MoveState::MovedBack } else { MoveState::RolledBack };
+        self.metrics.compaction_moves.with_label_values(&[&part.name, state.as_str()]).inc();
+        if let Some(rec) = st.compaction.record_mut(c.chain_id) {
+            let mv = &mut rec.moves[c.index];
+            mv.state = state;
+            mv.rate_after_milli = after;
+            mv.neighbours_after_milli = neighbours;
+            mv.cause = match &back {
+                Ok(m) => format!("{cause}; moved back to {src_name} (allocation {})", m.alloc_id),
+                Err(e) => format!("{cause}; moving back failed: {e}"),
+            };
+            for later in rec.moves.iter_mut().skip(c.index + 1) {
+                later.state = MoveState::Skipped;
+            }
+        }
+        if let Some(run) = st.compaction.run.as_mut() {
+            run.cursor.abandon(c.chain);
+        }
+        let (nodes, pending) = st.compaction.run.as_ref().map(|r| (r.nodes.clone(), r.pending.clone())).unwrap_or_default();
+        let chain_cause = format!("move of job {} back: its destination was slower", c.job_id);
+        self.end_chain(part, st, c.chain_id, Some(&chain_cause), &nodes, &pending);
+        st.dirty = true;
+    }
+
+    /// The end of a compaction tick: the next move, or the automatic
+    /// triggers when no run is on.
+    fn after_tick(&self, p: usize, st: &mut PartitionState, now: Instant) {
+        let part = &self.partitions[p];
         if st.compaction.run.as_ref().is_some_and(|r| r.current.is_none()) {
             self.advance_compaction(part, st);
         }

@@ -874,6 +874,15 @@ impl Actuator for Hub {
         })
     }
 
+    fn usage(&self, alloc_id: u64) -> Option<pb::TaskUsage> {
+        self.state.lock().unwrap().allocations.get(&alloc_id).and_then(|a| a.usage.clone())
+    }
+
+    fn node_cpu_milli(&self, node: &str, except: u64) -> u32 {
+        let st = self.state.lock().unwrap();
+        st.allocations.values().filter(|a| a.node == node && a.id != except && holds_gpus(&a.state)).filter_map(|a| a.usage.as_ref()).map(|u| u.cpu_milli).fold(0u32, u32::saturating_add)
+    }
+
     fn stop(&self, alloc_id: u64, node: &str) -> bool {
         let sent = self.send(node, pb::AgentCommand { allocation_id: alloc_id, action: "stop".into(), ..Default::default() });
         if let Err(e) = &sent {

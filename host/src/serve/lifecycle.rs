@@ -168,6 +168,11 @@ pub enum MoveState {
     RolledBack,
     /// Not tried: an earlier move of its chain rolled back.
     Skipped,
+    /// Took over; its rate on the destination is being watched while the
+    /// source's GPUs stay reserved.
+    Verifying,
+    /// Ran slower on the destination than before: moved back to the source.
+    MovedBack,
 }
 
 impl MoveState {
@@ -178,6 +183,8 @@ impl MoveState {
             MoveState::Done => "done",
             MoveState::RolledBack => "rolled-back",
             MoveState::Skipped => "skipped",
+            MoveState::Verifying => "verifying",
+            MoveState::MovedBack => "moved-back",
         }
     }
 }

@@ -824,6 +824,10 @@ impl Berth for Service {
                                 overlap_ms: m.overlap_ms,
                                 warmup_ms: m.warmup_ms,
                                 cause: m.cause,
+                                rate_before_milli: m.rate_before_milli,
+                                rate_after_milli: m.rate_after_milli,
+                                neighbours_before_milli: m.neighbours_before_milli,
+                                neighbours_after_milli: m.neighbours_after_milli,
                             })
                             .collect(),
                         bytes_same_switch: c.bytes_by_tier[0],

@@ -196,6 +196,16 @@ pub trait Actuator: Send + Sync {
     /// the allocations held where their nodes run them (the hub learns
     /// those it does not know, started before a restart).
     fn reconciled(&self, found: Vec<Reconciled>);
+    /// What an allocation's cgroup said it used at its node's latest
+    /// heartbeat (None: not known).
+    fn usage(&self, _alloc_id: u64) -> Option<crate::proto::TaskUsage> {
+        None
+    }
+    /// The thousandths of a core the running allocations on `node` used at
+    /// its latest heartbeat, but `except`.
+    fn node_cpu_milli(&self, _node: &str, _except: u64) -> u32 {
+        0
+    }
 }
 
 /// One heartbeat as the partition sees it, taken in by the partition's
@@ -1033,6 +1043,17 @@ pub struct MoveRecord {
     /// From the new copy's start to its takeover (running, or ready).
     pub warmup_ms: u64,
     pub cause: String,
+    /// Verification: the task's CPU rate (thousandths of a core) before the
+    /// move and on the destination after it, and the other tasks' on the
+    /// destination node before and after (0: not measured).
+    #[serde(default)]
+    pub rate_before_milli: u32,
+    #[serde(default)]
+    pub rate_after_milli: u32,
+    #[serde(default)]
+    pub neighbours_before_milli: u32,
+    #[serde(default)]
+    pub neighbours_after_milli: u32,
 }
 
 /// One chain run live: the ledger entry.
@@ -1079,6 +1100,25 @@ pub(super) struct InFlight {
     pub(super) took_over: Option<Instant>,
     /// Why the host stopped the new copy (a start timeout), if it did.
     pub(super) stopped_for: Option<String>,
+    /// The task's index in its job, where it came from (node, GPUs), and
+    /// its CPU rate there when it started (its destination neighbours' is
+    /// in the ledger).
+    pub(super) task: usize,
+    pub(super) source: Allocation,
+    pub(super) rate_before_milli: Option<u32>,
+    /// Took over and being verified.
+    pub(super) verify: Option<Verify>,
+}
+
+/// A move being verified: since when, the new copy's CPU time then, and
+/// the source's GPUs reserved in the fleet (None: taken meanwhile).
+#[derive(Debug)]
+pub(super) struct Verify {
+    pub(super) since: Instant,
+    pub(super) cpu_ms_at: u64,
+    pub(super) reserved: Option<Allocation>,
+    pub(super) warmup_ms: u64,
+    pub(super) overlap_ms: u64,
 }
 
 /// A step's chosen moves being run.
