@@ -407,22 +407,38 @@ async fn a_hostile_compact_policy_trips_its_breaker_and_nothing_moves() {
 /// rates and the neighbour's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
+    if let Some(mv) = verified_move(false).await {
+        assert_eq!(mv.rate_measure, "cpu", "{mv:?}");
+    }
+}
+
+/// The same with tasks that report their work (`berth progress`): the
+/// move is judged by the work rate they report, not their CPU use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_that_slows_a_tasks_reported_work_is_moved_back() {
+    if let Some(mv) = verified_move(true).await {
+        assert_eq!(mv.rate_measure, "progress", "{mv:?}");
+    }
+}
+
+/// The verified-move scenario; the move moved back (None: skipped here).
+async fn verified_move(progress: bool) -> Option<pb::CompactionMove> {
     if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
         crate::common::skip("fewer than 2 CPUs: two agents cannot be given one each");
-        return;
+        return None;
     }
-    let d = dir("verified-move");
+    let d = dir(if progress { "verified-move-progress" } else { "verified-move" });
     let extra = ["--agent-timeout-ms", "60000", "--no-auto-compaction", "--compaction", r#"{"verify_s": 4, "min_residence_s": 0}"#];
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &extra).await;
-    let _n1 = agent(&d, &url, "n1", "4xH20", &["--cpus", "0", "--cpu-cores", "4"]);
-    let _n2 = agent(&d, &url, "n2", "4xH20", &["--cpus", "1", "--cpu-cores", "4"]);
+    let _n1 = agent(&d, &url, "n1", "4xH20", &["--cpus", "0", "--cpu-cores", "4", "--progress-every-ms", "200"]);
+    let _n2 = agent(&d, &url, "n2", "4xH20", &["--cpus", "1", "--cpu-cores", "4", "--progress-every-ms", "200"]);
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
     schedulable(&api, &["n1", "n2"]).await;
     let agents = hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner().agents;
     if agents.iter().any(|a| !a.isolation.starts_with("cgroup")) {
         crate::common::skip("no cgroups here: a task's CPU rate is not measured");
-        return;
+        return None;
     }
     upload_ipc(&mut api).await;
     let busy = |d: &Path| pb::JobSpec {
@@ -431,7 +447,16 @@ async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
         gpus: 2,
         cpu_milli: 1000,
         memory_mib: 256,
-        argv: vec!["sh".into(), "-c".into(), format!("while [ ! -f {}/release ]; do :; done", d.display())],
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            if progress {
+                // A fixed amount of work per report.
+                format!("while [ ! -f {}/release ]; do i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done; berth progress 1; done", d.display())
+            } else {
+                format!("while [ ! -f {}/release ]; do :; done", d.display())
+            },
+        ],
         movable: true,
         ..Default::default()
     };
@@ -452,6 +477,10 @@ async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
         async move { jobs(&api).await.iter().filter(|j| j.runs.first().and_then(|r| r.usage.as_ref()).is_some_and(|u| u.cpu_milli >= 700)).count().eq(&2).then_some(()) }
     })
     .await;
+    if progress {
+        // Reports over more than a second: a rate to compare with.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
 
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watcher = tokio::spawn({
@@ -470,7 +499,7 @@ async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
         async move { ledger(&api).await.into_iter().flat_map(|c| c.moves).find(|m| m.state == "moved-back") }
     })
     .await;
-    assert!(mv.rate_before_milli >= 700, "{mv:?}");
+    assert!(mv.rate_before_milli >= if progress { 1 } else { 700 }, "{mv:?}");
     assert!(f64::from(mv.rate_after_milli) < 0.8 * f64::from(mv.rate_before_milli), "{mv:?}");
     assert!(mv.neighbours_before_milli >= 700 && mv.neighbours_after_milli < mv.neighbours_before_milli, "the neighbour's loss is not recorded: {mv:?}");
     assert!(mv.cause.contains("slower on") && mv.cause.contains("moved back"), "{mv:?}");
@@ -491,4 +520,5 @@ async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("moved-back") && text.contains("neighbours"), "{text}");
     std::fs::write(d.join("release"), "").unwrap();
+    Some(mv)
 }

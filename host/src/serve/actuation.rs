@@ -754,6 +754,11 @@ impl Live {
             && let Some(run) = job.runs.iter_mut().find(|run| run.alloc_id == alloc_id && run.holds)
         {
             let new = super::outcome::take_progress(run, &mut job.work, r.work_units);
+            if new > 0 {
+                let sample = (self.now_ms(), run.work_units);
+                run.progress_first.get_or_insert(sample);
+                run.progress_last = Some(sample);
+            }
             // A task's own checkpoint count (`berth checkpointed` records
             // the count it saved): carried by every report, so a checkpoint
             // just before an exit is not lost to the exit's race with it.

@@ -330,7 +330,7 @@ fn chains_json(chains: &[pb::CompactionChain]) -> Vec<serde_json::Value> {
                 .moves
                 .iter()
                 .map(|m| serde_json::json!({"job": m.job_id, "from_allocation": m.from_allocation, "to_allocation": m.to_allocation, "from": m.from_node, "to": m.to_node, "gpus": m.to_gpus, "tier": m.tier, "state_bytes": m.state_bytes, "state": m.state, "overlap_ms": m.overlap_ms, "takeover_ms": m.warmup_ms, "cause": m.cause,
-                    "rate_before_milli": m.rate_before_milli, "rate_after_milli": m.rate_after_milli,
+                    "rate_measure": m.rate_measure, "rate_before_milli": m.rate_before_milli, "rate_after_milli": m.rate_after_milli,
                     "neighbours_before_milli": m.neighbours_before_milli, "neighbours_after_milli": m.neighbours_after_milli}))
                 .collect();
             serde_json::json!({
@@ -965,9 +965,11 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                             String::new()
                         } else {
                             format!(
-                                "; CPU {:.2} -> {:.2} cores, neighbours {:.2} -> {:.2}",
+                                "; {} {:.2} -> {:.2} {}, neighbours {:.2} -> {:.2} cores",
+                                if m.rate_measure == "progress" { "work" } else { "CPU" },
                                 f64::from(m.rate_before_milli) / 1000.0,
                                 f64::from(m.rate_after_milli) / 1000.0,
+                                if m.rate_measure == "progress" { "units/s" } else { "cores" },
                                 f64::from(m.neighbours_before_milli) / 1000.0,
                                 f64::from(m.neighbours_after_milli) / 1000.0
                             )

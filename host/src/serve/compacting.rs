@@ -335,6 +335,7 @@ impl Live {
                     // latest heartbeats).
                     let source = st.jobs.get(&origin.job_id).and_then(|j| j.allocations.get(origin.task)).cloned().unwrap_or_else(|| m.from.clone());
                     let dest = st.fleet.nodes()[m.to_node as usize].name.clone();
+                    let progress_before_milli = st.jobs.get(&origin.job_id).and_then(|j| j.runs.get(origin.task)).and_then(super::outcome::progress_rate_milli);
                     let (rate_before_milli, neighbours_before_milli) = match self.actuator() {
                         Some(a) => (a.usage(origin.alloc_id).map(|u| u.cpu_milli), a.node_cpu_milli(&dest, new_alloc)),
                         None => (None, 0),
@@ -360,6 +361,7 @@ impl Live {
                         task: origin.task,
                         source,
                         rate_before_milli,
+                        progress_before_milli,
                         verify: None,
                     });
                     return;
@@ -444,9 +446,12 @@ impl Live {
             let copy = job.and_then(|j| j.runs.iter().find(|r| r.alloc_id == c.new_alloc && r.holds));
             let elapsed_ms = now.saturating_duration_since(c.started).as_millis() as u64;
             let config = st.compaction.config.clone();
-            let verify_rate = c.rate_before_milli.filter(|&r| config.verify_s > 0.0 && f64::from(r) >= config.verify_min_cores * 1000.0);
+            // Verified: a task that reported progress before the move, or
+            // used CPU enough for its rate to say something.
+            let verifiable = config.verify_s > 0.0
+                && (c.progress_before_milli.is_some_and(|p| p > 0) || c.rate_before_milli.is_some_and(|r| f64::from(r) >= config.verify_min_cores * 1000.0));
             match copy {
-                Some(r) if r.replaces == 0 && c.verify.is_none() && verify_rate.is_some() => {
+                Some(r) if r.replaces == 0 && c.verify.is_none() && verifiable => {
                     // Took over: watched for verify_s with the source's GPUs
                     // kept (reserved before any pass can give them away).
                     let reserved = Allocation { cpu_milli: 0, memory_mib: 0, ..c.source.clone() };
@@ -471,6 +476,7 @@ impl Live {
                     // when verified, kept its rate).
                     let mut c = run.current.take().expect("matched above");
                     let node = r.node.clone();
+                    let progress_after = super::outcome::progress_rate_milli(r);
                     let (mut warmup_ms, mut overlap_ms) = (c.took_over.map_or(elapsed_ms, |t| t.saturating_duration_since(c.started).as_millis() as u64), elapsed_ms);
                     let mut measured = None;
                     if let Some(v) = c.verify.take() {
@@ -483,18 +489,24 @@ impl Live {
                             Some(a) => (a.usage(c.new_alloc).map_or(v.cpu_ms_at, |u| u.cpu_ms), a.node_cpu_milli(&node, c.new_alloc)),
                             None => (v.cpu_ms_at, 0),
                         };
-                        let after = (cpu_ms.saturating_sub(v.cpu_ms_at).saturating_mul(1000) / window_ms).min(u64::from(u32::MAX)) as u32;
-                        measured = Some((after, neighbours));
-                        let before = c.rate_before_milli.unwrap_or(0);
+                        let cpu_after = (cpu_ms.saturating_sub(v.cpu_ms_at).saturating_mul(1000) / window_ms).min(u64::from(u32::MAX)) as u32;
+                        // Its own work rate where it reports progress both
+                        // before and after; its CPU use otherwise.
+                        let (measure, before, after) = match (c.progress_before_milli.filter(|&p| p > 0), progress_after) {
+                            (Some(before), Some(after)) => (RateMeasure::Progress, before, after),
+                            _ => (RateMeasure::Cpu, c.rate_before_milli.unwrap_or(0), cpu_after),
+                        };
+                        measured = Some((measure, before, after, neighbours));
                         if f64::from(after) < f64::from(before) * (1.0 - config.verify_margin) {
                             let cause = format!(
-                                "slower on {node}: {:.2} cores in the {:.0} s after the move against {:.2} before (margin {:.0}%)",
+                                "slower on {node}: {:.2} {unit} after the move against {:.2} before (margin {:.0}%; a {:.0} s window)",
                                 f64::from(after) / 1000.0,
-                                window_ms as f64 / 1000.0,
                                 f64::from(before) / 1000.0,
-                                config.verify_margin * 100.0
+                                config.verify_margin * 100.0,
+                                window_ms as f64 / 1000.0,
+                                unit = measure.unit(),
                             );
-                            self.move_back(part, st, &c, cause, after, neighbours);
+                            self.move_back(part, st, &c, cause, (measure, before, after, neighbours));
                             return self.after_tick(p, st, now);
                         }
                     }
@@ -505,7 +517,9 @@ impl Live {
                         mv.state = MoveState::Done;
                         mv.overlap_ms = overlap_ms;
                         mv.warmup_ms = warmup_ms;
-                        if let Some((after, neighbours)) = measured {
+                        if let Some((measure, before, after, neighbours)) = measured {
+                            mv.rate_measure = measure.name().into();
+                            mv.rate_before_milli = before;
                             mv.rate_after_milli = after;
                             mv.neighbours_after_milli = neighbours;
                         }
@@ -558,7 +572,7 @@ impl Live {
     /// GPUs are given back to the task (make-before-break again, the same
     /// migration path), the move is recorded moved back and its chain ends
     /// rolled back.
-    fn move_back(&self, part: &Partition, st: &mut PartitionState, c: &InFlight, cause: String, after: u32, neighbours: u32) {
+    fn move_back(&self, part: &Partition, st: &mut PartitionState, c: &InFlight, cause: String, (measure, before, after, neighbours): (RateMeasure, u32, u32, u32)) {
         tracing::warn!(target: "berth::serve", partition = %part.name, chain = c.chain_id, job = c.job_id, allocation = c.new_alloc, "compaction move verified slower: {cause}; moving back");
         let src_name = st.fleet.nodes()[c.source.node as usize].name.clone();
         let back = self.start_copy(part, st, c.job_id, c.task, &src_name, c.source.node, c.source.gpus, true);
@@ -567,6 +581,8 @@ impl Live {
         if let Some(rec) = st.compaction.record_mut(c.chain_id) {
             let mv = &mut rec.moves[c.index];
             mv.state = state;
+            mv.rate_measure = measure.name().into();
+            mv.rate_before_milli = before;
             mv.rate_after_milli = after;
             mv.neighbours_after_milli = neighbours;
             mv.cause = match &back {
@@ -628,6 +644,31 @@ impl Live {
         }
         if let Err(e) = self.compaction_step(p, part, st, false) {
             tracing::warn!(target: "berth::serve", partition = %part.name, "compaction step: {e}");
+        }
+    }
+}
+
+/// What a verified move's rates count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RateMeasure {
+    /// The task's own progress reports (`berth progress`).
+    Progress,
+    /// CPU use, from the task's cgroup.
+    Cpu,
+}
+
+impl RateMeasure {
+    fn name(self) -> &'static str {
+        match self {
+            RateMeasure::Progress => "progress",
+            RateMeasure::Cpu => "cpu",
+        }
+    }
+
+    fn unit(self) -> &'static str {
+        match self {
+            RateMeasure::Progress => "work units/s",
+            RateMeasure::Cpu => "cores",
         }
     }
 }

@@ -38,6 +38,13 @@ pub fn take_progress(run: &mut TaskRun, work: &mut WorkTally, units: u64) -> u64
     new
 }
 
+/// A run's work rate from its progress reports, in thousandths of a unit
+/// per second: None until two reports at least a second apart.
+pub fn progress_rate_milli(run: &TaskRun) -> Option<u32> {
+    let ((t0, u0), (t1, u1)) = (run.progress_first?, run.progress_last?);
+    (t1 >= t0 + 1000).then(|| (u1.saturating_sub(u0).saturating_mul(1_000_000) / (t1 - t0)).min(u64::from(u32::MAX)) as u32)
+}
+
 /// Most units one run may count (2^53: exact in a float, and a bound on
 /// what one task adds to shared tallies and counters).
 pub const MAX_RUN_UNITS: u64 = 1 << 53;

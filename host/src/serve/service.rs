@@ -828,6 +828,7 @@ impl Berth for Service {
                                 rate_after_milli: m.rate_after_milli,
                                 neighbours_before_milli: m.neighbours_before_milli,
                                 neighbours_after_milli: m.neighbours_after_milli,
+                                rate_measure: m.rate_measure,
                             })
                             .collect(),
                         bytes_same_switch: c.bytes_by_tier[0],

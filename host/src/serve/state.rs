@@ -80,6 +80,13 @@ pub struct TaskRun {
     /// most the host's `--lend-max-memory-mib`.
     #[serde(default)]
     pub gpu_memory_held_mib: u64,
+    /// The first and latest progress reports of this run that added work,
+    /// as (host ms, units): its measured rate (not stored: a restarted
+    /// host measures again).
+    #[serde(skip)]
+    pub progress_first: Option<(u64, u64)>,
+    #[serde(skip)]
+    pub progress_last: Option<(u64, u64)>,
     /// When the task last reported a checkpoint (`berth checkpointed`), in
     /// Unix ms; 0: never.
     #[serde(default)]
@@ -165,6 +172,8 @@ impl TaskRun {
             replaces: 0,
             checkpoint_old: false,
             gpu_memory_held_mib: 0,
+            progress_first: None,
+            progress_last: None,
             checkpointed_unix_ms: 0,
             ready: false,
             stop_at_unix_ms: 0,
@@ -1043,9 +1052,12 @@ pub struct MoveRecord {
     /// From the new copy's start to its takeover (running, or ready).
     pub warmup_ms: u64,
     pub cause: String,
-    /// Verification: the task's CPU rate (thousandths of a core) before the
-    /// move and on the destination after it, and the other tasks' on the
-    /// destination node before and after (0: not measured).
+    /// Verification: the task's rate before the move and on the
+    /// destination after it, in thousandths of `rate_measure`'s unit, and
+    /// the other tasks' CPU use on the destination node before and after,
+    /// in thousandths of a core (0: not measured).
+    #[serde(default)]
+    pub rate_measure: String,
     #[serde(default)]
     pub rate_before_milli: u32,
     #[serde(default)]
@@ -1106,6 +1118,9 @@ pub(super) struct InFlight {
     pub(super) task: usize,
     pub(super) source: Allocation,
     pub(super) rate_before_milli: Option<u32>,
+    /// Its work rate before the move (thousandths of a unit per second),
+    /// where it reports progress: preferred to CPU use.
+    pub(super) progress_before_milli: Option<u32>,
     /// Took over and being verified.
     pub(super) verify: Option<Verify>,
 }
