@@ -131,7 +131,8 @@ pub struct CompactionConfig {
     /// this share is moved back.
     pub verify_margin: f64,
     /// Tasks using less than this many cores before the move are not
-    /// verified (an idle task's rate says nothing).
+    /// verified by CPU use (a mostly idle or GPU-bound task's CPU rate says
+    /// little; one that reports progress is verified by that instead).
     pub verify_min_cores: f64,
 }
 
@@ -156,7 +157,7 @@ impl Default for CompactionConfig {
             max_pending: 64,
             verify_s: 30.0,
             verify_margin: 0.2,
-            verify_min_cores: 0.1,
+            verify_min_cores: 0.5,
         }
     }
 }

@@ -169,6 +169,12 @@ impl Isolation {
     /// or a test's many, never share a group, and a restarted agent finds
     /// the groups of the tasks it adopts.
     pub fn detect(mode: Mode, tag: &str, cpus: Option<CpuList>) -> Result<Isolation, String> {
+        // A list beyond the CPUs this agent may use could confine nothing.
+        if let (Some(asked), Some(own)) = (&cpus, own_affinity())
+            && let Some(c) = asked.cpus().iter().find(|c| !own.cpus().contains(c))
+        {
+            return Err(format!("--cpus {asked}: CPU {c} is not one this agent may use ({own})"));
+        }
         let cpus = cpus.or_else(own_affinity);
         let kind = match mode {
             Mode::None => Kind::Nothing,
