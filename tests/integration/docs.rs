@@ -219,3 +219,105 @@ fn every_berth_command_the_book_shows_parses() {
     }
     assert!(failed.is_empty(), "{} of {} command lines do not parse:\n{}", failed.len(), commands.len(), failed.join("\n"));
 }
+
+/// The README's tour as a new user types it: every line of its `sh`
+/// blocks, in order, run by `sh` from a fresh folder outside the
+/// repository with only `berth`'s folder added to `PATH`. A line ending in
+/// `&` runs in the background (the host, the agent), and the command after
+/// it is tried again until it succeeds (the server starting, at most a
+/// minute); `export` lines set the variables of the lines after them.
+/// Every other command must succeed the first time.
+#[test]
+fn the_readme_tour_runs_from_another_folder() {
+    if std::net::TcpListener::bind("127.0.0.1:7450").is_err() || std::net::TcpListener::bind("127.0.0.1:7451").is_err() {
+        crate::common::skip("127.0.0.1:7450 or 7451 is taken: the tour's host listens there");
+        return;
+    }
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let tour = readme.split("## A five-minute tour").nth(1).and_then(|t| t.split("\n## ").next()).expect("README.md has its tour");
+    let mut lines = Vec::new();
+    let (mut in_sh, mut joined) = (false, String::new());
+    for line in tour.lines() {
+        if let Some(lang) = line.trim_start().strip_prefix("```") {
+            in_sh = !in_sh && lang.trim() == "sh";
+            continue;
+        }
+        if !in_sh {
+            continue;
+        }
+        match line.strip_suffix('\\') {
+            Some(part) => joined.push_str(part),
+            None => {
+                joined.push_str(line);
+                let whole = std::mem::take(&mut joined);
+                let code = whole.find(" #").map_or(whole.as_str(), |i| &whole[..i]).trim().to_string();
+                if !code.is_empty() {
+                    lines.push(code);
+                }
+            }
+        }
+    }
+    assert!(lines.len() >= 20, "only {} tour lines found", lines.len());
+    let dir = std::env::temp_dir().join(format!("berth-tour-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // The tour's own state folder: a fresh host, as on a first try.
+    let _ = std::fs::remove_dir_all("/tmp/berth-demo");
+    let bin = Path::new(crate::agent::BERTH).parent().unwrap().to_path_buf();
+    let path = std::env::join_paths(std::iter::once(bin).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()))).unwrap();
+    let mut env: Vec<(String, String)> = Vec::new();
+    let mut background: Vec<std::process::Child> = Vec::new();
+    let mut after_background = false;
+    let command = |line: &str, env: &[(String, String)]| {
+        let mut c = std::process::Command::new("sh");
+        c.arg("-c").arg(line).current_dir(&dir).env("PATH", &path).env_remove("BERTH_TOKEN").env_remove("BERTH_SERVER").env_remove("BERTH_TOKEN_FILE").env("RUST_BACKTRACE", "0");
+        c.envs(env.iter().map(|(k, v)| (k, v)));
+        c
+    };
+    let run = |line: &str, env: &[(String, String)]| command(line, env).output().unwrap();
+    let mut failure = None;
+    for line in &lines {
+        if let Some(assign) = line.strip_prefix("export ") {
+            let (k, v) = assign.split_once('=').expect("export NAME=VALUE");
+            env.push((k.to_string(), v.to_string()));
+            continue;
+        }
+        if let Some(cmd) = line.strip_suffix('&') {
+            let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("background.log")).unwrap();
+            // exec: the process a stop signals is the command itself.
+            let child = command(&format!("exec {}", cmd.trim()), &env).stdin(std::process::Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
+            background.push(child);
+            after_background = true;
+            continue;
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(if after_background { 60 } else { 0 });
+        let out = loop {
+            let out = run(line, &env);
+            if out.status.success() || std::time::Instant::now() >= deadline {
+                break out;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(250));
+        };
+        after_background = false;
+        if !out.status.success() {
+            failure = Some(format!("{line}\n{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
+            break;
+        }
+    }
+    // What the tour left: its jobs on the host (one on the agent's GPUs).
+    let listed = failure.is_none().then(|| run("berth jobs --partition p0", &env));
+    for mut b in background {
+        // SIGTERM: the agent stops its tasks as it leaves.
+        // SAFETY: kill(2) on a child this test started.
+        unsafe { libc::kill(b.id() as i32, libc::SIGTERM) };
+        let _ = b.wait();
+    }
+    if let Some(f) = failure {
+        let log = std::fs::read_to_string(dir.join("background.log")).unwrap_or_default();
+        panic!("the tour failed at:\n{f}\n--- the host's and agent's output:\n{}", log.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"));
+    }
+    let listed = String::from_utf8_lossy(&listed.unwrap().stdout).into_owned();
+    assert!(listed.lines().any(|l| l.contains("running") && l.contains("gpu-a[")), "no tour job runs on the agent's GPUs:\n{listed}");
+    assert!(dir.join("report.html").exists() && dir.join("my-policy/my-policy.wasm").exists(), "the tour's report and policy are missing");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -352,4 +352,11 @@ async fn a_sleeping_replica_that_still_holds_gpu_memory_lends_nothing() {
     for id in [low, held, released] {
         api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
     }
+    // Their processes gone (a frozen one is killed where it stands), so
+    // nothing outlives the test.
+    until("the replicas' and the borrower's processes gone", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().all(|j| j.runs.iter().all(|r| !matches!(r.state.as_str(), "starting" | "running" | "sleeping"))).then_some(()) }
+    })
+    .await;
 }

@@ -141,8 +141,8 @@ async fn a_task_gets_the_cores_and_memory_it_asked_for_and_an_oom_kill_is_its_ow
     for id in [hog, neighbour] {
         api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
     }
-    until_logged(&d, "the loops stopped", Duration::from_secs(30), || {
-        let gone = loops.iter().all(|&p| !crate::agent::alive(p));
+    until_logged(&d, "the loops and the neighbour stopped", Duration::from_secs(30), || {
+        let gone = loops.iter().chain([&neighbour_pid]).all(|&p| !crate::agent::alive(p));
         async move { gone.then_some(()) }
     })
     .await;
@@ -216,4 +216,9 @@ async fn two_agents_on_one_machine_split_its_cpus_and_their_tasks_stay_on_them()
     for id in [a, b] {
         api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
     }
+    until_logged(&d, "both tasks stopped", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().all(|j| j.runs.iter().all(|r| !matches!(r.state.as_str(), "starting" | "running"))).then_some(()) }
+    })
+    .await;
 }

@@ -15,6 +15,10 @@ use super::isolation::{self, CpuList, Isolation};
 use super::{connect_hub, HubClient};
 use crate::proto as pb;
 
+/// The agent token of `berth agent --trial` (the repository's example,
+/// accepted by `berth serve --trial`).
+const TRIAL_AGENT_TOKEN: &str = include_str!("../../../examples/serve/agent-token");
+
 /// Set in a task's environment: the file `berth checkpointed` writes.
 pub const CHECKPOINT_ENV: &str = "BERTH_CHECKPOINTED";
 /// Set in a task's environment: the file `berth ready` writes.
@@ -130,8 +134,13 @@ pub struct AgentArgs {
     /// --partition for this node (`roles = { "p0" = "agent" }` and `nodes`
     /// in the access file). Read from a file, never from argv or the
     /// environment, so no task can find it in either.
-    #[arg(long, env = "BERTH_TOKEN_FILE")]
+    #[arg(long, env = "BERTH_TOKEN_FILE", conflicts_with = "trial")]
     token_file: Option<PathBuf>,
+    /// For a host started with `berth serve --trial`: the example agent
+    /// token built into the binary (examples/serve/agent-token, public)
+    /// instead of --token-file; loopback servers only.
+    #[arg(long)]
+    trial: bool,
     /// CA certificate (PEM) that signed the host's certificate.
     #[arg(long, env = "BERTH_CA")]
     ca: Option<PathBuf>,
@@ -373,7 +382,15 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     if let Some(name) = args.task_env.iter().find(|n| n.starts_with("BERTH_") || n.is_empty() || n.contains(['=', '\0'])) {
         anyhow::bail!("--task-env {name:?}: not a variable a task may inherit (empty, '=' or NUL, or BERTH_*)");
     }
-    let token = args.token_file.as_deref().map(read_token_file).transpose()?;
+    let token = if args.trial {
+        anyhow::ensure!(
+            args.server.split(',').all(|s| ["http://127.0.0.1:", "http://localhost:", "http://[::1]:"].iter().any(|p| s.trim().starts_with(p))),
+            "--trial sends a public example token: --server must be a loopback address"
+        );
+        Some(TRIAL_AGENT_TOKEN.trim().to_string())
+    } else {
+        args.token_file.as_deref().map(read_token_file).transpose()?
+    };
     let state_dir = args.state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("berth-agent-{node}")));
     std::fs::create_dir_all(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
     let isolation = Isolation::detect(args.isolation, &group_tag(&node, &state_dir), args.cpus.clone()).map_err(|e| anyhow::anyhow!(e))?;

@@ -18,6 +18,9 @@ use crate::store::etcd::EtcdConfig;
 use crate::asi::fleet::FleetConfig;
 use crate::wasm::Limits;
 
+/// The access file of `berth serve --trial` (the repository's example).
+pub const TRIAL_ACCESS: &str = include_str!("../../../examples/serve/access.toml");
+
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
     /// Address of the gRPC API (Berth and the agents' AgentHub); plaintext
@@ -39,10 +42,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1.0)]
     fleet_scale: f64,
     /// Access file (TOML): identities, tokens or client-certificate digests,
-    /// roles per partition, an optional component allow-list. Required: the
-    /// API is never open.
+    /// roles per partition, an optional component allow-list. Required (or
+    /// --trial): the API is never open.
+    #[arg(long, required_unless_present = "trial", conflicts_with = "trial")]
+    access: Option<PathBuf>,
+    /// A local trial from any folder: the example access file built into
+    /// the binary (examples/serve/access.toml: public tokens such as
+    /// ops-example-token, and agent-example-token for `berth agent
+    /// --trial`) instead of --access. Loopback addresses only.
     #[arg(long)]
-    access: PathBuf,
+    trial: bool,
     /// The server's TLS certificate chain (PEM); with --tls-key.
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -186,7 +195,15 @@ impl ServeArgs {
             },
             state_dir: self.state_dir.clone(),
             fleet: fleet.scaled(self.fleet_scale),
-            access: Access::load(&self.access)?,
+            access: match &self.access {
+                Some(path) => Access::load(path)?,
+                None => {
+                    // Public tokens: never beyond this machine.
+                    let metrics_loopback = self.metrics_listen == "off" || self.metrics_listen.parse::<SocketAddr>().is_ok_and(|a| a.ip().is_loopback());
+                    anyhow::ensure!(self.listen.ip().is_loopback() && metrics_loopback, "--trial uses public example tokens: --listen and --metrics-listen must be loopback addresses");
+                    Access::parse(TRIAL_ACCESS).context("the built-in trial access file")?
+                }
+            },
             tls: self.tls_cert.clone().zip(self.tls_key.clone()).map(|(cert, key)| TlsFiles { cert, key, client_ca: self.client_ca.clone() }),
             default_policy: std::fs::read(&policy).with_context(|| format!("reading {}", policy.display()))?,
             limits: Limits { deadline: Duration::from_millis(self.deadline_ms), memory_bytes: self.memory_mib << 20, ..Limits::default() },

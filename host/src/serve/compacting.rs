@@ -337,7 +337,7 @@ impl Live {
                     let dest = st.fleet.nodes()[m.to_node as usize].name.clone();
                     let progress_before_milli = st.jobs.get(&origin.job_id).and_then(|j| j.runs.get(origin.task)).and_then(super::outcome::progress_rate_milli);
                     let (rate_before_milli, neighbours_before_milli) = match self.actuator() {
-                        Some(a) => (a.usage(origin.alloc_id).map(|u| u.cpu_milli), a.node_cpu_milli(&dest, new_alloc)),
+                        Some(a) => (a.cpu_rate_milli(origin.alloc_id).or_else(|| a.usage(origin.alloc_id).map(|u| u.cpu_milli)), a.node_cpu_milli(&dest, new_alloc, true)),
                         None => (None, 0),
                     };
                     if let Some(r) = st.compaction.record_mut(chain_id) {
@@ -486,7 +486,7 @@ impl Live {
                         }
                         let window_ms = now.saturating_duration_since(v.since).as_millis().max(1) as u64;
                         let (cpu_ms, neighbours) = match self.actuator() {
-                            Some(a) => (a.usage(c.new_alloc).map_or(v.cpu_ms_at, |u| u.cpu_ms), a.node_cpu_milli(&node, c.new_alloc)),
+                            Some(a) => (a.usage(c.new_alloc).map_or(v.cpu_ms_at, |u| u.cpu_ms), a.node_cpu_milli(&node, c.new_alloc, false)),
                             None => (v.cpu_ms_at, 0),
                         };
                         let cpu_after = (cpu_ms.saturating_sub(v.cpu_ms_at).saturating_mul(1000) / window_ms).min(u64::from(u32::MAX)) as u32;

@@ -104,12 +104,17 @@ struct HubState {
     /// the retention's count of newer ones ended.
     ended: std::collections::VecDeque<u64>,
     next_session: u64,
+    /// Per running allocation, its CPU time at the first and the latest
+    /// heartbeat that carried it: its average CPU rate over its life here
+    /// (steadier than one beat's).
+    cpu_seen: std::collections::HashMap<u64, ((Instant, u64), (Instant, u64))>,
 }
 
 impl HubState {
     /// Allocation `id` holds no GPUs any more: the oldest ended ones past
     /// `keep` leave the listing.
     fn ended(&mut self, id: u64, keep: usize) {
+        self.cpu_seen.remove(&id);
         self.ended.push_back(id);
         while self.ended.len() > keep {
             let Some(old) = self.ended.pop_front() else { break };
@@ -354,9 +359,12 @@ impl Hub {
         }
         a.contention = r.contention.clone();
         // Each task's use, kept with its allocation (this node's only).
+        let now = Instant::now();
         for u in &r.tasks {
             if let Some(alloc) = st.allocations.get_mut(&u.allocation_id).filter(|x| x.node == r.node) {
                 alloc.usage = Some(u.clone());
+                let seen = st.cpu_seen.entry(u.allocation_id).or_insert(((now, u.cpu_ms), (now, u.cpu_ms)));
+                seen.1 = (now, u.cpu_ms);
             }
         }
         Ok(BeatNews { unhealthy, active, schedulable, registered_below, power })
@@ -878,9 +886,27 @@ impl Actuator for Hub {
         self.state.lock().unwrap().allocations.get(&alloc_id).and_then(|a| a.usage.clone())
     }
 
-    fn node_cpu_milli(&self, node: &str, except: u64) -> u32 {
+    fn cpu_rate_milli(&self, alloc_id: u64) -> Option<u32> {
         let st = self.state.lock().unwrap();
-        st.allocations.values().filter(|a| a.node == node && a.id != except && holds_gpus(&a.state)).filter_map(|a| a.usage.as_ref()).map(|u| u.cpu_milli).fold(0u32, u32::saturating_add)
+        let &((t0, c0), (t1, c1)) = st.cpu_seen.get(&alloc_id)?;
+        let ms = t1.saturating_duration_since(t0).as_millis() as u64;
+        (ms >= 1000).then(|| (c1.saturating_sub(c0).saturating_mul(1000) / ms).min(u64::from(u32::MAX)) as u32)
+    }
+
+    fn node_cpu_milli(&self, node: &str, except: u64, lifetime: bool) -> u32 {
+        let st = self.state.lock().unwrap();
+        st.allocations
+            .values()
+            .filter(|a| a.node == node && a.id != except && holds_gpus(&a.state))
+            .filter_map(|a| {
+                // Its average over its life here, or its latest beat's.
+                let average = st.cpu_seen.get(&a.id).filter(|_| lifetime).and_then(|&((t0, c0), (t1, c1))| {
+                    let ms = t1.saturating_duration_since(t0).as_millis() as u64;
+                    (ms >= 1000).then(|| (c1.saturating_sub(c0).saturating_mul(1000) / ms).min(u64::from(u32::MAX)) as u32)
+                });
+                average.or_else(|| a.usage.as_ref().map(|u| u.cpu_milli))
+            })
+            .fold(0u32, u32::saturating_add)
     }
 
     fn stop(&self, alloc_id: u64, node: &str) -> bool {

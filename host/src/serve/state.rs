@@ -210,9 +210,16 @@ pub trait Actuator: Send + Sync {
     fn usage(&self, _alloc_id: u64) -> Option<crate::proto::TaskUsage> {
         None
     }
-    /// The thousandths of a core the running allocations on `node` used at
-    /// its latest heartbeat, but `except`.
-    fn node_cpu_milli(&self, _node: &str, _except: u64) -> u32 {
+    /// An allocation's average CPU use (thousandths of a core) between the
+    /// first and the latest heartbeats that carried its usage (None: under
+    /// a second of them).
+    fn cpu_rate_milli(&self, _alloc_id: u64) -> Option<u32> {
+        None
+    }
+    /// The thousandths of a core the running allocations on `node` but
+    /// `except` used: at its latest heartbeat, or (`lifetime`) on average
+    /// since their first.
+    fn node_cpu_milli(&self, _node: &str, _except: u64, _lifetime: bool) -> u32 {
         0
     }
 }
