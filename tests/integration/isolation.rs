@@ -206,9 +206,11 @@ async fn two_agents_on_one_machine_split_its_cpus_and_their_tasks_stay_on_them()
         let pid = task_pid(&d, &api, &hub, id).await;
         let node = jobs(&api).await.into_iter().find(|j| j.id == id).unwrap().runs[0].node.clone();
         let want = if node == "n1" { "0" } else { "1" };
+        // The task once it runs its own program (between fork and exec the
+        // child is still the supervisor's image, not yet confined).
         let task = until_logged(&d, "the task's process", Duration::from_secs(10), || {
-            let below = descendants(pid);
-            async move { below.first().copied() }
+            let below = descendants(pid).into_iter().find(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() != "berth"));
+            async move { below }
         })
         .await;
         assert_eq!(allowed_cpus(task), want, "job {id}'s task on {node} runs on CPUs {} (its node has {want})", allowed_cpus(task));

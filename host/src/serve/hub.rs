@@ -125,6 +125,13 @@ impl HubState {
     }
 }
 
+/// Thousandths of a core used between the first and the latest samples of
+/// an allocation's CPU time (None: under a second apart).
+fn average_cpu_milli(&((t0, c0), (t1, c1)): &((Instant, u64), (Instant, u64))) -> Option<u32> {
+    let ms = t1.saturating_duration_since(t0).as_millis() as u64;
+    (ms >= 1000).then(|| (c1.saturating_sub(c0).saturating_mul(1000) / ms).min(u64::from(u32::MAX)) as u32)
+}
+
 /// Allocation states that hold their GPUs (a process not gone).
 fn holds_gpus(state: &str) -> bool {
     TaskState::parse(state).is_some_and(|t| !t.is_gone())
@@ -887,10 +894,7 @@ impl Actuator for Hub {
     }
 
     fn cpu_rate_milli(&self, alloc_id: u64) -> Option<u32> {
-        let st = self.state.lock().unwrap();
-        let &((t0, c0), (t1, c1)) = st.cpu_seen.get(&alloc_id)?;
-        let ms = t1.saturating_duration_since(t0).as_millis() as u64;
-        (ms >= 1000).then(|| (c1.saturating_sub(c0).saturating_mul(1000) / ms).min(u64::from(u32::MAX)) as u32)
+        self.state.lock().unwrap().cpu_seen.get(&alloc_id).and_then(average_cpu_milli)
     }
 
     fn node_cpu_milli(&self, node: &str, except: u64, lifetime: bool) -> u32 {
@@ -900,10 +904,7 @@ impl Actuator for Hub {
             .filter(|a| a.node == node && a.id != except && holds_gpus(&a.state))
             .filter_map(|a| {
                 // Its average over its life here, or its latest beat's.
-                let average = st.cpu_seen.get(&a.id).filter(|_| lifetime).and_then(|&((t0, c0), (t1, c1))| {
-                    let ms = t1.saturating_duration_since(t0).as_millis() as u64;
-                    (ms >= 1000).then(|| (c1.saturating_sub(c0).saturating_mul(1000) / ms).min(u64::from(u32::MAX)) as u32)
-                });
+                let average = st.cpu_seen.get(&a.id).filter(|_| lifetime).and_then(average_cpu_milli);
                 average.or_else(|| a.usage.as_ref().map(|u| u.cpu_milli))
             })
             .fold(0u32, u32::saturating_add)
