@@ -419,22 +419,16 @@ async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
     }
 }
 
-/// A busy process pinned to `cpu`, killed when dropped.
+/// A busy process pinned to `cpu` (as the agent pins a task without
+/// cgroups), killed when dropped.
 fn hog(cpu: usize) -> crate::agent::Proc {
     use std::os::unix::process::CommandExt;
+    let cpus = berth::agent::isolation::CpuList::parse(&cpu.to_string()).unwrap();
+    let confine = berth::agent::isolation::Confine::new(&[], Some(&cpus)).unwrap();
     let mut c = std::process::Command::new("sh");
     c.args(["-c", "end=$(($(date +%s) + 120)); while [ $(date +%s) -lt $end ]; do i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; done"]);
-    // SAFETY: sched_setaffinity on the child between fork and exec.
-    unsafe {
-        c.pre_exec(move || {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut set);
-            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    };
+    // SAFETY: Confine::apply makes only async-signal-safe calls.
+    unsafe { c.pre_exec(move || confine.apply()) };
     crate::agent::Proc(c.spawn().unwrap())
 }
 

@@ -202,6 +202,11 @@ impl Isolation {
         }
     }
 
+    /// Whether tasks run in cgroups (their use can be read).
+    pub fn has_cgroups(&self) -> bool {
+        matches!(self.kind, Kind::V1(_) | Kind::V2(_))
+    }
+
     /// The short name reported to the host: "cgroup-v2", "cgroup-v1",
     /// "affinity" or "none".
     pub fn name(&self) -> &'static str {

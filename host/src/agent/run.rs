@@ -620,7 +620,7 @@ impl Agent {
     /// running are adopted (and listed in heartbeats, so the host keeps
     /// them or stops them); those that ended are reported.
     fn recover_children(&self) -> anyhow::Result<Vec<(u64, u32)>> {
-        std::fs::create_dir_all(&self.state_dir).with_context(|| format!("creating {}", self.state_dir.display()))?;
+        // (The state folder was made at start, before the cgroups.)
         let mut adopted = Vec::new();
         let mut recorded = Vec::new();
         for entry in std::fs::read_dir(&self.state_dir)? {
@@ -904,7 +904,7 @@ impl Agent {
         let mut contention = pb::NodeContention { cpu: pressure("cpu"), memory: pressure("memory"), io: pressure("io"), ..Default::default() };
         let children: Vec<(u64, bool)> = self.children.lock().unwrap().iter().map(|(&id, c)| (id, c.gpus.is_empty())).collect();
         let mut tasks = Vec::with_capacity(children.len());
-        if matches!(self.isolation.name(), "cgroup-v1" | "cgroup-v2") {
+        if self.isolation.has_cgroups() {
             let now = std::time::Instant::now();
             let mut seen = self.cpu_seen.lock().unwrap();
             for (id, cpu_only) in children {

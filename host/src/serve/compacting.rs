@@ -394,18 +394,28 @@ impl Live {
     /// it is skipped).
     fn move_failed(&self, part: &Partition, st: &mut PartitionState, chain_id: u64, index: usize, cause: &str, overlap_ms: u64) {
         tracing::warn!(target: "berth::serve", partition = %part.name, chain = chain_id, "compaction move rolled back: {cause}");
-        self.metrics.compaction_moves.with_label_values(&[&part.name, MoveState::RolledBack.as_str()]).inc();
-        if let Some(r) = st.compaction.record_mut(chain_id) {
-            let mv = &mut r.moves[index];
-            mv.state = MoveState::RolledBack;
+        self.end_move(part, st, chain_id, index, MoveState::RolledBack, cause, |mv| {
             mv.cause = cause.to_string();
             mv.overlap_ms = overlap_ms;
+        });
+    }
+
+    /// Move `index` of chain `chain_id` did not stay where it went (rolled
+    /// or moved back): recorded as `state` with what `fill` adds, the rest
+    /// of its chain skipped, the chain ended rolled back for `chain_cause`.
+    #[allow(clippy::too_many_arguments)]
+    fn end_move(&self, part: &Partition, st: &mut PartitionState, chain_id: u64, index: usize, state: MoveState, chain_cause: &str, fill: impl FnOnce(&mut MoveRecord)) {
+        self.metrics.compaction_moves.with_label_values(&[&part.name, state.as_str()]).inc();
+        if let Some(r) = st.compaction.record_mut(chain_id) {
+            let mv = &mut r.moves[index];
+            mv.state = state;
+            fill(mv);
             for later in r.moves.iter_mut().skip(index + 1) {
                 later.state = MoveState::Skipped;
             }
         }
         let (nodes, pending) = st.compaction.run.as_ref().map(|r| (r.nodes.clone(), r.pending.clone())).unwrap_or_default();
-        self.end_chain(part, st, chain_id, Some(cause), &nodes, &pending);
+        self.end_chain(part, st, chain_id, Some(chain_cause), &nodes, &pending);
     }
 
     /// Closes a chain's ledger entry (once): done, or rolled back with its cause.
@@ -445,11 +455,10 @@ impl Live {
             let wait_ready = job.is_some_and(|j| j.spec.wait_ready);
             let copy = job.and_then(|j| j.runs.iter().find(|r| r.alloc_id == c.new_alloc && r.holds));
             let elapsed_ms = now.saturating_duration_since(c.started).as_millis() as u64;
-            let config = st.compaction.config.clone();
+            let (verify_s, verify_margin, verify_min_cores) = (st.compaction.config.verify_s, st.compaction.config.verify_margin, st.compaction.config.verify_min_cores);
             // Verified: a task that reported progress before the move, or
             // used CPU enough for its rate to say something.
-            let verifiable = config.verify_s > 0.0
-                && (c.progress_before_milli.is_some_and(|p| p > 0) || c.rate_before_milli.is_some_and(|r| f64::from(r) >= config.verify_min_cores * 1000.0));
+            let verifiable = verify_s > 0.0 && (c.progress_before_milli.is_some_and(|p| p > 0) || c.rate_before_milli.is_some_and(|r| f64::from(r) >= verify_min_cores * 1000.0));
             match copy {
                 Some(r) if r.replaces == 0 && c.verify.is_none() && verifiable => {
                     // Took over: watched for verify_s with the source's GPUs
@@ -468,9 +477,8 @@ impl Live {
                     }
                     self.persist_logged(st.chain_op(&part.name, chain_id).into_iter().collect());
                 }
-                Some(r) if r.replaces == 0 && c.verify.as_ref().is_some_and(|v| now.saturating_duration_since(v.since).as_secs_f64() < config.verify_s) => {
-                    let _ = r;
-                }
+                // Still within its window.
+                Some(r) if r.replaces == 0 && c.verify.as_ref().is_some_and(|v| now.saturating_duration_since(v.since).as_secs_f64() < verify_s) => {}
                 Some(r) if r.replaces == 0 => {
                     // The old copy is gone and the new one is the task (and,
                     // when verified, kept its rate).
@@ -497,12 +505,12 @@ impl Live {
                             _ => (RateMeasure::Cpu, c.rate_before_milli.unwrap_or(0), cpu_after),
                         };
                         measured = Some((measure, before, after, neighbours));
-                        if f64::from(after) < f64::from(before) * (1.0 - config.verify_margin) {
+                        if f64::from(after) < f64::from(before) * (1.0 - verify_margin) {
                             let cause = format!(
                                 "slower on {node}: {:.2} {unit} after the move against {:.2} before (margin {:.0}%; a {:.0} s window)",
                                 f64::from(after) / 1000.0,
                                 f64::from(before) / 1000.0,
-                                config.verify_margin * 100.0,
+                                verify_margin * 100.0,
                                 window_ms as f64 / 1000.0,
                                 unit = measure.unit(),
                             );
@@ -577,28 +585,21 @@ impl Live {
         let src_name = st.fleet.nodes()[c.source.node as usize].name.clone();
         let back = self.start_copy(part, st, c.job_id, c.task, &src_name, c.source.node, c.source.gpus, true);
         let state = if back.is_ok() { MoveState::MovedBack } else { MoveState::RolledBack };
-        self.metrics.compaction_moves.with_label_values(&[&part.name, state.as_str()]).inc();
-        if let Some(rec) = st.compaction.record_mut(c.chain_id) {
-            let mv = &mut rec.moves[c.index];
-            mv.state = state;
+        let cause = match &back {
+            Ok(m) => format!("{cause}; moved back to {src_name} (allocation {})", m.alloc_id),
+            Err(e) => format!("{cause}; moving back failed: {e}"),
+        };
+        if let Some(run) = st.compaction.run.as_mut() {
+            run.cursor.abandon(c.chain);
+        }
+        let chain_cause = format!("move of job {} back: its destination was slower", c.job_id);
+        self.end_move(part, st, c.chain_id, c.index, state, &chain_cause, |mv| {
             mv.rate_measure = measure.name().into();
             mv.rate_before_milli = before;
             mv.rate_after_milli = after;
             mv.neighbours_after_milli = neighbours;
-            mv.cause = match &back {
-                Ok(m) => format!("{cause}; moved back to {src_name} (allocation {})", m.alloc_id),
-                Err(e) => format!("{cause}; moving back failed: {e}"),
-            };
-            for later in rec.moves.iter_mut().skip(c.index + 1) {
-                later.state = MoveState::Skipped;
-            }
-        }
-        if let Some(run) = st.compaction.run.as_mut() {
-            run.cursor.abandon(c.chain);
-        }
-        let (nodes, pending) = st.compaction.run.as_ref().map(|r| (r.nodes.clone(), r.pending.clone())).unwrap_or_default();
-        let chain_cause = format!("move of job {} back: its destination was slower", c.job_id);
-        self.end_chain(part, st, c.chain_id, Some(&chain_cause), &nodes, &pending);
+            mv.cause = cause;
+        });
         st.dirty = true;
     }
 

@@ -494,10 +494,9 @@ impl Berth for Service {
                 // The latest run's tasks: what each used against what it
                 // asked for.
                 if let Some(hub) = &this.agents {
-                    let latest: Vec<&super::state::TaskRun> = job.runs.iter().collect();
-                    let usage = hub.usage_of(latest.iter().map(|r| r.alloc_id));
+                    let usage = hub.usage_of(job.runs.iter().map(|r| r.alloc_id));
                     let shape = &job.spec.job.shape;
-                    for r in latest {
+                    for r in &job.runs {
                         if let Some((u, limit)) = usage.get(&r.alloc_id) {
                             out.tasks.push(task_usage_line(r.alloc_id, &r.node, shape.cpu_milli, shape.memory_mib, u.as_ref(), limit));
                         }
