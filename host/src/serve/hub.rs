@@ -619,6 +619,8 @@ impl AgentHub for Arc<Hub> {
             let report = Report::parse(&r.state)
                 .ok_or_else(|| Status::invalid_argument(format!("state \"{}\": one of {}", crate::text::printable(&r.state, 32), Report::names())))?;
             r.detail = crate::text::printable(&r.detail, MAX_REPORT_DETAIL).into_owned();
+            // One count per GPU of the task, at most a node's GPUs.
+            list("gpu_memory_used_mib", r.gpu_memory_used_mib.len(), MAX_AGENT_GPUS)?;
             // Started before this host (re)started: the fleet knows it, the hub
             // learns it now. Looked up before the hub's lock is taken.
             let known = hub.state.lock().unwrap().allocations.contains_key(&r.allocation_id);
