@@ -723,6 +723,7 @@ fn spec_of(j: &berth_core::job::Job, run_s: f64) -> pb::JobSpec {
         argv: vec!["bench-run".into(), run_ms.to_string()],
         // Low-priority work may be moved by live compaction.
         movable: j.priority < HIGH_PRIORITY,
+        class: j.task_class().name().to_string(),
         ..Default::default()
     }
 }

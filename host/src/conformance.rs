@@ -468,6 +468,7 @@ fn task_of(shape: &TaskShape, job_id: u64, gang_size: u32, gang_index: u32, prio
         priority,
         gang_size,
         gang_index,
+        class: berth_sdk::TaskClass::implied(shape.gpu_count),
     }
 }
 
@@ -843,6 +844,7 @@ fn check_plan_host(rules: &mut Rules, label: &str, case: &CompactCase, plan: &Pl
             running_s: a.running_s[i],
             since_checkpoint_s: a.since_checkpoint_s[i],
             last_moved_s: None,
+            class: a.class.get(i).and_then(|&c| berth_sdk::TaskClass::from_number(c)).unwrap_or_default(),
         })
         .collect();
     let config = berth_core::compaction::CompactionConfig::default();

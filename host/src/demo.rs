@@ -45,7 +45,7 @@ pub fn run(engine: Arc<PolicyEngine>, policies: &[String], nodes: usize, seed: u
         let mut placer = Placer::new();
         let mut placed = 0;
         for (i, shape) in tasks.iter().enumerate() {
-            let meta = TaskMeta { job_id: i as u64, ..TaskMeta::default() };
+            let meta = TaskMeta { job_id: i as u64, class: berth_core::TaskClass::implied(shape.gpu_count), ..TaskMeta::default() };
             if let Some(p) = placer.place(&fleet, shape, meta, &mut policy, None)? {
                 fleet.allocate(&Fleet::allocation(p.node, shape, p.gpus))?;
                 placed += 1;

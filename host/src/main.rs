@@ -133,7 +133,8 @@ struct ReplayArgs {
     #[arg(long, default_value_t = 1.0, requires = "fleet")]
     fleet_scale: f64,
     /// Workload for --fleet: `asi` (ASI's job mix, the default), `backlog`
-    /// (that mix plus a large low-priority backlog), a TOML config of the
+    /// (that mix plus a large low-priority backlog), `colocated` (that mix
+    /// plus a CPU-only job per GPU job), a TOML config of the
     /// generator, or a CSV of jobs (id,class,arrival_s,duration_s,tasks,
     /// gpus,gpu_milli,cpu_milli,memory_mib,model).
     #[arg(long, requires = "fleet")]
@@ -162,6 +163,12 @@ struct ReplayArgs {
     /// that ends before the reservation).
     #[arg(long, requires = "fleet")]
     reserve_after_h: Option<f64>,
+    /// Interference for --fleet: a training job sharing a node with
+    /// CPU-only work loses this share of its GPUs' work while it does, as
+    /// MEDIAN,P90 of a per-job draw (ASI: 0.10,0.18). Lost work comes off
+    /// the outcome; pair with --workload colocated (CPU-only jobs).
+    #[arg(long, requires = "fleet", value_name = "MEDIAN,P90")]
+    interference: Option<String>,
     /// Starvation guard for --fleet: priority points a waiting job gains per
     /// hour.
     #[arg(long, requires = "fleet", default_value_t = 0.0)]
@@ -456,7 +463,7 @@ enum BenchCommand {
         /// submitted at once (the fleet in its steady state).
         #[arg(long, default_value_t = 24.0)]
         warm_hours: f64,
-        /// Workload: a preset (asi, backlog) or a TOML file.
+        /// Workload: a preset (asi, backlog, colocated) or a TOML file.
         #[arg(long, default_value = "asi")]
         workload: String,
         /// Placement policy (bundled name or .wasm path).
@@ -1008,6 +1015,14 @@ fn parse_quote(spec: &str, fleet: &berth_core::Fleet) -> anyhow::Result<(berth_c
     Ok((berth_core::accounting::PendingShape { shape, tasks, same_domain }, deadline))
 }
 
+/// `MEDIAN,P90` shares of work lost (e.g. `0.10,0.18`).
+fn parse_interference(text: &str) -> anyhow::Result<berth_core::sim::Interference> {
+    let (median, p90) = text.split_once(',').ok_or_else(|| anyhow::anyhow!("expected MEDIAN,P90 (e.g. 0.10,0.18), not {text:?}"))?;
+    let model = berth_core::sim::Interference { median_loss: median.trim().parse()?, p90_loss: p90.trim().parse()? };
+    model.check().map_err(anyhow::Error::msg)?;
+    Ok(model)
+}
+
 fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, accounting: bool) -> anyhow::Result<()> {
     use berth::asi::{fleet::FleetConfig, report as asi_report, workload::WorkloadConfig};
     anyhow::ensure!(args.fleet_scale > 0.0 && args.fleet_scale <= 10.0, "--fleet-scale must be in (0, 10]");
@@ -1068,7 +1083,8 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     }
     let request = args.quote.as_deref().map(|q| parse_quote(q, &fleet)).transpose()?;
     // How fast placed work advances, and what GPU-hours cost: the outcome.
-    let economics = asi_report::Economics { work: config.work_rates(&fleet), cost_per_gpu_hour: config.costs() };
+    let interference = args.interference.as_deref().map(parse_interference).transpose().context("--interference")?;
+    let economics = asi_report::Economics { work: config.work_rates(&fleet), interference, cost_per_gpu_hour: config.costs() };
     let compaction = match &args.compact {
         Some(spec) => {
             let path = catalog::resolve(spec)?;

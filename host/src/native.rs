@@ -44,7 +44,7 @@ impl<P: Policy> berth_core::compaction::CompactionPolicy for NativePolicy<P> {
 
 /// Names of the policies this binary also carries natively.
 pub const NATIVE_POLICIES: &[&str] =
-    &["binpack", "spread", "random", "dotprod", "gpu-clustering", "gpu-packing", "best-fit", "fgd", "topo-entropy", "berth-frag"];
+    &["binpack", "spread", "random", "dotprod", "gpu-clustering", "gpu-packing", "best-fit", "fgd", "topo-entropy", "berth-frag", "interference-aware"];
 
 /// A native build of a bundled policy, by its name.
 pub fn by_name(name: &str) -> Option<Box<dyn NativeScorer>> {
@@ -59,6 +59,7 @@ pub fn by_name(name: &str) -> Option<Box<dyn NativeScorer>> {
         "fgd" => Some(Box::new(NativePolicy::<berth_policy_fgd::Fgd>::default())),
         "topo-entropy" => Some(Box::new(NativePolicy::<berth_policy_topo_entropy::TopoEntropy>::default())),
         "berth-frag" => Some(Box::new(NativePolicy::<berth_policy_berth_frag::BerthFrag>::default())),
+        "interference-aware" => Some(Box::new(NativePolicy::<berth_policy_interference_aware::InterferenceAware>::default())),
         _ => None,
     }
 }

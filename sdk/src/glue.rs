@@ -1,11 +1,11 @@
 //! The wasm side of the boundary: generated bindings and the moves between
 //! them and the SDK's types. Only compiled for wasm32.
 
-use crate::{Allocations, Domains, Level, Nodes, Plan, Policy, PoolExecutor, PoolPhase, PoolState, Scores, Snapshot, Task};
+use crate::{Allocations, Domains, TaskClass, Level, Nodes, Plan, Policy, PoolExecutor, PoolPhase, PoolState, Scores, Snapshot, Task};
 
 pub mod wit {
     wit_bindgen::generate!({
-        path: "../wit/v0.3.0",
+        path: "../wit/v0.4.0",
         world: "placement-policy",
         pub_export_macro: true,
         default_bindings_module: "berth_sdk::glue::wit",
@@ -44,6 +44,11 @@ fn task(t: w::Task) -> Task {
         priority: t.priority,
         gang_size: t.gang_size,
         gang_index: t.gang_index,
+        class: match t.class {
+            w::TaskClass::Training => TaskClass::Training,
+            w::TaskClass::Inference => TaskClass::Inference,
+            w::TaskClass::CpuOnly => TaskClass::CpuOnly,
+        },
     }
 }
 
@@ -61,6 +66,12 @@ fn nodes(n: w::Nodes) -> Nodes {
         gpu_start: n.gpu_start,
         gpu_free_milli: n.gpu_free_milli,
         alloc_kinds: n.alloc_kinds,
+        gpu_tasks: n.gpu_tasks,
+        cpu_only_milli: n.cpu_only_milli,
+        cpu_used_milli: n.cpu_used_milli,
+        cpu_pressure: n.cpu_pressure,
+        memory_pressure: n.memory_pressure,
+        io_pressure: n.io_pressure,
     }
 }
 
@@ -80,6 +91,7 @@ fn allocations(a: w::Allocations) -> Allocations {
         remaining_s: a.remaining_s,
         running_s: a.running_s,
         since_checkpoint_s: a.since_checkpoint_s,
+        class: a.class,
     }
 }
 

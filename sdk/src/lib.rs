@@ -1,6 +1,6 @@
 //! Berth guest SDK: write a scheduling policy in plain Rust.
 //!
-//! The contract (`wit/v0.3.0/policy.wit`; hosts still load 0.1.0 and 0.2.0 components) passes data as columns, which is what
+//! The contract (`wit/v0.4.0/policy.wit`; hosts still load 0.1.0, 0.2.0 and 0.3.0 components) passes data as columns, which is what
 //! makes a call across the wasm boundary cheap. This crate gives policy authors
 //! typed views over those columns ([`Nodes::iter`] yields one [`NodeView`] per
 //! node) and a trait, [`Policy`], whose hooks all have documented defaults, so

@@ -58,6 +58,47 @@ pub struct PolicyInfo {
     pub hooks: Hooks,
 }
 
+/// What kind of work a task is (see the WIT `task-class`, contract 0.4.0).
+/// The discriminants are the numbers of `Allocations::class`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum TaskClass {
+    /// GPU work whose throughput is the point.
+    #[default]
+    Training = 0,
+    /// GPU work serving requests.
+    Inference = 1,
+    /// No GPU.
+    CpuOnly = 2,
+}
+
+impl TaskClass {
+    /// Every class, in number order.
+    pub const ALL: [TaskClass; 3] = [TaskClass::Training, TaskClass::Inference, TaskClass::CpuOnly];
+
+    /// The class a job gets when it declares none: CPU-only without GPUs,
+    /// training with them.
+    pub fn implied(gpu_count: u32) -> TaskClass {
+        if gpu_count == 0 { TaskClass::CpuOnly } else { TaskClass::Training }
+    }
+    /// The class of number `n` (an `Allocations::class` entry), if any.
+    pub fn from_number(n: u8) -> Option<TaskClass> {
+        TaskClass::ALL.get(usize::from(n)).copied()
+    }
+    /// The name used on the command line and in the API.
+    pub fn name(self) -> &'static str {
+        match self {
+            TaskClass::Training => "training",
+            TaskClass::Inference => "inference",
+            TaskClass::CpuOnly => "cpu-only",
+        }
+    }
+    /// The class named `name` (see [`TaskClass::name`]).
+    pub fn from_name(name: &str) -> Option<TaskClass> {
+        TaskClass::ALL.into_iter().find(|c| c.name() == name)
+    }
+}
+
 /// One task to place (see the WIT `task`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Task {
@@ -70,6 +111,8 @@ pub struct Task {
     pub priority: u32,
     pub gang_size: u32,
     pub gang_index: u32,
+    /// Contract 0.4.0; older contracts do not send it.
+    pub class: TaskClass,
 }
 
 impl Task {
@@ -98,6 +141,29 @@ pub struct Nodes {
     pub gpu_start: Vec<u32>,
     pub gpu_free_milli: Vec<u32>,
     pub alloc_kinds: Vec<u64>,
+    /// Contention columns (contract 0.4.0; see [`Contention`]).
+    pub gpu_tasks: Vec<u32>,
+    pub cpu_only_milli: Vec<u32>,
+    pub cpu_used_milli: Vec<u32>,
+    pub cpu_pressure: Vec<u32>,
+    pub memory_pressure: Vec<u32>,
+    pub io_pressure: Vec<u32>,
+}
+
+/// What a node's neighbours do to each other (see the WIT `nodes`,
+/// contract 0.4.0): one node's entries of the contention columns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Contention {
+    /// GPU tasks running on the node.
+    pub gpu_tasks: u32,
+    /// CPU held by CPU-only tasks, in thousandths of a core.
+    pub cpu_only_milli: u32,
+    /// CPU the tasks used (measured), or allocated where unmeasured.
+    pub cpu_used_milli: u32,
+    /// PSI `some avg10` of CPU, memory and IO, in thousandths.
+    pub cpu_pressure: u32,
+    pub memory_pressure: u32,
+    pub io_pressure: u32,
 }
 
 /// One node of a [`Nodes`] batch, read through the columns.
@@ -116,6 +182,9 @@ pub struct NodeView<'a> {
     pub gpu_free_milli: &'a [u32],
     /// Kinds of GPU allocation on the node (see the WIT `alloc-kinds`).
     pub alloc_kinds: u64,
+    /// What its neighbours do to each other (contract 0.4.0; zero from a
+    /// host of an older contract).
+    pub contention: Contention,
 }
 
 /// The allocation-kind bit of a GPU allocation: 0 for a shared GPU, `k` for
@@ -164,6 +233,14 @@ impl Nodes {
             memory_total_mib: self.memory_total_mib[index],
             gpu_free_milli: &self.gpu_free_milli[start..start + count],
             alloc_kinds: self.alloc_kinds[index],
+            contention: Contention {
+                gpu_tasks: self.gpu_tasks.get(index).copied().unwrap_or(0),
+                cpu_only_milli: self.cpu_only_milli.get(index).copied().unwrap_or(0),
+                cpu_used_milli: self.cpu_used_milli.get(index).copied().unwrap_or(0),
+                cpu_pressure: self.cpu_pressure.get(index).copied().unwrap_or(0),
+                memory_pressure: self.memory_pressure.get(index).copied().unwrap_or(0),
+                io_pressure: self.io_pressure.get(index).copied().unwrap_or(0),
+            },
         }
     }
     /// Iterates the nodes as typed views, in batch order.
@@ -183,8 +260,15 @@ impl Nodes {
         self.gpu_start.clear();
         self.gpu_free_milli.clear();
         self.alloc_kinds.clear();
+        self.gpu_tasks.clear();
+        self.cpu_only_milli.clear();
+        self.cpu_used_milli.clear();
+        self.cpu_pressure.clear();
+        self.memory_pressure.clear();
+        self.io_pressure.clear();
     }
-    /// Appends one node (a convenience for hosts and tests).
+    /// Appends one node (a convenience for hosts and tests) with no
+    /// contention; [`Nodes::set_contention`] gives it some.
     #[allow(clippy::too_many_arguments)]
     pub fn push(
         &mut self,
@@ -209,6 +293,22 @@ impl Nodes {
         self.gpu_start.push(self.gpu_free_milli.len() as u32);
         self.gpu_free_milli.extend_from_slice(gpu_free_milli);
         self.alloc_kinds.push(alloc_kinds);
+        self.gpu_tasks.push(0);
+        self.cpu_only_milli.push(0);
+        self.cpu_used_milli.push(0);
+        self.cpu_pressure.push(0);
+        self.memory_pressure.push(0);
+        self.io_pressure.push(0);
+    }
+
+    /// Sets the contention columns of the node at position `index`.
+    pub fn set_contention(&mut self, index: usize, c: Contention) {
+        self.gpu_tasks[index] = c.gpu_tasks;
+        self.cpu_only_milli[index] = c.cpu_only_milli;
+        self.cpu_used_milli[index] = c.cpu_used_milli;
+        self.cpu_pressure[index] = c.cpu_pressure;
+        self.memory_pressure[index] = c.memory_pressure;
+        self.io_pressure[index] = c.io_pressure;
     }
 }
 
@@ -243,6 +343,8 @@ pub struct Allocations {
     pub remaining_s: Vec<u64>,
     pub running_s: Vec<u64>,
     pub since_checkpoint_s: Vec<u64>,
+    /// [`TaskClass`] numbers (contract 0.4.0).
+    pub class: Vec<u8>,
 }
 
 /// One allocation's entries of [`Allocations`] (see the WIT `allocations`).
@@ -262,6 +364,7 @@ pub struct AllocationRow {
     pub remaining_s: u64,
     pub running_s: u64,
     pub since_checkpoint_s: u64,
+    pub class: TaskClass,
 }
 
 impl Allocations {
@@ -281,6 +384,7 @@ impl Allocations {
         self.remaining_s.push(r.remaining_s);
         self.running_s.push(r.running_s);
         self.since_checkpoint_s.push(r.since_checkpoint_s);
+        self.class.push(r.class as u8);
     }
 
     pub fn len(&self) -> usize {

@@ -431,7 +431,7 @@ proptest! {
             Running {
                 id: i, job_id: u64::from(i) + 1, node: a.node, gpus: a.gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, priority: 0,
                 movable: pinned & (1 << i) == 0, gang_id: if i < 2 { 7 } else { 0 }, state_bytes: 1 << 30, remaining_s: 100, running_s: 10,
-                since_checkpoint_s: 5, last_moved_s: None,
+                since_checkpoint_s: 5, last_moved_s: None, class: Default::default(),
             }
         }).collect();
         let nodes: Vec<u32> = (0..6).collect();

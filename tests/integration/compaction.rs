@@ -58,6 +58,7 @@ fn fragmented(nodes: usize, seed: u64) -> (Fleet, Vec<Running>) {
                 running_s: 3600,
                 since_checkpoint_s: 900,
                 last_moved_s: None,
+                class: Default::default(),
             });
         }
     }

@@ -152,6 +152,7 @@ fn rank_answers_are_checked() {
         remaining_s: vec![0; 3],
         running_s: vec![0; 3],
         since_checkpoint_s: vec![0; 3],
+        class: vec![0; 3],
     };
     let task = |job| berth_sdk::Task { job_id: job, gpu_count: 1, gpu_milli: 1000, ..Default::default() };
     assert_eq!(policy.rank(&task(0), &mut victims).unwrap(), vec![2, 1, 0]);

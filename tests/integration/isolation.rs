@@ -224,3 +224,94 @@ async fn two_agents_on_one_machine_split_its_cpus_and_their_tasks_stay_on_them()
     })
     .await;
 }
+
+/// Work units a task has written to `file` (its counter), 0 before the
+/// first. The task rewrites the file in place: a read between its truncate
+/// and its write finds it empty, so such a read is taken again.
+fn counted(file: &Path) -> f64 {
+    for _ in 0..1000 {
+        if let Some(n) = std::fs::read_to_string(file).ok().and_then(|t| t.trim().parse::<f64>().ok()) {
+            return n;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    0.0
+}
+
+/// Work units per second of the counter in `file` over `window`.
+async fn rate(file: &Path, window: Duration) -> f64 {
+    let (c0, t0) = (counted(file), Instant::now());
+    tokio::time::sleep(window).await;
+    (counted(file) - c0) / t0.elapsed().as_secs_f64()
+}
+
+/// One run of the interference scenario under placement policy `policy`:
+/// two agents pinned to one CPU each (affinity only, no CPU quota, four
+/// cores declared: requests may share a CPU), a training task counting its
+/// work, then a CPU-only busy loop submitted. Returns the training task's
+/// rate after the hog started over its rate before, and whether the hog
+/// landed on the training task's node.
+async fn training_beside_a_hog(policy: &str) -> (f64, bool) {
+    let d = dir(&format!("interference-{policy}"));
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &["--default-policy", policy]).await;
+    let common = ["--isolation", "affinity", "--cpu-cores", "4"];
+    let _n1 = agent(&d, &url, "n1", "2xH20", &[&["--cpus", "0"][..], &common].concat());
+    let _n2 = agent(&d, &url, "n2", "2xH20", &[&["--cpus", "1"][..], &common].concat());
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    until_logged(&d, "both agents registered", Duration::from_secs(60), || {
+        let mut hub = hub.clone();
+        async move { (hub.list_agents(pb::ListAgentsRequest::default()).await.ok()?.into_inner().agents.len() == 2).then_some(()) }
+    })
+    .await;
+    let counter = d.join("work");
+    let count = format!("i=0; while :; do i=$((i+1)); if [ $((i % 500)) -eq 0 ]; then echo $i > {}; fi; done", counter.display());
+    let submit = |argv: String, gpus: u32, class: &str| pb::SubmitJobRequest {
+        job: Some(pb::JobSpec {
+            partition: "p0".into(),
+            tasks: 1,
+            gpus,
+            cpu_milli: 1000,
+            memory_mib: 256,
+            class: class.into(),
+            argv: vec!["sh".into(), "-c".into(), argv],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let training = api.submit_job(submit(count, 1, "training")).await.unwrap().into_inner().job_id;
+    task_pid(&d, &api, &hub, training).await;
+    until_logged(&d, "the training task counting", Duration::from_secs(30), || async { (counted(&counter) > 0.0).then_some(()) }).await;
+    let alone = rate(&counter, Duration::from_secs(4)).await;
+    let hog = api.submit_job(submit("while :; do :; done".into(), 0, "cpu-only")).await.unwrap().into_inner().job_id;
+    task_pid(&d, &api, &hub, hog).await;
+    let beside = rate(&counter, Duration::from_secs(4)).await;
+    let all = jobs(&api).await;
+    let node_of = |id: u64| all.iter().find(|j| j.id == id).and_then(|j| j.runs.first()).map(|r| r.node.clone()).unwrap();
+    let shared = node_of(training) == node_of(hog);
+    eprintln!("{policy}: training {alone:.0} units/s alone, {beside:.0} with the hog started ({:.2}); the hog on {} ({})", beside / alone, node_of(hog), if shared { "shared" } else { "apart" });
+    for id in [training, hog] {
+        api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
+    }
+    (beside / alone, shared)
+}
+
+/// The acceptance, live: the interference-aware policy keeps a
+/// CPU-only hog off the node of a training task (whose rate then holds),
+/// where best-fit puts it beside it (and the training task loses a measured
+/// share). Rates come from the task's own counter; nodes from the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_interference_aware_policy_keeps_a_cpu_hog_off_a_training_node() {
+    if own_cpus() < 2 {
+        crate::common::skip("fewer than 2 CPUs: two agents cannot each have one");
+        return;
+    }
+    let (naive, naive_shared) = training_beside_a_hog("best-fit").await;
+    let (aware, aware_shared) = training_beside_a_hog("interference-aware").await;
+    assert!(naive_shared, "best-fit packs the hog beside the training task (the naive case)");
+    assert!(!aware_shared, "the interference-aware policy puts the hog on the other node");
+    // One CPU shared by two busy processes: about half each. The bounds
+    // leave room for a loaded machine.
+    assert!(naive < 0.75, "beside the hog the training task keeps {naive:.2} of its rate");
+    assert!(aware > 0.85, "apart from the hog the training task keeps {aware:.2} of its rate");
+}

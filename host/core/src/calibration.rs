@@ -219,6 +219,7 @@ pub fn calibrate(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: Si
         partition: None,
         contract: None,
         reports_exit: false,
+        declared_class: None,
     }));
     let class_of = |slot: usize| if slot >= first_probe { PROBE_CLASS } else { usize::from(all[slot].class) };
     // Every job by arrival, for the window's arrivals: the probes' copies

@@ -226,6 +226,10 @@ pub struct Running {
     /// Simulated time of the last move, if it was ever moved.
     #[serde(default)]
     pub last_moved_s: Option<u64>,
+    /// The job's class (contract 0.4.0); not stored (the live host's job
+    /// records say it).
+    #[serde(skip)]
+    pub class: berth_sdk::TaskClass,
 }
 
 impl Running {
@@ -408,6 +412,7 @@ pub fn snapshot(fleet: &Fleet, nodes: &[NodeId], running: &[Running], pending: &
             &node.gpus,
             node.alloc_kinds(),
         );
+        n.set_contention(n.len() - 1, node.contention());
     }
     let mut a = Allocations::default();
     for r in running.iter().filter(|r| inside.contains(&r.node)) {
@@ -426,6 +431,7 @@ pub fn snapshot(fleet: &Fleet, nodes: &[NodeId], running: &[Running], pending: &
             remaining_s: r.remaining_s,
             running_s: r.running_s,
             since_checkpoint_s: r.since_checkpoint_s,
+            class: r.class,
         });
     }
     let mut p = Pending::default();
@@ -1217,6 +1223,7 @@ pub fn step_jobs(
                 running_s: now.saturating_sub(end.saturating_sub(job.duration_s)),
                 since_checkpoint_s: now.saturating_sub(end.saturating_sub(job.duration_s)),
                 last_moved_s: state.last_moved.get(&(job.id, t as u32)).copied(),
+                class: job.task_class(),
             });
             origin.push((j, t));
         }

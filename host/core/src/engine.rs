@@ -81,6 +81,9 @@ pub struct SimOutcome {
     pub wake_failures: u64,
     /// Compaction's migration ledger, summed over its steps.
     pub compaction: Ledger,
+    /// GPU-seconds of training work lost to CPU-only neighbours (the
+    /// [`Interference`] model; 0 without it): held and busy, not productive.
+    pub interference_lost_gpu_s: f64,
     /// Jobs still waiting at the end, and the work still running (planned
     /// end, allocations) — the state accounting and quotes look at.
     pub pending_at_end: Vec<usize>,
@@ -110,6 +113,52 @@ pub struct SimConfig {
     /// How fast placed work advances (`None`: every run at the reference
     /// rate, a job running exactly its `duration_s`).
     pub work: Option<WorkRates>,
+    /// What CPU-only neighbours cost training (`None`: nothing).
+    pub interference: Option<Interference>,
+}
+
+/// Replay's interference model (ASI: CPU-only jobs lower the median
+/// training job's SM utilisation by 10%, the 90th percentile's by 18%). A
+/// training run sharing any node with CPU-only work loses a share of what
+/// its GPUs produce for as long as it does: its own share, drawn once per
+/// job from a lognormal with the given median and 90th percentile (capped
+/// at 90%). The GPUs stay held for the run's time: the loss shows in the
+/// outcome (completed work), not in allocation, as the paper says a busy
+/// fleet can hide it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Interference {
+    pub median_loss: f64,
+    pub p90_loss: f64,
+}
+
+impl Interference {
+    /// The seed's figures: 10% median, 18% at the 90th percentile.
+    pub const ASI: Interference = Interference { median_loss: 0.10, p90_loss: 0.18 };
+    /// How often the neighbours are looked at, in simulated seconds.
+    pub const SAMPLE_S: f64 = 300.0;
+
+    /// Job `job_id`'s share lost beside CPU-only work: a deterministic draw
+    /// (the same job loses the same under every policy).
+    pub fn loss_of(&self, job_id: u64) -> f64 {
+        if self.median_loss <= 0.0 {
+            return 0.0;
+        }
+        let sigma = (self.p90_loss / self.median_loss).max(1.0).ln() / 1.281_551_565_5;
+        let mut s = crate::pool::SplitMix::new(job_id ^ 0x1f2e_3d4c_5b6a_7988);
+        let u1 = (s.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let u2 = (s.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let z = (-2.0 * u1.max(1e-12).ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        (self.median_loss * (sigma * z).exp()).clamp(0.0, 0.9)
+    }
+
+    /// Checks the figures: losses in [0, 0.9], the 90th percentile at least
+    /// the median.
+    pub fn check(&self) -> Result<(), String> {
+        if !(0.0..=0.9).contains(&self.median_loss) || !(0.0..=0.9).contains(&self.p90_loss) || self.p90_loss < self.median_loss {
+            return Err(format!("interference losses {} (median), {} (p90): each in [0, 0.9], the p90 at least the median", self.median_loss, self.p90_loss));
+        }
+        Ok(())
+    }
 }
 
 /// Replay's work model: a job's `duration_s` is its work at the reference
@@ -377,6 +426,8 @@ pub struct Engine {
     /// The fleet as high priority sees it, kept from the last pass that
     /// needed it (see [`HighView`]).
     high_view: Option<HighView>,
+    /// Simulated seconds since the interference model last looked.
+    interference_due_s: f64,
 }
 
 impl Engine {
@@ -408,6 +459,7 @@ impl Engine {
             free_slots: Vec::new(),
             compact_due: false,
             announced: Vec::new(),
+            interference_due_s: 0.0,
             high_view: None,
         }
     }
@@ -654,6 +706,34 @@ impl Engine {
         u.standby_gpu_s += self.sleeping_milli as f64 / 1000.0 * dt;
         u.utilisation.high_milli_s += self.high_milli as f64 * dt;
         u.utilisation.seconds += dt;
+        if let Some(model) = self.config.interference {
+            // Sampled, not per event: a pass over the running jobs at every
+            // event would cost more than the rest of the simulation.
+            self.interference_due_s += dt;
+            if self.interference_due_s >= Interference::SAMPLE_S {
+                let span = std::mem::take(&mut self.interference_due_s);
+                self.outcome.interference_lost_gpu_s += span * self.interference_loss_rate(fleet, &model);
+            }
+        }
+    }
+
+    /// GPUs' worth of training work lost per second now: each running
+    /// training job sharing a node with CPU-only work, its GPUs times its
+    /// loss.
+    fn interference_loss_rate(&self, fleet: &Fleet, model: &Interference) -> f64 {
+        let mut rate = 0.0;
+        for (j, end) in self.runs.planned_end.iter().enumerate() {
+            let Some(job) = self.jobs.get(j) else { continue };
+            if end.is_none() || job.task_class() != crate::job::TaskClass::Training || self.sleeping.contains_key(&j) {
+                continue;
+            }
+            let held = &self.runs.held[j];
+            if held.iter().any(|a| fleet.nodes().get(a.node as usize).is_some_and(|n| n.cpu_only_milli() > 0)) {
+                let gpus: f64 = held.iter().map(|a| a.gpu_milli_total() as f64 / 1000.0).sum();
+                rate += gpus * model.loss_of(job.id);
+            }
+        }
+        rate
     }
 
     /// The counters, with what still waits and runs, at `now`.

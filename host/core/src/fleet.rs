@@ -58,6 +58,35 @@ pub struct Node {
     pub schedulable: bool,
     /// Running GPU allocations per kind (see [`berth_sdk::alloc_kind_bit`]).
     kind_counts: [u32; 64],
+    /// CPU held by allocations without a GPU.
+    cpu_only_milli: u32,
+    /// What the node's agent measured last; `None` where nothing measures
+    /// (replay, simulated nodes).
+    pub measured: Option<Measured>,
+}
+
+/// What a node's agent measured over its last report (contract 0.4.0's
+/// contention columns): CPU its tasks used, and the share of time some
+/// task waited for CPU, memory or IO (PSI `some avg10`), in thousandths.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Measured {
+    pub cpu_used_milli: u32,
+    pub cpu_pressure: u32,
+    pub memory_pressure: u32,
+    pub io_pressure: u32,
+}
+
+impl Measured {
+    /// Whether `other` differs enough to be worth a placement's attention:
+    /// a tenth of a core or 2% pressure. Heartbeats move these a little all
+    /// the time; marking a node changed for each would defeat the caches
+    /// that skip unchanged nodes.
+    pub fn differs(&self, other: &Measured) -> bool {
+        self.cpu_used_milli.abs_diff(other.cpu_used_milli) >= 100
+            || self.cpu_pressure.abs_diff(other.cpu_pressure) >= 20
+            || self.memory_pressure.abs_diff(other.memory_pressure) >= 20
+            || self.io_pressure.abs_diff(other.io_pressure) >= 20
+    }
 }
 
 impl Clone for Node {
@@ -84,6 +113,8 @@ impl Clone for Node {
             gpus,
             schedulable,
             kind_counts,
+            cpu_only_milli,
+            measured,
         } = source;
         self.name.clone_from(name);
         self.model = *model;
@@ -97,6 +128,8 @@ impl Clone for Node {
         self.gpus.clone_from(gpus);
         self.schedulable = *schedulable;
         self.kind_counts = *kind_counts;
+        self.cpu_only_milli = *cpu_only_milli;
+        self.measured = *measured;
     }
 }
 
@@ -116,6 +149,32 @@ impl Node {
             gpus: vec![MILLI_PER_GPU; gpu_count],
             schedulable: true,
             kind_counts: [0; 64],
+            cpu_only_milli: 0,
+            measured: None,
+        }
+    }
+
+    /// GPU allocations running on the node, of any kind.
+    pub fn gpu_tasks(&self) -> u32 {
+        self.kind_counts.iter().sum()
+    }
+
+    /// CPU held by allocations without a GPU, in thousandths of a core.
+    pub fn cpu_only_milli(&self) -> u32 {
+        self.cpu_only_milli
+    }
+
+    /// The node's entries of the contract's contention columns: what its
+    /// agent measured, or the CPU allocated where nothing measures.
+    pub fn contention(&self) -> berth_sdk::Contention {
+        let m = self.measured.unwrap_or(Measured { cpu_used_milli: self.cpu_total_milli - self.cpu_free_milli, ..Measured::default() });
+        berth_sdk::Contention {
+            gpu_tasks: self.gpu_tasks(),
+            cpu_only_milli: self.cpu_only_milli,
+            cpu_used_milli: m.cpu_used_milli,
+            cpu_pressure: m.cpu_pressure,
+            memory_pressure: m.memory_pressure,
+            io_pressure: m.io_pressure,
         }
     }
 
@@ -454,6 +513,24 @@ impl Fleet {
         self.digest
     }
 
+    /// Records what node `id`'s agent measured (`None`: nothing measures
+    /// it now). The node counts as changed only when the measurement moved
+    /// enough to matter ([`Measured::differs`]) or appeared or went away.
+    pub fn set_measured(&mut self, id: NodeId, measured: Option<Measured>) -> Result<(), FleetError> {
+        let node = self.nodes.get_mut(id as usize).ok_or(FleetError::UnknownNode(id))?;
+        let moved = match (&node.measured, &measured) {
+            (Some(a), Some(b)) => a.differs(b),
+            (None, None) => false,
+            _ => true,
+        };
+        if moved {
+            let before = node_digest(id as usize, node);
+            node.measured = measured;
+            self.node_changed(id as usize, before);
+        }
+        Ok(())
+    }
+
     pub fn node(&self, id: NodeId) -> Option<&Node> {
         self.nodes.get(id as usize)
     }
@@ -502,8 +579,9 @@ impl Fleet {
         for g in gpus_of(alloc.gpus) {
             node.gpus[g] -= alloc.gpu_milli;
         }
-        if let Some(k) = alloc.kind() {
-            node.kind_counts[k as usize] += 1;
+        match alloc.kind() {
+            Some(k) => node.kind_counts[k as usize] += 1,
+            None => node.cpu_only_milli += alloc.cpu_milli,
         }
         self.gpu_allocated_milli += alloc.gpu_milli_total();
         debug_assert!(node.check().is_ok(), "{:?}", node.check());
@@ -574,6 +652,11 @@ impl Fleet {
                 return Err(FleetError::NotAllocated { node: alloc.node, what: "allocation of this kind" });
             }
             node.kind_counts[k as usize] -= 1;
+        } else {
+            if node.cpu_only_milli < alloc.cpu_milli {
+                return Err(FleetError::NotAllocated { node: alloc.node, what: "CPU of CPU-only work" });
+            }
+            node.cpu_only_milli -= alloc.cpu_milli;
         }
         node.cpu_free_milli += alloc.cpu_milli;
         node.memory_free_mib += alloc.memory_mib;

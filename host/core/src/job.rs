@@ -2,6 +2,7 @@
 //! replay, compaction, preemption and the live host.
 
 use crate::task::TaskShape;
+pub use berth_sdk::TaskClass;
 
 /// One job: `tasks` identical tasks (a gang when more than one), each of
 /// `shape`, on distinct or shared nodes as the policy decides.
@@ -29,11 +30,25 @@ pub struct Job {
     /// eviction's latency, and counts the work lost from the last
     /// checkpoint the job reported.
     pub reports_exit: bool,
+    /// What kind of work the job said it is; `None`: implied by its shape
+    /// (see [`Job::task_class`]).
+    pub declared_class: Option<TaskClass>,
 }
 
 impl Job {
     pub fn gpus(&self) -> u64 {
         u64::from(self.tasks) * u64::from(self.shape.gpu_count)
+    }
+
+    /// The job's class as policies see it: declared, or CPU-only without
+    /// GPUs and training with them.
+    pub fn task_class(&self) -> TaskClass {
+        self.declared_class.unwrap_or_else(|| TaskClass::implied(self.shape.gpu_count))
+    }
+
+    /// Its identity and class for the contract's task record (task 0).
+    pub fn meta(&self) -> crate::task::TaskMeta {
+        crate::task::TaskMeta { job_id: self.id, priority: self.priority, gang_size: self.tasks, gang_index: 0, class: self.task_class() }
     }
 }
 

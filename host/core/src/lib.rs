@@ -25,7 +25,7 @@ pub mod units;
 
 pub use engine::{Decision, Engine, Event, Hook, World};
 pub use fleet::{Allocation, Fleet, FleetError, Node};
-pub use job::Job;
+pub use job::{Job, TaskClass};
 pub use placement::{Placement, Placer};
 pub use policy::{PlacementPolicy, PolicyError};
 pub use predicate::Unfit;

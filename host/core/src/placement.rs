@@ -266,6 +266,7 @@ impl Placer {
                 &n.gpus,
                 n.alloc_kinds(),
             );
+            b.set_contention(b.len() - 1, n.contention());
         }
     }
 }
@@ -388,7 +389,7 @@ pub fn place_fitting_gang(
     if job.tasks > 1 {
         let (mut domains, _) = crate::capacity::domain_table_among(fleet, &job.shape, keep);
         let mut task = berth_sdk::Task::default();
-        fill_task(&mut task, &job.shape, TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 });
+        fill_task(&mut task, &job.shape, job.meta());
         if let Some(scores) = policy.score_domains(&task, &mut domains)? {
             if scores.len() != domains.len() || scores.iter().any(|s| !s.is_finite()) {
                 return Err(PolicyError::InvalidOutput(format!("{} domain scores for {} domains, or one not finite", scores.len(), domains.len())));
@@ -410,7 +411,7 @@ pub fn place_fitting_gang(
         }
     }
     let keep = |id: NodeId, n: &crate::fleet::Node| keep(id, n) && allowed.as_ref().is_none_or(|a| a.contains(&n.switch_domain));
-    let meta = TaskMeta { job_id: job.id, priority: job.priority, gang_size: job.tasks, gang_index: 0 };
+    let meta = job.meta();
     let Some(allocs) = placer.place_tasks(fleet, &job.shape, meta, job.tasks, policy, tie_rank, &keep)? else { return Ok(None) };
     *placements += u64::from(job.tasks);
     let domains: HashSet<u32> = allocs.iter().map(|a| fleet.nodes()[a.node as usize].switch_domain).collect();

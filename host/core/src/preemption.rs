@@ -12,7 +12,7 @@ use crate::fleet::{Allocation, Fleet, Node, NodeId};
 use crate::job::Job;
 pub use crate::job::PriorityContract;
 use crate::policy::PolicyError;
-use crate::task::{TaskMeta, TaskShape};
+use crate::task::TaskShape;
 
 /// Ranks candidate victims for a demand (the contract's `rank` hook).
 pub trait PreemptionPolicy {
@@ -161,6 +161,7 @@ fn ranked_candidates(ranker: &mut dyn PreemptionPolicy, demand: &Job, candidates
                 remaining_s: c.remaining_s,
                 running_s: c.running_s,
                 since_checkpoint_s: c.since_checkpoint_s,
+                class: vj.task_class(),
             });
             owner.push(k);
         }
@@ -169,7 +170,7 @@ fn ranked_candidates(ranker: &mut dyn PreemptionPolicy, demand: &Job, candidates
         return Ok(None);
     }
     let mut task = Task::default();
-    crate::task::fill_task(&mut task, &demand.shape, TaskMeta { job_id: demand.id, priority: demand.priority, gang_size: demand.tasks, gang_index: 0 });
+    crate::task::fill_task(&mut task, &demand.shape, demand.meta());
     let order = match ranker.rank(&task, &mut victims)? {
         Some(order) => order,
         None => berth_sdk::default_rank(&victims),

@@ -10,7 +10,7 @@ use std::collections::BinaryHeap;
 
 pub use crate::capacity::{domain_table, domain_table_among, fitting_tasks, fitting_tasks_among, tasks_on_node};
 use crate::engine::{Decision, Engine, Event, World};
-pub use crate::engine::{Deciders, Guards, JobOutcome, SimConfig, SimOutcome, StarvationGuard, Utilisation, WorkRates};
+pub use crate::engine::{Deciders, Guards, JobOutcome, SimConfig, SimOutcome, Interference, StarvationGuard, Utilisation, WorkRates};
 use crate::fleet::Fleet;
 pub use crate::job::Job;
 pub use crate::placement::place_gang;

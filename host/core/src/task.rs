@@ -60,6 +60,8 @@ pub struct TaskMeta {
     pub priority: u32,
     pub gang_size: u32,
     pub gang_index: u32,
+    /// What kind of work it is (contract 0.4.0).
+    pub class: berth_sdk::TaskClass,
 }
 
 /// Fills the contract's task record from a shape and its identity.
@@ -74,4 +76,5 @@ pub fn fill_task(t: &mut Task, shape: &TaskShape, meta: TaskMeta) {
     t.priority = meta.priority;
     t.gang_size = meta.gang_size.max(1);
     t.gang_index = meta.gang_index;
+    t.class = meta.class;
 }

@@ -87,6 +87,7 @@ fn place(fleet: &mut Fleet, running: &mut Vec<Running>, node: NodeId, gpus: u32,
         running_s: 3600,
         since_checkpoint_s: 600,
         last_moved_s: None,
+        class: Default::default(),
     });
     true
 }
@@ -475,6 +476,7 @@ fn step_jobs_rewrites_the_event_loops_allocations() {
             running_s: 0,
             since_checkpoint_s: 0,
             last_moved_s: None,
+            class: Default::default(),
         })
         .collect();
     assert_exact_ownership(&f, &as_running);

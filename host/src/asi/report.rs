@@ -81,6 +81,9 @@ pub struct ReplayOutcome {
     /// Work done and kept by the end, and work lost to preemption.
     pub goodput_gpu_h: f64,
     pub lost_gpu_h: f64,
+    /// Training work the GPUs did not do beside CPU-only neighbours (the
+    /// interference model; already taken out of the goodput).
+    pub interference_lost_gpu_h: f64,
     pub installed_gpu_h: f64,
     /// Goodput per installed GPU-hour (a fraction of what the fleet could
     /// do at the reference rate).
@@ -96,10 +99,19 @@ pub struct ReplayOutcome {
 pub fn replay_outcome(fleet: &Fleet, out: &SimOutcome, costs: &std::collections::BTreeMap<String, f64>) -> ReplayOutcome {
     let hours = out.utilisation.seconds / 3600.0;
     let (installed_gpu_h, cost) = berth_core::accounting::installed_gpu_hours(fleet, costs, &|_| hours);
-    let goodput = out.jobs.iter().map(|o| o.work_gpu_s).sum::<f64>() / 3600.0;
+    let interference = out.interference_lost_gpu_s / 3600.0;
+    let goodput = (out.jobs.iter().map(|o| o.work_gpu_s).sum::<f64>() / 3600.0 - interference).max(0.0);
     let lost = out.lost_gpu_s / 3600.0;
     let o = berth_core::accounting::outcome(berth_core::accounting::Work { done: goodput + lost, lost }, installed_gpu_h, cost);
-    ReplayOutcome { goodput_gpu_h: goodput, lost_gpu_h: lost, installed_gpu_h, per_installed_gpu_hour: o.per_installed_gpu_hour, cost, per_cost: o.per_cost }
+    ReplayOutcome {
+        goodput_gpu_h: goodput,
+        lost_gpu_h: lost,
+        interference_lost_gpu_h: interference,
+        installed_gpu_h,
+        per_installed_gpu_hour: o.per_installed_gpu_hour,
+        cost,
+        per_cost: o.per_cost,
+    }
 }
 
 /// The `p`th percentile (0..=100, nearest rank) of sorted values; 0 if none.
@@ -228,6 +240,8 @@ pub fn account_at_end(fleet: &Fleet, topo: &Topology, jobs: &[Job], out: &SimOut
 #[derive(Clone, Debug, Default)]
 pub struct Economics {
     pub work: Option<berth_core::sim::WorkRates>,
+    /// What CPU-only neighbours cost training (`--interference`).
+    pub interference: Option<berth_core::sim::Interference>,
     /// GPU model (lower case) to the cost of a GPU-hour.
     pub cost_per_gpu_hour: std::collections::BTreeMap<String, f64>,
 }
@@ -257,7 +271,14 @@ pub fn run_policy(
         preemption: None,
         compaction: planner.as_mut().zip(compaction).map(|(p, (_, c))| (p as &mut dyn CompactionPolicy, c.clone())),
     };
-    let config = SimConfig { horizon_s, high_priority: HIGH_PRIORITY, guards: guards.clone(), work: economics.work.clone(), ..SimConfig::default() };
+    let config = SimConfig {
+        horizon_s,
+        high_priority: HIGH_PRIORITY,
+        guards: guards.clone(),
+        work: economics.work.clone(),
+        interference: economics.interference,
+        ..SimConfig::default()
+    };
     let out = simulate_with(&mut fleet, jobs, deciders, config)?;
     fleet.check_invariants().map_err(anyhow::Error::msg)?;
     let mut report = summarise(&loaded.info.name, &fleet, topo, jobs, &out, started.elapsed().as_secs_f64());
@@ -294,6 +315,9 @@ pub fn table(reports: &[EventReport]) -> String {
     out.push_str(&row("allocation % (high priority only)", &|r| format!("{:.2}", r.high_priority_allocation_pct)));
     out.push_str(&row("outcome: goodput / installed GPU-h", &|r| format!("{:.4}", r.outcome.per_installed_gpu_hour)));
     out.push_str(&row("  goodput per cost", &|r| r.outcome.per_cost.map_or("-".into(), |c| format!("{c:.4}"))));
+    if reports.iter().any(|r| r.outcome.interference_lost_gpu_h > 0.0) {
+        out.push_str(&row("  training lost to neighbours, GPU-h", &|r| format!("{:.0}", r.outcome.interference_lost_gpu_h)));
+    }
     for (c, name) in CLASSES.iter().enumerate() {
         out.push_str(&row(&format!("{name}: started/jobs"), &|r| format!("{}/{}", r.classes[c].started, r.classes[c].jobs)));
         out.push_str(&row(&format!("{name}: wait p50/p90/p99"), &|r| {

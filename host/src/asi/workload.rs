@@ -11,7 +11,10 @@ use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
 /// Job classes, in the order of [`WorkloadConfig::class_shares`].
-pub const CLASSES: [&str; 4] = ["online-inference", "offline-inference", "training", "development"];
+/// The fifth, `cpu-only`, is drawn apart (see [`WorkloadConfig::cpu_only_share`]).
+pub const CLASSES: [&str; 5] = ["online-inference", "offline-inference", "training", "development", "cpu-only"];
+/// Index of the CPU-only class in [`CLASSES`].
+pub const CPU_ONLY: usize = 4;
 /// Priority of high-priority classes (online inference, training,
 /// development); offline inference is low priority.
 pub const HIGH_PRIORITY: u32 = 10;
@@ -37,6 +40,14 @@ pub struct WorkloadConfig {
     /// Median and 90th percentile of job durations, in hours (ASI: ~5, ~24).
     pub duration_median_h: f64,
     pub duration_p90_h: f64,
+    /// CPU-only jobs (no GPU: data processing, builds, services sharing the
+    /// GPU nodes' hosts) per GPU job, drawn from their own random stream so
+    /// the GPU jobs are the same with or without them (0: none, the
+    /// default). ASI: CPU-only jobs dominate CPU use on 80% of GPU nodes.
+    pub cpu_only_share: f64,
+    /// Median and 90th percentile of a CPU-only job's duration, in hours.
+    pub cpu_only_median_h: f64,
+    pub cpu_only_p90_h: f64,
 }
 
 impl Default for WorkloadConfig {
@@ -50,6 +61,9 @@ impl Default for WorkloadConfig {
             pinned_share: 0.993,
             duration_median_h: 5.0,
             duration_p90_h: 24.0,
+            cpu_only_share: 0.0,
+            cpu_only_median_h: 1.0,
+            cpu_only_p90_h: 8.0,
         }
     }
 }
@@ -64,8 +78,15 @@ load = 2.0
 class_shares = [40.0, 220.0, 12.0, 2.0]
 ";
 
+/// The `colocated` preset: ASI's mix with as many CPU-only jobs as GPU
+/// jobs sharing the GPU nodes, the case where where CPU-only work lands
+/// decides how much training gets done (replay with `--interference`).
+pub const COLOCATED: &str = "# ASI's mix plus one CPU-only job per GPU job.
+cpu_only_share = 1.0
+";
+
 /// Names of the built-in workloads `--workload` takes besides a file.
-pub const PRESETS: [&str; 2] = ["asi", "backlog"];
+pub const PRESETS: [&str; 3] = ["asi", "backlog", "colocated"];
 
 impl WorkloadConfig {
     /// A built-in workload by name (`asi`: the default mix; `backlog`), or
@@ -73,8 +94,9 @@ impl WorkloadConfig {
     pub fn load(spec: &str) -> anyhow::Result<WorkloadConfig> {
         match spec {
             "asi" => Ok(WorkloadConfig::default()),
-            "backlog" => {
-                let cfg: WorkloadConfig = crate::text::parse_toml(BACKLOG).context("the embedded backlog workload")?;
+            "backlog" | "colocated" => {
+                let text = if spec == "backlog" { BACKLOG } else { COLOCATED };
+                let cfg: WorkloadConfig = crate::text::parse_toml(text).with_context(|| format!("the embedded {spec} workload"))?;
                 cfg.check()?;
                 Ok(cfg)
             }
@@ -98,6 +120,11 @@ impl WorkloadConfig {
         anyhow::ensure!(
             self.duration_median_h > 0.0 && self.duration_p90_h > self.duration_median_h,
             "need 0 < duration_median_h < duration_p90_h"
+        );
+        anyhow::ensure!((0.0..=20.0).contains(&self.cpu_only_share), "cpu_only_share must be in [0, 20]");
+        anyhow::ensure!(
+            self.cpu_only_median_h > 0.0 && self.cpu_only_p90_h > self.cpu_only_median_h,
+            "need 0 < cpu_only_median_h < cpu_only_p90_h"
         );
         Ok(())
     }
@@ -142,7 +169,42 @@ impl WorkloadConfig {
             job.duration_s = (hours * 3600.0) as u64;
             jobs.push(job);
         }
+        if self.cpu_only_share > 0.0 {
+            self.add_cpu_only(fleet, &mut jobs);
+        }
         jobs
+    }
+
+    /// Adds `cpu_only_share` CPU-only jobs per GPU job, arriving evenly over
+    /// the horizon, from a random stream of their own; then orders every
+    /// job by arrival and numbers them again.
+    fn add_cpu_only(&self, fleet: &Fleet, jobs: &mut Vec<Job>) {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0xc0_0c0c);
+        let count = (jobs.len() as f64 * self.cpu_only_share).round() as usize;
+        let horizon = self.days * 86_400.0;
+        let sigma = (self.cpu_only_p90_h / self.cpu_only_median_h).ln() / 1.281_551_565_5;
+        // No larger than a quarter of the smallest GPU node's host.
+        let smallest = fleet.nodes().iter().filter(|n| !n.gpus.is_empty()).map(|n| (n.cpu_total_milli, n.memory_total_mib)).min().unwrap_or((16_000, 65_536));
+        for _ in 0..count {
+            let cores = [2u32, 4, 8, 16][rng.random_range(0..4)].min((smallest.0 / 4000).max(1));
+            let memory_mib = (u64::from(cores) * 4096).min(smallest.1 / 4);
+            let z = standard_normal(&mut rng);
+            let hours = (self.cpu_only_median_h * (sigma * z).exp()).clamp(0.05, 24.0 * 7.0);
+            jobs.push(Job {
+                class: CPU_ONLY as u8,
+                priority: HIGH_PRIORITY,
+                arrival_s: (rng.random::<f64>() * horizon) as u64,
+                duration_s: (hours * 3600.0) as u64,
+                tasks: 1,
+                shape: TaskShape { gpu_count: 0, gpu_milli: 0, cpu_milli: cores * 1000, memory_mib, models: vec![] },
+                declared_class: Some(berth_core::TaskClass::CpuOnly),
+                ..Job::default()
+            });
+        }
+        jobs.sort_by_key(|j| j.arrival_s);
+        for (i, j) in jobs.iter_mut().enumerate() {
+            j.id = i as u64;
+        }
     }
 
     fn draw_shape(&self, rng: &mut ChaCha8Rng, models: &[ModelInfo]) -> Job {
@@ -218,6 +280,7 @@ impl WorkloadConfig {
             partition: None,
             contract: None,
             reports_exit: false,
+            declared_class: Some(task_class(class)),
         }
     }
 }
@@ -253,6 +316,16 @@ fn standard_normal(rng: &mut ChaCha8Rng) -> f64 {
     let u1: f64 = rng.random::<f64>().max(1e-12);
     let u2: f64 = rng.random();
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// The contract's class of an ASI class: online and offline inference are
+/// inference, training and development are training.
+fn task_class(class: usize) -> berth_core::TaskClass {
+    match class {
+        0 | 1 => berth_core::TaskClass::Inference,
+        CPU_ONLY => berth_core::TaskClass::CpuOnly,
+        _ => berth_core::TaskClass::Training,
+    }
 }
 
 /// Columns of a workload CSV, in order.
@@ -297,6 +370,7 @@ pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate
             },
             contract: None,
             reports_exit: false,
+            declared_class: Some(task_class(class)),
         };
         if job.tasks == 0 {
             return Err(row.err(4, "a job needs at least one task"));

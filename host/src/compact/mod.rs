@@ -206,7 +206,7 @@ pub fn save_openb(
         }
         let (pod, shape) = &exp.pods()[i];
         requested += shape.total_gpu_milli() as f64;
-        let meta = TaskMeta { job_id: i as u64, ..TaskMeta::default() };
+        let meta = TaskMeta { job_id: i as u64, class: berth_core::TaskClass::implied(shape.gpu_count), ..TaskMeta::default() };
         match placer.place(&fleet, shape, meta, &mut policy, Some(&tie_rank))? {
             Some(p) => {
                 let alloc = Fleet::allocation(p.node, shape, p.gpus);
@@ -227,6 +227,7 @@ pub fn save_openb(
                     running_s: 0,
                     since_checkpoint_s: 0,
                     last_moved_s: None,
+                    class: meta.class,
                 });
             }
             None => {
@@ -305,6 +306,7 @@ pub fn save_event(
                 running_s: now.saturating_sub(start),
                 since_checkpoint_s: now.saturating_sub(start),
                 last_moved_s: None,
+                class: job.task_class(),
             });
         }
     }

@@ -173,7 +173,7 @@ impl Experiment {
         let mut decisions = Vec::with_capacity(order.len());
         for (k, &i) in order.iter().enumerate() {
             let shape = &self.pods[i].1;
-            let meta = TaskMeta { job_id: i as u64, ..TaskMeta::default() };
+            let meta = TaskMeta { job_id: i as u64, class: berth_core::TaskClass::implied(shape.gpu_count), ..TaskMeta::default() };
             let placement = placer.place(&fleet, shape, meta, policy, Some(&tie_rank))?;
             if let Some(p) = &placement {
                 fleet.allocate(&Fleet::allocation(p.node, shape, p.gpus)).map_err(|e| PolicyError::InvalidOutput(e.to_string()))?;

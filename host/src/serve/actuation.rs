@@ -491,6 +491,7 @@ impl Live {
             };
             let mask = beat.active.iter().filter(|&&g| g < 64).fold(0u64, |m, &g| m | 1 << g);
             st.activity.insert(nid, mask);
+            st.fleet.set_measured(nid, beat.measured).expect("agent node ids are in the fleet");
             let first = beat.registered_below.is_some();
             let expected = if first { held_before.remove(&beat.node).unwrap_or_default() } else { Vec::new() };
             let overdue = if first { overdue.remove(&beat.node).unwrap_or_default() } else { Vec::new() };

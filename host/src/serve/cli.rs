@@ -439,6 +439,11 @@ pub enum ApiCommand {
         /// is, e.g. steps, tokens, "requests within SLO" (default: units).
         #[arg(long, default_value = "")]
         work_unit: String,
+        /// What kind of work it is, for placement and compaction policies
+        /// that keep CPU-only work away from training (default: cpu-only
+        /// without GPUs, training with them).
+        #[arg(long, value_parser = ["training", "inference", "cpu-only"])]
+        class: Option<String>,
         /// Makes a retried submission safe: the host answers a second
         /// submission with the same key (yours, for a job it still keeps)
         /// with the first one's job instead of a new one. Default: a fresh
@@ -821,7 +826,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, work_unit, idempotency_key, conn, argv } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, work_unit, class, idempotency_key, conn, argv } => {
             let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
             let env = env
                 .iter()
@@ -844,6 +849,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 wait_ready,
                 sleepable,
                 work_unit,
+                class: class.unwrap_or_default(),
             };
             let idempotency_key = idempotency_key.unwrap_or_else(|| {
                 use rand::Rng;

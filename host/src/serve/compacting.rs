@@ -99,6 +99,7 @@ impl PartitionState {
                     running_s: now_s.saturating_sub(started_s),
                     since_checkpoint_s: now_s.saturating_sub(checkpoint_s),
                     last_moved_s: self.compaction.moved_at.get(&r.alloc_id).copied(),
+                    class: j.spec.job.task_class(),
                 });
                 origins.push(Origin { job_id, task, alloc_id: r.alloc_id });
             }

@@ -126,6 +126,7 @@ impl Live {
                 running_s: 600,
                 since_checkpoint_s: 60,
                 last_moved_s: None,
+                class: berth_core::TaskClass::Training,
             });
         }
         let planned = berth_core::compaction::plan(&fleet, &nodes, &running, &[], &mut policy, &cc, 0);

@@ -578,7 +578,8 @@ impl AgentHub for Arc<Hub> {
         // known, stop the orphans, end what is gone) is reconciled by the
         // partition's scheduler between passes: the reply never waits for a
         // pass.
-        self.live.beat(&partition, Beat { node: r.node, running: r.running, active, registered_below });
+        let measured = r.contention.as_ref().map(measured);
+        self.live.beat(&partition, Beat { node: r.node, running: r.running, active, registered_below, measured });
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
@@ -964,4 +965,12 @@ impl Actuator for Hub {
             tracing::warn!(target: "berth::agent", allocation = alloc_id, node, "{action} not delivered: {}", e.message());
         }
     }
+}
+
+/// A heartbeat's contention sample as the fleet keeps it for policies:
+/// CPU in thousandths of a core, pressures (percentages on the wire, checked
+/// to lie in 0..=100) in thousandths.
+fn measured(c: &pb::NodeContention) -> berth_core::fleet::Measured {
+    let some = |p: &Option<pb::Pressure>| p.as_ref().map_or(0, |p| (p.some_avg10.clamp(0.0, 100.0) * 10.0).round() as u32);
+    berth_core::fleet::Measured { cpu_used_milli: c.tasks_cpu_milli, cpu_pressure: some(&c.cpu), memory_pressure: some(&c.memory), io_pressure: some(&c.io) }
 }

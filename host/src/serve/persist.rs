@@ -63,6 +63,9 @@ struct StoredJob {
     wait_ready: bool,
     #[serde(default)]
     sleepable: bool,
+    /// The class the job declared (empty: implied by its shape).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    class: String,
     submitted_unix_ms: u64,
     started_unix_ms: u64,
     ended_unix_ms: u64,
@@ -219,6 +222,7 @@ pub(crate) fn job_record_op(clock: &dyn Clock, partition: &str, id: u64, j: &Job
         movable: s.movable,
         wait_ready: s.wait_ready,
         sleepable: s.sleepable,
+        class: s.job.declared_class.map_or_else(String::new, |c| c.name().to_string()),
         submitted_unix_ms: j.submitted_unix_ms,
         started_unix_ms: j.started_unix_ms,
         ended_unix_ms: j.ended_unix_ms,
@@ -519,7 +523,15 @@ impl Live {
                             wait_ready: j.wait_ready,
                             sleepable: j.sleepable,
                             work_unit: j.work_unit.clone(),
-                            job: Job { id: j.id, priority: j.priority, duration_s: j.duration_ms.div_ceil(1000), tasks: j.tasks, shape, ..Job::default() },
+                            job: Job {
+                                id: j.id,
+                                priority: j.priority,
+                                duration_s: j.duration_ms.div_ceil(1000),
+                                tasks: j.tasks,
+                                shape,
+                                declared_class: berth_core::TaskClass::from_name(&j.class),
+                                ..Job::default()
+                            },
                         },
                         owner: j.owner,
                         state,

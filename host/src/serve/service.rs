@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use berth_core::accounting::{self, PendingShape};
 use berth_core::sim::Job;
-use berth_core::{predicate, TaskShape};
+use berth_core::{predicate, TaskClass, TaskShape};
 use tonic::{Request, Response, Status};
 
 use super::auth::{Identity, Role};
@@ -200,6 +200,18 @@ impl Service {
             .collect::<Result<Vec<_>, _>>()?;
         let shape = TaskShape { gpu_count: s.gpus, gpu_milli, cpu_milli: s.cpu_milli, memory_mib: s.memory_mib, models };
         shape.check().map_err(|e| bad(format!("task shape: {e}")))?;
+        let declared_class = match s.class.as_str() {
+            "" => None,
+            name => Some(TaskClass::from_name(name).ok_or_else(|| {
+                bad(format!("class \"{}\": one of training, inference, cpu-only", crate::text::printable(name, 32)))
+            })?),
+        };
+        if declared_class == Some(TaskClass::CpuOnly) && shape.gpu_count > 0 {
+            return Err(bad(format!("class cpu-only with {} GPUs per task: a cpu-only job asks for no GPU", shape.gpu_count)));
+        }
+        if declared_class.is_some_and(|c| c != TaskClass::CpuOnly) && shape.gpu_count == 0 {
+            return Err(bad(format!("class {} without GPUs: a job without GPUs is cpu-only", s.class)));
+        }
         Ok(JobSpec {
             partition: s.partition.clone(),
             name: s.name.clone(),
@@ -211,7 +223,7 @@ impl Service {
             wait_ready: s.wait_ready,
             sleepable: s.sleepable,
             work_unit: s.work_unit.clone(),
-            job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, ..Job::default() },
+            job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, declared_class, ..Job::default() },
         })
     }
 }
@@ -266,6 +278,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             wait_ready: s.wait_ready,
             sleepable: s.sleepable,
             work_unit: s.work_unit.clone(),
+            class: s.job.task_class().name().to_string(),
         }),
         owner: j.owner.clone(),
         state: j.shown_state().into(),

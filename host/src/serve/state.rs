@@ -239,6 +239,9 @@ pub struct Beat {
     /// `running`, or they are lost. (Ids only grow, so one started after
     /// the registration is never judged by a list taken before it.)
     pub registered_below: Option<u64>,
+    /// What the agent measured of its tasks' contention (policies of
+    /// contract 0.4.0 see it); `None` when its heartbeat carried none.
+    pub measured: Option<berth_core::fleet::Measured>,
 }
 
 /// Heartbeats queued for a partition, at most two per node: the first

@@ -21,3 +21,10 @@ pub mod v0_3_0 {
         world: "placement-policy",
     });
 }
+
+pub mod v0_4_0 {
+    wasmtime::component::bindgen!({
+        path: "../wit/v0.4.0",
+        world: "placement-policy",
+    });
+}

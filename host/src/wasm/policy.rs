@@ -8,7 +8,7 @@ use berth_core::PolicyError;
 use berth_sdk::{Allocations, Domains, Hooks, Nodes, Plan, PolicyInfo, PoolExecutor, PoolPlacement, PoolState, PoolStep, Scores, Snapshot, Task};
 use wasmtime::Store;
 
-use super::bindings::{v0_1_0 as v1, v0_2_0 as v2, v0_3_0 as v3};
+use super::bindings::{v0_1_0 as v1, v0_2_0 as v2, v0_3_0 as v3, v0_4_0 as v4};
 use super::cache;
 use super::engine::{thread_cpu_time, DeadlineClock, GuestState, Limits, PolicyEngine, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES, TABLE_ELEMENT_BYTES, TICK};
 
@@ -100,6 +100,7 @@ enum Pre {
     V1(v1::PlacementPolicyPre<GuestState>),
     V2(v2::PlacementPolicyPre<GuestState>),
     V3(v3::PlacementPolicyPre<GuestState>),
+    V4(v4::PlacementPolicyPre<GuestState>),
 }
 
 /// A live component's exports, of one contract version.
@@ -107,6 +108,7 @@ pub(crate) enum Bindings {
     V1(v1::PlacementPolicy),
     V2(v2::PlacementPolicy),
     V3(v3::PlacementPolicy),
+    V4(v4::PlacementPolicy),
 }
 
 /// Runs `$body` with `$b` bound to the version's bindings and `$c` to that
@@ -127,6 +129,11 @@ macro_rules! each_version {
             Bindings::V3($b) => {
                 #[allow(unused_imports)]
                 use conv_v3 as $c;
+                $body
+            }
+            Bindings::V4($b) => {
+                #[allow(unused_imports)]
+                use conv_v4 as $c;
                 $body
             }
         }
@@ -163,25 +170,44 @@ impl LoadedPolicy {
             .instantiate_pre(&component)
             .map_err(|e| PolicyError::Load(format!("{contract_named} whose imports the host does not provide: {e:#}")))?;
         // Newest contract first; a component exports exactly one.
-        let (pre, contract) = match v3::PlacementPolicyPre::new(instance_pre.clone()) {
-            Ok(p) => (Pre::V3(p), "0.3.0"),
-            Err(e3) => match v2::PlacementPolicyPre::new(instance_pre.clone()) {
-                Ok(p) => (Pre::V2(p), "0.2.0"),
-                Err(e2) => match v1::PlacementPolicyPre::new(instance_pre) {
-                    Ok(p) => (Pre::V1(p), "0.1.0"),
-                    Err(e1) => {
-                        let why = match declared.contract.as_deref() {
-                            Some("0.3.0") => format!("{e3:#}"),
-                            Some("0.2.0") => format!("{e2:#}"),
-                            Some("0.1.0") => format!("{e1:#}"),
-                            _ => format!("@0.3.0: {e3:#}; @0.2.0: {e2:#}; @0.1.0: {e1:#}"),
-                        };
-                        return Err(PolicyError::Load(format!(
-                            "{contract_named}: its exports do not match a contract this host implements (0.1.0, 0.2.0, 0.3.0): {why}"
-                        )));
-                    }
-                },
-            },
+        let mut why: Vec<(&str, String)> = Vec::new();
+        let pre = match v4::PlacementPolicyPre::new(instance_pre.clone()) {
+            Ok(p) => Some((Pre::V4(p), "0.4.0")),
+            Err(e) => {
+                why.push(("0.4.0", format!("{e:#}")));
+                None
+            }
+        }
+        .or_else(|| match v3::PlacementPolicyPre::new(instance_pre.clone()) {
+            Ok(p) => Some((Pre::V3(p), "0.3.0")),
+            Err(e) => {
+                why.push(("0.3.0", format!("{e:#}")));
+                None
+            }
+        })
+        .or_else(|| match v2::PlacementPolicyPre::new(instance_pre.clone()) {
+            Ok(p) => Some((Pre::V2(p), "0.2.0")),
+            Err(e) => {
+                why.push(("0.2.0", format!("{e:#}")));
+                None
+            }
+        })
+        .or_else(|| match v1::PlacementPolicyPre::new(instance_pre) {
+            Ok(p) => Some((Pre::V1(p), "0.1.0")),
+            Err(e) => {
+                why.push(("0.1.0", format!("{e:#}")));
+                None
+            }
+        });
+        let Some((pre, contract)) = pre else {
+            // The declared version's mismatch says most; without one, all.
+            let why = match why.iter().find(|(v, _)| declared.contract.as_deref() == Some(*v)) {
+                Some((_, e)) => e.clone(),
+                None => why.iter().map(|(v, e)| format!("@{v}: {e}")).collect::<Vec<_>>().join("; "),
+            };
+            return Err(PolicyError::Load(format!(
+                "{contract_named}: its exports do not match a contract this host implements (0.1.0, 0.2.0, 0.3.0, 0.4.0): {why}"
+            )));
         };
         let mut loaded =
             LoadedPolicy { pre, contract, hash, info: PolicyInfo { name: String::new(), version: String::new(), hooks: Hooks::NONE } };
@@ -273,6 +299,7 @@ impl Instance {
             Pre::V1(pre) => pre.instantiate(&mut store).map(Bindings::V1),
             Pre::V2(pre) => pre.instantiate(&mut store).map(Bindings::V2),
             Pre::V3(pre) => pre.instantiate(&mut store).map(Bindings::V3),
+            Pre::V4(pre) => pre.instantiate(&mut store).map(Bindings::V4),
         }
         .map_err(|e| classify(e, &store, &limits))?;
         Ok(Instance { store, bindings, limits })
@@ -477,6 +504,13 @@ impl WasmPolicy {
                 conv_v3::restore_domains(domains, &mut d);
                 r
             }
+            Bindings::V4(b) => {
+                let t = conv_v4::task(task);
+                let mut d = conv_v4::take_domains(domains);
+                let r = b.berth_policy_policy().call_score_domains(s, &t, &d);
+                conv_v4::restore_domains(domains, &mut d);
+                r
+            }
         });
         let scores = result?.map_err(guest_error)?;
         if scores.len() != domains.len() {
@@ -512,9 +546,10 @@ impl berth_core::compaction::CompactionPolicy for WasmPolicy {
 
 // The columns move into the binding's records for a call and back after:
 // lowering copies them into guest memory once, and nothing else copies them.
-// One macro, expanded per contract version (their Rust types differ).
+// One macro, expanded per contract version (their Rust types differ); the
+// columns a later version added are named after its path.
 macro_rules! columns {
-    ($w:path) => {
+    ($w:path $(, task: $task_class:ident, nodes: [$($nx:ident),*], allocations: [$($ax:ident),*])?) => {
         use berth_sdk::{Allocations, Hooks, Nodes, PolicyInfo, Snapshot, Task};
         use std::mem::take;
         use $w as w;
@@ -538,6 +573,7 @@ macro_rules! columns {
                 priority: t.priority,
                 gang_size: t.gang_size,
                 gang_index: t.gang_index,
+                $(class: $task_class(t.class),)?
             }
         }
 
@@ -555,6 +591,7 @@ macro_rules! columns {
                 gpu_start: take(&mut n.gpu_start),
                 gpu_free_milli: take(&mut n.gpu_free_milli),
                 alloc_kinds: take(&mut n.alloc_kinds),
+                $($($nx: take(&mut n.$nx),)*)?
             }
         }
 
@@ -571,6 +608,7 @@ macro_rules! columns {
             n.gpu_start = take(&mut w.gpu_start);
             n.gpu_free_milli = take(&mut w.gpu_free_milli);
             n.alloc_kinds = take(&mut w.alloc_kinds);
+            $($(n.$nx = take(&mut w.$nx);)*)?
         }
 
         pub fn take_allocations(a: &mut Allocations) -> w::Allocations {
@@ -589,6 +627,7 @@ macro_rules! columns {
                 remaining_s: take(&mut a.remaining_s),
                 running_s: take(&mut a.running_s),
                 since_checkpoint_s: take(&mut a.since_checkpoint_s),
+                $($($ax: take(&mut a.$ax),)*)?
             }
         }
 
@@ -607,6 +646,7 @@ macro_rules! columns {
             a.remaining_s = take(&mut w.remaining_s);
             a.running_s = take(&mut w.running_s);
             a.since_checkpoint_s = take(&mut w.since_checkpoint_s);
+            $($(a.$ax = take(&mut w.$ax);)*)?
         }
 
         pub fn take_snapshot(s: &mut Snapshot) -> w::Snapshot {
@@ -629,6 +669,67 @@ macro_rules! columns {
             s.pending.gpu_milli = take(&mut w.pending.gpu_milli);
             s.pending.whole_nodes = take(&mut w.pending.whole_nodes);
             s.pending.model = take(&mut w.pending.model);
+        }
+    };
+}
+
+/// The pool records (contract 0.3.0 and later), for a version module that
+/// has already `use`d its types as `w`.
+macro_rules! pool_columns {
+    () => {
+        pub fn pool_state(s: &berth_sdk::PoolState) -> w::PoolState {
+            let s = s.clone();
+            w::PoolState {
+                now_ms: s.now_ms,
+                model_tp: s.model_tp,
+                model_weight_bytes: s.model_weight_bytes,
+                model_kv_bytes_per_token: s.model_kv_bytes_per_token,
+                model_arrived: s.model_arrived,
+                model_rate: s.model_rate,
+                model_peak_rate: s.model_peak_rate,
+                model_queued: s.model_queued,
+                model_service_s: s.model_service_s,
+                executor_tp: s.executor_tp,
+                executor_memory_bytes: s.executor_memory_bytes,
+                executor_load: s.executor_load,
+                assigned_executor: s.assigned_executor,
+                assigned_model: s.assigned_model,
+                assigned_pinned: s.assigned_pinned,
+                assigned_load: s.assigned_load,
+                assigned_idle_ms: s.assigned_idle_ms,
+            }
+        }
+
+        pub fn pool_executor(x: &berth_sdk::PoolExecutor) -> w::PoolExecutor {
+            let x = x.clone();
+            w::PoolExecutor {
+                now_ms: x.now_ms,
+                executor: x.executor,
+                memory_bytes: x.memory_bytes,
+                used_bytes: x.used_bytes,
+                tbt_target_ms: x.tbt_target_ms,
+                model: x.model,
+                resident: x.resident,
+                pinned: x.pinned,
+                weight_bytes: x.weight_bytes,
+                load_s: x.load_s,
+                waiting: x.waiting,
+                waiting_tokens: x.waiting_tokens,
+                oldest_wait_ms: x.oldest_wait_ms,
+                decoding: x.decoding,
+                decode_slack_ms: x.decode_slack_ms,
+                decode_iteration_s: x.decode_iteration_s,
+                idle_ms: x.idle_ms,
+            }
+        }
+
+        pub fn pool_step(st: w::PoolChoice) -> berth_sdk::PoolStep {
+            let phase = match st.phase {
+                w::PoolPhase::Idle => berth_sdk::PoolPhase::Idle,
+                w::PoolPhase::Prefill => berth_sdk::PoolPhase::Prefill,
+                w::PoolPhase::Decode => berth_sdk::PoolPhase::Decode,
+            };
+            berth_sdk::PoolStep { phase, row: st.row, iterations: st.iterations, evict: st.evict }
         }
     };
 }
@@ -691,60 +792,33 @@ mod conv_v3 {
 
     domain_columns!();
 
-    pub fn pool_state(s: &berth_sdk::PoolState) -> w::PoolState {
-        let s = s.clone();
-        w::PoolState {
-            now_ms: s.now_ms,
-            model_tp: s.model_tp,
-            model_weight_bytes: s.model_weight_bytes,
-            model_kv_bytes_per_token: s.model_kv_bytes_per_token,
-            model_arrived: s.model_arrived,
-            model_rate: s.model_rate,
-            model_peak_rate: s.model_peak_rate,
-            model_queued: s.model_queued,
-            model_service_s: s.model_service_s,
-            executor_tp: s.executor_tp,
-            executor_memory_bytes: s.executor_memory_bytes,
-            executor_load: s.executor_load,
-            assigned_executor: s.assigned_executor,
-            assigned_model: s.assigned_model,
-            assigned_pinned: s.assigned_pinned,
-            assigned_load: s.assigned_load,
-            assigned_idle_ms: s.assigned_idle_ms,
+    pool_columns!();
+}
+
+mod conv_v4 {
+    columns!(super::v4::berth::policy::types,
+        task: task_class,
+        nodes: [gpu_tasks, cpu_only_milli, cpu_used_milli, cpu_pressure, memory_pressure, io_pressure],
+        allocations: [class]);
+
+    fn task_class(c: berth_sdk::TaskClass) -> w::TaskClass {
+        match c {
+            berth_sdk::TaskClass::Training => w::TaskClass::Training,
+            berth_sdk::TaskClass::Inference => w::TaskClass::Inference,
+            berth_sdk::TaskClass::CpuOnly => w::TaskClass::CpuOnly,
         }
     }
 
-    pub fn pool_executor(x: &berth_sdk::PoolExecutor) -> w::PoolExecutor {
-        let x = x.clone();
-        w::PoolExecutor {
-            now_ms: x.now_ms,
-            executor: x.executor,
-            memory_bytes: x.memory_bytes,
-            used_bytes: x.used_bytes,
-            tbt_target_ms: x.tbt_target_ms,
-            model: x.model,
-            resident: x.resident,
-            pinned: x.pinned,
-            weight_bytes: x.weight_bytes,
-            load_s: x.load_s,
-            waiting: x.waiting,
-            waiting_tokens: x.waiting_tokens,
-            oldest_wait_ms: x.oldest_wait_ms,
-            decoding: x.decoding,
-            decode_slack_ms: x.decode_slack_ms,
-            decode_iteration_s: x.decode_iteration_s,
-            idle_ms: x.idle_ms,
-        }
+    fn extra_hooks(h: &w::Hooks) -> Hooks {
+        [(w::Hooks::DOMAINS, Hooks::DOMAINS), (w::Hooks::POOL_PLACE, Hooks::POOL_PLACE), (w::Hooks::POOL_STEP, Hooks::POOL_STEP)]
+            .into_iter()
+            .filter(|(wit, _)| h.contains(*wit))
+            .fold(Hooks::NONE, |acc, (_, ours)| acc | ours)
     }
 
-    pub fn pool_step(st: w::PoolChoice) -> berth_sdk::PoolStep {
-        let phase = match st.phase {
-            w::PoolPhase::Idle => berth_sdk::PoolPhase::Idle,
-            w::PoolPhase::Prefill => berth_sdk::PoolPhase::Prefill,
-            w::PoolPhase::Decode => berth_sdk::PoolPhase::Decode,
-        };
-        berth_sdk::PoolStep { phase, row: st.row, iterations: st.iterations, evict: st.evict }
-    }
+    domain_columns!();
+
+    pool_columns!();
 }
 
 
@@ -781,6 +855,10 @@ impl berth_core::pool::PoolPolicy for WasmPolicy {
                 .berth_policy_policy()
                 .call_pool_place(s, &conv_v3::pool_state(state))
                 .map(|r| r.map(|p| PoolPlacement { executor: p.executor, model: p.model, weight: p.weight, pinned: p.pinned })),
+            Bindings::V4(b) => b
+                .berth_policy_policy()
+                .call_pool_place(s, &conv_v4::pool_state(state))
+                .map(|r| r.map(|p| PoolPlacement { executor: p.executor, model: p.model, weight: p.weight, pinned: p.pinned })),
             _ => Ok(Err("no pool hooks".to_string())),
         });
         result?.map(Some).map_err(guest_error)
@@ -793,6 +871,7 @@ impl berth_core::pool::PoolPolicy for WasmPolicy {
         }
         let result = self.call(|b, s| match b {
             Bindings::V3(b) => b.berth_policy_policy().call_pool_step(s, &conv_v3::pool_executor(executor)).map(|r| r.map(conv_v3::pool_step)),
+            Bindings::V4(b) => b.berth_policy_policy().call_pool_step(s, &conv_v4::pool_executor(executor)).map(|r| r.map(conv_v4::pool_step)),
             _ => Ok(Err("no pool hooks".to_string())),
         });
         result?.map(Some).map_err(guest_error)
