@@ -13,8 +13,8 @@ use anyhow::Context;
 
 /// The contract every template builds against: the newest. Python, JS and
 /// C carry its WIT; Rust gets it from the SDK (whose hooks all default).
-const WIT: &str = include_str!("../../wit/v0.3.0/policy.wit");
-const WIT_VERSION: &str = "0.3.0";
+const WIT: &str = include_str!("../../wit/v0.4.0/policy.wit");
+const WIT_VERSION: &str = "0.4.0";
 
 /// The pinned tool versions scripts/install-lang-toolchains.sh installs
 /// (a test checks they agree).

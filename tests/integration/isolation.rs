@@ -225,6 +225,22 @@ async fn two_agents_on_one_machine_split_its_cpus_and_their_tasks_stay_on_them()
     .await;
 }
 
+/// Kills the processes it names when dropped (a test that fails midway
+/// leaves nothing running). Emptied once they are known gone, so no reused
+/// pid is hit.
+struct Reaper(Vec<u32>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: kill has no memory preconditions; a pid gone (or
+            // reused after its exit was waited for) is the worst case, and
+            // these were the test's own tasks a moment ago.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
 /// Work units a task has written to `file` (its counter), 0 before the
 /// first. The task rewrites the file in place: a read between its truncate
 /// and its write finds it empty, so such a read is taken again.
@@ -266,7 +282,12 @@ async fn training_beside_a_hog(policy: &str) -> (f64, bool) {
     .await;
     let counter = d.join("work");
     let count = format!("i=0; while :; do i=$((i+1)); if [ $((i % 500)) -eq 0 ]; then echo $i > {}; fi; done", counter.display());
-    let submit = |argv: String, gpus: u32, class: &str| pb::SubmitJobRequest {
+    // Each under `timeout`: tasks outlive a killed agent (it adopts them
+    // when it comes back), and these spin; nothing may be left spinning on
+    // a machine other tests share, whatever happens here. (--foreground:
+    // in its own process group a stop on an agent without cgroups, which
+    // signals the task's group, would not reach it.)
+    let submit = |script: String, gpus: u32, class: &str| pb::SubmitJobRequest {
         job: Some(pb::JobSpec {
             partition: "p0".into(),
             tasks: 1,
@@ -274,17 +295,20 @@ async fn training_beside_a_hog(policy: &str) -> (f64, bool) {
             cpu_milli: 1000,
             memory_mib: 256,
             class: class.into(),
-            argv: vec!["sh".into(), "-c".into(), argv],
+            argv: vec!["timeout".into(), "--foreground".into(), "90".into(), "sh".into(), "-c".into(), script],
             ..Default::default()
         }),
         ..Default::default()
     };
+    let mut reaper = Reaper(Vec::new());
     let training = api.submit_job(submit(count, 1, "training")).await.unwrap().into_inner().job_id;
-    task_pid(&d, &api, &hub, training).await;
+    let supervisor = task_pid(&d, &api, &hub, training).await;
+    reaper.0.extend(descendants(supervisor));
     until_logged(&d, "the training task counting", Duration::from_secs(30), || async { (counted(&counter) > 0.0).then_some(()) }).await;
     let alone = rate(&counter, Duration::from_secs(4)).await;
     let hog = api.submit_job(submit("while :; do :; done".into(), 0, "cpu-only")).await.unwrap().into_inner().job_id;
-    task_pid(&d, &api, &hub, hog).await;
+    let supervisor = task_pid(&d, &api, &hub, hog).await;
+    reaper.0.extend(descendants(supervisor));
     let beside = rate(&counter, Duration::from_secs(4)).await;
     let all = jobs(&api).await;
     let node_of = |id: u64| all.iter().find(|j| j.id == id).and_then(|j| j.runs.first()).map(|r| r.node.clone()).unwrap();
@@ -293,6 +317,14 @@ async fn training_beside_a_hog(policy: &str) -> (f64, bool) {
     for id in [training, hog] {
         api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();
     }
+    // Their processes gone before the agents are: a cancel is a stop.
+    until_logged(&d, "both tasks stopped", Duration::from_secs(30), || {
+        let gone = !reaper.0.iter().any(|&p| crate::agent::alive(p));
+        async move { gone.then_some(()) }
+    })
+    .await;
+    // Gone: their pids may be reused from now on.
+    reaper.0.clear();
     (beside / alone, shared)
 }
 

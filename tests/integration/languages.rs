@@ -234,13 +234,13 @@ fn scaffolded_projects_build_and_conform() {
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
             let project = scratch.join(&name);
             let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
-            for want in ["./build.sh", &format!("berth policy test {name}.wasm"), "berth:policy@0.3.0", "pool-place", installer] {
+            for want in ["./build.sh", &format!("berth policy test {name}.wasm"), "berth:policy@0.4.0", "pool-place", installer] {
                 assert!(readme.contains(want), "README lacks {want:?}:\n{readme}");
             }
             assert!(!readme.contains("{{"), "unfilled placeholder:\n{readme}");
             if lang != "rust" {
                 let wit = std::fs::read_to_string(project.join("wit/policy.wit")).unwrap();
-                assert!(wit.contains("package berth:policy@0.3.0;"));
+                assert!(wit.contains("package berth:policy@0.4.0;"));
             }
             let build = Command::new("./build.sh")
                 .current_dir(&project)
@@ -266,7 +266,7 @@ fn scaffolded_projects_build_and_conform() {
             assert!(test.status.success(), "{lang}: berth policy test failed:\n{stdout}{}", String::from_utf8_lossy(&test.stderr));
             let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
             assert_eq!(report["policy"], name.as_str(), "{stdout}");
-            assert_eq!(report["contract"], "0.3.0", "{lang}: {stdout}");
+            assert_eq!(report["contract"], "0.4.0", "{lang}: {stdout}");
             let rules: Vec<&str> = report["rules"].as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap()).collect();
             let claimed = match hook {
                 "place" => "score/gpu-masks",

@@ -61,9 +61,9 @@ fn contract_0_1_0_components_keep_loading() {
     let old = crate::common::load(&crate::common::guest_path("v010"));
     assert_eq!(old.contract, "0.1.0");
     assert_eq!(old.info.name, "v010-most-free-cpu");
-    // Rust policies build against the newest contract (0.3.0, pool hooks);
+    // Rust policies build against the newest contract (0.4.0, contention);
     // best-fit-py stays a 0.2.0 component and loads side by side.
-    assert_eq!(crate::common::load(&policy_path("binpack")).contract, "0.3.0");
+    assert_eq!(crate::common::load(&policy_path("binpack")).contract, "0.4.0");
     assert_eq!(crate::common::load(&policy_path("best-fit-py")).contract, "0.2.0");
     // It decides through the same core as new components.
     let mut policy = berth::wasm::WasmPolicy::new(engine(), old, Default::default());

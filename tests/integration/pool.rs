@@ -42,7 +42,7 @@ fn the_four_pool_components_load_and_run_under_the_hosts_checks() {
     for name in POOL {
         let mut p = wasm_policy(&policy_path(name), Default::default());
         let loaded = crate::common::load(&policy_path(name));
-        assert_eq!(loaded.contract, "0.3.0", "{name}");
+        assert_eq!(loaded.contract, "0.4.0", "{name}");
         assert!(p.has_pool_hooks(), "{name}");
         let opts = RunOptions { layout: vec![(1, 3), (4, 4)], record_steps: true };
         let (out, steps) = berth_core::pool::run(&cfg, &reqs, &opts, &mut p).unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -257,8 +257,8 @@ pub fn compare(engine: Arc<PolicyEngine>, file: &PoolFile, source: &Source, opts
         let path = crate::catalog::resolve(name)?;
         let l = LoadedPolicy::from_file(&engine, &path).map_err(|e| anyhow::anyhow!("policy {name}: {e}"))?;
         let probe = WasmPolicy::new(engine.clone(), l.clone(), opts.limits);
-        if l.contract != "0.3.0" && !l.contract.starts_with("0.3") {
-            bail!("policy {name} is a berth:policy@{} component: it does not implement the pool hooks (contract 0.3.0)", l.contract);
+        if matches!(l.contract, "0.1.0" | "0.2.0") {
+            bail!("policy {name} is a berth:policy@{} component: it does not implement the pool hooks (contract 0.3.0 or later)", l.contract);
         }
         if !probe.has_pool_hooks() {
             bail!("policy {name} claims neither pool-place nor pool-step: it is not a pool policy");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Config, Engine, ResourceLimiter};
 
-use super::bindings::{v0_1_0 as v1, v0_2_0 as v2, v0_3_0 as v3};
+use super::bindings::{v0_1_0 as v1, v0_2_0 as v2, v0_3_0 as v3, v0_4_0 as v4};
 
 /// Epoch ticks are this long; deadlines are whole numbers of ticks.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
@@ -188,6 +188,7 @@ macro_rules! host_imports {
 host_imports!(v1);
 host_imports!(v2);
 host_imports!(v3);
+host_imports!(v4);
 
 impl GuestState {
     fn log_line(&mut self, level: LogLevel, message: String) {
@@ -244,6 +245,7 @@ impl PolicyEngine {
         let mut linker = Linker::new(&engine);
         v1::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
         v2::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
+        v4::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
         v3::PlacementPolicy::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)?;
 
         let stop = Arc::new(AtomicBool::new(false));

@@ -1,85 +1,87 @@
-//! interference-aware: best fit, but CPU-only work and GPU training are kept
-//! off each other's nodes (contract 0.4.0).
+//! interference-aware: topology-aware packing (topo-entropy's), with
+//! CPU-only work and GPU training kept off each other's nodes (contract
+//! 0.4.0).
 //!
 //! The ASI paper found CPU-only jobs dominating CPU use on 80% of GPU nodes
 //! and lowering the median training job's SM utilisation by 10% (p90 18%):
 //! the GPU stays allocated while completed work falls. This policy scores a
-//! node as best-fit does (least CPU and GPU left after the task, 0..100
-//! points), then takes points off for the neighbours the task would get:
+//! node as topo-entropy does (fullest node, busiest switch domain: about
+//! 0..110 points; gangs choose their domain as topo-entropy does), then
+//! moves points for the neighbours the task would get:
 //!
-//! - a CPU-only task loses `cpu_beside_gpu` points on a node running GPU
-//!   tasks (more than best fit can give, so it goes to a node without GPU
-//!   work whenever one fits), plus the node's measured CPU pressure;
-//! - a training task loses points for the share of the node's CPU held by
-//!   CPU-only tasks and for the measured CPU pressure and use;
-//! - an inference task the same at `inference_share` of the weight.
+//! - a CPU-only task gains `cpu_cluster` points on a node that already runs
+//!   CPU-only work (so such work gathers on few nodes, packed by CPU) and
+//!   loses `cpu_beside_gpu` on a node running GPU tasks;
+//! - a training task loses `gpu_beside_cpu` points on a node running
+//!   CPU-only work (plus its share of the node's CPU), and points for the
+//!   measured CPU pressure and for CPU in use beyond what is allocated;
+//! - an inference task the same at `inference_share` of the weight (0 by
+//!   default: serving tolerates the neighbours training does not, and the
+//!   GPUs of nodes with CPU-only work are then put to use).
 //!
 //! Measured columns (`cpu-pressure`, `cpu-used-milli`) come from the node's
 //! agent; without one they are zero and the allocated CPU, so the policy
 //! still separates the classes by what is allocated.
 
-use berth_sdk::{Hooks, NodeView, Nodes, Policy, Scores, Task, TaskClass};
+#[path = "../../topo-entropy/src/score.rs"]
+mod topo;
+
+use topo::TopoEntropy;
+use berth_sdk::{Domains, Hooks, NodeView, Nodes, Policy, Scores, Task, TaskClass};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct InterferenceAware {
-    /// Largest node's CPU and GPU capacity, for the best-fit term.
-    pub max_cpu_milli: f64,
-    pub max_gpu_milli: f64,
+    /// Points a CPU-only task gains on a node already running CPU-only work.
+    pub cpu_cluster: f64,
     /// Points a CPU-only task loses on a node running GPU tasks.
     pub cpu_beside_gpu: f64,
-    /// Points a training task loses per share of the node's CPU held by
-    /// CPU-only tasks (all of it: this many points).
+    /// Points a CPU-only task gains for the share of the node's CPU it
+    /// leaves allocated (packs CPU-only work by CPU).
+    pub cpu_fit: f64,
+    /// Points a training task loses on a node running CPU-only work, plus
+    /// as many again for all of its CPU held by CPU-only tasks.
     pub gpu_beside_cpu: f64,
     /// Points lost per unit of measured CPU pressure (all of the last 10 s
     /// waiting: this many points).
     pub pressure: f64,
     /// Points a training task loses per share of the node's CPU measured in
-    /// use beyond what is allocated to GPU tasks (work outside Berth, or
-    /// tasks above their request).
+    /// use beyond what is allocated (work outside Berth, or tasks above
+    /// their request).
     pub busy: f64,
-    /// Inference is latency-bound, hurt less than training by a busy CPU:
-    /// its penalties are this share of training's.
+    /// Inference's penalties as a share of training's.
     pub inference_share: f64,
 }
 
 impl Default for InterferenceAware {
     fn default() -> Self {
-        InterferenceAware {
-            max_cpu_milli: 128_000.0,
-            max_gpu_milli: 8_000.0,
-            cpu_beside_gpu: 200.0,
-            gpu_beside_cpu: 200.0,
-            pressure: 100.0,
-            busy: 50.0,
-            inference_share: 0.5,
-        }
+        InterferenceAware { cpu_cluster: 150.0, cpu_beside_gpu: 100.0, cpu_fit: 20.0, gpu_beside_cpu: 150.0, pressure: 100.0, busy: 50.0, inference_share: 0.0 }
     }
 }
 
 impl InterferenceAware {
-    fn best_fit(&self, task: &Task, n: &NodeView) -> f64 {
-        let left = (f64::from(n.cpu_free_milli) - f64::from(task.cpu_milli)) / self.max_cpu_milli * 0.5
-            + (f64::from(n.gpu_free_total()) - task.total_gpu_milli() as f64) / self.max_gpu_milli * 0.5;
-        ((1.0 - left) * 100.0).trunc()
-    }
-
-    /// Points the task loses for the neighbours it would get on `n`.
-    fn penalty(&self, task: &Task, n: &NodeView) -> f64 {
+    /// Points the task gains (positive) or loses for the neighbours it
+    /// would get on `n`.
+    fn neighbours(&self, task: &Task, n: &NodeView) -> f64 {
         let c = &n.contention;
         let total = f64::from(n.cpu_total_milli.max(1));
         let pressure = f64::from(c.cpu_pressure) / 1000.0 * self.pressure;
         match task.class {
-            TaskClass::CpuOnly => pressure + if c.gpu_tasks > 0 { self.cpu_beside_gpu } else { 0.0 },
+            TaskClass::CpuOnly => {
+                let cluster = if c.cpu_only_milli > 0 { self.cpu_cluster } else { 0.0 };
+                let beside_gpu = if c.gpu_tasks > 0 { self.cpu_beside_gpu } else { 0.0 };
+                let fit = (f64::from(n.cpu_total_milli - n.cpu_free_milli) + f64::from(task.cpu_milli)) / total * self.cpu_fit;
+                cluster + fit - beside_gpu - pressure
+            }
             TaskClass::Training | TaskClass::Inference => {
                 let share = if task.class == TaskClass::Inference { self.inference_share } else { 1.0 };
-                let cpu_only = f64::from(c.cpu_only_milli) / total;
-                // Use beyond the CPU-only and GPU tasks' requests is work the
-                // host did not place (or tasks over their request).
+                let cpu_only = if c.cpu_only_milli > 0 { 1.0 + f64::from(c.cpu_only_milli) / total } else { 0.0 };
+                // Use beyond what is allocated is work the host did not
+                // place (or tasks over their request).
                 let allocated = f64::from(n.cpu_total_milli - n.cpu_free_milli);
                 let beyond = (f64::from(c.cpu_used_milli) - allocated).max(0.0) / total;
-                share * (cpu_only * self.gpu_beside_cpu + pressure + beyond * self.busy)
+                -share * (cpu_only * self.gpu_beside_cpu + pressure + beyond * self.busy)
             }
         }
     }
@@ -88,22 +90,30 @@ impl InterferenceAware {
 impl Policy for InterferenceAware {
     const NAME: &'static str = "interference-aware";
     const VERSION: &'static str = "1.0.0";
-    const HOOKS: Hooks = Hooks::SCORE;
+    const HOOKS: Hooks = Hooks::SCORE.union(Hooks::DOMAINS);
 
     fn configure(&mut self, config: &str) -> Result<(), String> {
         if !config.trim().is_empty() {
             let parsed: InterferenceAware = serde_json::from_str(config).map_err(|e| format!("interference-aware: bad configuration: {e}"))?;
-            let weights = [parsed.max_cpu_milli, parsed.max_gpu_milli, parsed.cpu_beside_gpu, parsed.gpu_beside_cpu, parsed.pressure, parsed.busy, parsed.inference_share];
-            if weights.iter().any(|w| !w.is_finite() || *w < 0.0) || parsed.max_cpu_milli == 0.0 || parsed.max_gpu_milli == 0.0 {
-                return Err("interference-aware: every weight must be finite and >= 0, the capacities > 0".into());
+            let weights = [parsed.cpu_cluster, parsed.cpu_beside_gpu, parsed.cpu_fit, parsed.gpu_beside_cpu, parsed.pressure, parsed.busy, parsed.inference_share];
+            if weights.iter().any(|w| !w.is_finite() || *w < 0.0 || *w > 1e6) {
+                return Err("interference-aware: every weight must be finite, in 0..=1e6".into());
             }
             *self = parsed;
         }
         Ok(())
     }
 
+    fn score_domains(&mut self, task: &Task, domains: &Domains) -> Result<Vec<f64>, String> {
+        TopoEntropy.score_domains(task, domains)
+    }
+
     fn score(&mut self, task: &Task, nodes: &Nodes) -> Result<Scores, String> {
-        Ok(Scores::from_scores(nodes.iter().map(|n| self.best_fit(task, &n) - self.penalty(task, &n)).collect()))
+        let mut scores = TopoEntropy.score(task, nodes)?;
+        for (s, n) in scores.scores.iter_mut().zip(nodes.iter()) {
+            *s += self.neighbours(task, &n);
+        }
+        Ok(scores)
     }
 }
 
@@ -136,11 +146,10 @@ mod tests {
         assert_eq!(best(&p.score(&cpu, &n).unwrap().scores), 1);
         let train = Task { gpu_count: 1, gpu_milli: 1000, cpu_milli: 8000, class: TaskClass::Training, ..Task::default() };
         assert_eq!(best(&p.score(&train, &n).unwrap().scores), 0);
-        // Best fit alone would put the CPU-only task beside the GPU task's
-        // node only if it were fuller; here it picks node 1 (less CPU free).
-        let plain = Task { class: TaskClass::Training, ..cpu.clone() };
-        let s = p.score(&plain, &n).unwrap().scores;
-        assert!(s[1] < s[0], "training-classed work avoids the CPU-only node: {s:?}");
+        // topo-entropy alone puts the CPU-only task on the node with the
+        // fuller GPUs, beside the GPU task.
+        let plain = TopoEntropy.score(&cpu, &n).unwrap().scores;
+        assert_eq!(best(&plain), 0, "{plain:?}");
     }
 
     #[test]
