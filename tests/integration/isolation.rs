@@ -254,11 +254,18 @@ fn counted(file: &Path) -> f64 {
     0.0
 }
 
-/// Work units per second of the counter in `file` over `window`.
-async fn rate(file: &Path, window: Duration) -> f64 {
-    let (c0, t0) = (counted(file), Instant::now());
-    tokio::time::sleep(window).await;
-    (counted(file) - c0) / t0.elapsed().as_secs_f64()
+/// Work units per second of the counter in `file`: the best of eight
+/// half-second windows. Other tests share the machine and only ever slow
+/// the task; the best window is its rate when they let it be, while a
+/// neighbour on its own CPU holds every window down.
+async fn rate(file: &Path) -> f64 {
+    let mut best = 0.0f64;
+    for _ in 0..8 {
+        let (c0, t0) = (counted(file), Instant::now());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        best = best.max((counted(file) - c0) / t0.elapsed().as_secs_f64());
+    }
+    best
 }
 
 /// One run of the interference scenario under placement policy `policy`:
@@ -305,14 +312,18 @@ async fn training_beside_a_hog(policy: &str) -> (f64, bool) {
     let supervisor = task_pid(&d, &api, &hub, training).await;
     reaper.0.extend(descendants(supervisor));
     until_logged(&d, "the training task counting", Duration::from_secs(30), || async { (counted(&counter) > 0.0).then_some(()) }).await;
-    let alone = rate(&counter, Duration::from_secs(4)).await;
+    let alone = rate(&counter).await;
     let hog = api.submit_job(submit("while :; do :; done".into(), 0, "cpu-only")).await.unwrap().into_inner().job_id;
     let supervisor = task_pid(&d, &api, &hub, hog).await;
     reaper.0.extend(descendants(supervisor));
-    let beside = rate(&counter, Duration::from_secs(4)).await;
+    // The hog's first half second is its start (fork, exec, placement).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let beside = rate(&counter).await;
     let all = jobs(&api).await;
     let node_of = |id: u64| all.iter().find(|j| j.id == id).and_then(|j| j.runs.first()).map(|r| r.node.clone()).unwrap();
     let shared = node_of(training) == node_of(hog);
+    let class_of = |id: u64| all.iter().find(|j| j.id == id).and_then(|j| j.spec.as_ref()).map(|s| s.class.clone()).unwrap();
+    assert_eq!((class_of(training).as_str(), class_of(hog).as_str()), ("training", "cpu-only"), "each job shows the class it declared");
     eprintln!("{policy}: training {alone:.0} units/s alone, {beside:.0} with the hog started ({:.2}); the hog on {} ({})", beside / alone, node_of(hog), if shared { "shared" } else { "apart" });
     for id in [training, hog] {
         api.cancel_job(pb::CancelJobRequest { job_id: id }).await.unwrap();

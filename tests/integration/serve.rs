@@ -314,6 +314,16 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     bad_job.job.as_mut().unwrap().gpu_milli = 500;
     let e = alice.submit_job(bad_job).await.unwrap_err();
     assert!(e.code() == Code::InvalidArgument && e.message().contains("shared GPU"), "{e:?}");
+    // A class must be one of three and agree with the shape; the one given
+    // (or implied) is what the job shows.
+    for (class, gpus, why) in [("gpu-heavy", 1, "one of training"), ("cpu-only", 1, "asks for no GPU"), ("inference", 0, "is cpu-only")] {
+        let mut classed = job("p2", gpus);
+        let spec = classed.job.as_mut().unwrap();
+        spec.class = class.into();
+        spec.gpu_milli = if gpus == 0 { 0 } else { 1000 };
+        let e = alice.submit_job(classed).await.unwrap_err();
+        assert!(e.code() == Code::InvalidArgument && e.message().contains(why), "{class}: {e:?}");
+    }
     // Permission before existence: a tenant learns nothing about partitions
     // it holds no grant on, not even whether they exist.
     let e = alice.submit_job(job("nowhere", 1)).await.unwrap_err();

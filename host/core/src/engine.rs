@@ -374,8 +374,8 @@ struct Reservation {
 /// job must avoid, and its (partition, tasks, shape) class.
 type ShapeKey = (Vec<Option<u32>>, u32);
 
-/// A waiting gang's [`ShapeKey`], and whether it is low priority (lent GPUs
-/// are open to low priority only).
+/// A waiting gang's [`ShapeKey`], and whether it may borrow lent GPUs (see
+/// [`Engine::may_borrow`]).
 type GangKey = (ShapeKey, bool);
 
 /// The deterministic scheduler state.
@@ -993,6 +993,30 @@ impl Engine {
             && held.iter().all(|a| self.lent.get(&a.node).is_none_or(|m| m & a.gpus == 0))
     }
 
+    /// Whether low-priority job `j`, whose run would take `run_s`, may run
+    /// on lent GPUs: its contract lets it be taken back when their owners
+    /// wake (it has interruptions left in the last 24 hours), or it ends,
+    /// with a fifth of its run to spare against a forecast that is wrong,
+    /// before the harvest schedule's next wake. A live host's schedule is
+    /// the partition's, not the engine's: there only the first holds.
+    fn may_borrow(&self, j: Slot, now: u64, run_s: u64) -> bool {
+        let contract = self.config.contract_of(&self.jobs[j]);
+        if self.runs.recent_interruptions(j, now) < contract.max_interruptions_per_day as usize {
+            return true;
+        }
+        let Some(h) = &self.config.harvest else { return false };
+        let (mut at, mut wake) = (now, None);
+        for _ in 0..3 {
+            let (t, is_wake) = h.next_boundary(Some(at));
+            if is_wake {
+                wake = Some(t);
+                break;
+            }
+            at = t;
+        }
+        wake.is_some_and(|w| now.saturating_add(run_s).saturating_add(run_s / 5) <= w)
+    }
+
     /// Whether job `j` is asleep, its GPUs lent.
     pub fn is_sleeping(&self, j: Slot) -> bool {
         self.sleeping.contains_key(&j)
@@ -1234,7 +1258,7 @@ impl Engine {
         }
         // Shapes that did not fit this pass under the same constraints: not
         // retried until the next event.
-        let mut failed: HashSet<ShapeKey> = HashSet::new();
+        let mut failed: HashSet<(ShapeKey, bool)> = HashSet::new();
         // The fleet as high priority sees it (no low-priority work), made
         // when the first job that may preempt is tried.
         let mut view: Option<HighView> = None;
@@ -1265,18 +1289,20 @@ impl Engine {
                 .map(|(scope, _)| *scope)
                 .collect();
             let key: ShapeKey = (avoided, self.class_of[j]);
-            if failed.contains(&key) {
+            let is_low = low(jobs, j);
+            let may_borrow = is_low && self.may_borrow(j, now, longest);
+            if failed.contains(&(key.clone(), may_borrow)) {
                 still_pending.push(j);
                 continue;
             }
-            let is_low = low(jobs, j);
             let (drained_by, lent) = (&self.drained_by, &self.lent);
             let avoided = &key.0;
-            // Lent GPUs are for low-priority work only: their owners wake.
+            // Lent GPUs are for low-priority work only (their owners wake),
+            // and of that for work that may be evicted or ends in time.
             let keep = |id: NodeId, n: &Node| {
                 job.partition.is_none_or(|p| n.partition == p)
                     && drained_by.get(&id).is_none_or(|scope| !avoided.contains(scope))
-                    && (is_low || !lent.contains_key(&id))
+                    && (may_borrow || !lent.contains_key(&id))
                     && eligible.is_none_or(|e| e(job, id, n))
             };
             let fits_where_freed = || {
@@ -1296,7 +1322,7 @@ impl Engine {
             // not offered to the policy (place_gang would decline it too);
             // its bound spares the scan of the fleet until enough capacity
             // came back.
-            let bound_key: Option<GangKey> = (job.tasks > 1).then(|| (key.clone(), is_low));
+            let bound_key: Option<GangKey> = (job.tasks > 1).then(|| (key.clone(), may_borrow));
             let mut hopeless = bound_key.as_ref().is_some_and(|k| self.gang_bounds.rules_out(k, &self.classes));
             if let Some(k) = bound_key
                 && !hopeless
@@ -1519,7 +1545,7 @@ impl Engine {
                     }
                 }
                 None => {
-                    failed.insert(key);
+                    failed.insert((key, may_borrow));
                     still_pending.push(j);
                     if let Some(g) = self.config.guards.of(job)
                         && !self.reservations.contains_key(&job.partition)

@@ -280,6 +280,39 @@ fn sleeping_replicas_lend_their_gpus_and_wake_on_them() {
     assert!(with.utilisation.all_milli_s <= f.gpu_total_milli() as f64 * with.utilisation.seconds + 1.0);
 }
 
+/// A borrower whose contract forbids another interruption runs on lent
+/// GPUs only if it ends, with a margin, before their owners wake: none is
+/// evicted at a wake, and the trough's early hours are still harvested.
+#[test]
+fn a_borrower_that_may_not_be_interrupted_ends_before_the_owner_wakes() {
+    use berth_core::harvest::Harvest;
+    use berth_core::job::PriorityContract;
+    let firm = PriorityContract { max_interruptions_per_day: 0, ..PriorityContract::default() };
+    let mut jobs = Vec::new();
+    for k in 0..2u64 {
+        jobs.push(Job { id: k, class: 0, priority: 10, arrival_s: 0, duration_s: 5 * 86_400, tasks: 1, shape: shape(8), ..Job::default() });
+    }
+    for k in 0..100u64 {
+        let contract = Some(firm);
+        jobs.push(Job { id: 100 + k, class: 1, priority: 0, arrival_s: k * 1800, duration_s: 3 * 3600, tasks: 1, shape: shape(4), contract, ..Job::default() });
+    }
+    let harvest = Harvest { class: 0, sleep_at_s: 2 * 3600, wake_at_s: 8 * 3600, share: 1.0 };
+    let config = SimConfig { horizon_s: 2 * 86_400, high_priority: 10, harvest: Some(harvest), ..SimConfig::default() };
+    let mut f = fleet(2);
+    let out = simulate(&mut f, &jobs, &mut Pack, config).unwrap();
+    f.check_invariants().unwrap();
+    assert_eq!(out.wake_evictions, 0, "no borrower is taken back at a wake");
+    assert_eq!(out.wake_failures, 0);
+    assert!(out.harvested_gpu_s > 0.0, "lent GPUs still run work that ends in time");
+    // Every borrower started at most 8 h - 3 h x 1.2 after a sleep began.
+    for (o, j) in out.jobs[2..].iter().zip(&jobs[2..]) {
+        if let Some(start) = o.start_s {
+            let at = start % 86_400;
+            assert!(!(2 * 3600..8 * 3600).contains(&at) || at + j.duration_s + j.duration_s / 5 <= 8 * 3600, "job {} started at {at} s of the day", j.id);
+        }
+    }
+}
+
 /// Work on a non-preemptible partition is never taken back.
 #[test]
 fn protected_partitions_keep_their_work() {
