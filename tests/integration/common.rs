@@ -45,3 +45,12 @@ pub fn skip(what: &str) {
     assert!(!set("CI") && !set("BERTH_REQUIRE_TRACES"), "{what} (required under CI)");
     eprintln!("SKIPPED: {what}");
 }
+
+/// Held by the tests that measure how fast a task runs against CPUs they
+/// load on purpose (hogs pinned to one CPU): two of them at once would
+/// each read the other's hogs as their own result.
+pub fn cpu_measuring() -> std::sync::MutexGuard<'static, ()> {
+    static CPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that failed holding it poisons nothing the next one needs.
+    CPU.lock().unwrap_or_else(|e| e.into_inner())
+}

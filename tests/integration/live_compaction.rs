@@ -411,12 +411,32 @@ async fn a_hostile_compact_policy_trips_its_breaker_and_nothing_moves() {
 /// after the other in one test: either's hog would slow the other's tasks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_onto_a_slower_destination_is_moved_back_within_its_window() {
-    if let Some(mv) = verified_move(false).await {
+    if let Some(mv) = verified_move(Slowed::Cpu).await {
         assert_eq!(mv.rate_measure, "cpu", "{mv:?}");
     }
-    if let Some(mv) = verified_move(true).await {
+    if let Some(mv) = verified_move(Slowed::Progress).await {
         assert_eq!(mv.rate_measure, "progress", "{mv:?}");
     }
+}
+
+/// The same move, its destination's GPUs failing (an XID on each) during
+/// the window instead: moved back at once, the cause says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_destination_gpu_fails_in_its_window_is_moved_back() {
+    if let Some(mv) = verified_move(Slowed::Health).await {
+        assert!(mv.cause.contains("became unhealthy during its verify window"), "{mv:?}");
+    }
+}
+
+/// What goes wrong on the destination once the move starts.
+#[derive(Clone, Copy, PartialEq)]
+enum Slowed {
+    /// A hog on its CPU; the task's rate read from its CPU use.
+    Cpu,
+    /// The same, the task reporting its work (`berth progress`).
+    Progress,
+    /// Its GPUs report an XID.
+    Health,
 }
 
 /// A busy process pinned to `cpu` (as the agent pins a task without
@@ -433,16 +453,34 @@ fn hog(cpu: usize) -> crate::agent::Proc {
 }
 
 /// The verified-move scenario; the move moved back (None: skipped here).
-async fn verified_move(progress: bool) -> Option<pb::CompactionMove> {
+async fn verified_move(slowed: Slowed) -> Option<pb::CompactionMove> {
+    let progress = slowed == Slowed::Progress;
+    let _cpu = crate::common::cpu_measuring();
     if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
         crate::common::skip("fewer than 2 CPUs: two agents cannot be given one each");
         return None;
     }
-    let d = dir(if progress { "verified-move-progress" } else { "verified-move" });
+    let d = dir(match slowed {
+        Slowed::Cpu => "verified-move",
+        Slowed::Progress => "verified-move-progress",
+        Slowed::Health => "verified-move-health",
+    });
     let extra = ["--agent-timeout-ms", "60000", "--no-auto-compaction", "--compaction", r#"{"verify_s": 10, "min_residence_s": 0, "verify_min_cores": 0.1}"#];
     let (_serve, url) = serve(&d, "serve", &d.join("state"), &extra).await;
-    let _n1 = agent(&d, &url, "n1", "4xH20", &["--cpus", "0", "--cpu-cores", "4", "--progress-every-ms", "200"]);
-    let _n2 = agent(&d, &url, "n2", "4xH20", &["--cpus", "1", "--cpu-cores", "4", "--progress-every-ms", "200"]);
+    // With Health, every GPU of a node reports an XID once the test writes
+    // its trigger file.
+    let trigger = |node: &str| d.join(format!("xid-{node}")).display().to_string();
+    let agent_args = |cpu: &'static str, node: &str| {
+        let mut args: Vec<String> = ["--cpus", cpu, "--cpu-cores", "4", "--progress-every-ms", "200"].map(String::from).to_vec();
+        if slowed == Slowed::Health {
+            args.extend((0..4).flat_map(|g| ["--synthetic-xid".to_string(), format!("{g}:79")]));
+            args.extend(["--synthetic-xid-when".to_string(), trigger(node)]);
+        }
+        args
+    };
+    let (a1, a2) = (agent_args("0", "n1"), agent_args("1", "n2"));
+    let _n1 = agent(&d, &url, "n1", "4xH20", &a1.iter().map(String::as_str).collect::<Vec<_>>());
+    let _n2 = agent(&d, &url, "n2", "4xH20", &a2.iter().map(String::as_str).collect::<Vec<_>>());
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
     schedulable(&api, &["n1", "n2"]).await;
@@ -512,7 +550,19 @@ async fn verified_move(progress: bool) -> Option<pb::CompactionMove> {
     // CPU (six busy processes): the destination is clearly slower, by more
     // than the noise of a machine shared with other tests.
     let to = step.moves.first().map(|m| m.to_node.clone()).expect("the step's move");
-    let _hogs: Vec<crate::agent::Proc> = (0..6).map(|_| hog(if to == "n1" { 0 } else { 1 })).collect();
+    let _hogs: Vec<crate::agent::Proc> = match slowed {
+        Slowed::Health => {
+            // Once the move is verifying: its GPUs fail inside the window.
+            until("the move verifying", Duration::from_secs(60), || {
+                let api = api.clone();
+                async move { ledger(&api).await.into_iter().flat_map(|c| c.moves).any(|m| m.state == "verifying").then_some(()) }
+            })
+            .await;
+            std::fs::write(trigger(&to), "").unwrap();
+            Vec::new()
+        }
+        _ => (0..6).map(|_| hog(if to == "n1" { 0 } else { 1 })).collect(),
+    };
     let mv = until("the move verified", Duration::from_secs(90), || {
         let api = api.clone();
         async move { ledger(&api).await.into_iter().flat_map(|c| c.moves).find(|m| !matches!(m.state.as_str(), "pending" | "moving" | "verifying")) }
@@ -520,11 +570,14 @@ async fn verified_move(progress: bool) -> Option<pb::CompactionMove> {
     .await;
     assert_eq!(mv.state, "moved-back", "{mv:?}");
     assert!(mv.rate_before_milli >= if progress { 1 } else { 150 }, "{mv:?}");
-    assert!(f64::from(mv.rate_after_milli) < 0.8 * f64::from(mv.rate_before_milli), "{mv:?}");
+    if slowed != Slowed::Health {
+        assert!(f64::from(mv.rate_after_milli) < 0.8 * f64::from(mv.rate_before_milli), "{mv:?}");
+        assert!(mv.cause.contains("slower on"), "{mv:?}");
+    }
     // The neighbour's use is recorded (after the move it is one beat's
     // sample, and the hog may starve it to nothing).
     assert!(mv.neighbours_before_milli > 0, "the neighbour's use before the move is not recorded: {mv:?}");
-    assert!(mv.cause.contains("slower on") && mv.cause.contains("moved back"), "{mv:?}");
+    assert!(mv.cause.contains("moved back"), "{mv:?}");
     let chain = ledger(&api).await.into_iter().find(|c| c.moves.iter().any(|m| m.state == "moved-back")).unwrap();
     assert_eq!(chain.state, "rolled-back", "{chain:?}");
     // Back where it was, on the GPUs it left.

@@ -64,8 +64,12 @@ const MODELS: &[(&str, u64)] = &[
 pub struct Synthetic {
     gpus: Vec<Gpu>,
     tick: u64,
-    /// (GPU index, XID code) reported once, on the third sample.
+    /// (GPU index, XID code) reported once, on the third sample (or the
+    /// first after `trigger` exists).
     xids: Vec<(u32, u64)>,
+    trigger: Option<std::path::PathBuf>,
+    /// The sample the XIDs were reported on.
+    fired_at: Option<u64>,
 }
 
 impl Synthetic {
@@ -91,7 +95,14 @@ impl Synthetic {
                 nvlink_peers: Vec::new(),
             })
             .collect();
-        Ok(Synthetic { gpus, tick: 0, xids })
+        Ok(Synthetic { gpus, tick: 0, xids, trigger: None, fired_at: None })
+    }
+
+    /// The XIDs are reported on the first sample after `file` exists
+    /// instead of the third: a test chooses the moment a GPU fails.
+    pub fn xids_when(mut self, file: std::path::PathBuf) -> Synthetic {
+        self.trigger = Some(file);
+        self
     }
 }
 
@@ -107,6 +118,10 @@ impl DeviceSource for Synthetic {
     fn sample(&mut self, busy: &[u32]) -> Vec<Sample> {
         self.tick += 1;
         let tick = self.tick;
+        if self.fired_at.is_none() && self.trigger.as_ref().map_or(tick == 3, |f| f.exists()) {
+            self.fired_at = Some(tick);
+        }
+        let fire = self.fired_at == Some(tick);
         self.gpus
             .iter()
             .map(|g| {
@@ -115,7 +130,7 @@ impl DeviceSource for Synthetic {
                 let events = self
                     .xids
                     .iter()
-                    .filter(|&&(i, _)| i == g.index && tick == 3)
+                    .filter(|&&(i, _)| i == g.index && fire)
                     .map(|&(_, code)| Event { kind: "xid".into(), code, detail: format!("synthetic XID {code}") })
                     .collect();
                 Sample {

@@ -156,6 +156,10 @@ pub struct AgentArgs {
     /// Synthetic only: report an XID event on a GPU, INDEX:CODE (repeatable).
     #[arg(long, requires = "synthetic_gpus")]
     synthetic_xid: Vec<String>,
+    /// Synthetic only: report the --synthetic-xid events once FILE exists
+    /// (on the first sample after), instead of on the third sample.
+    #[arg(long, requires = "synthetic_xid", value_name = "FILE")]
+    synthetic_xid_when: Option<PathBuf>,
     /// Milliseconds between heartbeats (each carries per-GPU telemetry).
     #[arg(long, default_value_t = 1000)]
     heartbeat_ms: u64,
@@ -301,7 +305,11 @@ fn source(args: &AgentArgs, node: &str) -> anyhow::Result<Box<dyn DeviceSource>>
             let (i, c) = x.split_once(':').ok_or_else(|| anyhow::anyhow!("--synthetic-xid {x:?}: expected INDEX:CODE"))?;
             xids.push((i.parse()?, c.parse()?));
         }
-        return Ok(Box::new(Synthetic::new(node, shape, xids)?));
+        let synthetic = Synthetic::new(node, shape, xids)?;
+        return Ok(Box::new(match &args.synthetic_xid_when {
+            Some(file) => synthetic.xids_when(file.clone()),
+            None => synthetic,
+        }));
     }
     match Nvml::open() {
         Ok(n) => Ok(Box::new(n)),

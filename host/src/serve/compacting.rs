@@ -460,7 +460,31 @@ impl Live {
             // Verified: a task that reported progress before the move, or
             // used CPU enough for its rate to say something.
             let verifiable = verify_s > 0.0 && (c.progress_before_milli.is_some_and(|p| p > 0) || c.rate_before_milli.is_some_and(|r| f64::from(r) >= verify_min_cores * 1000.0));
+            // A health signal in the window: a GPU of the new copy's taken
+            // out (an XID, a driver error) sends it back at once.
+            let unhealthy = copy.filter(|_| c.verify.is_some()).and_then(|r| {
+                let id = *st.agent_ids.get(&r.node)?;
+                let g = r.gpus.iter().find(|&&g| st.health.get(&(id, g)) == Some(&false))?;
+                Some(format!("GPU {g} of {} became unhealthy during its verify window", r.node))
+            });
             match copy {
+                Some(r) if r.replaces == 0 && unhealthy.is_some() => {
+                    let mut c = run.current.take().expect("matched above");
+                    if let Some(reserved) = c.verify.take().and_then(|v| v.reserved) {
+                        self.release_checked(&part.name, &mut st.fleet, &reserved, c.new_alloc);
+                    }
+                    let (measure, before) = match c.progress_before_milli.filter(|&p| p > 0) {
+                        Some(p) => (RateMeasure::Progress, p),
+                        None => (RateMeasure::Cpu, c.rate_before_milli.unwrap_or(0)),
+                    };
+                    let after = match measure {
+                        RateMeasure::Progress => super::outcome::progress_rate_milli(r).unwrap_or(0),
+                        RateMeasure::Cpu => 0,
+                    };
+                    let cause = unhealthy.expect("matched above");
+                    self.move_back(part, st, &c, cause, (measure, before, after, 0));
+                    return self.after_tick(p, st, now);
+                }
                 Some(r) if r.replaces == 0 && c.verify.is_none() && verifiable => {
                     // Took over: watched for verify_s with the source's GPUs
                     // kept (reserved before any pass can give them away).
