@@ -325,6 +325,8 @@ fn allocation_columns(allocs: &[Allocation]) -> Allocations {
         a.remaining_s.push(u64::from(i * 600));
         a.running_s.push(u64::from(3600 + i * 60));
         a.since_checkpoint_s.push(u64::from(i * 97 % 3600));
+        // Every class, the CPU-only one where no GPU is held.
+        a.class.push(if al.gpus == 0 { berth_sdk::TaskClass::CpuOnly as u8 } else { (i % 2) as u8 });
     }
     a
 }
@@ -356,6 +358,7 @@ pub fn nodes_of(fleet: &Fleet, keep: impl Fn(&Node) -> bool) -> Nodes {
             &n.gpus,
             n.alloc_kinds(),
         );
+        nodes.set_contention(nodes.len() - 1, n.contention());
     }
     nodes
 }

@@ -47,8 +47,10 @@ pub fn skip(what: &str) {
 }
 
 /// Held by the tests that measure how fast a task runs against CPUs they
-/// load on purpose (hogs pinned to one CPU): two of them at once would
-/// each read the other's hogs as their own result.
+/// load on purpose (hogs pinned to one CPU), and by the heaviest builds:
+/// two of them at once would each read the other's load as their own
+/// result (a clean-clone CI run saw a task's rate before a move fall to a
+/// ninth while other tests built).
 pub fn cpu_measuring() -> std::sync::MutexGuard<'static, ()> {
     static CPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
     // A test that failed holding it poisons nothing the next one needs.

@@ -146,6 +146,8 @@ fn openb_dir() -> Option<PathBuf> {
 #[test]
 fn best_fit_languages_agree_pod_by_pod_on_openb() {
     let Some(dir) = openb_dir() else { return };
+    // Both CPUs busy for a while: not beside a test that measures rates.
+    let _cpu = crate::common::cpu_measuring();
     let nodes = read_nodes(&dir.join("openb_node_list_gpu_node.csv")).unwrap();
     let pods = read_pods(&dir.join("openb_pod_list_default.csv")).unwrap();
     let exp = Experiment::new(&nodes, &pods).unwrap();
@@ -202,6 +204,9 @@ fn best_fit_languages_agree_pod_by_pod_on_openb() {
 /// missing under CI or BERTH_REQUIRE_TOOLCHAINS=1).
 #[test]
 fn scaffolded_projects_build_and_conform() {
+    // Sixteen builds keep both CPUs busy: not beside a test that measures
+    // rates.
+    let _cpu = crate::common::cpu_measuring();
     let berth = env!("CARGO_BIN_EXE_berth");
     let scratch = std::env::temp_dir().join(format!("berth-test-{}-scaffold", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);

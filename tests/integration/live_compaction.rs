@@ -547,7 +547,7 @@ async fn verified_move(slowed: Slowed) -> Option<pb::CompactionMove> {
     let step = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner();
     assert_eq!(step.chain_ids.len(), 1, "{step:?}");
     // As the move starts, a hog outside Berth starts on the destination's
-    // CPU (six busy processes): the destination is clearly slower, by more
+    // CPU (sixteen busy processes): the destination is clearly slower, by more
     // than the noise of a machine shared with other tests.
     let to = step.moves.first().map(|m| m.to_node.clone()).expect("the step's move");
     let _hogs: Vec<crate::agent::Proc> = match slowed {
@@ -561,7 +561,7 @@ async fn verified_move(slowed: Slowed) -> Option<pb::CompactionMove> {
             std::fs::write(trigger(&to), "").unwrap();
             Vec::new()
         }
-        _ => (0..6).map(|_| hog(if to == "n1" { 0 } else { 1 })).collect(),
+        _ => (0..16).map(|_| hog(if to == "n1" { 0 } else { 1 })).collect(),
     };
     let mv = until("the move verified", Duration::from_secs(90), || {
         let api = api.clone();

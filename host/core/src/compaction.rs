@@ -226,10 +226,26 @@ pub struct Running {
     /// Simulated time of the last move, if it was ever moved.
     #[serde(default)]
     pub last_moved_s: Option<u64>,
-    /// The job's class (contract 0.4.0); not stored (the live host's job
-    /// records say it).
-    #[serde(skip)]
+    /// The job's class (contract 0.4.0), by name in a saved snapshot; one
+    /// saved before it is training.
+    #[serde(default, with = "class_by_name")]
     pub class: berth_sdk::TaskClass,
+}
+
+/// [`Running::class`] in a snapshot file: its name (`training`,
+/// `inference`, `cpu-only`).
+mod class_by_name {
+    use berth_sdk::TaskClass;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(class: &TaskClass, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(class.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<TaskClass, D::Error> {
+        let name = String::deserialize(d)?;
+        TaskClass::from_name(&name).ok_or_else(|| serde::de::Error::custom(format!("class {name:?}: one of training, inference, cpu-only")))
+    }
 }
 
 impl Running {

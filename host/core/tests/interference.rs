@@ -90,3 +90,33 @@ fn training_beside_cpu_only_work_loses_its_share_while_it_is_there() {
     assert_eq!(run(false, None), 0.0, "alone it loses nothing");
     assert_eq!(run(true, Some(TaskClass::Inference)), 0.0, "inference is not modelled as slowed");
 }
+
+#[test]
+fn a_saved_snapshot_keeps_each_allocations_class() {
+    use berth_core::compaction::Running;
+    let r = Running {
+        id: 1,
+        job_id: 2,
+        node: 0,
+        gpus: 0,
+        gpu_milli: 0,
+        cpu_milli: 4000,
+        memory_mib: 1024,
+        priority: 0,
+        movable: true,
+        gang_id: 0,
+        state_bytes: 0,
+        remaining_s: 0,
+        running_s: 0,
+        since_checkpoint_s: 0,
+        last_moved_s: None,
+        class: TaskClass::CpuOnly,
+    };
+    let text = serde_json::to_string(&r).unwrap();
+    assert!(text.contains("\"class\":\"cpu-only\""), "{text}");
+    assert_eq!(serde_json::from_str::<Running>(&text).unwrap(), r);
+    // One saved before classes existed reads as training.
+    let old = text.replace(",\"class\":\"cpu-only\"", "");
+    assert_eq!(serde_json::from_str::<Running>(&old).unwrap().class, TaskClass::Training);
+    assert!(serde_json::from_str::<Running>(&text.replace("cpu-only", "gpu-heavy")).is_err());
+}

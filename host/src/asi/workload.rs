@@ -333,7 +333,9 @@ pub const CSV_COLUMNS: [&str; 10] =
     ["id", "class", "arrival_s", "duration_s", "tasks", "gpus", "gpu_milli", "cpu_milli", "memory_mib", "model"];
 
 /// Reads jobs from a CSV with [`CSV_COLUMNS`]: `class` one of [`CLASSES`]
-/// (which sets the priority), `model` a model of `fleet` or empty for any;
+/// (which sets the priority; policies see a job without GPUs as cpu-only,
+/// and a cpu-only row with GPUs is refused), `model` a model of `fleet` or
+/// empty for any;
 /// an optional last column `partition` submits a job to a partition (empty:
 /// anywhere).
 /// A bad row is an error naming file, line and column.
@@ -350,6 +352,9 @@ pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate
             m => vec![fleet.model_id(m).ok_or_else(|| row.err(9, format!("model {m:?} is not in the fleet ({:?})", fleet.models)))?],
         };
         let gpus: u32 = row.num(5)?;
+        if class == CPU_ONLY && gpus > 0 {
+            return Err(row.err(5, format!("{gpus} GPUs for a cpu-only job: it asks for none")));
+        }
         let job = Job {
             id: row.num(0)?,
             class: class as u8,
@@ -370,7 +375,7 @@ pub fn read_csv(path: &std::path::Path, fleet: &Fleet) -> Result<Vec<Job>, crate
             },
             contract: None,
             reports_exit: false,
-            declared_class: Some(task_class(class)),
+            declared_class: Some(if gpus == 0 { berth_core::TaskClass::CpuOnly } else { task_class(class) }),
         };
         if job.tasks == 0 {
             return Err(row.err(4, "a job needs at least one task"));

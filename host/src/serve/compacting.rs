@@ -601,15 +601,16 @@ impl Live {
         self.after_tick(p, st, now);
     }
 
-    /// A verified move that ran slower on its destination: the source's
-    /// GPUs are given back to the task (make-before-break again, the same
+    /// A verified move that ran slower on its destination (or whose GPU
+    /// failed there): the source's GPUs are given back to the task (make-before-break again, the same
     /// migration path), the move is recorded moved back and its chain ends
     /// rolled back.
     fn move_back(&self, part: &Partition, st: &mut PartitionState, c: &InFlight, cause: String, (measure, before, after, neighbours): (RateMeasure, u32, u32, u32)) {
-        tracing::warn!(target: "berth::serve", partition = %part.name, chain = c.chain_id, job = c.job_id, allocation = c.new_alloc, "compaction move verified slower: {cause}; moving back");
+        tracing::warn!(target: "berth::serve", partition = %part.name, chain = c.chain_id, job = c.job_id, allocation = c.new_alloc, "compaction move failed its verification: {cause}; moving back");
         let src_name = st.fleet.nodes()[c.source.node as usize].name.clone();
         let back = self.start_copy(part, st, c.job_id, c.task, &src_name, c.source.node, c.source.gpus, true);
         let state = if back.is_ok() { MoveState::MovedBack } else { MoveState::RolledBack };
+        let chain_cause = format!("move of job {} back: {cause}", c.job_id);
         let cause = match &back {
             Ok(m) => format!("{cause}; moved back to {src_name} (allocation {})", m.alloc_id),
             Err(e) => format!("{cause}; moving back failed: {e}"),
@@ -617,7 +618,6 @@ impl Live {
         if let Some(run) = st.compaction.run.as_mut() {
             run.cursor.abandon(c.chain);
         }
-        let chain_cause = format!("move of job {} back: its destination was slower", c.job_id);
         self.end_move(part, st, c.chain_id, c.index, state, &chain_cause, |mv| {
             mv.rate_measure = measure.name().into();
             mv.rate_before_milli = before;
