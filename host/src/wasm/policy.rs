@@ -673,10 +673,18 @@ macro_rules! columns {
     };
 }
 
-/// The pool records (contract 0.3.0 and later), for a version module that
-/// has already `use`d its types as `w`.
+/// The pool records and the hook flags (contract 0.3.0 and later: domains
+/// and the two pool hooks beside the first three), for a version module
+/// that has already `use`d its types as `w`.
 macro_rules! pool_columns {
     () => {
+        fn extra_hooks(h: &w::Hooks) -> Hooks {
+            [(w::Hooks::DOMAINS, Hooks::DOMAINS), (w::Hooks::POOL_PLACE, Hooks::POOL_PLACE), (w::Hooks::POOL_STEP, Hooks::POOL_STEP)]
+                .into_iter()
+                .filter(|(wit, _)| h.contains(*wit))
+                .fold(Hooks::NONE, |acc, (_, ours)| acc | ours)
+        }
+
         pub fn pool_state(s: &berth_sdk::PoolState) -> w::PoolState {
             let s = s.clone();
             w::PoolState {
@@ -783,13 +791,6 @@ mod conv_v2 {
 mod conv_v3 {
     columns!(super::v3::berth::policy::types);
 
-    fn extra_hooks(h: &w::Hooks) -> Hooks {
-        [(w::Hooks::DOMAINS, Hooks::DOMAINS), (w::Hooks::POOL_PLACE, Hooks::POOL_PLACE), (w::Hooks::POOL_STEP, Hooks::POOL_STEP)]
-            .into_iter()
-            .filter(|(wit, _)| h.contains(*wit))
-            .fold(Hooks::NONE, |acc, (_, ours)| acc | ours)
-    }
-
     domain_columns!();
 
     pool_columns!();
@@ -807,13 +808,6 @@ mod conv_v4 {
             berth_sdk::TaskClass::Inference => w::TaskClass::Inference,
             berth_sdk::TaskClass::CpuOnly => w::TaskClass::CpuOnly,
         }
-    }
-
-    fn extra_hooks(h: &w::Hooks) -> Hooks {
-        [(w::Hooks::DOMAINS, Hooks::DOMAINS), (w::Hooks::POOL_PLACE, Hooks::POOL_PLACE), (w::Hooks::POOL_STEP, Hooks::POOL_STEP)]
-            .into_iter()
-            .filter(|(wit, _)| h.contains(*wit))
-            .fold(Hooks::NONE, |acc, (_, ours)| acc | ours)
     }
 
     domain_columns!();
