@@ -40,6 +40,10 @@ pub struct JobOutcome {
     /// GPU-seconds of its work done and kept by the end (goodput, at the
     /// reference rate: a job's `duration_s` is its work; see [`WorkRates`]).
     pub work_gpu_s: f64,
+    /// GPU-hours its tenant is owed for lost work and broken promises
+    /// (priced by [`SimConfig::compensation`]), and the promises broken.
+    pub credit_gpu_h: f64,
+    pub broken: u32,
 }
 
 /// Allocation sampled over time, integrated exactly between events.
@@ -69,6 +73,10 @@ pub struct SimOutcome {
     pub evictions: u64,
     pub forced_terminations: u64,
     pub lost_gpu_s: f64,
+    /// GPU-hours owed to tenants (see [`JobOutcome::credit_gpu_h`]), and
+    /// the promises broken.
+    pub credit_gpu_h: f64,
+    pub broken_promises: u64,
     /// Seconds each eviction took to vacate (ASI: 13 s mean, 48 s p95).
     pub vacate_s: Vec<u64>,
     /// Harvesting: GPU-seconds of sleeping replicas (standby), the part of
@@ -115,6 +123,8 @@ pub struct SimConfig {
     pub work: Option<WorkRates>,
     /// What CPU-only neighbours cost training (`None`: nothing).
     pub interference: Option<Interference>,
+    /// What lost work and broken promises are credited.
+    pub compensation: crate::contract::Compensation,
 }
 
 /// Replay's interference model (ASI: CPU-only jobs lower the median
@@ -339,7 +349,12 @@ pub enum Decision {
     /// Take a running job back for `for_job` under its priority contract:
     /// notice now, stopped by `stop_by_s` at the latest.
     /// `wake`: taken back for a sleeping job waking on its GPUs, not ranked.
-    Evict { slot: Slot, job: u64, for_job: u64, ranker: String, stop_by_s: u64, lost_gpu_s: f64, forced: bool, wake: bool },
+    /// `credit_gpu_h`: what its tenant is owed for it; `broken`: the
+    /// promise this eviction breaks, if any.
+    Evict { slot: Slot, job: u64, for_job: u64, ranker: String, stop_by_s: u64, lost_gpu_s: f64, forced: bool, wake: bool, credit_gpu_h: f64, broken: Option<crate::contract::Broken> },
+    /// A promise broken outside an eviction (a run stopped by the host, an
+    /// outage past its maximum), and what its tenant is owed for it.
+    Broken { slot: Slot, job: u64, promise: crate::contract::Broken, lost_gpu_s: f64, credit_gpu_h: f64 },
     /// The starvation guard reserves capacity for a job: it starts by
     /// `until_s` at the latest; these nodes are drained for it.
     Reserve { slot: Slot, job: u64, until_s: u64, nodes: Vec<NodeId> },
@@ -822,13 +837,19 @@ impl Engine {
                 self.reservations.retain(|_, r| r.job != j);
             }
             Event::Requeue(j) => {
-                if self.runs.planned_end[j].take().is_some() {
+                if self.runs.planned_end[j].is_some() {
+                    self.host_stopped(j, now);
+                    self.runs.planned_end[j] = None;
                     self.stop_run(fleet, j);
                     self.pending.push(j);
                     self.fresh[j] = true;
                 }
             }
             Event::Vacated(j) => {
+                // Out of service from now, not from the notice's end.
+                if let Some(since) = self.runs.out_since.get_mut(&j) {
+                    *since = now;
+                }
                 if self.runs.ready_at[j] == u64::MAX {
                     self.ready_from(j, now);
                 }
@@ -845,6 +866,30 @@ impl Engine {
             }
             Event::WakeJob(j) => self.wake_job(fleet, now, j),
             Event::Compact => self.compact_due = true,
+        }
+    }
+
+    /// Running job `j`'s run is stopped by the host (its node was lost, its
+    /// start failed): an interruption its tenant sees, counted against its
+    /// daily cap; a broken promise for guaranteed work or work at its cap,
+    /// credited for the work since its last checkpoint. Its outage starts.
+    fn host_stopped(&mut self, j: Slot, now: u64) {
+        let job = &self.jobs[j];
+        let contract = self.config.contract_of(job);
+        let broken = self.runs.breaks_by_stopping(j, now, &contract);
+        self.runs.interrupted_at.entry(j).or_default().push(now);
+        self.runs.out_since.insert(j, now);
+        if let Some(promise) = broken {
+            let since = self.runs.since_checkpoint_wall(j, now, job, &contract);
+            let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0;
+            let lost_gpu_s = gpus * self.runs.work_in(j, since) as f64;
+            let credit_gpu_h = self.config.compensation.for_broken(lost_gpu_s, gpus);
+            let o = &mut self.outcome.jobs[j];
+            o.credit_gpu_h += credit_gpu_h;
+            o.broken += 1;
+            self.outcome.credit_gpu_h += credit_gpu_h;
+            self.outcome.broken_promises += 1;
+            self.announced.push(Decision::Broken { slot: j, job: job.id, promise, lost_gpu_s, credit_gpu_h });
         }
     }
 
@@ -1001,6 +1046,9 @@ impl Engine {
     /// the partition's, not the engine's: there only the first holds.
     fn may_borrow(&self, j: Slot, now: u64, run_s: u64) -> bool {
         let contract = self.config.contract_of(&self.jobs[j]);
+        if contract.tier == crate::contract::Tier::Guaranteed {
+            return false; // an owner waking would stop it
+        }
         if self.runs.recent_interruptions(j, now) < contract.max_interruptions_per_day as usize {
             return true;
         }
@@ -1144,14 +1192,14 @@ impl Engine {
                 if self.jobs[v].reports_exit {
                     borrowers.push((v, released));
                 }
-                let (vacate, lost, forced) = self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
+                let (vacate, lost, forced, credit_gpu_h, broken) = self.runs.take_back(v, now, &self.jobs, &self.config, &mut self.outcome);
                 self.outcome.wake_evictions += 1;
                 if self.runs.ready_at[v] > now {
                     self.pending.push(v);
                 }
                 victims.push(self.jobs[v].id);
                 let job = self.jobs[v].id;
-                self.announced.push(Decision::Evict { slot: v, job, for_job: self.jobs[r].id, ranker: "wake".into(), stop_by_s: now + vacate, lost_gpu_s: lost, forced, wake: true });
+                self.announced.push(Decision::Evict { slot: v, job, for_job: self.jobs[r].id, ranker: "wake".into(), stop_by_s: now + vacate, lost_gpu_s: lost, forced, wake: true, credit_gpu_h, broken });
             }
             if !ok {
                 break;
@@ -1213,13 +1261,16 @@ impl Engine {
         let mut freed = std::mem::take(&mut self.freed);
         let mut touched = std::mem::take(&mut self.touched);
         {
-            let (jobs, guards) = (&self.jobs, &self.config.guards);
+            let (jobs, guards, config, out_since) = (&self.jobs, &self.config.guards, &self.config, &self.runs.out_since);
             let effective = |i: usize| {
                 let aging = guards.of(&jobs[i]).map_or(0.0, |g| g.aging_per_hour);
                 let waited_h = now.saturating_sub(jobs[i].arrival_s) as f64 / 3600.0;
                 u64::from(jobs[i].priority) + (aging * waited_h) as u64
             };
-            self.pending.sort_by_cached_key(|&i| (Reverse(effective(i)), jobs[i].arrival_s, jobs[i].id));
+            // Work out of service under a bounded outage goes ahead of new
+            // work of its priority (its contract says when it runs again).
+            let new_work = |i: usize| !(out_since.contains_key(&i) && config.contract_of(&jobs[i]).max_outage_s > 0);
+            self.pending.sort_by_cached_key(|&i| (Reverse(effective(i)), new_work(i), jobs[i].arrival_s, jobs[i].id));
         }
         self.outcome.passes += 1;
         if std::mem::take(&mut self.compact_due)
@@ -1527,6 +1578,19 @@ impl Engine {
                     }
                     let start = now + delay;
                     out.push(Decision::Place { slot: j, job: job.id, allocations: allocs.clone(), domains, start_s: start, victims });
+                    if let Some(out_s) = self.runs.out_since.remove(&j).map(|since| start.saturating_sub(since)) {
+                        let contract = self.config.contract_of(job);
+                        if contract.max_outage_s > 0 && out_s > contract.max_outage_s {
+                            let promise = crate::contract::Broken::Outage { out_s };
+                            let credit_gpu_h = self.config.compensation.for_broken(0.0, job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0);
+                            let o = &mut self.outcome.jobs[j];
+                            o.credit_gpu_h += credit_gpu_h;
+                            o.broken += 1;
+                            self.outcome.credit_gpu_h += credit_gpu_h;
+                            self.outcome.broken_promises += 1;
+                            out.push(Decision::Broken { slot: j, job: job.id, promise, lost_gpu_s: 0.0, credit_gpu_h });
+                        }
+                    }
                     self.runs.held[j] = allocs;
                     let o = &mut self.outcome.jobs[j];
                     o.start_s.get_or_insert(start);
@@ -1628,7 +1692,12 @@ impl Engine {
             let vj = &self.jobs[v];
             let contract = config.contract_of(vj);
             let recent = self.runs.recent_interruptions(v, now);
-            if vj.priority >= job.priority || recent >= contract.max_interruptions_per_day as usize || !self.runs.held[v].iter().any(|a| usable(a.node)) {
+            // Guaranteed work is never a candidate: no ranker can name it.
+            if vj.priority >= job.priority
+                || contract.tier == crate::contract::Tier::Guaranteed
+                || recent >= contract.max_interruptions_per_day as usize
+                || !self.runs.held[v].iter().any(|a| usable(a.node))
+            {
                 continue;
             }
             let ran = now.saturating_sub(self.runs.run_start[v]);
@@ -1771,6 +1840,9 @@ struct Runs {
     wakeups: BinaryHeap<Reverse<u64>>,
     /// Times each job was taken back.
     interrupted_at: HashMap<usize, Vec<u64>>,
+    /// When each stopped job went out of service (vacated), until it runs
+    /// again: its outage is measured from then.
+    out_since: HashMap<usize, u64>,
     /// Running low-priority jobs: the candidate victims. Changed through
     /// [`Runs::set_low`] only.
     running_low: BTreeSet<usize>,
@@ -1833,6 +1905,7 @@ impl Runs {
         self.kept_s[v] = 0;
         self.ready_at[v] = 0;
         self.interrupted_at.remove(&v);
+        self.out_since.remove(&v);
         self.awaiting.remove(&v);
         self.leaving.remove(&v);
     }
@@ -2016,7 +2089,7 @@ impl Runs {
             if jobs[v].reports_exit {
                 awaiting.extend(self.drain_victim(fleet, v, &released));
             }
-            let (vacate, lost, forced) = self.take_back(v, now, jobs, config, outcome);
+            let (vacate, lost, forced, credit_gpu_h, broken) = self.take_back(v, now, jobs, config, outcome);
             delay = delay.max(vacate);
             if self.ready_at[v] > now {
                 vacating.push(v);
@@ -2031,6 +2104,8 @@ impl Runs {
                 lost_gpu_s: lost,
                 forced,
                 wake: false,
+                credit_gpu_h,
+                broken,
             });
         }
         if !awaiting.is_empty() {
@@ -2047,7 +2122,9 @@ impl Runs {
     fn resume_at(&self, v: usize, vacated_s: u64, contract: &PriorityContract) -> u64 {
         let times = self.interrupted_at.get(&v).map_or(&[][..], |t| t.as_slice());
         let max = contract.max_interruptions_per_day as usize;
-        if max == 0 || times.len() < max {
+        // A bounded outage is the promise that counts: at its cap the job
+        // runs again, and is no victim until an interruption ages out.
+        if max == 0 || times.len() < max || contract.max_outage_s > 0 {
             return vacated_s;
         }
         vacated_s.max(times[times.len() - max] + 86_400)
@@ -2057,10 +2134,12 @@ impl Runs {
     /// the caller's to release): records the interruption and lost work,
     /// and queues it to resume once vacated. Returns the seconds until it
     /// has vacated at the latest, the GPU-seconds lost and whether it is a
-    /// forced termination.
-    fn take_back(&mut self, v: usize, now: u64, jobs: &[Job], config: &SimConfig, outcome: &mut SimOutcome) -> (u64, f64, bool) {
+    /// forced termination, with the credit owed for it and the promise it
+    /// breaks, if any.
+    fn take_back(&mut self, v: usize, now: u64, jobs: &[Job], config: &SimConfig, outcome: &mut SimOutcome) -> (u64, f64, bool, f64, Option<crate::contract::Broken>) {
         let job = &jobs[v];
         let contract = config.contract_of(job);
+        let broken = self.breaks_by_stopping(v, now, &contract);
         // In wall seconds, as the contract counts them (notice, grace,
         // checkpoint interval); the kept and lost parts become work below.
         let since = self.since_checkpoint_wall(v, now, job, &contract);
@@ -2093,6 +2172,16 @@ impl Runs {
         outcome.forced_terminations += u64::from(ev.forced);
         outcome.lost_gpu_s += lost;
         outcome.vacate_s.push(ev.vacate_s);
+        let credit = match broken {
+            Some(_) => config.compensation.for_broken(lost, gpus),
+            None => config.compensation.for_preemption(contract.tier, lost),
+        };
+        let o = &mut outcome.jobs[v];
+        o.credit_gpu_h += credit;
+        o.broken += u32::from(broken.is_some());
+        outcome.credit_gpu_h += credit;
+        outcome.broken_promises += u64::from(broken.is_some());
+        self.out_since.insert(v, now + ev.vacate_s);
         if job.reports_exit {
             self.ready_at[v] = u64::MAX;
         } else if self.kept_s[v] >= job.duration_s {
@@ -2101,7 +2190,19 @@ impl Runs {
             self.ready_at[v] = self.resume_at(v, now + ev.vacate_s, &contract);
             self.wakeups.push(Reverse(self.ready_at[v]));
         }
-        (ev.vacate_s, lost, ev.forced)
+        (ev.vacate_s, lost, ev.forced, credit, broken)
+    }
+
+    /// The promise stopping job `v`'s run now breaks (before the stop is
+    /// counted): any stop of guaranteed work; one more stop of preemptible
+    /// work already at its daily cap.
+    fn breaks_by_stopping(&self, v: usize, now: u64, contract: &PriorityContract) -> Option<crate::contract::Broken> {
+        use crate::contract::{Broken, Tier};
+        match contract.tier {
+            Tier::Guaranteed => Some(Broken::GuaranteedStopped),
+            Tier::Preemptible if self.recent_interruptions(v, now) >= contract.max_interruptions_per_day as usize => Some(Broken::PastCap),
+            _ => None,
+        }
     }
 }
 

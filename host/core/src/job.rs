@@ -67,13 +67,28 @@ pub struct PriorityContract {
     /// Periodic checkpoint interval: a forced or unwarned eviction loses the
     /// work since the last one.
     pub checkpoint_every_s: u64,
+    /// What the job bought (see [`crate::contract::Tier`]).
+    pub tier: crate::contract::Tier,
+    /// Longest time out of service after an interruption (0: no bound).
+    /// With a bound, an interrupted job waits in the queue ahead of new work
+    /// of its priority and is never held back for its daily cap; running
+    /// again later breaks the promise.
+    pub max_outage_s: u64,
 }
 
 impl Default for PriorityContract {
     /// 30 s notice and 30 s grace (ASI's eviction takes 13 s on average,
     /// 48 s at p95), no checkpoint on notice, at most 3 interruptions a day,
-    /// hourly checkpoints.
+    /// hourly checkpoints, preemptible, no bound on the outage.
     fn default() -> Self {
-        PriorityContract { notice_s: 30, checkpoint_on_notice: false, grace_s: 30, max_interruptions_per_day: 3, checkpoint_every_s: 3600 }
+        PriorityContract {
+            notice_s: 30,
+            checkpoint_on_notice: false,
+            grace_s: 30,
+            max_interruptions_per_day: 3,
+            checkpoint_every_s: 3600,
+            tier: crate::contract::Tier::Preemptible,
+            max_outage_s: 0,
+        }
     }
 }

@@ -9,6 +9,7 @@ pub mod accounting;
 pub mod calibration;
 pub mod capacity;
 pub mod compaction;
+pub mod contract;
 pub mod engine;
 pub mod fleet;
 pub mod forecast;
@@ -23,6 +24,7 @@ pub mod sim;
 pub mod task;
 pub mod units;
 
+pub use contract::{Broken, Compensation, Tier};
 pub use engine::{Decision, Engine, Event, Hook, World};
 pub use fleet::{Allocation, Fleet, FleetError, Node};
 pub use job::{Job, TaskClass};

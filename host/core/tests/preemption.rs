@@ -47,7 +47,7 @@ fn shape(gpus: u32) -> TaskShape {
 
 #[test]
 fn eviction_follows_the_contract() {
-    let c = PriorityContract { notice_s: 30, grace_s: 30, checkpoint_every_s: 600, checkpoint_on_notice: false, max_interruptions_per_day: 3 };
+    let c = PriorityContract { notice_s: 30, grace_s: 30, checkpoint_every_s: 600, checkpoint_on_notice: false, max_interruptions_per_day: 3, ..PriorityContract::default() };
     // Vacates in 10 s after 1,000 s of work: keeps the checkpoint at 600 s.
     let e = evict(&c, 1000, 10.0);
     assert_eq!((e.vacate_s, e.forced, e.kept_s, e.lost_s), (10, false, 600, 410));

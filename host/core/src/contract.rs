@@ -1,0 +1,138 @@
+//! What a job buys: its tier, the promises that come with it, and what the
+//! host owes its tenant when work is lost or a promise is broken (ASI: "a
+//! low-priority tenant should know whether it is buying a full GPU-hour, a
+//! preemptible interval, or an opportunistic token budget").
+//!
+//! Credits are counted in GPU-hours, the unit a tenant buys.
+
+use crate::job::PriorityContract;
+
+/// The tier a job is bought as.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// Never preempted by the scheduler, never put on lent GPUs.
+    Guaranteed,
+    /// Taken back with notice, at most `max_interruptions_per_day` times a
+    /// day; with a maximum outage it is placed again ahead of new work.
+    #[default]
+    Preemptible,
+    /// Runs on idle capacity and is stopped without notice and without a
+    /// daily cap when its GPUs are needed; lost work is not compensated.
+    Opportunistic,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Guaranteed, Tier::Preemptible, Tier::Opportunistic];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Guaranteed => "guaranteed",
+            Tier::Preemptible => "preemptible",
+            Tier::Opportunistic => "opportunistic",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// Its number in the policy contract (0 guaranteed, 1 preemptible, 2
+    /// opportunistic).
+    pub fn number(self) -> u8 {
+        self as u8
+    }
+}
+
+/// A promise the host broke, found by the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Broken {
+    /// A preemptible job was stopped again while at its daily cap (a host
+    /// action: a lost node, an owner waking on GPUs it borrowed).
+    PastCap,
+    /// A preemptible job stayed out of service longer than its maximum
+    /// outage before it ran again.
+    Outage { out_s: u64 },
+    /// A guaranteed job's run was stopped by the host.
+    GuaranteedStopped,
+}
+
+impl Broken {
+    pub fn name(self) -> &'static str {
+        match self {
+            Broken::PastCap => "past-cap",
+            Broken::Outage { .. } => "outage",
+            Broken::GuaranteedStopped => "guaranteed-stopped",
+        }
+    }
+}
+
+/// What the host owes for lost work and broken promises, in GPU-hours.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Compensation {
+    /// Credit per GPU-hour of work a preemptible job lost to a preemption
+    /// (the work since its last checkpoint).
+    pub preemptible_per_lost_gpu_h: f64,
+    /// The same for opportunistic work (it bought no protection).
+    pub opportunistic_per_lost_gpu_h: f64,
+    /// A broken promise pays its lost work this many times over...
+    pub broken_multiplier: f64,
+    /// ...and at least this many GPU-hours per GPU the job holds (an outage
+    /// past its maximum loses no work, and still costs).
+    pub broken_floor_gpu_h_per_gpu: f64,
+}
+
+impl Default for Compensation {
+    /// Lost preemptible work paid back once; a broken promise three times,
+    /// and at least one GPU-hour per GPU.
+    fn default() -> Self {
+        Compensation { preemptible_per_lost_gpu_h: 1.0, opportunistic_per_lost_gpu_h: 0.0, broken_multiplier: 3.0, broken_floor_gpu_h_per_gpu: 1.0 }
+    }
+}
+
+impl Compensation {
+    /// The credit for a kept promise: a preemption of a `tier` job that lost
+    /// `lost_gpu_s`.
+    pub fn for_preemption(&self, tier: Tier, lost_gpu_s: f64) -> f64 {
+        let rate = match tier {
+            Tier::Opportunistic => self.opportunistic_per_lost_gpu_h,
+            Tier::Preemptible | Tier::Guaranteed => self.preemptible_per_lost_gpu_h,
+        };
+        rate * lost_gpu_s / 3600.0
+    }
+
+    /// The credit for a broken promise to a job of `gpus` GPUs that lost
+    /// `lost_gpu_s`.
+    pub fn for_broken(&self, lost_gpu_s: f64, gpus: f64) -> f64 {
+        (self.broken_multiplier * lost_gpu_s / 3600.0).max(self.broken_floor_gpu_h_per_gpu * gpus)
+    }
+
+    /// Checks the rates: finite and not negative.
+    pub fn check(&self) -> Result<(), String> {
+        let all = [self.preemptible_per_lost_gpu_h, self.opportunistic_per_lost_gpu_h, self.broken_multiplier, self.broken_floor_gpu_h_per_gpu];
+        if all.iter().any(|r| !r.is_finite() || *r < 0.0) {
+            return Err(format!("compensation rates {all:?}: each finite and at least 0"));
+        }
+        Ok(())
+    }
+}
+
+impl PriorityContract {
+    /// The contract a job of `tier` runs under, from the partition's
+    /// contract for preemptible work: guaranteed work is never taken;
+    /// opportunistic work gets no notice, no grace and no daily cap.
+    pub fn of_tier(self, tier: Tier) -> PriorityContract {
+        match tier {
+            Tier::Preemptible => PriorityContract { tier, ..self },
+            Tier::Guaranteed => PriorityContract { tier, max_interruptions_per_day: 0, max_outage_s: 0, ..self },
+            Tier::Opportunistic => PriorityContract {
+                tier,
+                notice_s: 0,
+                grace_s: 0,
+                checkpoint_on_notice: false,
+                max_interruptions_per_day: u32::MAX,
+                max_outage_s: 0,
+                ..self
+            },
+        }
+    }
+}
