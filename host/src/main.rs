@@ -193,6 +193,12 @@ struct ReplayArgs {
     /// default 0.5), e.g. 15-21 for the synthetic workload's trough.
     #[arg(long, requires = "preempt")]
     harvest: Option<String>,
+    /// With --preempt: the low-priority contract's maximum outage in
+    /// seconds (0: none). Preempted work then waits ahead of new work and
+    /// runs again at its daily cap; running later is a broken promise,
+    /// priced in the "credit GPUh" column.
+    #[arg(long, requires = "preempt", default_value_t = 0)]
+    max_outage_s: u64,
     /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model). Omit both --nodes
     /// and --pods to replay a seeded, generated trace.
     #[arg(long, requires = "pods")]
@@ -1133,6 +1139,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             harvest,
             protected_partitions: config.non_preemptible_partitions.iter().copied().collect(),
             work: economics.work.clone(),
+            contract: berth_core::job::PriorityContract { max_outage_s: args.max_outage_s, ..Default::default() },
             ..Default::default()
         };
         // Compaction and the quote run in every one of the runs.

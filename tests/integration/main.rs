@@ -32,3 +32,4 @@ mod retention;
 mod security;
 mod scale;
 mod serve;
+mod tiers;

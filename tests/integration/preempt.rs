@@ -20,7 +20,7 @@ fn low_job(d: &Path, gpus: u32) -> pb::JobSpec {
     agent_job(d, gpus, 1)
 }
 
-async fn upload_rank(api: &mut berth::client::Client, path: &Path) -> u32 {
+pub(crate) async fn upload_rank(api: &mut berth::client::Client, path: &Path) -> u32 {
     let component = std::fs::read(path).unwrap();
     let up = api
         .upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "rank".into(), ..Default::default() })
@@ -33,7 +33,7 @@ async fn upload_rank(api: &mut berth::client::Client, path: &Path) -> u32 {
     up.version
 }
 
-async fn running(api: &berth::client::Client, ids: &[u64]) -> Vec<pb::Job> {
+pub(crate) async fn running(api: &berth::client::Client, ids: &[u64]) -> Vec<pb::Job> {
     let ids = ids.to_vec();
     until("jobs running with their processes", Duration::from_secs(60), || {
         let api = api.clone();

@@ -166,6 +166,7 @@ fn a_cpu_time_deadline_still_stops_an_endless_loop() {
 
 const ACCESS: &str = r#"
 tenant_max_priority = { "*" = 10 }
+tenant_tiers = { "*" = ["preemptible", "opportunistic"] }
 
 [[identities]]
 name = "ops"
@@ -226,6 +227,16 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
     // Within the ceiling a tenant is accepted; an operator is not capped.
     alice.submit_job(with(&|j| j.priority = 10)).await.expect("at the ceiling");
     ops.submit_job(with(&|j| j.priority = 1000)).await.expect("operators are not capped");
+    // Tiers: a tenant buys only what the access file lets it; a name that
+    // is no tier is the caller's mistake; operators buy any.
+    let e = alice.submit_job(with(&|j| j.tier = "guaranteed".into())).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("tier guaranteed") && e.message().contains("opportunistic"), "{e:?}");
+    refused(alice.submit_job(with(&|j| j.tier = "gold\u{1b}[31m".into())).await.unwrap_err(), "tier \"gold\\u{1b}");
+    alice.submit_job(with(&|j| j.tier = "opportunistic".into())).await.expect("a tier alice may buy");
+    let g = ops.submit_job(with(&|j| j.tier = "guaranteed".into())).await.expect("operators buy any tier").into_inner().job_id;
+    let listed = ops.list_jobs(berth::proto::ListJobsRequest { partition: "p0".into(), ..Default::default() }).await.unwrap().into_inner().jobs;
+    assert_eq!(listed.iter().find(|j| j.id == g).unwrap().spec.as_ref().unwrap().tier, "guaranteed");
 
     // A job's environment: its owner and operators see it, others do not.
     let secret = alice

@@ -5,8 +5,6 @@
 //!
 //! Credits are counted in GPU-hours, the unit a tenant buys.
 
-use crate::job::PriorityContract;
-
 /// The tier a job is bought as.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Tier {
@@ -113,26 +111,5 @@ impl Compensation {
             return Err(format!("compensation rates {all:?}: each finite and at least 0"));
         }
         Ok(())
-    }
-}
-
-impl PriorityContract {
-    /// The contract a job of `tier` runs under, from the partition's
-    /// contract for preemptible work: guaranteed work is never taken;
-    /// opportunistic work gets no notice, no grace and no daily cap.
-    pub fn of_tier(self, tier: Tier) -> PriorityContract {
-        match tier {
-            Tier::Preemptible => PriorityContract { tier, ..self },
-            Tier::Guaranteed => PriorityContract { tier, max_interruptions_per_day: 0, max_outage_s: 0, ..self },
-            Tier::Opportunistic => PriorityContract {
-                tier,
-                notice_s: 0,
-                grace_s: 0,
-                checkpoint_on_notice: false,
-                max_interruptions_per_day: u32::MAX,
-                max_outage_s: 0,
-                ..self
-            },
-        }
     }
 }

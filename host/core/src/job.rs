@@ -1,6 +1,7 @@
 //! A job as the scheduler sees it: the shared vocabulary of the engine,
 //! replay, compaction, preemption and the live host.
 
+use crate::contract::Tier;
 use crate::task::TaskShape;
 pub use berth_sdk::TaskClass;
 
@@ -68,7 +69,7 @@ pub struct PriorityContract {
     /// work since the last one.
     pub checkpoint_every_s: u64,
     /// What the job bought (see [`crate::contract::Tier`]).
-    pub tier: crate::contract::Tier,
+    pub tier: Tier,
     /// Longest time out of service after an interruption (0: no bound).
     /// With a bound, an interrupted job waits in the queue ahead of new work
     /// of its priority and is never held back for its daily cap; running
@@ -87,8 +88,29 @@ impl Default for PriorityContract {
             grace_s: 30,
             max_interruptions_per_day: 3,
             checkpoint_every_s: 3600,
-            tier: crate::contract::Tier::Preemptible,
+            tier: Tier::Preemptible,
             max_outage_s: 0,
+        }
+    }
+}
+
+impl PriorityContract {
+    /// The contract a job of `tier` runs under, from the partition's
+    /// contract for preemptible work: guaranteed work is never taken;
+    /// opportunistic work gets no notice, no grace and no daily cap.
+    pub fn of_tier(self, tier: Tier) -> PriorityContract {
+        match tier {
+            Tier::Preemptible => PriorityContract { tier, ..self },
+            Tier::Guaranteed => PriorityContract { tier, max_interruptions_per_day: 0, max_outage_s: 0, ..self },
+            Tier::Opportunistic => PriorityContract {
+                tier,
+                notice_s: 0,
+                grace_s: 0,
+                checkpoint_on_notice: false,
+                max_interruptions_per_day: u32::MAX,
+                max_outage_s: 0,
+                ..self
+            },
         }
     }
 }

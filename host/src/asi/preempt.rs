@@ -40,6 +40,11 @@ pub struct PreemptRow {
     pub forced_terminations: u64,
     /// GPU-hours of work lost to preemption (to be recomputed).
     pub lost_gpu_h: f64,
+    /// GPU-hours owed to tenants for it (the engine's compensation rates:
+    /// lost preemptible work once, broken promises three times, at least a
+    /// GPU-hour per GPU), and the promises broken.
+    pub credit_gpu_h: f64,
+    pub broken_promises: u64,
     /// The outcome: work done per installed GPU-hour and per cost.
     pub outcome: super::report::ReplayOutcome,
     /// Jobs interrupted at least once, and the most any one job was.
@@ -75,8 +80,9 @@ pub struct Alongside<'a> {
 
 /// Gives each low-priority job a contract: checkpoints every 30, 60 or 120
 /// minutes, and one job in four checkpoints when given notice. Drawn from
-/// the job id, so the workload generator's own draws are untouched.
-pub fn with_contracts(jobs: &[Job]) -> Vec<Job> {
+/// the job id, so the workload generator's own draws are untouched. The
+/// rest (notice, cap, outage bound) is `base`'s.
+pub fn with_contracts(jobs: &[Job], base: PriorityContract) -> Vec<Job> {
     jobs.iter()
         .map(|j| {
             let mut j = j.clone();
@@ -85,7 +91,7 @@ pub fn with_contracts(jobs: &[Job]) -> Vec<Job> {
                 j.contract = Some(PriorityContract {
                     checkpoint_every_s: [1800, 3600, 7200][(h % 3) as usize],
                     checkpoint_on_notice: h % 4 == 0,
-                    ..PriorityContract::default()
+                    ..base
                 });
             }
             j
@@ -109,7 +115,7 @@ pub fn compare(
     alongside: Alongside<'_>,
     limits: Limits,
 ) -> anyhow::Result<Vec<PreemptRow>> {
-    let jobs = with_contracts(jobs);
+    let jobs = with_contracts(jobs, base.contract);
     let horizon_s = base.horizon_s;
     let config = SimConfig { high_priority: HIGH_PRIORITY, ..base.clone() };
     let run = |name: &str, jobs: &[Job], ranker: Option<&Arc<LoadedPolicy>>| -> anyhow::Result<PreemptRow> {
@@ -169,6 +175,8 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
         evictions: out.evictions,
         forced_terminations: out.forced_terminations,
         lost_gpu_h: out.lost_gpu_s / 3600.0,
+        credit_gpu_h: out.credit_gpu_h,
+        broken_promises: out.broken_promises,
         outcome: Default::default(),
         jobs_interrupted: out.jobs.iter().filter(|o| o.interruptions > 0).count(),
         max_interruptions: out.jobs.iter().map(|o| o.interruptions).max().unwrap_or(0),
@@ -190,10 +198,13 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
 /// The side-by-side table ("vacate s": mean / p95 seconds to vacate).
 pub fn table(rows: &[PreemptRow]) -> String {
     let mut s = format!(
-        "{:<26} {:>7} {:>7} {:>9} {:>9} {:>13} {:>10} {:>9} {:>7} {:>9} {:>11} {:>9} {:>10}\n",
-        "run", "alloc%", "high%", "hi p50", "hi p99", "low done", "low compl", "evicted", "forced", "lost GPUh", "vacate s", "standby", "harvested"
+        "{:<26} {:>7} {:>7} {:>9} {:>9} {:>13} {:>10} {:>9} {:>7} {:>9} {:>11} {:>11} {:>9} {:>10}\n",
+        "run", "alloc%", "high%", "hi p50", "hi p99", "low done", "low compl", "evicted", "forced", "lost GPUh", "credit GPUh", "vacate s", "standby", "harvested"
     );
     s += &rows_table(rows);
+    for r in rows.iter().filter(|r| r.broken_promises > 0) {
+        s += &format!("{}: {} promises broken (of {:.1} GPU-h owed)\n", r.run, r.broken_promises, r.credit_gpu_h);
+    }
     for r in rows.iter().filter(|r| r.compaction.is_some() || r.quote.is_some()) {
         s += &format!("{}:", r.run);
         if let Some(l) = &r.compaction {
@@ -235,7 +246,7 @@ fn rows_table(rows: &[PreemptRow]) -> String {
     let mut s = String::new();
     for r in rows {
         s += &format!(
-            "{:<26} {:>7.1} {:>7.1} {:>8.1}h {:>8.1}h {:>6}/{:<6} {:>9.1}h {:>9} {:>7} {:>9.1} {:>5.0}/{:<5} {:>8.0}h {:>9.1}%\n",
+            "{:<26} {:>7.1} {:>7.1} {:>8.1}h {:>8.1}h {:>6}/{:<6} {:>9.1}h {:>9} {:>7} {:>9.1} {:>11.1} {:>5.0}/{:<5} {:>8.0}h {:>9.1}%\n",
             r.run,
             r.allocation_pct,
             r.high_priority_allocation_pct,
@@ -247,6 +258,7 @@ fn rows_table(rows: &[PreemptRow]) -> String {
             r.evictions,
             r.forced_terminations,
             r.lost_gpu_h,
+            r.credit_gpu_h,
             r.vacate_mean_s,
             r.vacate_p95_s,
             r.standby_gpu_h,

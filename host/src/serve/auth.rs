@@ -10,6 +10,11 @@
 //! # ("*" = every other partition; 100 where none is set). Operators are
 //! # not capped.
 //! tenant_max_priority = { "*" = 100, "batch" = 10 }
+//! # Optional: the tiers a tenant may buy per partition, and the tier of a
+//! # job that names none (every tier and "preemptible" where none is set).
+//! # Operators may buy any tier.
+//! tenant_tiers = { "*" = ["preemptible", "opportunistic"], "prod" = ["guaranteed", "preemptible"] }
+//! default_tier = { "*" = "preemptible", "scavenge" = "opportunistic" }
 //!
 //! [[identities]]
 //! name = "ops"
@@ -32,6 +37,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use super::error::ServeError;
+use berth_core::Tier;
 
 /// What an identity may do in a partition; each role includes the ones
 /// before it.
@@ -73,6 +79,10 @@ struct AccessConfig {
     allowed_components: Option<Vec<String>>,
     #[serde(default)]
     tenant_max_priority: BTreeMap<String, u32>,
+    #[serde(default)]
+    tenant_tiers: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    default_tier: BTreeMap<String, String>,
     identities: Vec<IdentityConfig>,
 }
 
@@ -179,6 +189,13 @@ pub struct Access {
     certs: Vec<(String, Identity)>,
     allowed_components: Option<Vec<String>>,
     tenant_max_priority: BTreeMap<String, u32>,
+    tenant_tiers: BTreeMap<String, Vec<Tier>>,
+    default_tier: BTreeMap<String, Tier>,
+}
+
+/// A tier named in the access file, or an error naming where.
+fn tier_named(name: &str, at: &str) -> anyhow::Result<Tier> {
+    Tier::from_name(name).ok_or_else(|| anyhow::anyhow!("{at}: tier \"{}\" is not one of guaranteed, preemptible, opportunistic", crate::text::printable(name, 32)))
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -194,8 +211,24 @@ impl Access {
     pub fn parse(text: &str) -> anyhow::Result<Access> {
         let cfg: AccessConfig = crate::text::parse_toml(text)?;
         anyhow::ensure!(!cfg.identities.is_empty(), "no identities: the API would be closed to everyone");
-        let mut access =
-            Access { tokens: Vec::new(), certs: Vec::new(), allowed_components: None, tenant_max_priority: cfg.tenant_max_priority };
+        let mut tenant_tiers = BTreeMap::new();
+        for (partition, names) in &cfg.tenant_tiers {
+            let at = format!("tenant_tiers.{partition}");
+            let tiers = names.iter().map(|n| tier_named(n, &at)).collect::<anyhow::Result<Vec<Tier>>>()?;
+            tenant_tiers.insert(partition.clone(), tiers);
+        }
+        let mut default_tier = BTreeMap::new();
+        for (partition, name) in &cfg.default_tier {
+            default_tier.insert(partition.clone(), tier_named(name, &format!("default_tier.{partition}"))?);
+        }
+        let mut access = Access {
+            tokens: Vec::new(),
+            certs: Vec::new(),
+            allowed_components: None,
+            tenant_max_priority: cfg.tenant_max_priority,
+            tenant_tiers,
+            default_tier,
+        };
         for id in cfg.identities {
             anyhow::ensure!(!id.name.is_empty(), "an identity without a name");
             // Names are printed and logged (job owners, `by=`): bounded, and
@@ -288,6 +321,17 @@ impl Access {
         self.tenant_max_priority.get(partition).or_else(|| self.tenant_max_priority.get("*")).copied()
     }
 
+    /// The tier of a job in `partition` that names none.
+    pub fn default_tier(&self, partition: &str) -> Tier {
+        self.default_tier.get(partition).or_else(|| self.default_tier.get("*")).copied().unwrap_or_default()
+    }
+
+    /// The tiers a tenant may buy in `partition` (every tier where the
+    /// access file names none).
+    pub fn tenant_tiers(&self, partition: &str) -> Vec<Tier> {
+        self.tenant_tiers.get(partition).or_else(|| self.tenant_tiers.get("*")).cloned().unwrap_or_else(|| Tier::ALL.to_vec())
+    }
+
     /// Refuses a component whose digest is not allow-listed (when a list is set).
     pub fn allow_component(&self, sha256: &str) -> Result<(), ServeError> {
         match &self.allowed_components {
@@ -331,6 +375,21 @@ mod tests {
         assert_eq!(a.priority_ceiling("gpu"), Some(50));
         let none = Access::parse("[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}").unwrap();
         assert_eq!(none.priority_ceiling("gpu"), None);
+    }
+
+    #[test]
+    fn tiers_are_per_partition_with_defaults_and_unknown_names_are_refused() {
+        let a = Access::parse(
+            "tenant_tiers = { \"*\" = [\"preemptible\"], \"prod\" = [\"guaranteed\", \"preemptible\"] }\ndefault_tier = { \"scavenge\" = \"opportunistic\" }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}",
+        )
+        .unwrap();
+        assert_eq!(a.tenant_tiers("prod"), vec![Tier::Guaranteed, Tier::Preemptible]);
+        assert_eq!(a.tenant_tiers("batch"), vec![Tier::Preemptible]);
+        assert_eq!((a.default_tier("scavenge"), a.default_tier("prod")), (Tier::Opportunistic, Tier::Preemptible));
+        let open = Access::parse("[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}").unwrap();
+        assert_eq!(open.tenant_tiers("any"), Tier::ALL.to_vec());
+        let bad = Access::parse("default_tier = { \"p\" = \"gold\" }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}").unwrap_err();
+        assert!(format!("{bad:#}").contains("default_tier.p: tier \"gold\""), "{bad:#}");
     }
 
     #[test]

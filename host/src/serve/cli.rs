@@ -131,6 +131,12 @@ pub struct ServeArgs {
     /// Priority contract: a job is preempted at most this often in any 24 h.
     #[arg(long, default_value_t = 3)]
     max_interruptions_per_day: u32,
+    /// Priority contract: the longest a preempted job stays out of service
+    /// (0: no bound). With a bound, preempted work waits ahead of new work
+    /// and runs again even at its daily cap; running later is a broken
+    /// promise, credited (`berth credits`).
+    #[arg(long, default_value_t = 0)]
+    max_outage_s: u64,
     /// Live compaction settings: a JSON object of `CompactionConfig` fields
     /// (e.g. '{"period_s": 600, "destination_deadline_s": 120}'); unknown
     /// fields are errors. Compaction runs in partitions with an active
@@ -214,6 +220,7 @@ impl ServeArgs {
                 contract: berth_core::job::PriorityContract {
                     notice_s: self.notice_s,
                     max_interruptions_per_day: self.max_interruptions_per_day,
+                    max_outage_s: self.max_outage_s,
                     ..Default::default()
                 },
                 compaction: {
@@ -444,6 +451,12 @@ pub enum ApiCommand {
         /// without GPUs, training with them).
         #[arg(long, value_parser = ["training", "inference", "cpu-only"])]
         class: Option<String>,
+        /// What the job is bought as: guaranteed (never preempted),
+        /// preemptible (notice, a daily cap, a maximum outage) or
+        /// opportunistic (stopped without notice, lost work not credited).
+        /// Default: the partition's (the access file's default_tier).
+        #[arg(long, value_parser = ["guaranteed", "preemptible", "opportunistic"])]
+        tier: Option<String>,
         /// Makes a retried submission safe: the host answers a second
         /// submission with the same key (yours, for a job it still keeps)
         /// with the first one's job instead of a new one. Default: a fresh
@@ -629,6 +642,19 @@ pub enum ApiCommand {
         /// Only this partition (default: every partition you may see).
         #[arg(long, default_value = "")]
         partition: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// What tenants are owed: work lost to preemption and broken promises
+    /// (a stop past the daily cap, an outage past its maximum, a guaranteed
+    /// job stopped by the host), in GPU-hours. A tenant sees its own.
+    Credits {
+        /// Only this partition (default: every partition you may see).
+        #[arg(long, default_value = "")]
+        partition: String,
+        /// Only this tenant (default: every tenant you may see).
+        #[arg(long, default_value = "")]
+        tenant: String,
         #[command(flatten)]
         conn: Conn,
     },
@@ -826,7 +852,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, work_unit, class, idempotency_key, conn, argv } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, work_unit, class, tier, idempotency_key, conn, argv } => {
             let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
             let env = env
                 .iter()
@@ -850,6 +876,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 sleepable,
                 work_unit,
                 class: class.unwrap_or_default(),
+                tier: tier.unwrap_or_default(),
             };
             let idempotency_key = idempotency_key.unwrap_or_else(|| {
                 use rand::Rng;
@@ -890,7 +917,9 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 // Tasks the kernel killed over their memory limit, named.
                 let oom: Vec<String> = j.runs.iter().filter(|r| r.limit == "oom").map(|r| r.allocation_id.to_string()).collect();
                 let oom = if oom.is_empty() { String::new() } else { format!("  (over its memory limit: task {})", oom.join(", ")) };
-                println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}{oom}", j.id, s.partition, j.owner, state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
+                // Tiers other than the default, named.
+                let tier = if s.tier.is_empty() || s.tier == "preemptible" { String::new() } else { format!("  [{}]", esc(&s.tier)) };
+                println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}{tier}{oom}", j.id, s.partition, esc(&j.owner), state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
             }
             if next != 0 {
                 // On stderr: the table stays a table for scripts.
@@ -1057,6 +1086,24 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             }
             if r.queued_ahead > 0 {
                 println!("  {} pending job(s) at or above priority {priority} are decided first", r.queued_ahead);
+            }
+        }
+        ApiCommand::Credits { partition, tenant, conn } => {
+            let r = client(&conn).await?.credits(pb::CreditsRequest { partition, tenant }).await.map_err(status)?.into_inner();
+            println!("{:<16} {:<20} {:>11} {:>12} {:>7} {:>12}", "partition", "tenant", "preemptions", "lost GPU-h", "broken", "credit GPU-h");
+            for c in &r.rows {
+                println!(
+                    "{:<16} {:<20} {:>11} {:>12.2} {:>7} {:>12.2}",
+                    esc(&c.partition),
+                    esc(&c.tenant),
+                    c.preemptions,
+                    c.lost_gpu_seconds / 3600.0,
+                    c.broken_promises,
+                    c.credit_gpu_hours
+                );
+            }
+            if r.rows.is_empty() {
+                println!("nothing owed: no preemption or broken promise recorded");
             }
         }
         ApiCommand::Accounting { partition, conn } => {

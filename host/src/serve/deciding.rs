@@ -429,7 +429,7 @@ impl Live {
                     self.persist_logged(vec![st.job_op(&part.name, id)]);
                 }
             }
-            Decision::Evict { slot, job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, wake, .. } => {
+            Decision::Evict { slot, job: id, for_job, ranker: ranked_by, stop_by_s, lost_gpu_s, wake, credit_gpu_h, broken, .. } => {
                 // The victim's own contract (its notice), as the engine used.
                 let contract = st.engine.config.contract_of(st.engine.job(slot));
                 let Some(record) = st.jobs.get_mut(&id) else { return };
@@ -455,17 +455,30 @@ impl Live {
                 // preemptor's to wait for now (their processes may still
                 // hold its GPUs).
                 let handed_over = std::mem::take(&mut record.waiting_on);
-                let detail = if wake {
+                let mut detail = if wake {
                     format!("taken back from lent GPUs: job {for_job} wakes on them; {lost_gpu_s:.0} GPU-s of work lost")
                 } else {
                     format!("preempted for job {for_job} (ranked by {ranked_by}); {lost_gpu_s:.0} GPU-s of work lost")
                 };
+                if let Some(b) = broken {
+                    detail.push_str(&format!("; promise broken ({})", b.name()));
+                }
+                if credit_gpu_h > 0.0 {
+                    detail.push_str(&format!("; {credit_gpu_h:.2} GPU-h credited to {}", crate::text::printable(&record.owner, 64)));
+                }
+                // Credited in the same write as the job's record.
+                let owner = record.owner.clone();
+                st.credits.preempted(&owner, lost_gpu_s, credit_gpu_h, broken.is_some());
+                self.credit_metrics(&part.name, &owner, credit_gpu_h, broken);
                 // The contract: a checkpoint notice now, the stop after the
                 // notice period; the agent kills what is left after its stop
                 // grace. The GPUs are the preemptor's once the processes are gone.
                 // The fences are stored with the job, before anything is stopped.
-                let fence_ops: Vec<_> = fenced.iter().map(|r| st.held_op(&part.name, r.alloc_id)).collect();
-                self.send_back(part, st, id, detail, Some(Duration::from_secs(contract.notice_s)), fence_ops);
+                let mut ops: Vec<_> = fenced.iter().map(|r| st.held_op(&part.name, r.alloc_id)).collect();
+                ops.push(crate::store::Op::Put(super::credits::key(&part.name), st.credits.stored()));
+                // No notice (opportunistic work): the stop goes out now.
+                let notice = (contract.notice_s > 0).then(|| Duration::from_secs(contract.notice_s));
+                self.send_back(part, st, id, detail, notice, ops);
                 if let Some(act) = self.actuator() {
                     for r in &fenced {
                         act.stop(r.alloc_id, &r.node);
@@ -519,6 +532,31 @@ impl Live {
             }
             Decision::Sleep { job: id, gpus, .. } => self.fell_asleep(part, st, id, gpus),
             Decision::Wake { job: id, victims, requeued, .. } => self.woke(part, st, id, victims, requeued),
+            Decision::Broken { job: id, promise, lost_gpu_s, credit_gpu_h, .. } => {
+                let Some(record) = st.jobs.get_mut(&id) else { return };
+                let owner = record.owner.clone();
+                let what = match promise {
+                    berth_core::Broken::Outage { out_s } => format!("out of service {out_s} s, past its contract's maximum"),
+                    berth_core::Broken::PastCap => "stopped by the host past its daily interruption cap".to_string(),
+                    berth_core::Broken::GuaranteedStopped => "a guaranteed job stopped by the host".to_string(),
+                };
+                let note = format!("promise broken: {what}; {credit_gpu_h:.2} GPU-h credited to {}", crate::text::printable(&owner, 64));
+                record.last_decision = if record.last_decision.is_empty() { note.clone() } else { format!("{}; {note}", record.last_decision) };
+                tracing::warn!(target: "berth::serve", job = id, tenant = %owner, "{note}");
+                st.credits.broken(&owner, lost_gpu_s, credit_gpu_h);
+                self.credit_metrics(&part.name, &owner, credit_gpu_h, Some(promise));
+                self.persist_logged(vec![st.job_op(&part.name, id), crate::store::Op::Put(super::credits::key(&part.name), st.credits.stored())]);
+            }
+        }
+    }
+
+    /// Counts a credit and a broken promise on /metrics.
+    fn credit_metrics(&self, partition: &str, tenant: &str, credit_gpu_h: f64, broken: Option<berth_core::Broken>) {
+        if credit_gpu_h > 0.0 {
+            self.metrics.credit_gpu_hours.with_label_values(&[partition, tenant]).inc_by(credit_gpu_h);
+        }
+        if let Some(b) = broken {
+            self.metrics.broken_promises.with_label_values(&[partition, tenant, b.name()]).inc();
         }
     }
 

@@ -42,6 +42,8 @@ pub struct Metrics {
     pub eviction_exits: IntCounterVec,
     pub eviction_stop_to_exit: HistogramVec,
     pub lost_gpu_seconds: prometheus::CounterVec,
+    pub credit_gpu_hours: prometheus::CounterVec,
+    pub broken_promises: prometheus::IntCounterVec,
     /// Live compaction: chains by how they ended (done, rolled-back,
     /// abandoned), moves by how they ended, whole nodes freed.
     pub compaction_chains: IntCounterVec,
@@ -144,6 +146,12 @@ impl Metrics {
                 registry.register(Box::new(c.clone())).expect("registered once");
                 c
             },
+            credit_gpu_hours: {
+                let c = prometheus::CounterVec::new(Opts::new("berth_credit_gpu_hours_total", "GPU-hours credited to tenants for work lost to preemption and broken promises"), &["partition", "tenant"]).expect("valid metric");
+                registry.register(Box::new(c.clone())).expect("registered once");
+                c
+            },
+            broken_promises: counter("berth_broken_promises_total", "Promises the host broke: past-cap, outage, guaranteed-stopped", &["partition", "tenant", "promise"]),
             work_done: counter("berth_work_done_total", "Work tasks reported done (berth progress), in the jobs' units", &["partition", "unit"]),
             work_lost: counter("berth_work_lost_total", "Reported work lost: done after a run's last checkpoint by a run preempted, migrated, failed or lost", &["partition", "unit"]),
             unit_labels: Default::default(),

@@ -25,6 +25,7 @@ pub mod codec;
 pub mod compacting;
 pub mod console;
 pub mod control;
+pub mod credits;
 pub mod deciding;
 pub mod decisions;
 pub mod error;

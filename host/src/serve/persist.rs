@@ -11,6 +11,7 @@
 //! nodes/<partition>/<name>           an agent node (model, GPUs, CPU, memory, unhealthy GPUs)
 //! held/<partition>/<allocation id>   an operator allocation, or GPUs fenced off a lost node
 //! outcome/<partition>                work of jobs removed by retention (see super::outcome)
+//! credits/<partition>                what each tenant is owed (see super::credits)
 //! ```
 
 use std::collections::BTreeMap;
@@ -66,6 +67,9 @@ struct StoredJob {
     /// The class the job declared (empty: implied by its shape).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     class: String,
+    /// The tier it was bought as (empty: preemptible, as before tiers).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    tier: String,
     submitted_unix_ms: u64,
     started_unix_ms: u64,
     ended_unix_ms: u64,
@@ -223,6 +227,7 @@ pub(crate) fn job_record_op(clock: &dyn Clock, partition: &str, id: u64, j: &Job
         wait_ready: s.wait_ready,
         sleepable: s.sleepable,
         class: s.job.declared_class.map_or_else(String::new, |c| c.name().to_string()),
+        tier: s.job.contract.map_or_else(String::new, |c| c.tier.name().to_string()),
         submitted_unix_ms: j.submitted_unix_ms,
         started_unix_ms: j.started_unix_ms,
         ended_unix_ms: j.ended_unix_ms,
@@ -391,6 +396,10 @@ impl Live {
                 Some(bytes) => st.outcome.restore(&bytes).map_err(|e| anyhow::anyhow!("{key}: {e}"))?,
                 None => store.put(key, st.outcome.stored_with(std::iter::empty()))?,
             }
+            let key = super::credits::key(name);
+            if let Some(bytes) = store.get(&key)? {
+                st.credits = super::credits::Credits::restore(&bytes).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+            }
             for (key, value) in store.list(&format!("held/{name}/"))? {
                 let id: u64 = key.rsplit('/').next().and_then(|i| i.parse().ok()).ok_or_else(|| anyhow::anyhow!("{key}: not an allocation id"))?;
                 let a: StoredAlloc = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
@@ -530,6 +539,8 @@ impl Live {
                                 tasks: j.tasks,
                                 shape,
                                 declared_class: berth_core::TaskClass::from_name(&j.class),
+                                // The partition's contract now, as its tier has it.
+                                contract: Some(st.engine.config.contract.of_tier(berth_core::Tier::from_name(&j.tier).unwrap_or_default())),
                                 ..Job::default()
                             },
                         },

@@ -212,6 +212,21 @@ impl Service {
         if declared_class.is_some_and(|c| c != TaskClass::CpuOnly) && shape.gpu_count == 0 {
             return Err(bad(format!("class {} without GPUs: a job without GPUs is cpu-only", s.class)));
         }
+        let tier = match s.tier.as_str() {
+            "" => self.live.access.default_tier(&s.partition),
+            name => berth_core::Tier::from_name(name).ok_or_else(|| {
+                bad(format!("tier \"{}\": one of guaranteed, preemptible, opportunistic", crate::text::printable(name, 32)))
+            })?,
+        };
+        if id.role_in(&s.partition) < Some(Role::Operator) {
+            let may = self.live.access.tenant_tiers(&s.partition);
+            if !may.contains(&tier) {
+                let names: Vec<&str> = may.iter().map(|t| t.name()).collect();
+                return Err(ServeError::PermissionDenied(format!("tier {}: a tenant of partition {} may buy {names:?}", tier.name(), s.partition)));
+            }
+        }
+        // The partition's contract, as this tier has it.
+        let contract = Some(self.live.partitions[p].lock_state().engine.config.contract.of_tier(tier));
         Ok(JobSpec {
             partition: s.partition.clone(),
             name: s.name.clone(),
@@ -223,7 +238,7 @@ impl Service {
             wait_ready: s.wait_ready,
             sleepable: s.sleepable,
             work_unit: s.work_unit.clone(),
-            job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, declared_class, ..Job::default() },
+            job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, declared_class, contract, ..Job::default() },
         })
     }
 }
@@ -279,6 +294,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             sleepable: s.sleepable,
             work_unit: s.work_unit.clone(),
             class: s.job.task_class().name().to_string(),
+            tier: s.job.contract.map(|c| c.tier).unwrap_or_default().name().to_string(),
         }),
         owner: j.owner.clone(),
         state: j.shown_state().into(),
@@ -662,6 +678,39 @@ impl Berth for Service {
                 });
             }
             Ok(Response::new(pb::ListPartitionsResponse { partitions }))
+        }).await
+    }
+
+    async fn credits(&self, req: Request<pb::CreditsRequest>) -> Reply<pb::CreditsResponse> {
+        let this = self.clone();
+        crate::util::off_worker(move || {
+            let id = this.who(&req)?;
+            let r = req.get_ref();
+            if r.tenant.len() > 256 {
+                return Err(Status::invalid_argument(format!("tenant is {} bytes: at most 256", r.tenant.len())));
+            }
+            let mut rows = Vec::new();
+            for p in this.viewable(&id, &r.partition)? {
+                let part = &this.live.partitions[p];
+                // A tenant's account is its own business: operators see
+                // every tenant's, others only theirs.
+                let sees_all = id.role_in(&part.name) >= Some(Role::Operator);
+                let st = part.lock_state();
+                for (tenant, c) in &st.credits.tenants {
+                    if (!r.tenant.is_empty() && *tenant != r.tenant) || (!sees_all && *tenant != id.name) {
+                        continue;
+                    }
+                    rows.push(pb::CreditRow {
+                        partition: part.name.clone(),
+                        tenant: tenant.clone(),
+                        preemptions: c.preemptions,
+                        lost_gpu_seconds: c.lost_gpu_s,
+                        broken_promises: c.broken_promises,
+                        credit_gpu_hours: c.credit_gpu_h,
+                    });
+                }
+            }
+            Ok(Response::new(pb::CreditsResponse { rows }))
         }).await
     }
 

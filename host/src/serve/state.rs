@@ -480,6 +480,8 @@ pub struct PartitionState {
     pub(super) beats_taken: Option<std::time::Instant>,
     /// Node join times, power states and retired work, for the outcome.
     pub outcome: super::work::PartitionOutcome,
+    /// What each tenant is owed for lost work and broken promises.
+    pub credits: super::credits::Credits,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -743,6 +745,7 @@ impl Partition {
                 harvest_seen_s: None,
                 unstored_wakes: BTreeSet::new(),
                 unstarted: BTreeSet::new(),
+                credits: Default::default(),
                 held: false,
                 in_pass: false,
                 swept_at: None,

@@ -1,0 +1,113 @@
+//! Tiers and credits live: a real `berth serve` and a real synthetic agent.
+//! A guaranteed job is never a victim, an opportunistic one is stopped
+//! without a checkpoint notice and owed nothing, preemptible work kept out
+//! of service past its contract's maximum outage is a broken promise
+//! credited to its tenant, and the credits survive a host killed with
+//! SIGKILL.
+
+use std::time::Duration;
+
+use berth::proto as pb;
+
+use crate::agent::{agent, agent_job, assert_one_owner, dir, free_port, jobs, kill9, serve, until, BERTH};
+use crate::common::policy_path;
+use crate::preempt::{running, schedulable, upload_rank};
+
+async fn credits_of(api: &mut berth::client::Client, tenant: &str) -> Option<pb::CreditRow> {
+    let rows = api.credits(pb::CreditsRequest { partition: "p0".into(), tenant: String::new() }).await.unwrap().into_inner().rows;
+    rows.into_iter().find(|r| r.tenant == tenant)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiers_hold_on_an_agent_and_credits_survive_a_host_killed_with_sigkill() {
+    let d = dir("tiers");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = ["--listen", listen.as_str(), "--agent-timeout-ms", "3000", "--notice-s", "2", "--max-outage-s", "2"];
+    let (mut host, url) = serve(&d, "serve1", &d.join("state"), &args).await;
+    let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
+    let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut alice = berth::client::connect(&url, Some("alice-test-token"), None, None).await.unwrap();
+    schedulable(&api, "n1").await;
+    upload_rank(&mut api, &policy_path("spot-gpu")).await;
+
+    // Alice's low-priority fill, one GPU each: guaranteed, preemptible,
+    // opportunistic, preemptible.
+    let mut low = Vec::new();
+    for tier in ["guaranteed", "preemptible", "opportunistic", "preemptible"] {
+        let job = pb::JobSpec { tier: tier.into(), ..agent_job(&d, 1, 1) };
+        low.push(alice.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap().into_inner().job_id);
+        running(&api, &low).await;
+    }
+    let (g, p, o, f) = (low[0], low[1], low[2], low[3]);
+    // Seconds of unsaved work (the engine counts whole seconds).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let before = jobs(&api).await;
+    let alloc_of = |id: u64| before.iter().find(|j| j.id == id).unwrap().runs[0].allocation_id;
+
+    // A high-priority job for three GPUs: every candidate is taken, the
+    // guaranteed job is none (the rank policy is never shown it).
+    let mut high = agent_job(&d, 3, 1);
+    high.priority = 5;
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
+    running(&api, &[h]).await;
+    let all = jobs(&api).await;
+    assert_one_owner(&all, &[]);
+    let job = |id: u64| all.iter().find(|j| j.id == id).unwrap().clone();
+    assert_eq!(job(g).state, "running", "{:?}", job(g));
+    for v in [p, o, f] {
+        assert_eq!(job(v).state, "pending", "{:?}", job(v));
+        assert!(job(v).detail.contains(&format!("preempted for job {h}")), "{:?}", job(v));
+    }
+    // Preemptible work got its checkpoint notice and is credited its lost
+    // work; opportunistic work was stopped at once, owed nothing.
+    for v in [p, f] {
+        assert!(d.join(format!("ckpt-{}", alloc_of(v))).exists(), "no checkpoint notice for job {v}");
+        assert!(job(v).detail.contains("GPU-h credited to alice"), "{:?}", job(v));
+    }
+    assert!(!d.join(format!("ckpt-{}", alloc_of(o))).exists(), "an opportunistic job got a notice");
+    assert!(!job(o).detail.contains("credited"), "{:?}", job(o));
+    let owed = credits_of(&mut api, "alice").await.expect("alice is owed");
+    assert_eq!((owed.preemptions, owed.broken_promises), (3, 0), "{owed:?}");
+    assert!(owed.lost_gpu_seconds > 0.0 && owed.credit_gpu_hours > 0.0, "{owed:?}");
+
+    // New work arrives while the victims are out; their outage passes its
+    // 2 s bound before the high job ends. Placed again ahead of the new
+    // job, each preemptible victim is a broken promise: one GPU-hour each.
+    let newer = alice.submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
+    running(&api, &[p, f]).await;
+    assert_eq!(jobs(&api).await.iter().find(|j| j.id == newer).unwrap().state, "pending");
+    let owed = until("the broken promises credited", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move { credits_of(&mut api, "alice").await.filter(|c| c.broken_promises == 2) }
+    })
+    .await;
+    assert!(owed.credit_gpu_hours >= 2.0, "the floor, one GPU-hour per broken promise of a one-GPU job: {owed:?}");
+
+    // A tenant sees its own account; a viewer sees none; the CLI prints it.
+    assert!(credits_of(&mut alice, "alice").await.is_some());
+    let mut watcher = berth::client::connect(&url, Some("watcher-test-token"), None, None).await.unwrap();
+    assert!(watcher.credits(pb::CreditsRequest::default()).await.unwrap().into_inner().rows.is_empty());
+    let out = std::process::Command::new(BERTH).args(["credits", "--server", &url, "--token", "alice-test-token"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.lines().any(|l| l.starts_with("p0") && l.contains("alice")), "{text}");
+
+    // Durable: the same account after a SIGKILL and a restart.
+    kill9(&mut host);
+    let (_host, url2) = serve(&d, "serve2", &d.join("state"), &args).await;
+    assert_eq!(url2, url);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let after = credits_of(&mut api, "alice").await.expect("credits kept");
+    assert_eq!((after.preemptions, after.broken_promises), (owed.preemptions, owed.broken_promises));
+    assert!((after.credit_gpu_hours - owed.credit_gpu_hours).abs() < 1e-9 && (after.lost_gpu_seconds - owed.lost_gpu_seconds).abs() < 1e-6, "{after:?} vs {owed:?}");
+    for id in low.iter().chain([&newer]) {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+    until("all done", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
+    })
+    .await;
+}
