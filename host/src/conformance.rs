@@ -327,6 +327,11 @@ fn allocation_columns(allocs: &[Allocation]) -> Allocations {
         a.since_checkpoint_s.push(u64::from(i * 97 % 3600));
         // Every class, the CPU-only one where no GPU is held.
         a.class.push(if al.gpus == 0 { berth_sdk::TaskClass::CpuOnly as u8 } else { (i % 2) as u8 });
+        // Preemptible and opportunistic work (guaranteed work is never a
+        // victim), some at its last interruption, opportunistic uncapped.
+        let opportunistic = i % 3 == 2;
+        a.tier.push(if opportunistic { berth_sdk::Tier::Opportunistic } else { berth_sdk::Tier::Preemptible } as u8);
+        a.interruptions_left.push(if opportunistic { u32::MAX } else { 1 + i % 3 });
     }
     a
 }

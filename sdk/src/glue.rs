@@ -92,6 +92,8 @@ fn allocations(a: w::Allocations) -> Allocations {
         running_s: a.running_s,
         since_checkpoint_s: a.since_checkpoint_s,
         class: a.class,
+        tier: a.tier,
+        interruptions_left: a.interruptions_left,
     }
 }
 

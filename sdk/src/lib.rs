@@ -167,6 +167,10 @@ pub struct VictimJob {
     pub lost_gpu_s: f64,
     /// Seconds the job has been running (its youngest member's).
     pub running_s: u64,
+    /// What it was bought as, and the interruptions its contract still
+    /// allows today (contract 0.4.0; older contracts: preemptible, no cap).
+    pub tier: Tier,
+    pub interruptions_left: u32,
 }
 
 /// Groups the victims by job, in order of first appearance.
@@ -183,6 +187,8 @@ pub fn victim_jobs(victims: &Allocations) -> Vec<VictimJob> {
                 gpus: 0.0,
                 lost_gpu_s: 0.0,
                 running_s: u64::MAX,
+                tier: victims.tier.get(i).and_then(|&t| Tier::from_number(t)).unwrap_or_default(),
+                interruptions_left: victims.interruptions_left.get(i).copied().unwrap_or(u32::MAX),
             });
             jobs.len() - 1
         });

@@ -99,6 +99,42 @@ impl TaskClass {
     }
 }
 
+/// What a job was bought as (see the WIT `allocations.tier`, contract
+/// 0.4.0). The discriminants are the numbers of `Allocations::tier`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Tier {
+    /// Never preempted by the scheduler, never placed on lent GPUs.
+    Guaranteed = 0,
+    /// Taken back with notice, at most a contract's interruptions a day.
+    #[default]
+    Preemptible = 1,
+    /// Stopped without notice and without a daily cap; owed nothing.
+    Opportunistic = 2,
+}
+
+impl Tier {
+    /// Every tier, in number order.
+    pub const ALL: [Tier; 3] = [Tier::Guaranteed, Tier::Preemptible, Tier::Opportunistic];
+
+    /// The name used on the command line, in the API and the access file.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Guaranteed => "guaranteed",
+            Tier::Preemptible => "preemptible",
+            Tier::Opportunistic => "opportunistic",
+        }
+    }
+    /// The tier named `name` (see [`Tier::name`]).
+    pub fn from_name(name: &str) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|t| t.name() == name)
+    }
+    /// The tier of number `n` (an `Allocations::tier` entry), if any.
+    pub fn from_number(n: u8) -> Option<Tier> {
+        Tier::ALL.get(usize::from(n)).copied()
+    }
+}
+
 /// One task to place (see the WIT `task`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Task {
@@ -345,6 +381,11 @@ pub struct Allocations {
     pub since_checkpoint_s: Vec<u64>,
     /// [`TaskClass`] numbers (contract 0.4.0).
     pub class: Vec<u8>,
+    /// [`Tier`] numbers of each allocation's job (contract 0.4.0).
+    pub tier: Vec<u8>,
+    /// Interruptions its job's contract still allows in the last 24 hours
+    /// (`u32::MAX`: no cap, or not known; contract 0.4.0).
+    pub interruptions_left: Vec<u32>,
 }
 
 /// One allocation's entries of [`Allocations`] (see the WIT `allocations`).
@@ -365,6 +406,8 @@ pub struct AllocationRow {
     pub running_s: u64,
     pub since_checkpoint_s: u64,
     pub class: TaskClass,
+    pub tier: Tier,
+    pub interruptions_left: u32,
 }
 
 impl Allocations {
@@ -385,6 +428,8 @@ impl Allocations {
         self.running_s.push(r.running_s);
         self.since_checkpoint_s.push(r.since_checkpoint_s);
         self.class.push(r.class as u8);
+        self.tier.push(r.tier as u8);
+        self.interruptions_left.push(r.interruptions_left);
     }
 
     pub fn len(&self) -> usize {

@@ -399,7 +399,7 @@ proptest! {
             fleet.allocate(&a).unwrap();
             vec![a]
         }).collect();
-        let candidates: Vec<Candidate> = jobs.iter().zip(&held).map(|(job, held)| Candidate { job, held, running_s: 10, remaining_s: 90, since_checkpoint_s: 5 }).collect();
+        let candidates: Vec<Candidate> = jobs.iter().zip(&held).map(|(job, held)| Candidate { job, held, running_s: 10, remaining_s: 90, since_checkpoint_s: 5, tier: berth_core::Tier::Preemptible, interruptions_left: 1 }).collect();
         let demand = Job { id: 99, priority: 10, tasks: 1, duration_s: 100, shape: TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, models: Vec::new() }, ..Job::default() };
         let len = order.as_ref().map_or(0, Vec::len);
         match berth_core::preemption::select_victims(&fleet, &mut HostileRank(order), &demand, &candidates, &|_, _| true) {

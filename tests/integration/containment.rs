@@ -153,6 +153,8 @@ fn rank_answers_are_checked() {
         running_s: vec![0; 3],
         since_checkpoint_s: vec![0; 3],
         class: vec![0; 3],
+        tier: vec![1; 3],
+        interruptions_left: vec![u32::MAX; 3],
     };
     let task = |job| berth_sdk::Task { job_id: job, gpu_count: 1, gpu_milli: 1000, ..Default::default() };
     assert_eq!(policy.rank(&task(0), &mut victims).unwrap(), vec![2, 1, 0]);

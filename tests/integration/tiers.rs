@@ -94,20 +94,77 @@ async fn tiers_hold_on_an_agent_and_credits_survive_a_host_killed_with_sigkill()
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.lines().any(|l| l.starts_with("p0") && l.contains("alice")), "{text}");
 
-    // Durable: the same account after a SIGKILL and a restart.
+    // Durable: the same account after a SIGKILL and a restart. The tasks
+    // end as the new host comes up, before their agent has registered with
+    // it: their ends are kept and delivered, not lost (a lost end would
+    // run the job again and count a broken promise that never was).
     kill9(&mut host);
+    for id in low.iter().chain([&newer]) {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
     let (_host, url2) = serve(&d, "serve2", &d.join("state"), &args).await;
     assert_eq!(url2, url);
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
     let after = credits_of(&mut api, "alice").await.expect("credits kept");
     assert_eq!((after.preemptions, after.broken_promises), (owed.preemptions, owed.broken_promises));
     assert!((after.credit_gpu_hours - owed.credit_gpu_hours).abs() < 1e-9 && (after.lost_gpu_seconds - owed.lost_gpu_seconds).abs() < 1e-6, "{after:?} vs {owed:?}");
-    for id in low.iter().chain([&newer]) {
-        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
-    }
-    until("all done", Duration::from_secs(60), || {
+    let ended = until("all done", Duration::from_secs(60), || {
         let api = api.clone();
-        async move { jobs(&api).await.iter().all(|j| j.state == "finished").then_some(()) }
+        async move {
+            let all = jobs(&api).await;
+            all.iter().all(|j| j.state == "finished").then_some(all)
+        }
     })
     .await;
+    // Each ran once more after the preemption at most: no run was lost.
+    for j in &ended {
+        assert!(j.runs.iter().all(|r| r.state == "exited"), "job {}: {:?}", j.id, j.runs);
+    }
+    let again = credits_of(&mut api, "alice").await.unwrap();
+    assert_eq!(again.broken_promises, owed.broken_promises, "no promise broken by the restart: {again:?}");
+}
+
+/// An agent's report for a node this host has not registered (a host that
+/// just restarted) is refused as a precondition, not as an unknown
+/// allocation: the agent keeps the report and sends it once registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_before_registration_is_kept_not_dropped() {
+    let d = dir("tiers-report");
+    let (_serve, url) = serve(&d, "serve", &d.join("state"), &[]).await;
+    let mut hub = berth::agent::connect_hub(&url, Some("agent-test-token"), None).await.unwrap();
+    let r = pb::AllocationReport { node: "n9".into(), allocation_id: 7, state: "exited".into(), ..Default::default() };
+    let e = hub.report_allocation(r).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("register, then report"), "{e:?}");
+}
+
+/// Contract 0.4.0 shows a rank policy each victim's tier and remaining
+/// allowance; spot-gpu takes opportunistic work first among equal
+/// priorities (nobody is owed for it), then the least recomputation.
+#[test]
+fn spot_gpu_takes_work_nobody_is_owed_for_first() {
+    let mut policy = crate::common::wasm_policy(&policy_path("spot-gpu"), berth::wasm::Limits::default());
+    let rank = |policy: &mut berth::wasm::WasmPolicy, tiers: [berth_sdk::Tier; 2]| {
+        let mut victims = berth_sdk::Allocations::default();
+        // Job 1 loses a minute of one GPU, job 2 an hour.
+        for (k, since) in [60u64, 3600].into_iter().enumerate() {
+            victims.push(berth_sdk::AllocationRow {
+                id: k as u32,
+                job_id: k as u64 + 1,
+                gpus: 1 << k,
+                gpu_milli: 1000,
+                movable: true,
+                since_checkpoint_s: since,
+                tier: tiers[k],
+                interruptions_left: if tiers[k] == berth_sdk::Tier::Opportunistic { u32::MAX } else { 1 },
+                ..Default::default()
+            });
+        }
+        let demand = berth_sdk::Task { job_id: 9, gpu_count: 1, gpu_milli: 1000, priority: 5, ..Default::default() };
+        let order = policy.rank(&demand, &mut victims).unwrap();
+        order.iter().map(|&i| victims.job_ids[i as usize]).collect::<Vec<u64>>()
+    };
+    use berth_sdk::Tier::{Opportunistic, Preemptible};
+    assert_eq!(rank(&mut policy, [Preemptible, Preemptible]), vec![1, 2], "the least recomputation first");
+    assert_eq!(rank(&mut policy, [Preemptible, Opportunistic]), vec![2, 1], "opportunistic first");
 }

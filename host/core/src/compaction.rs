@@ -448,6 +448,9 @@ pub fn snapshot(fleet: &Fleet, nodes: &[NodeId], running: &[Running], pending: &
             running_s: r.running_s,
             since_checkpoint_s: r.since_checkpoint_s,
             class: r.class,
+            // Not what compaction decides on: sent as not known.
+            tier: berth_sdk::Tier::Preemptible,
+            interruptions_left: u32::MAX,
         });
     }
     let mut p = Pending::default();

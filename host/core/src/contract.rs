@@ -5,41 +5,8 @@
 //!
 //! Credits are counted in GPU-hours, the unit a tenant buys.
 
-/// The tier a job is bought as.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    /// Never preempted by the scheduler, never put on lent GPUs.
-    Guaranteed,
-    /// Taken back with notice, at most `max_interruptions_per_day` times a
-    /// day; with a maximum outage it is placed again ahead of new work.
-    #[default]
-    Preemptible,
-    /// Runs on idle capacity and is stopped without notice and without a
-    /// daily cap when its GPUs are needed; lost work is not compensated.
-    Opportunistic,
-}
-
-impl Tier {
-    pub const ALL: [Tier; 3] = [Tier::Guaranteed, Tier::Preemptible, Tier::Opportunistic];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Tier::Guaranteed => "guaranteed",
-            Tier::Preemptible => "preemptible",
-            Tier::Opportunistic => "opportunistic",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<Tier> {
-        Tier::ALL.into_iter().find(|t| t.name() == name)
-    }
-
-    /// Its number in the policy contract (0 guaranteed, 1 preemptible, 2
-    /// opportunistic).
-    pub fn number(self) -> u8 {
-        self as u8
-    }
-}
+/// The tier a job is bought as (the SDK's, so policies name it the same).
+pub use berth_sdk::Tier;
 
 /// A promise the host broke, found by the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

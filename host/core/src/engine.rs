@@ -1707,6 +1707,12 @@ impl Engine {
                 running_s: ran,
                 remaining_s: vj.duration_s.saturating_sub(self.runs.kept_s[v] + self.runs.work_in(v, ran)),
                 since_checkpoint_s: self.runs.since_checkpoint(v, now, vj, &contract),
+                tier: contract.tier,
+                interruptions_left: if contract.max_interruptions_per_day == u32::MAX {
+                    u32::MAX
+                } else {
+                    contract.max_interruptions_per_day.saturating_sub(recent as u32)
+                },
             });
             slots.push(v);
         }

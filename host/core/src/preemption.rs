@@ -118,6 +118,10 @@ pub struct Candidate<'a> {
     pub running_s: u64,
     pub remaining_s: u64,
     pub since_checkpoint_s: u64,
+    /// What it was bought as, and the interruptions its contract still
+    /// allows in the last 24 hours (`u32::MAX`: no cap).
+    pub tier: crate::contract::Tier,
+    pub interruptions_left: u32,
 }
 
 /// Asks `ranker` to order `candidates` for `demand`, checks the answer
@@ -162,6 +166,8 @@ fn ranked_candidates(ranker: &mut dyn PreemptionPolicy, demand: &Job, candidates
                 running_s: c.running_s,
                 since_checkpoint_s: c.since_checkpoint_s,
                 class: vj.task_class(),
+                tier: c.tier,
+                interruptions_left: c.interruptions_left,
             });
             owner.push(k);
         }

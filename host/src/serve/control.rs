@@ -90,6 +90,9 @@ impl Live {
                 running_s: 600 * (k as u64 + 1),
                 remaining_s: 3000,
                 since_checkpoint_s: 300 * k as u64,
+                // One of each tier a ranker may be shown.
+                tier: if k % 2 == 0 { berth_core::Tier::Preemptible } else { berth_core::Tier::Opportunistic },
+                interruptions_left: if k % 2 == 0 { 2 } else { u32::MAX },
             })
             .collect();
         let demand = Job { id: 99, priority: 9, duration_s: 60, tasks: 1, shape, ..Job::default() };

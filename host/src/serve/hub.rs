@@ -614,7 +614,12 @@ impl AgentHub for Arc<Hub> {
         let reply = crate::util::off_worker(move || {
             let id = hub.who(&req)?;
             let mut r = req.into_inner();
-            let partition = hub.agent_node_partition(&id, &r.node)?;
+            // A node not registered (yet: a restarted host) is not told the
+            // allocation is unknown, which would make its agent drop the
+            // report: the task's end would be lost and the job run again.
+            let partition = hub.agent_node_partition(&id, &r.node).map_err(|s| {
+                if s.code() == tonic::Code::NotFound { Status::failed_precondition(format!("{}: register, then report", s.message())) } else { s }
+            })?;
             // Only states the host knows are taken in; the detail is kept
             // printable and bounded (it is shown to the job's viewers).
             let report = Report::parse(&r.state)

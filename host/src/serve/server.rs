@@ -261,6 +261,7 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     );
     live.retention = retention;
     live.lend_max_memory_mib = config.scheduling.lend_max_memory_mib;
+    live.contract = config.scheduling.contract;
     live.cost_per_gpu_hour = config.fleet.costs();
     live.work = config.fleet.work.clone();
     let live = Arc::new(live);

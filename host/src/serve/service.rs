@@ -226,7 +226,7 @@ impl Service {
             }
         }
         // The partition's contract, as this tier has it.
-        let contract = Some(self.live.partitions[p].lock_state().engine.config.contract.of_tier(tier));
+        let contract = Some(self.live.contract.of_tier(tier));
         Ok(JobSpec {
             partition: s.partition.clone(),
             name: s.name.clone(),

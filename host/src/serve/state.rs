@@ -871,6 +871,9 @@ pub struct Live {
     /// A sleeping job's GPUs are lent only when none of its tasks still
     /// uses more GPU memory than this on one GPU (MiB).
     pub lend_max_memory_mib: u64,
+    /// The preemptible contract every partition's engine has: a job's own
+    /// is this as its tier has it (read at submission without a lock).
+    pub contract: berth_core::job::PriorityContract,
     /// Cost of a GPU-hour by GPU model (lower-case), from the fleet
     /// config's `cost_per_gpu_hour`: prices the outcome.
     pub cost_per_gpu_hour: BTreeMap<String, f64>,
@@ -943,6 +946,7 @@ impl Live {
             shutdown: AtomicBool::new(false),
             retention: Default::default(),
             lend_max_memory_mib: DEFAULT_LEND_MAX_MEMORY_MIB,
+            contract: Default::default(),
             cost_per_gpu_hour: BTreeMap::new(),
             work: None,
             pruned_job_floor: AtomicU64::new(0),

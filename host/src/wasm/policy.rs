@@ -800,7 +800,7 @@ mod conv_v4 {
     columns!(super::v4::berth::policy::types,
         task: task_class,
         nodes: [gpu_tasks, cpu_only_milli, cpu_used_milli, cpu_pressure, memory_pressure, io_pressure],
-        allocations: [class]);
+        allocations: [class, tier, interruptions_left]);
 
     fn task_class(c: berth_sdk::TaskClass) -> w::TaskClass {
         match c {
