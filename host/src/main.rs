@@ -173,6 +173,11 @@ struct ReplayArgs {
     /// hour.
     #[arg(long, requires = "fleet", default_value_t = 0.0)]
     aging: f64,
+    /// Starvation guard for --fleet: an admission window, "MINUTES,GPU_H":
+    /// while a job that cannot start waits, at most GPU_H GPU-hours of
+    /// smaller work start ahead of it per window of MINUTES.
+    #[arg(long, requires = "fleet", value_name = "MINUTES,GPU_H")]
+    admission_window: Option<String>,
     /// Preemption for --fleet: compare high priority alone, low-priority
     /// fill without preemption, and fill with each of these ranking policies
     /// (e.g. spot-gpu, smallest-first, newest-first); the first --policy
@@ -1071,9 +1076,16 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     // The fleet config's guards, with the fleet-wide one replaced by the
     // command-line flags when given.
     let mut guards = config.guards().with_context(|| format!("fleet config {fleet_spec}"))?;
-    if args.reserve_after_h.is_some() || args.aging > 0.0 {
-        let flags = berth::asi::fleet::GuardConfig { reserve_after_h: args.reserve_after_h, aging_per_hour: args.aging };
-        guards.fleet = flags.to_guard().context("--reserve-after-h / --aging")?;
+    if args.reserve_after_h.is_some() || args.aging > 0.0 || args.admission_window.is_some() {
+        let (window_min, window_gpu_h) = match args.admission_window.as_deref() {
+            Some(text) => {
+                let (m, h) = text.split_once(',').ok_or_else(|| anyhow::anyhow!("--admission-window {text}: MINUTES,GPU_H"))?;
+                (Some(m.trim().parse::<f64>().context("--admission-window minutes")?), h.trim().parse::<f64>().context("--admission-window GPU-hours")?)
+            }
+            None => (None, 0.0),
+        };
+        let flags = berth::asi::fleet::GuardConfig { reserve_after_h: args.reserve_after_h, aging_per_hour: args.aging, window_min, window_gpu_h };
+        guards.fleet = flags.to_guard().context("--reserve-after-h / --aging / --admission-window")?;
     }
     // Mechanisms compose in one run; what cannot is refused, never dropped.
     anyhow::ensure!(

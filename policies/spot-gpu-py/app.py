@@ -2,7 +2,9 @@
 the least to recompute first: GPUs held x seconds since the last
 checkpoint, summed over a job's allocations; lower priority always goes
 first and the job id breaks ties. The same float operations in the same
-order as policies/spot-gpu (Rust), so both rank every victim list alike."""
+order as policies/spot-gpu (Rust), so both rank every victim list of
+preemptible work alike; built on contract 0.2.0, it does not see tiers
+(spot-gpu 1.1.0 takes opportunistic work first)."""
 
 from wit_world import exports
 from wit_world.imports import types

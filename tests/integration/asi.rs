@@ -309,7 +309,7 @@ fn starvation_guard_protects_the_largest_gangs() {
     let horizon = 4 * 86_400;
     let policy = load(&policy_path("topo-entropy"));
     let without = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::default(), None, None, Limits::default(), &Default::default()).unwrap();
-    let guard = berth_core::sim::StarvationGuard { reserve_after_s: 2 * 3600, aging_per_hour: 0.0 };
+    let guard = berth_core::sim::StarvationGuard { reserve_after_s: 2 * 3600, aging_per_hour: 0.0, window: None };
     let with = run_policy(&engine(), &policy, &fleet, &topo, &jobs, horizon, &Guards::everywhere(Some(guard)), None, None, Limits::default(), &Default::default()).unwrap();
     assert_eq!(without.reservations, 0);
     assert!(with.reservations > 0);

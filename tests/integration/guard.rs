@@ -115,3 +115,66 @@ async fn a_gang_is_starved_by_small_jobs_until_an_operator_turns_the_guard_on() 
     assert!(parts[0].guard.contains("reserve after 2 s"), "{}", parts[0].guard);
     h.shutdown().await;
 }
+
+/// A bounded admission window, set live: the stream of 1-GPU jobs that
+/// starves the gang may put only its budget ahead of it per window; the gang
+/// starts within a window while the stream goes on, `explain` says when a
+/// small job waits for the window, and the setting survives a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_window_lets_a_gang_start_within_a_window_of_a_stream() {
+    let dir = state_dir("guard-window");
+    let mut cfg = config(&dir, ACCESS);
+    cfg.fleet = berth::asi::fleet::FleetConfig::parse(FLEET, "guard-window-test").unwrap();
+    let h = berth::serve::start(cfg.clone()).await.unwrap();
+    let mut ops = client(&h, "ops-test-token").await;
+    let mut alice = client(&h, "alice-test-token").await;
+    for _ in 0..40 {
+        alice.submit_job(small_job(1, 1, 2.0)).await.unwrap();
+    }
+    let gang = alice.submit_job(small_job(8, 4, 60.0)).await.unwrap().into_inner().job_id;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stream = {
+        let (stop, mut alice) = (stop.clone(), alice.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                alice.submit_job(small_job(1, 1, 2.0)).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(state_of(&mut ops, gang).await, "pending", "the gang started with no window");
+    let bad = ops.set_guard(pb::SetGuardRequest { partition: "p0".into(), window_s: 0, ..Default::default() }).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    let bad = ops.set_guard(pb::SetGuardRequest { partition: "p0".into(), window_s: 10, window_gpu_hours: f64::INFINITY, ..Default::default() }).await.unwrap_err();
+    assert_eq!(bad.code(), Code::InvalidArgument, "{bad:?}");
+    // Ten-second windows; in each at most 0.002 GPU-h (7.2 GPU-s: three of
+    // the 2-second jobs) of smaller work starts ahead of a waiting job.
+    let set = ops.set_guard(pb::SetGuardRequest { partition: "p0".into(), window_s: 10, window_gpu_hours: 0.002, ..Default::default() }).await.unwrap().into_inner();
+    assert!(set.guard.contains("per 10 s window"), "{}", set.guard);
+    let t0 = Instant::now();
+    let mut held = String::new();
+    while state_of(&mut ops, gang).await == "pending" {
+        // A small job waiting now: explain names the window.
+        if held.is_empty()
+            && let Some(small) = jobs(&mut ops, "p0").await.into_iter().find(|j| j.id > gang && j.state == "pending")
+        {
+            let why = ops.explain_job(pb::ExplainJobRequest { job_id: small.id }).await.unwrap().into_inner();
+            if why.summary.contains("admission window") {
+                held = why.summary;
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(25), "the gang did not start within two windows and its running work");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(held.contains(&format!("waiting job {gang}")), "explain never named the window: {held:?}");
+    assert!(!stream.is_finished(), "the stream went on");
+    stop.store(true, Ordering::SeqCst);
+    stream.await.unwrap();
+    h.shutdown().await;
+    let h = berth::serve::start(cfg).await.unwrap();
+    let mut ops = client(&h, "ops-test-token").await;
+    let parts = ops.list_partitions(pb::ListPartitionsRequest {}).await.unwrap().into_inner().partitions;
+    assert!(parts[0].guard.contains("per 10 s window"), "{}", parts[0].guard);
+    h.shutdown().await;
+}

@@ -252,6 +252,32 @@ pub struct StarvationGuard {
     pub reserve_after_s: u64,
     /// Priority points added per hour of waiting.
     pub aging_per_hour: f64,
+    /// Bounds the small work admitted ahead of a waiting gang.
+    pub window: Option<AdmissionWindow>,
+}
+
+/// A bounded admission window: while a job that cannot start waits at the
+/// head of its scope's queue, at most `small_gpu_h` GPU-hours of smaller
+/// work (fewer GPUs; GPUs x its planned run) start ahead of it in each
+/// window of `window_s` seconds (aligned on multiples of it). Once the
+/// budget is spent, smaller work waits for the next window, so a stream of
+/// short arrivals cannot keep the capacity the waiting job needs busy
+/// forever: running work ends and the waiting job fits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdmissionWindow {
+    pub window_s: u64,
+    pub small_gpu_h: f64,
+}
+
+impl AdmissionWindow {
+    /// Checks the settings: a window of 1 s to 7 days, a budget finite and
+    /// not negative.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=7 * 86_400).contains(&self.window_s) || !self.small_gpu_h.is_finite() || self.small_gpu_h < 0.0 {
+            return Err(format!("admission window {} s, {} GPU-h: a window of 1 s to 7 days, a budget of at least 0", self.window_s, self.small_gpu_h));
+        }
+        Ok(())
+    }
 }
 
 /// The policies the engine asks: placement always; preemption ranking and
@@ -316,8 +342,12 @@ pub enum Event {
     /// nobody's victim, not moved and not put to sleep.
     Leaving(Slot),
     /// A running job goes back to the queue and gives up its allocations
-    /// (its node was lost, its start failed).
+    /// (its node was lost): an interruption of its run.
     Requeue(Slot),
+    /// A placed job whose run never started (its start could not be
+    /// stored, the host restarted first) goes back to the queue: no
+    /// interruption, and an outage it was in goes on.
+    Unstarted(Slot),
     /// An evicted job that reports its exit ([`Job::reports_exit`]) has
     /// stopped: it may run again.
     Vacated(Slot),
@@ -420,6 +450,12 @@ pub struct Engine {
     drained_by: HashMap<NodeId, Option<u32>>,
     /// When the last pass ran.
     last_pass_s: u64,
+    /// Admission windows, per scope: the window (its index, `now /
+    /// window_s`) and the GPU-hours of smaller work admitted in it ahead of
+    /// a waiting job; and the jobs the last pass held back for a spent
+    /// budget, with the job they waited behind and when the window ends.
+    admitted: HashMap<Option<u32>, (u64, f64)>,
+    window_held: HashMap<Slot, (u64, u64)>,
     /// Harvesting: sleeping replicas with the allocations they keep a claim
     /// on, the GPUs lent on each node.
     sleeping: BTreeMap<Slot, Vec<Allocation>>,
@@ -464,6 +500,8 @@ impl Engine {
             reservations: BTreeMap::new(),
             drained_by: HashMap::new(),
             last_pass_s: 0,
+            admitted: HashMap::new(),
+            window_held: HashMap::new(),
             sleeping: BTreeMap::new(),
             lent: HashMap::new(),
             sleeping_milli: 0,
@@ -625,6 +663,11 @@ impl Engine {
             return;
         }
         times.sort_unstable();
+        // A waiting job has been out of service since its last interruption
+        // (what the store keeps; the vacate time is not kept).
+        if self.pending.contains(&slot) {
+            self.runs.out_since.insert(slot, *times.last().expect("not empty"));
+        }
         self.runs.interrupted_at.insert(slot, times);
         if self.runs.ready_at[slot] != u64::MAX && self.pending.contains(&slot) {
             self.ready_from(slot, now);
@@ -685,6 +728,13 @@ impl Engine {
         let reservations = &self.reservations;
         self.drained_by.retain(|_, scope| reservations.contains_key(scope));
         self.freed = true;
+    }
+
+    /// Whether the last pass held waiting job `slot` back for its scope's
+    /// spent admission budget: the job it waited behind (id) and when the
+    /// window ends.
+    pub fn held_by_window(&self, slot: Slot) -> Option<(u64, u64)> {
+        self.window_held.get(&slot).copied()
     }
 
     /// The guard's reservation of the scope `partition`: job slot and
@@ -845,6 +895,16 @@ impl Engine {
                     self.fresh[j] = true;
                 }
             }
+            Event::Unstarted(j) => {
+                if self.runs.planned_end[j].take().is_some() {
+                    self.stop_run(fleet, j);
+                    self.pending.push(j);
+                    self.fresh[j] = true;
+                    if let Some(since) = self.runs.resumed_from.remove(&j) {
+                        self.runs.out_since.insert(j, since);
+                    }
+                }
+            }
             Event::Vacated(j) => {
                 // Out of service from now, not from the notice's end.
                 if let Some(since) = self.runs.out_since.get_mut(&j) {
@@ -879,6 +939,7 @@ impl Engine {
         let broken = self.runs.breaks_by_stopping(j, now, &contract);
         self.runs.interrupted_at.entry(j).or_default().push(now);
         self.runs.out_since.insert(j, now);
+        self.runs.resumed_from.remove(&j);
         if let Some(promise) = broken {
             let since = self.runs.since_checkpoint_wall(j, now, job, &contract);
             let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0;
@@ -936,6 +997,14 @@ impl Engine {
     /// sleep, a wake and its evictions), in order; the caller actuates them.
     pub fn take_announced(&mut self) -> Vec<Decision> {
         std::mem::take(&mut self.announced)
+    }
+
+    /// Takes only the broken promises announced (a [`Event::Requeue`]
+    /// makes them), so the world records each with the stop that broke it.
+    pub fn take_broken(&mut self) -> Vec<Decision> {
+        let (broken, rest) = std::mem::take(&mut self.announced).into_iter().partition(|d| matches!(d, Decision::Broken { .. }));
+        self.announced = rest;
+        broken
     }
 
     /// A job recovered while its evicted run was still stopping: it waits
@@ -1259,6 +1328,15 @@ impl Engine {
         // live pass need not land on that second).
         let since = std::mem::replace(&mut self.last_pass_s, now);
         let mut freed = std::mem::take(&mut self.freed);
+        // Jobs held back for a spent admission budget are tried again once
+        // their window has ended.
+        if self.window_held.values().any(|&(_, ends)| ends <= now) {
+            freed = true;
+        }
+        self.window_held.clear();
+        // Per scope, the first job in queue order that could not start this
+        // pass (what smaller work after it is admitted ahead of).
+        let mut head_waiting: HashMap<Option<u32>, Slot> = HashMap::new();
         let mut touched = std::mem::take(&mut self.touched);
         {
             let (jobs, guards, config, out_since) = (&self.jobs, &self.config.guards, &self.config, &self.runs.out_since);
@@ -1325,9 +1403,30 @@ impl Engine {
             let new_here = std::mem::take(&mut self.fresh[j]) || (ready > since && ready <= now);
             if self.runs.ready_at[j] > now || !(freed || new_here || !touched.is_empty()) {
                 still_pending.push(j); // evicted and still vacating, or nothing changed
+                if self.runs.ready_at[j] <= now {
+                    waits_at_head(&mut head_waiting, jobs, j);
+                }
                 continue;
             }
             let remaining = job.duration_s.saturating_sub(self.runs.kept_s[j]).max(1);
+            // Smaller work behind a waiting job of its scope, its window's
+            // budget spent: it waits for the next window.
+            let behind = head_waiting.get(&job.partition).copied().filter(|&h| jobs[h].gpus() > job.gpus());
+            let window = behind.and_then(|_| self.config.guards.of(job).and_then(|g| g.window));
+            if let (Some(h), Some(w)) = (behind, window) {
+                let index = now / w.window_s;
+                let used = self.admitted.get(&job.partition).filter(|(i, _)| *i == index).map_or(0.0, |(_, u)| *u);
+                let cost = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0 * remaining as f64 / 3600.0;
+                if used + cost > w.small_gpu_h {
+                    let ends = (index + 1).saturating_mul(w.window_s);
+                    if !self.window_held.values().any(|&(_, e)| e == ends) {
+                        self.runs.wakeups.push(Reverse(ends)); // once per window end
+                    }
+                    self.window_held.insert(j, (jobs[h].id, ends));
+                    still_pending.push(j);
+                    continue;
+                }
+            }
             // Its run's length at the slowest rate it could get (placement
             // sets the rate): what a reservation must not be overrun by.
             let longest = self.config.work.as_ref().map_or(remaining, |w| (remaining as f64 / w.slowest()).ceil() as u64);
@@ -1344,6 +1443,7 @@ impl Engine {
             let may_borrow = is_low && self.may_borrow(j, now, longest);
             if failed.contains(&(key.clone(), may_borrow)) {
                 still_pending.push(j);
+                waits_at_head(&mut head_waiting, jobs, j);
                 continue;
             }
             let (drained_by, lent) = (&self.drained_by, &self.lent);
@@ -1367,6 +1467,7 @@ impl Engine {
             let may_preempt = preemption.is_some() && !is_low;
             if !(freed || new_here || may_preempt) && job.tasks == 1 && !fits_where_freed() {
                 still_pending.push(j);
+                waits_at_head(&mut head_waiting, jobs, j);
                 continue;
             }
             // A gang whose tasks cannot all fit, even ignoring placement, is
@@ -1578,9 +1679,24 @@ impl Engine {
                     }
                     let start = now + delay;
                     out.push(Decision::Place { slot: j, job: job.id, allocations: allocs.clone(), domains, start_s: start, victims });
-                    if let Some(out_s) = self.runs.out_since.remove(&j).map(|since| start.saturating_sub(since)) {
+                    // Admitted ahead of a waiting job: counted in its window.
+                    if let Some(w) = head_waiting.get(&job.partition).filter(|&&h| self.jobs[h].gpus() > job.gpus()).and_then(|_| self.config.guards.of(job).and_then(|g| g.window)) {
+                        let index = now / w.window_s;
+                        let cost = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0 * remaining as f64 / 3600.0;
+                        let entry = self.admitted.entry(job.partition).or_insert((index, 0.0));
+                        if entry.0 != index {
+                            *entry = (index, 0.0);
+                        }
+                        entry.1 += cost;
+                    }
+                    self.runs.resumed_from.remove(&j);
+                    if let Some(since) = self.runs.out_since.remove(&j) {
+                        let out_s = start.saturating_sub(since);
                         let contract = self.config.contract_of(job);
-                        if contract.max_outage_s > 0 && out_s > contract.max_outage_s {
+                        if !(contract.max_outage_s > 0 && out_s > contract.max_outage_s) {
+                            // Kept in case this start never happens.
+                            self.runs.resumed_from.insert(j, since);
+                        } else {
                             let promise = crate::contract::Broken::Outage { out_s };
                             let credit_gpu_h = self.config.compensation.for_broken(0.0, job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0);
                             let o = &mut self.outcome.jobs[j];
@@ -1611,6 +1727,7 @@ impl Engine {
                 None => {
                     failed.insert((key, may_borrow));
                     still_pending.push(j);
+                    waits_at_head(&mut head_waiting, &self.jobs, j);
                     if let Some(g) = self.config.guards.of(job)
                         && !self.reservations.contains_key(&job.partition)
                         && now.saturating_sub(job.arrival_s) >= g.reserve_after_s
@@ -1717,6 +1834,16 @@ impl Engine {
             slots.push(v);
         }
         (slots, candidates)
+    }
+}
+
+/// Waiting job `j` could not start this pass: per scope, the waiting job
+/// with the most GPUs so far in queue order is the one smaller work is
+/// admitted ahead of (see [`AdmissionWindow`]).
+fn waits_at_head(head: &mut HashMap<Option<u32>, Slot>, jobs: &[Job], j: Slot) {
+    let at = head.entry(jobs[j].partition).or_insert(j);
+    if jobs[j].gpus() > jobs[*at].gpus() {
+        *at = j;
     }
 }
 
@@ -1849,6 +1976,9 @@ struct Runs {
     /// When each stopped job went out of service (vacated), until it runs
     /// again: its outage is measured from then.
     out_since: HashMap<usize, u64>,
+    /// The outage start of a job placed again within its bound, until its
+    /// next stop: an [`Event::Unstarted`] puts it back.
+    resumed_from: HashMap<usize, u64>,
     /// Running low-priority jobs: the candidate victims. Changed through
     /// [`Runs::set_low`] only.
     running_low: BTreeSet<usize>,
@@ -1912,6 +2042,7 @@ impl Runs {
         self.ready_at[v] = 0;
         self.interrupted_at.remove(&v);
         self.out_since.remove(&v);
+        self.resumed_from.remove(&v);
         self.awaiting.remove(&v);
         self.leaving.remove(&v);
     }
@@ -2188,6 +2319,7 @@ impl Runs {
         outcome.credit_gpu_h += credit;
         outcome.broken_promises += u64::from(broken.is_some());
         self.out_since.insert(v, now + ev.vacate_s);
+        self.resumed_from.remove(&v);
         if job.reports_exit {
             self.ready_at[v] = u64::MAX;
         } else if self.kept_s[v] >= job.duration_s {

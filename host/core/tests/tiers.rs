@@ -171,3 +171,40 @@ fn a_guaranteed_job_stopped_by_the_host_is_a_broken_promise() {
     });
     assert_eq!(broken, Some((Broken::GuaranteedStopped, 240.0)), "{d:?}");
 }
+
+/// A placed job whose start never happened (its start not stored, a host
+/// restart first) is no interruption: nothing is broken by it, and an
+/// outage it was in goes on from where it started.
+#[test]
+fn a_start_that_never_happened_is_no_interruption_and_its_outage_goes_on() {
+    let bounded = PriorityContract { max_outage_s: 600, ..PriorityContract::default() };
+    let mut fleet = one_node();
+    let mut engine = Engine::new(config());
+    let mut ranker = Everyone::default();
+    let a = engine.register(job(1, 0, 0, 86_400, Some(bounded)));
+    let g = engine.register(job(5, 0, 0, 86_400, Some(PriorityContract::default().of_tier(Tier::Guaranteed))));
+    let h1 = engine.register(job(2, HIGH, 1000, 300, None));
+    let h2 = engine.register(job(3, HIGH, 1300, 1000, None));
+    pass(&mut engine, &mut fleet, &mut ranker, 0, vec![Event::Arrive(a)]);
+    pass(&mut engine, &mut fleet, &mut ranker, 1000, vec![Event::Arrive(h1)]);
+    pass(&mut engine, &mut fleet, &mut ranker, 1010, vec![Event::Vacated(a)]);
+    // Placed again 290 s after it vacated: within its bound.
+    let d = pass(&mut engine, &mut fleet, &mut ranker, 1300, vec![Event::End(h1)]);
+    assert!(placed(&d, 1) && !d.iter().any(|d| matches!(d, Decision::Broken { .. })), "{d:?}");
+    // Its start never happens; a high job takes the node first.
+    let d = pass(&mut engine, &mut fleet, &mut ranker, 1300, vec![Event::Unstarted(a), Event::Arrive(h2)]);
+    assert!(placed(&d, 3) && !d.iter().any(|d| matches!(d, Decision::Broken { .. } | Decision::Evict { .. })), "{d:?}");
+    // Running again 1,290 s after it vacated, not 1,000 s after the start
+    // that never happened: a broken outage promise.
+    let d = pass(&mut engine, &mut fleet, &mut ranker, 2300, vec![Event::End(h2)]);
+    let out = d.iter().find_map(|d| match d {
+        Decision::Broken { job: 1, promise: Broken::Outage { out_s }, .. } => Some(*out_s),
+        _ => None,
+    });
+    assert_eq!(out, Some(1290), "{d:?}");
+    // A guaranteed job's start that never happened breaks nothing.
+    let d = pass(&mut engine, &mut fleet, &mut ranker, 90_000, vec![Event::End(a), Event::Arrive(g)]);
+    assert!(placed(&d, 5), "{d:?}");
+    let d = pass(&mut engine, &mut fleet, &mut ranker, 90_000, vec![Event::Unstarted(g)]);
+    assert!(!d.iter().any(|d| matches!(d, Decision::Broken { .. })), "{d:?}");
+}

@@ -94,6 +94,13 @@ pub struct GuardConfig {
     /// Priority points a waiting job gains per hour.
     #[serde(default)]
     pub aging_per_hour: f64,
+    /// An admission window of this many minutes: while a job that cannot
+    /// start waits, at most `window_gpu_h` GPU-hours of smaller work start
+    /// ahead of it per window.
+    #[serde(default)]
+    pub window_min: Option<f64>,
+    #[serde(default)]
+    pub window_gpu_h: f64,
 }
 
 /// A guard for some partitions: `[[partition_guard]] partitions = [3, 4]`
@@ -107,6 +114,10 @@ pub struct PartitionGuardConfig {
     pub reserve_after_h: Option<f64>,
     #[serde(default)]
     pub aging_per_hour: f64,
+    #[serde(default)]
+    pub window_min: Option<f64>,
+    #[serde(default)]
+    pub window_gpu_h: f64,
 }
 
 impl GuardConfig {
@@ -122,7 +133,17 @@ impl GuardConfig {
             "aging_per_hour must be a non-negative number, not {}",
             self.aging_per_hour
         );
-        Ok((reserve_after_s != u64::MAX || self.aging_per_hour > 0.0).then_some(StarvationGuard { reserve_after_s, aging_per_hour: self.aging_per_hour }))
+        let window = match self.window_min {
+            Some(m) => {
+                anyhow::ensure!(m.is_finite() && m > 0.0, "window_min must be a positive number of minutes, not {m}");
+                let w = berth_core::engine::AdmissionWindow { window_s: (m * 60.0).round().max(1.0) as u64, small_gpu_h: self.window_gpu_h };
+                w.check().map_err(anyhow::Error::msg)?;
+                Some(w)
+            }
+            None => None,
+        };
+        let any = reserve_after_s != u64::MAX || self.aging_per_hour > 0.0 || window.is_some();
+        Ok(any.then_some(StarvationGuard { reserve_after_s, aging_per_hour: self.aging_per_hour, window }))
     }
 }
 
@@ -299,11 +320,11 @@ impl FleetConfig {
         for (i, pg) in self.partition_guard.iter().enumerate() {
             let at = format!("partition_guard[{i}]");
             anyhow::ensure!(!pg.partitions.is_empty(), "{at}: no partitions listed");
-            anyhow::ensure!(!(pg.off && (pg.reserve_after_h.is_some() || pg.aging_per_hour > 0.0)), "{at}: off = true with settings");
+            anyhow::ensure!(!(pg.off && (pg.reserve_after_h.is_some() || pg.aging_per_hour > 0.0 || pg.window_min.is_some())), "{at}: off = true with settings");
             let guard = if pg.off {
                 None
             } else {
-                GuardConfig { reserve_after_h: pg.reserve_after_h, aging_per_hour: pg.aging_per_hour }.to_guard().context(at.clone())?
+                GuardConfig { reserve_after_h: pg.reserve_after_h, aging_per_hour: pg.aging_per_hour, window_min: pg.window_min, window_gpu_h: pg.window_gpu_h }.to_guard().context(at.clone())?
             };
             for &p in &pg.partitions {
                 anyhow::ensure!(p < self.partitions(), "{at}: partition {p} does not exist (the fleet has {})", self.partitions());

@@ -289,7 +289,7 @@ impl Live {
         }
         st.pending.push(id);
         if let Some(&slot) = st.slots.get(&id) {
-            st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Requeue(slot));
+            st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Unstarted(slot));
         }
         self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();
         self.metrics.jobs.with_label_values(&[&part.name, JobState::Pending.as_str()]).inc();
@@ -591,6 +591,7 @@ impl Live {
             ops.push(st.job_op(&part.name, id));
         }
         let hit: Vec<u64> = st.jobs.iter().filter(|(_, j)| j.state == JobState::Running && j.runs.iter().any(|r| r.holds && r.node == node)).map(|(&id, _)| id).collect();
+        let mut credited = false;
         for &id in &hit {
             // The engine gives the job's GPUs back and queues it again; the
             // same GPUs are taken at once by the fenced allocations below.
@@ -599,8 +600,23 @@ impl Live {
             let asleep = st.jobs[&id].sleep.frozen();
             if let Some(&slot) = st.slots.get(&id) {
                 st.engine.apply(&mut st.fleet, self.now_s(), berth_core::Event::Requeue(slot));
+                // A promise this stop breaks is credited in the job's write.
+                for d in st.engine.take_broken() {
+                    if let berth_core::Decision::Broken { job, promise, lost_gpu_s, credit_gpu_h, .. } = d
+                        && self.note_broken(&part.name, st, job, promise, lost_gpu_s, credit_gpu_h)
+                    {
+                        credited = true;
+                    }
+                }
             }
+            let now_s = self.now_s();
             let job = st.jobs.get_mut(&id).expect("listed above");
+            // An interruption, as the engine counts it (its daily cap).
+            job.interruptions += 1;
+            job.interrupted_s.push(now_s);
+            if job.interrupted_s.len() > super::state::KEPT_INTERRUPTIONS {
+                job.interrupted_s.remove(0);
+            }
             job.sleep = super::state::SleepState::Awake;
             if asleep {
                 let loses = job.loses_work();
@@ -661,6 +677,9 @@ impl Live {
             tracing::warn!(target: "berth::serve", job = id, node, "job requeued: {why}");
             ops.extend(fenced.into_iter().map(|a| st.held_op(&part.name, a)));
             ops.push(st.job_op(&part.name, id));
+        }
+        if credited {
+            ops.push(crate::store::Op::Put(super::credits::key(&part.name), st.credits.stored()));
         }
         if !ops.is_empty() {
             self.persist_logged(ops);

@@ -219,7 +219,14 @@ impl Access {
         }
         let mut default_tier = BTreeMap::new();
         for (partition, name) in &cfg.default_tier {
-            default_tier.insert(partition.clone(), tier_named(name, &format!("default_tier.{partition}"))?);
+            let tier = tier_named(name, &format!("default_tier.{partition}"))?;
+            // A default a tenant may not buy would refuse every job that names none.
+            let may = tenant_tiers.get(partition).or_else(|| tenant_tiers.get("*"));
+            anyhow::ensure!(
+                may.is_none_or(|m: &Vec<Tier>| m.contains(&tier)),
+                "default_tier.{partition}: {name} is not among the tiers tenants may buy there (tenant_tiers)"
+            );
+            default_tier.insert(partition.clone(), tier);
         }
         let mut access = Access {
             tokens: Vec::new(),

@@ -550,7 +550,7 @@ pub enum ApiCommand {
         #[arg(long)]
         partition: String,
         /// Turn the guard off (drops its reservation).
-        #[arg(long, conflicts_with_all = ["reserve_after_s", "aging_per_hour"])]
+        #[arg(long, conflicts_with_all = ["reserve_after_s", "aging_per_hour", "window_s"])]
         off: bool,
         /// Seconds a job waits, unable to start, before it gets a reservation (0: never, aging only).
         #[arg(long, default_value_t = 0)]
@@ -558,6 +558,15 @@ pub enum ApiCommand {
         /// Priority points a waiting job gains per hour.
         #[arg(long, default_value_t = 0.0)]
         aging_per_hour: f64,
+        /// An admission window of this many seconds: while a job that
+        /// cannot start waits, smaller work starts ahead of it only within
+        /// --window-gpu-h per window (0: no window).
+        #[arg(long, default_value_t = 0)]
+        window_s: u64,
+        /// GPU-hours of smaller work (GPUs x planned run) admitted ahead of
+        /// a waiting job per window.
+        #[arg(long, default_value_t = 0.0, requires = "window_s")]
+        window_gpu_h: f64,
         #[command(flatten)]
         conn: Conn,
     },
@@ -967,8 +976,8 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 );
             }
         }
-        ApiCommand::Guard { partition, off, reserve_after_s, aging_per_hour, conn } => {
-            let req = pb::SetGuardRequest { partition: partition.clone(), off, reserve_after_s, aging_per_hour };
+        ApiCommand::Guard { partition, off, reserve_after_s, aging_per_hour, window_s, window_gpu_h, conn } => {
+            let req = pb::SetGuardRequest { partition: partition.clone(), off, reserve_after_s, aging_per_hour, window_s, window_gpu_hours: window_gpu_h };
             let r = client(&conn).await?.set_guard(req).await.map_err(status)?.into_inner();
             println!("{partition}: starvation guard {}", r.guard);
         }

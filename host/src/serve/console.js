@@ -210,6 +210,7 @@ function render(s) {
   renderFleet(s.fleet || []);
   renderJobs(s.jobs || []);
   renderAccounting(s.accounting || {});
+  renderCredits(s.credits || []);
   renderCompactions(s.compactions || []);
   for (const sel of [$('#ab-partition'), $('#f-partition')]) {
     const keep = sel.value;
@@ -335,6 +336,14 @@ function renderAccounting(a) {
     el('td', { class: 'num' }, f(o.installed_gpu_hours)), el('td', { class: 'num' }, g4(o.per_installed_gpu_hour)),
     el('td', { class: 'num' }, o.has_cost ? g4(o.per_cost) : '-'))));
   $('#outcome-empty').hidden = outcome.length > 0;
+}
+
+function renderCredits(rows) {
+  const f = (x) => Number(x || 0).toFixed(2);
+  fill($('#credits tbody'), rows.map((c) => el('tr', { 'data-tenant': c.tenant }, el('td', {}, c.partition), el('td', {}, c.tenant),
+    el('td', { class: 'num' }, String(c.preemptions || 0)), el('td', { class: 'num' }, f((c.lost_gpu_seconds || 0) / 3600)),
+    el('td', { class: 'num' }, String(c.broken_promises || 0)), el('td', { class: 'num' }, f(c.credit_gpu_hours)))));
+  $('#credits-empty').hidden = rows.length > 0;
 }
 
 function renderDecisions(ds) {

@@ -240,6 +240,7 @@ impl Console {
             job_rows.push(row);
         }
         let accounting = svc.accounting(self.request(h, pb::AccountingRequest::default())).await.map_err(refused)?.into_inner();
+        let credits = svc.credits(self.request(h, pb::CreditsRequest::default())).await.map_err(refused)?.into_inner().rows;
         let req = pb::ListCompactionsRequest { partition: String::new(), limit: COMPACTIONS };
         let compactions = svc.list_compactions(self.request(h, req)).await.map_err(refused)?.into_inner().chains;
         let fleet = self.fleet(&id, partitions.iter().map(|p| p.name.as_str()));
@@ -251,6 +252,7 @@ impl Console {
             "partitions": parts,
             "jobs": job_rows,
             "accounting": to_json(&accounting),
+            "credits": credits.iter().map(to_json).collect::<Vec<_>>(),
             "compactions": compactions.iter().map(to_json).collect::<Vec<_>>(),
             "fleet": fleet,
         }))

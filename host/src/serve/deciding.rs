@@ -533,21 +533,30 @@ impl Live {
             Decision::Sleep { job: id, gpus, .. } => self.fell_asleep(part, st, id, gpus),
             Decision::Wake { job: id, victims, requeued, .. } => self.woke(part, st, id, victims, requeued),
             Decision::Broken { job: id, promise, lost_gpu_s, credit_gpu_h, .. } => {
-                let Some(record) = st.jobs.get_mut(&id) else { return };
-                let owner = record.owner.clone();
-                let what = match promise {
-                    berth_core::Broken::Outage { out_s } => format!("out of service {out_s} s, past its contract's maximum"),
-                    berth_core::Broken::PastCap => "stopped by the host past its daily interruption cap".to_string(),
-                    berth_core::Broken::GuaranteedStopped => "a guaranteed job stopped by the host".to_string(),
-                };
-                let note = format!("promise broken: {what}; {credit_gpu_h:.2} GPU-h credited to {}", crate::text::printable(&owner, 64));
-                record.last_decision = if record.last_decision.is_empty() { note.clone() } else { format!("{}; {note}", record.last_decision) };
-                tracing::warn!(target: "berth::serve", job = id, tenant = %owner, "{note}");
-                st.credits.broken(&owner, lost_gpu_s, credit_gpu_h);
-                self.credit_metrics(&part.name, &owner, credit_gpu_h, Some(promise));
-                self.persist_logged(vec![st.job_op(&part.name, id), crate::store::Op::Put(super::credits::key(&part.name), st.credits.stored())]);
+                if self.note_broken(&part.name, st, id, promise, lost_gpu_s, credit_gpu_h) {
+                    self.persist_logged(vec![st.job_op(&part.name, id), crate::store::Op::Put(super::credits::key(&part.name), st.credits.stored())]);
+                }
             }
         }
+    }
+
+    /// Records a broken promise to job `id`'s tenant: the job's last
+    /// decision says it, the ledger credits it (the caller stores both, in
+    /// one write). False when the job is gone.
+    pub(super) fn note_broken(&self, partition: &str, st: &mut PartitionState, id: u64, promise: berth_core::Broken, lost_gpu_s: f64, credit_gpu_h: f64) -> bool {
+        let Some(record) = st.jobs.get_mut(&id) else { return false };
+        let owner = record.owner.clone();
+        let what = match promise {
+            berth_core::Broken::Outage { out_s } => format!("out of service {out_s} s, past its contract's maximum"),
+            berth_core::Broken::PastCap => "stopped by the host past its daily interruption cap".to_string(),
+            berth_core::Broken::GuaranteedStopped => "a guaranteed job stopped by the host".to_string(),
+        };
+        let note = format!("promise broken: {what}; {credit_gpu_h:.2} GPU-h credited to {}", crate::text::printable(&owner, 64));
+        record.last_decision = if record.last_decision.is_empty() { note.clone() } else { format!("{}; {note}", record.last_decision) };
+        tracing::warn!(target: "berth::serve", job = id, tenant = %owner, "{note}");
+        st.credits.broken(&owner, lost_gpu_s, credit_gpu_h);
+        self.credit_metrics(partition, &owner, credit_gpu_h, Some(promise));
+        true
     }
 
     /// Counts a credit and a broken promise on /metrics.

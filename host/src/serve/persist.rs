@@ -422,6 +422,10 @@ impl Live {
             for (key, value) in store.list(&format!("jobs/{name}/"))? {
                 let j: StoredJob = serde_json::from_slice(&value).map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
                 let state = JobState::parse(&j.state).ok_or_else(|| anyhow::anyhow!("{key}: unknown state {:?}", j.state))?;
+                let tier = match j.tier.as_str() {
+                    "" => berth_core::Tier::Preemptible, // stored before tiers
+                    t => berth_core::Tier::from_name(t).ok_or_else(|| anyhow::anyhow!("{key}: unknown tier {:?}", crate::text::printable(t, 32)))?,
+                };
                 let models = j
                     .models
                     .iter()
@@ -540,7 +544,7 @@ impl Live {
                                 shape,
                                 declared_class: berth_core::TaskClass::from_name(&j.class),
                                 // The partition's contract now, as its tier has it.
-                                contract: Some(st.engine.config.contract.of_tier(berth_core::Tier::from_name(&j.tier).unwrap_or_default())),
+                                contract: Some(st.engine.config.contract.of_tier(tier)),
                                 ..Job::default()
                             },
                         },

@@ -599,6 +599,15 @@ impl Berth for Service {
                     format!("preempted: vacating, may start again in {wait} s; {}", out.summary)
                 };
             }
+            if let Some(&slot) = st.slots.get(&job_id)
+                && let Some((behind, ends)) = st.engine.held_by_window(slot)
+            {
+                let wait = ends.saturating_sub(now);
+                out.summary = format!(
+                    "held by the admission window: the smaller work admitted ahead of waiting job {behind} this window used its budget; tried again in {wait} s; {}",
+                    out.summary
+                );
+            }
             if let Some(until) = reserved {
                 out.summary = if until == u64::MAX {
                     format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)
@@ -795,7 +804,7 @@ impl Berth for Service {
             let r = req.into_inner();
             this.require(&id, &r.partition, Role::Operator)?;
             let p = this.live.partition_index(&r.partition)?;
-            let guard = super::guard::requested(r.off, r.reserve_after_s, r.aging_per_hour)?;
+            let guard = super::guard::requested(r.off, r.reserve_after_s, r.aging_per_hour, r.window_s, r.window_gpu_hours)?;
             this.live.set_guard(p, guard)?;
             let text = super::guard::describe(guard);
             tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, guard = %text, "starvation guard set");
