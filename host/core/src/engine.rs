@@ -454,7 +454,7 @@ pub struct Engine {
     /// window_s`) and the GPU-hours of smaller work admitted in it ahead of
     /// a waiting job; and the jobs the last pass held back for a spent
     /// budget, with the job they waited behind and when the window ends.
-    admitted: HashMap<Option<u32>, (u64, f64)>,
+    admitted: HashMap<HeadKey, (u64, f64)>,
     window_held: HashMap<Slot, (u64, u64)>,
     /// Harvesting: sleeping replicas with the allocations they keep a claim
     /// on, the GPUs lent on each node.
@@ -1336,7 +1336,7 @@ impl Engine {
         self.window_held.clear();
         // Per scope, the first job in queue order that could not start this
         // pass (what smaller work after it is admitted ahead of).
-        let mut head_waiting: HashMap<Option<u32>, Slot> = HashMap::new();
+        let mut head_waiting: HashMap<HeadKey, Slot> = HashMap::new();
         let mut touched = std::mem::take(&mut self.touched);
         {
             let (jobs, guards, config, out_since) = (&self.jobs, &self.config.guards, &self.config, &self.runs.out_since);
@@ -1411,11 +1411,11 @@ impl Engine {
             let remaining = job.duration_s.saturating_sub(self.runs.kept_s[j]).max(1);
             // Smaller work behind a waiting job of its scope, its window's
             // budget spent: it waits for the next window.
-            let behind = head_waiting.get(&job.partition).copied().filter(|&h| jobs[h].gpus() > job.gpus());
-            let window = behind.and_then(|_| self.config.guards.of(job).and_then(|g| g.window));
-            if let (Some(h), Some(w)) = (behind, window) {
+            let window = self.config.guards.of(job).and_then(|g| g.window);
+            let behind = window.and_then(|_| waiting_ahead_of(&head_waiting, jobs, j));
+            if let (Some((head_key, h)), Some(w)) = (behind, window) {
                 let index = now / w.window_s;
-                let used = self.admitted.get(&job.partition).filter(|(i, _)| *i == index).map_or(0.0, |(_, u)| *u);
+                let used = self.admitted.get(&head_key).filter(|(i, _)| *i == index).map_or(0.0, |(_, u)| *u);
                 let cost = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0 * remaining as f64 / 3600.0;
                 if used + cost > w.small_gpu_h {
                     let ends = (index + 1).saturating_mul(w.window_s);
@@ -1680,10 +1680,12 @@ impl Engine {
                     let start = now + delay;
                     out.push(Decision::Place { slot: j, job: job.id, allocations: allocs.clone(), domains, start_s: start, victims });
                     // Admitted ahead of a waiting job: counted in its window.
-                    if let Some(w) = head_waiting.get(&job.partition).filter(|&&h| self.jobs[h].gpus() > job.gpus()).and_then(|_| self.config.guards.of(job).and_then(|g| g.window)) {
+                    if let Some(w) = self.config.guards.of(job).and_then(|g| g.window)
+                        && let Some((head_key, _)) = waiting_ahead_of(&head_waiting, &self.jobs, j)
+                    {
                         let index = now / w.window_s;
                         let cost = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0 * remaining as f64 / 3600.0;
-                        let entry = self.admitted.entry(job.partition).or_insert((index, 0.0));
+                        let entry = self.admitted.entry(head_key).or_insert((index, 0.0));
                         if entry.0 != index {
                             *entry = (index, 0.0);
                         }
@@ -1837,14 +1839,41 @@ impl Engine {
     }
 }
 
-/// Waiting job `j` could not start this pass: per scope, the waiting job
-/// with the most GPUs so far in queue order is the one smaller work is
-/// admitted ahead of (see [`AdmissionWindow`]).
-fn waits_at_head(head: &mut HashMap<Option<u32>, Slot>, jobs: &[Job], j: Slot) {
-    let at = head.entry(jobs[j].partition).or_insert(j);
+/// Who smaller work is admitted ahead of (see [`AdmissionWindow`]): per
+/// scope and GPU model (`None`: a job that accepts several models or any),
+/// the waiting job with the most GPUs so far in queue order. Jobs pin one
+/// model (ASI: over 99%): work on other models does not take its capacity.
+type HeadKey = (Option<u32>, Option<crate::units::ModelId>);
+
+fn head_key(job: &Job) -> HeadKey {
+    (job.partition, if job.shape.models.len() == 1 { Some(job.shape.models[0]) } else { None })
+}
+
+/// Waiting job `j` could not start this pass: it may be the one smaller
+/// work of its scope and model is admitted ahead of.
+fn waits_at_head(head: &mut HashMap<HeadKey, Slot>, jobs: &[Job], j: Slot) {
+    if jobs[j].gpus() == 0 {
+        return;
+    }
+    let at = head.entry(head_key(&jobs[j])).or_insert(j);
     if jobs[j].gpus() > jobs[*at].gpus() {
         *at = j;
     }
+}
+
+/// The waiting job job `j` would start ahead of, if any: one with more
+/// GPUs, in its scope, that could use the same model (the largest such).
+fn waiting_ahead_of(head: &HashMap<HeadKey, Slot>, jobs: &[Job], j: Slot) -> Option<(HeadKey, Slot)> {
+    let job = &jobs[j];
+    if job.gpus() == 0 {
+        return None; // CPU-only work takes no GPU from a gang
+    }
+    let (scope, model) = head_key(job);
+    head.iter()
+        .filter(|((p, m), _)| *p == scope && (m.is_none() || model.is_none() || *m == model))
+        .filter(|&(_, &h)| jobs[h].gpus() > job.gpus() && (model.is_some() || jobs[h].shape.models.is_empty() || job.shape.models.iter().any(|x| jobs[h].shape.models.contains(x))))
+        .max_by_key(|&(_, &h)| (jobs[h].gpus(), std::cmp::Reverse(h)))
+        .map(|(k, &h)| (*k, h))
 }
 
 /// One placement attempt, shown to the world's observer.

@@ -1,7 +1,8 @@
 //! Tiers a job is bought as, in the engine: guaranteed work is never a
 //! victim, opportunistic work is stopped without notice and owed nothing,
 //! preemptible work under a bounded outage runs again ahead of new work,
-//! and every broken promise is credited.
+//! and every broken promise is credited; an admission window (the third
+//! promise to a waiting gang) holds back only work on its GPU model.
 
 use berth_core::engine::{Deciders, SimConfig, World};
 use berth_core::job::PriorityContract;
@@ -207,4 +208,30 @@ fn a_start_that_never_happened_is_no_interruption_and_its_outage_goes_on() {
     assert!(placed(&d, 5), "{d:?}");
     let d = pass(&mut engine, &mut fleet, &mut ranker, 90_000, vec![Event::Unstarted(g)]);
     assert!(!d.iter().any(|d| matches!(d, Decision::Broken { .. })), "{d:?}");
+}
+
+/// An admission window holds back smaller work that would take the waiting
+/// job's capacity (its GPU model), not work on other models; `explain`'s
+/// source names the job it waits behind.
+#[test]
+fn an_admission_window_holds_back_only_work_on_the_waiting_jobs_model() {
+    use berth_core::engine::{AdmissionWindow, Guards, StarvationGuard};
+    let nodes = vec![Node::new("a0", Some(0), 8, 64_000, 256_000), Node::new("b0", Some(1), 8, 64_000, 256_000)];
+    let mut fleet = Fleet::new(vec!["A".into(), "B".into()], nodes).unwrap();
+    let guard = StarvationGuard { reserve_after_s: u64::MAX, aging_per_hour: 0.0, window: Some(AdmissionWindow { window_s: 3600, small_gpu_h: 0.0 }) };
+    let mut engine = Engine::new(SimConfig { guards: Guards::everywhere(Some(guard)), ..config() });
+    let mut ranker = Everyone::default();
+    let on = |id: u64, gpus: u32, model: u32| {
+        let shape = TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, models: vec![model] };
+        Job { id, arrival_s: 0, duration_s: 86_400, tasks: 1, shape, ..Job::default() }
+    };
+    let x = engine.register(on(1, 1, 0));
+    let gang = engine.register(on(2, 8, 0));
+    let same = engine.register(on(3, 1, 0));
+    let other = engine.register(on(4, 1, 1));
+    pass(&mut engine, &mut fleet, &mut ranker, 0, vec![Event::Arrive(x)]);
+    let d = pass(&mut engine, &mut fleet, &mut ranker, 10, vec![Event::Arrive(gang), Event::Arrive(same), Event::Arrive(other)]);
+    assert!(!placed(&d, 2) && !placed(&d, 3) && placed(&d, 4), "{d:?}");
+    assert_eq!(engine.held_by_window(same), Some((2, 3600)), "held behind job 2 until the window ends");
+    assert_eq!(engine.held_by_window(other), None);
 }
