@@ -168,3 +168,64 @@ fn spot_gpu_takes_work_nobody_is_owed_for_first() {
     assert_eq!(rank(&mut policy, [Preemptible, Preemptible]), vec![1, 2], "the least recomputation first");
     assert_eq!(rank(&mut policy, [Preemptible, Opportunistic]), vec![2, 1], "opportunistic first");
 }
+
+/// The fleet's non-preemptible partitions hold live too: in p0 (listed) a
+/// high-priority job waits behind low-priority work; in p1 it takes it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_preemptible_partition_keeps_its_work_live() {
+    const FLEET: &str = r#"
+seed = 1
+nodes_per_switch = 1
+nodes_per_partition = 1
+non_preemptible_partitions = [0]
+
+[[shapes]]
+model = "H800"
+count = 2
+gpus = 8
+cpu_cores = 128
+memory_gib = 1024
+"#;
+    let dir = crate::serve::state_dir("tiers-protected");
+    let mut cfg = crate::serve::config(&dir, crate::serve::ACCESS);
+    cfg.fleet = berth::asi::fleet::FleetConfig::parse(FLEET, "protected-test").unwrap();
+    let h = berth::serve::start(cfg).await.unwrap();
+    let mut ops = crate::serve::client(&h, "ops-test-token").await;
+    let job = |partition: &str, priority: u32| pb::SubmitJobRequest {
+        job: Some(pb::JobSpec { partition: partition.into(), tasks: 1, gpus: 8, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, duration_s: 3600.0, priority, ..Default::default() }),
+        ..Default::default()
+    };
+    let mut low = Vec::new();
+    for p in ["p0", "p1"] {
+        low.push(ops.submit_job(job(p, 0)).await.unwrap().into_inner().job_id);
+    }
+    until("both low jobs running", Duration::from_secs(30), || {
+        let mut ops = ops.clone();
+        async move {
+            let all = [crate::serve::jobs(&mut ops, "p0").await, crate::serve::jobs(&mut ops, "p1").await].concat();
+            all.iter().all(|j| j.state == "running").then_some(())
+        }
+    })
+    .await;
+    let high: Vec<u64> = {
+        let mut ids = Vec::new();
+        for p in ["p0", "p1"] {
+            ids.push(ops.submit_job(job(p, 5)).await.unwrap().into_inner().job_id);
+        }
+        ids
+    };
+    // p1's high job takes its partition's GPUs back; p0's waits.
+    until("p1's high job running", Duration::from_secs(30), || {
+        let mut ops = ops.clone();
+        let id = high[1];
+        async move { crate::serve::jobs(&mut ops, "p1").await.iter().any(|j| j.id == id && j.state == "running").then_some(()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let p0 = crate::serve::jobs(&mut ops, "p0").await;
+    let state = |id: u64| p0.iter().find(|j| j.id == id).unwrap().state.clone();
+    assert_eq!((state(low[0]), state(high[0])), ("running".to_string(), "pending".to_string()), "{p0:?}");
+    let p1 = crate::serve::jobs(&mut ops, "p1").await;
+    assert_ne!(p1.iter().find(|j| j.id == low[1]).unwrap().state, "running", "{p1:?}");
+    h.shutdown().await;
+}

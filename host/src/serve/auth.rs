@@ -387,7 +387,7 @@ mod tests {
     #[test]
     fn tiers_are_per_partition_with_defaults_and_unknown_names_are_refused() {
         let a = Access::parse(
-            "tenant_tiers = { \"*\" = [\"preemptible\"], \"prod\" = [\"guaranteed\", \"preemptible\"] }\ndefault_tier = { \"scavenge\" = \"opportunistic\" }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}",
+            "tenant_tiers = { \"*\" = [\"preemptible\"], \"prod\" = [\"guaranteed\", \"preemptible\"], \"scavenge\" = [\"opportunistic\"] }\ndefault_tier = { \"scavenge\" = \"opportunistic\" }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}",
         )
         .unwrap();
         assert_eq!(a.tenant_tiers("prod"), vec![Tier::Guaranteed, Tier::Preemptible]);
@@ -397,6 +397,12 @@ mod tests {
         assert_eq!(open.tenant_tiers("any"), Tier::ALL.to_vec());
         let bad = Access::parse("default_tier = { \"p\" = \"gold\" }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}").unwrap_err();
         assert!(format!("{bad:#}").contains("default_tier.p: tier \"gold\""), "{bad:#}");
+        // A default tenants may not buy would refuse every job naming none.
+        let unbuyable = Access::parse(
+            "tenant_tiers = { \"*\" = [\"preemptible\"] }\ndefault_tier = { \"p\" = \"opportunistic\" }\n[[identities]]\nname = \"t\"\ntoken = \"tenant-token\"\nroles = {}",
+        )
+        .unwrap_err();
+        assert!(format!("{unbuyable:#}").contains("default_tier.p: opportunistic is not among"), "{unbuyable:#}");
     }
 
     #[test]

@@ -219,7 +219,14 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
         .map(|(p, name)| {
             let nodes = fleet.nodes().iter().zip(&topo.partition).filter(|&(_, &q)| q as usize == p).map(|(n, _)| n.clone()).collect();
             let guard = guards.partitions.get(&(p as u32)).copied().unwrap_or(guards.fleet);
-            let part = Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, config.scheduling.engine(guard));
+            let mut engine = config.scheduling.engine(guard);
+            // The fleet's non-preemptible partitions: their work is never
+            // taken back (their nodes carry the partition's number, or 0
+            // for agent nodes of a partition that had none at start).
+            if config.fleet.non_preemptible_partitions.contains(&(p as u32)) {
+                engine.protected_partitions = [p as u32, 0].into_iter().collect();
+            }
+            let part = Partition::new(name.clone(), berth_core::Fleet::new(models.clone(), nodes)?, engine);
             {
                 let mut st = part.state.lock().unwrap();
                 st.compaction = super::state::LiveCompaction::new(config.scheduling.compaction.clone(), config.scheduling.auto_compaction);
