@@ -37,19 +37,10 @@ async fn state_of(c: &mut berth::client::Client, id: u64) -> String {
     jobs(c, "p0").await.into_iter().find(|j| j.id == id).expect("listed").state
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gang_is_starved_by_small_jobs_until_an_operator_turns_the_guard_on() {
-    let dir = state_dir("guard");
-    let mut cfg = config(&dir, ACCESS);
-    cfg.fleet = berth::asi::fleet::FleetConfig::parse(FLEET, "guard-test").unwrap();
-    let h = berth::serve::start(cfg.clone()).await.unwrap();
-    let mut ops = client(&h, "ops-test-token").await;
-    let mut alice = client(&h, "alice-test-token").await;
-    let parts = ops.list_partitions(pb::ListPartitionsRequest {}).await.unwrap().into_inner().partitions;
-    assert_eq!(parts[0].guard, "off");
-
-    // A backlog of 2-second 1-GPU jobs, then ten more a second: some GPUs
-    // are always busy, so the whole fleet is never free at once.
+/// A backlog of 2-second 1-GPU jobs, a 4-node gang (its id), then ten more
+/// small jobs a second until `stop`: some GPUs are always busy, so the whole
+/// fleet is never free at once.
+async fn gang_behind_a_stream(alice: &mut berth::client::Client) -> (u64, Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
     for _ in 0..40 {
         alice.submit_job(small_job(1, 1, 2.0)).await.unwrap();
     }
@@ -64,6 +55,21 @@ async fn a_gang_is_starved_by_small_jobs_until_an_operator_turns_the_guard_on() 
             }
         })
     };
+    (gang, stop, stream)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gang_is_starved_by_small_jobs_until_an_operator_turns_the_guard_on() {
+    let dir = state_dir("guard");
+    let mut cfg = config(&dir, ACCESS);
+    cfg.fleet = berth::asi::fleet::FleetConfig::parse(FLEET, "guard-test").unwrap();
+    let h = berth::serve::start(cfg.clone()).await.unwrap();
+    let mut ops = client(&h, "ops-test-token").await;
+    let mut alice = client(&h, "alice-test-token").await;
+    let parts = ops.list_partitions(pb::ListPartitionsRequest {}).await.unwrap().into_inner().partitions;
+    assert_eq!(parts[0].guard, "off");
+
+    let (gang, stop, stream) = gang_behind_a_stream(&mut alice).await;
 
     // Guard off: eight seconds, many passes, and the gang never starts.
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -128,20 +134,7 @@ async fn an_admission_window_lets_a_gang_start_within_a_window_of_a_stream() {
     let h = berth::serve::start(cfg.clone()).await.unwrap();
     let mut ops = client(&h, "ops-test-token").await;
     let mut alice = client(&h, "alice-test-token").await;
-    for _ in 0..40 {
-        alice.submit_job(small_job(1, 1, 2.0)).await.unwrap();
-    }
-    let gang = alice.submit_job(small_job(8, 4, 60.0)).await.unwrap().into_inner().job_id;
-    let stop = Arc::new(AtomicBool::new(false));
-    let stream = {
-        let (stop, mut alice) = (stop.clone(), alice.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::SeqCst) {
-                alice.submit_job(small_job(1, 1, 2.0)).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let (gang, stop, stream) = gang_behind_a_stream(&mut alice).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(state_of(&mut ops, gang).await, "pending", "the gang started with no window");
     let bad = ops.set_guard(pb::SetGuardRequest { partition: "p0".into(), window_s: 0, ..Default::default() }).await.unwrap_err();

@@ -325,6 +325,17 @@ pub enum Hook {
     Compact,
 }
 
+impl SimOutcome {
+    /// Job `j`'s tenant is owed `credit_gpu_h`, for a broken promise or not.
+    fn owe(&mut self, j: usize, credit_gpu_h: f64, broken: bool) {
+        let o = &mut self.jobs[j];
+        o.credit_gpu_h += credit_gpu_h;
+        o.broken += u32::from(broken);
+        self.credit_gpu_h += credit_gpu_h;
+        self.broken_promises += u64::from(broken);
+    }
+}
+
 /// A job slot: the engine's index of a job, stable for its life.
 pub type Slot = usize;
 
@@ -942,14 +953,9 @@ impl Engine {
         self.runs.resumed_from.remove(&j);
         if let Some(promise) = broken {
             let since = self.runs.since_checkpoint_wall(j, now, job, &contract);
-            let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0;
-            let lost_gpu_s = gpus * self.runs.work_in(j, since) as f64;
-            let credit_gpu_h = self.config.compensation.for_broken(lost_gpu_s, gpus);
-            let o = &mut self.outcome.jobs[j];
-            o.credit_gpu_h += credit_gpu_h;
-            o.broken += 1;
-            self.outcome.credit_gpu_h += credit_gpu_h;
-            self.outcome.broken_promises += 1;
+            let lost_gpu_s = job.gpus_held() * self.runs.work_in(j, since) as f64;
+            let credit_gpu_h = self.config.compensation.for_broken(lost_gpu_s, job.gpus_held());
+            self.outcome.owe(j, credit_gpu_h, true);
             self.announced.push(Decision::Broken { slot: j, job: job.id, promise, lost_gpu_s, credit_gpu_h });
         }
     }
@@ -1409,14 +1415,15 @@ impl Engine {
                 continue;
             }
             let remaining = job.duration_s.saturating_sub(self.runs.kept_s[j]).max(1);
-            // Smaller work behind a waiting job of its scope, its window's
-            // budget spent: it waits for the next window.
-            let window = self.config.guards.of(job).and_then(|g| g.window);
-            let behind = window.and_then(|_| waiting_ahead_of(&head_waiting, jobs, j));
-            if let (Some((head_key, h)), Some(w)) = (behind, window) {
-                let index = now / w.window_s;
+            // Smaller work behind a waiting job of its scope: its window
+            // (index), the waiting job's key, and what this job would cost
+            // its budget. With the budget spent it waits for the next window.
+            let admission = self.config.guards.of(job).and_then(|g| g.window).and_then(|w| {
+                let (head_key, h) = waiting_ahead_of(&head_waiting, jobs, j)?;
+                Some((w, now / w.window_s, head_key, h, job.gpus_held() * remaining as f64 / 3600.0))
+            });
+            if let Some((w, index, head_key, h, cost)) = admission {
                 let used = self.admitted.get(&head_key).filter(|(i, _)| *i == index).map_or(0.0, |(_, u)| *u);
-                let cost = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0 * remaining as f64 / 3600.0;
                 if used + cost > w.small_gpu_h {
                     let ends = (index + 1).saturating_mul(w.window_s);
                     if !self.window_held.values().any(|&(_, e)| e == ends) {
@@ -1680,11 +1687,7 @@ impl Engine {
                     let start = now + delay;
                     out.push(Decision::Place { slot: j, job: job.id, allocations: allocs.clone(), domains, start_s: start, victims });
                     // Admitted ahead of a waiting job: counted in its window.
-                    if let Some(w) = self.config.guards.of(job).and_then(|g| g.window)
-                        && let Some((head_key, _)) = waiting_ahead_of(&head_waiting, &self.jobs, j)
-                    {
-                        let index = now / w.window_s;
-                        let cost = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0 * remaining as f64 / 3600.0;
+                    if let Some((_, index, head_key, _, cost)) = admission {
                         let entry = self.admitted.entry(head_key).or_insert((index, 0.0));
                         if entry.0 != index {
                             *entry = (index, 0.0);
@@ -1700,12 +1703,8 @@ impl Engine {
                             self.runs.resumed_from.insert(j, since);
                         } else {
                             let promise = crate::contract::Broken::Outage { out_s };
-                            let credit_gpu_h = self.config.compensation.for_broken(0.0, job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0);
-                            let o = &mut self.outcome.jobs[j];
-                            o.credit_gpu_h += credit_gpu_h;
-                            o.broken += 1;
-                            self.outcome.credit_gpu_h += credit_gpu_h;
-                            self.outcome.broken_promises += 1;
+                            let credit_gpu_h = self.config.compensation.for_broken(0.0, job.gpus_held());
+                            self.outcome.owe(j, credit_gpu_h, true);
                             out.push(Decision::Broken { slot: j, job: job.id, promise, lost_gpu_s: 0.0, credit_gpu_h });
                         }
                     }
@@ -2328,7 +2327,7 @@ impl Runs {
         self.planned_end[v] = None;
         self.set_low(v, false);
         self.kept_s[v] = (self.kept_s[v] + ev.kept_s).min(job.duration_s);
-        let gpus = job.gpus() as f64 * f64::from(job.shape.gpu_milli) / 1000.0;
+        let gpus = job.gpus_held();
         let lost = gpus * ev.lost_s as f64;
         let o = &mut outcome.jobs[v];
         o.interruptions += 1;
@@ -2342,11 +2341,8 @@ impl Runs {
             Some(_) => config.compensation.for_broken(lost, gpus),
             None => config.compensation.for_preemption(contract.tier, lost),
         };
+        outcome.owe(v, credit, broken.is_some());
         let o = &mut outcome.jobs[v];
-        o.credit_gpu_h += credit;
-        o.broken += u32::from(broken.is_some());
-        outcome.credit_gpu_h += credit;
-        outcome.broken_promises += u64::from(broken.is_some());
         self.out_since.insert(v, now + ev.vacate_s);
         self.resumed_from.remove(&v);
         if job.reports_exit {

@@ -41,6 +41,11 @@ impl Job {
         u64::from(self.tasks) * u64::from(self.shape.gpu_count)
     }
 
+    /// GPUs it holds when running, a shared GPU counted as its share.
+    pub fn gpus_held(&self) -> f64 {
+        self.gpus() as f64 * f64::from(self.shape.gpu_milli) / 1000.0
+    }
+
     /// The job's class as policies see it: declared, or CPU-only without
     /// GPUs and training with them.
     pub fn task_class(&self) -> TaskClass {
