@@ -1531,7 +1531,7 @@ impl Engine {
                             // matches one of the kinds (most of a fleet does not).
                             let brief: HashSet<(u32, u64, u32)> = coarse_kinds.iter().map(|c| (c.3, c.4, c.5 as u32)).collect();
                             let summaries = view.free_summaries();
-                            let like: HashSet<NodeId> = (0..view.nodes().len() as NodeId)
+                            let mut like: HashSet<NodeId> = (0..view.nodes().len() as NodeId)
                                 .filter(|&id| {
                                     let f = &summaries[id as usize];
                                     if !brief.contains(&(f.cpu_free_milli, f.memory_free_mib, f.gpu_free_milli)) {
@@ -1541,6 +1541,20 @@ impl Engine {
                                     coarse_kinds.contains(&coarse(n)) && keep(id, n) && kinds.contains(&state(n))
                                 })
                                 .collect();
+                            // A single task may go to any node the policy
+                            // scores as high as the plan's, in any switch
+                            // domain: the ranker chooses among all of them
+                            // (one more scoring call, only when low work is
+                            // in the way of every node of the plan's kind).
+                            if job.tasks == 1 && fitting_tasks_among(fleet, &job.shape, 1, &|id, n| like.contains(&id) && keep(id, n)) == 0 {
+                                match self.placer.tied_best(view, &job.shape, job.meta(), &mut **policy, &keep) {
+                                    Ok(tied) => like.extend(tied),
+                                    Err(e) => {
+                                        error = Some((at, j, Hook::Place, e));
+                                        break;
+                                    }
+                                }
+                            }
                             let there = |id: NodeId, n: &Node| like.contains(&id) && keep(id, n);
                             let picked = if fitting_tasks_among(fleet, &job.shape, job.tasks, &there) >= job.tasks {
                                 Some(Vec::new())
@@ -1793,6 +1807,33 @@ impl Engine {
         Ok(picked.map(|picked| picked.into_iter().map(|k| slots[k]).collect()))
     }
 
+    /// Whether running low-priority job `v` may be taken back by work of
+    /// `priority` now: below it, not guaranteed (no ranker can name
+    /// guaranteed work), under its daily interruption limit, holding
+    /// something on a node `usable` accepts.
+    fn may_take_back(&self, v: Slot, priority: u32, now: u64, usable: &dyn Fn(NodeId) -> bool) -> bool {
+        let vj = &self.jobs[v];
+        let contract = self.config.contract_of(vj);
+        vj.priority < priority
+            && contract.tier != crate::contract::Tier::Guaranteed
+            && self.runs.recent_interruptions(v, now) < contract.max_interruptions_per_day as usize
+            && self.runs.held[v].iter().any(|a| usable(a.node))
+    }
+
+    /// The running work a new job of `priority` could take back now, by
+    /// slot, before any ranking (a quote's "by preemption" answer): empty
+    /// where `priority` is below the high-priority threshold.
+    pub fn may_take_back_for(&self, fleet: &Fleet, priority: u32, now: u64) -> Vec<Slot> {
+        if priority < self.config.high_priority {
+            return Vec::new();
+        }
+        let usable = |id: NodeId| {
+            let node = &fleet.nodes()[id as usize];
+            node.schedulable && !self.config.protected_partitions.contains(&node.partition)
+        };
+        self.runs.running_low.iter().copied().filter(|&v| self.may_take_back(v, priority, now, &usable)).collect()
+    }
+
     /// The running low-priority jobs job `j` may take back, with what the
     /// ranker sees of them: below `j`'s priority, under their daily
     /// interruption limit, holding something on a schedulable node outside
@@ -1807,17 +1848,12 @@ impl Engine {
         let mut slots = Vec::new();
         let mut candidates = Vec::new();
         for &v in &self.runs.running_low {
+            if !self.may_take_back(v, job.priority, now, &usable) {
+                continue;
+            }
             let vj = &self.jobs[v];
             let contract = config.contract_of(vj);
             let recent = self.runs.recent_interruptions(v, now);
-            // Guaranteed work is never a candidate: no ranker can name it.
-            if vj.priority >= job.priority
-                || contract.tier == crate::contract::Tier::Guaranteed
-                || recent >= contract.max_interruptions_per_day as usize
-                || !self.runs.held[v].iter().any(|a| usable(a.node))
-            {
-                continue;
-            }
             let ran = now.saturating_sub(self.runs.run_start[v]);
             candidates.push(Candidate {
                 job: vj,

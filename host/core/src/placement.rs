@@ -78,6 +78,21 @@ impl Placer {
         Ok(Some(Placement { node: node_id, gpus: mask, score: answer.scores[best] }))
     }
 
+    /// Every node `keep` accepts whose score for `shape` equals the best:
+    /// the nodes the policy finds equally good (empty when none fits).
+    pub fn tied_best(
+        &mut self,
+        fleet: &Fleet,
+        shape: &TaskShape,
+        meta: TaskMeta,
+        policy: &mut dyn PlacementPolicy,
+        keep: &dyn Fn(NodeId, &Node) -> bool,
+    ) -> Result<Vec<NodeId>, PolicyError> {
+        let Some(answer) = self.score_candidates(fleet, shape, meta, policy, keep)? else { return Ok(Vec::new()) };
+        let best = answer.scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        Ok(self.candidates.iter().zip(&answer.scores).filter(|&(_, &s)| s == best).map(|(&id, _)| id).collect())
+    }
+
     /// Places `count` tasks of `shape` (a gang) all or nothing, allocating
     /// them on `fleet`; on `None` or an error nothing stays allocated.
     ///
