@@ -229,3 +229,162 @@ memory_gib = 1024
     assert_ne!(p1.iter().find(|j| j.id == low[1]).unwrap().state, "running", "{p1:?}");
     h.shutdown().await;
 }
+
+/// `berth quote` offers each tier the caller may buy, with the contract it
+/// would run under: a tenant limited to preemptible and opportunistic work
+/// gets those two, an operator all three; with a rank policy, a high
+/// priority could start now by taking back the low work that fills the
+/// partition (without one, only as that work ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quote_offers_each_tier_the_caller_may_buy() {
+    const FLEET: &str = r#"
+seed = 1
+nodes_per_switch = 1
+nodes_per_partition = 2
+
+[[shapes]]
+model = "H800"
+count = 2
+gpus = 8
+cpu_cores = 128
+memory_gib = 1024
+"#;
+    let dir = crate::serve::state_dir("tiers-offers");
+    // (Top-level keys before the identity tables.)
+    let access = format!("tenant_tiers = {{ \"*\" = [\"preemptible\", \"opportunistic\"] }}\n{}", crate::serve::ACCESS);
+    let mut cfg = crate::serve::config(&dir, &access);
+    cfg.fleet = berth::asi::fleet::FleetConfig::parse(FLEET, "offers-test").unwrap();
+    let notice_s = cfg.scheduling.contract.notice_s;
+    let h = berth::serve::start(cfg).await.unwrap();
+    let mut ops = crate::serve::client(&h, "ops-test-token").await;
+    let mut alice = crate::serve::client(&h, "alice-test-token").await;
+    // Low-priority work fills both nodes for an hour.
+    let mut low = Vec::new();
+    for _ in 0..2 {
+        let job = pb::JobSpec { partition: "p0".into(), tasks: 1, gpus: 8, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, duration_s: 3600.0, ..Default::default() };
+        low.push(ops.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap().into_inner().job_id);
+    }
+    until("the low work running", Duration::from_secs(30), || {
+        let mut ops = ops.clone();
+        async move { crate::serve::jobs(&mut ops, "p0").await.iter().all(|j| j.state == "running").then_some(()) }
+    })
+    .await;
+    let ask = |priority: u32| pb::QuoteRequest { partition: "p0".into(), tasks: 1, gpus: 8, cpu_milli: 4000, memory_mib: 16 << 10, priority, ..Default::default() };
+    let tiers = |offers: &[pb::TierOffer]| offers.iter().map(|o| o.tier.clone()).collect::<Vec<_>>();
+
+    let offers = alice.quote(ask(0)).await.unwrap().into_inner().offers;
+    assert_eq!(tiers(&offers), ["preemptible", "opportunistic"], "{offers:?}");
+    for o in &offers {
+        assert_eq!((o.now, o.by_preemption), (0, 0), "{o:?}");
+        assert!(o.has_next && (3000..=3600).contains(&o.next_in_s), "as the low work ends: {o:?}");
+    }
+    let (p, o) = (&offers[0], &offers[1]);
+    assert_eq!((p.notice_s, p.max_interruptions_per_day, p.credit_per_lost_gpu_h, p.broken_multiplier), (notice_s, 3, 1.0, 3.0), "{p:?}");
+    assert_eq!((o.notice_s, o.grace_s, o.max_interruptions_per_day, o.credit_per_lost_gpu_h), (0, 0, u32::MAX, 0.0), "{o:?}");
+
+    // High priority, no rank policy yet: it could only wait.
+    let offers = ops.quote(ask(5)).await.unwrap().into_inner().offers;
+    assert_eq!(tiers(&offers), ["guaranteed", "preemptible", "opportunistic"], "{offers:?}");
+    assert!(offers.iter().all(|o| o.now == 0 && o.by_preemption == 0), "{offers:?}");
+    assert_eq!(offers[0].max_interruptions_per_day, 0, "guaranteed is never stopped: {:?}", offers[0]);
+    // With one, both nodes' low work may be taken back: two copies now.
+    crate::preempt::upload_rank(&mut ops, &policy_path("spot-gpu")).await;
+    let offers = ops.quote(ask(5)).await.unwrap().into_inner().offers;
+    assert!(offers.iter().all(|o| o.now == 0 && o.by_preemption == 2), "{offers:?}");
+    // ... and none of it for work of the same priority as the fill.
+    assert!(ops.quote(ask(0)).await.unwrap().into_inner().offers.iter().all(|o| o.by_preemption == 0));
+
+    // The CLI prints one line per tier offered.
+    let url = format!("http://{}", h.addr);
+    let out = std::process::Command::new(BERTH).args(["quote", "--server", &url, "--token", "alice-test-token", "--partition", "p0", "--gpus", "8"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let line = |tier: &str| text.lines().find(|l| l.trim_start().starts_with(&format!("{tier}:"))).map(str::to_string);
+    assert!(line("guaranteed").is_none(), "{text}");
+    assert!(line("preemptible").is_some_and(|l| l.contains(&format!("{notice_s} s notice")) && l.contains("at most 3 interruption")), "{text}");
+    assert!(line("opportunistic").is_some_and(|l| l.contains("stopped without notice") && l.contains("not credited")), "{text}");
+    h.shutdown().await;
+}
+
+/// An opportunistic job's budget is charged only for what ran: stopped
+/// without notice for high-priority work, it is charged its run so far and
+/// nothing while it waits; run again, its process is stopped when the
+/// budget is spent and the job ends finished. The charge survives a host
+/// killed with SIGKILL. A budget on any other tier, or a bad number, is
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_opportunistic_budget_is_charged_only_for_what_ran() {
+    let d = dir("tiers-budget");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let args = ["--listen", listen.as_str(), "--agent-timeout-ms", "3000", "--notice-s", "2"];
+    let (mut host, url) = serve(&d, "serve1", &d.join("state"), &args).await;
+    let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
+    let _n1 = agent(&d, &url, "n1", "2xH20", &["--checkpoint-hook", &hook]);
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut alice = berth::client::connect(&url, Some("alice-test-token"), None, None).await.unwrap();
+    schedulable(&api, "n1").await;
+    upload_rank(&mut api.clone(), &policy_path("spot-gpu")).await;
+
+    for (tier, budget) in [("preemptible", 1.0), ("opportunistic", -1.0), ("opportunistic", f64::NAN)] {
+        let job = pb::JobSpec { tier: tier.into(), budget_gpu_h: budget, ..agent_job(&d, 1, 1) };
+        let e = alice.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{tier} {budget}: {e:?}");
+        assert!(e.message().contains("budget_gpu_h"), "{e:?}");
+    }
+
+    // 20 GPU-seconds on two GPUs: ten seconds of run.
+    const BUDGET_GPU_S: f64 = 20.0;
+    let job = pb::JobSpec { tier: "opportunistic".into(), budget_gpu_h: BUDGET_GPU_S / 3600.0, ..agent_job(&d, 2, 1) };
+    let o = alice.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let first = running(&api, &[o]).await;
+    let alloc = first[0].runs[0].allocation_id;
+    let ran_from = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut high = agent_job(&d, 2, 1);
+    high.priority = 5;
+    let h = api.clone().submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
+    running(&api, &[h]).await;
+    let ran_s = ran_from.elapsed().as_secs_f64();
+    let charged_s = |all: &[pb::Job]| all.iter().find(|j| j.id == o).unwrap().charged_gpu_h * 3600.0;
+    let all = jobs(&api).await;
+    assert_one_owner(&all, &[]);
+    let job = all.iter().find(|j| j.id == o).unwrap();
+    assert_eq!(job.state, "pending", "{job:?}");
+    assert!(!d.join(format!("ckpt-{alloc}")).exists(), "an opportunistic job got a notice");
+    // Its process is gone (the high job's started on the same GPUs), and
+    // the charge is its run: at least the three seconds slept, at most the
+    // time it was seen to run, on two GPUs.
+    let first_charge = charged_s(&all);
+    assert!((2.0 * 3.0..=2.0 * (ran_s + 1.0)).contains(&first_charge), "charged {first_charge} GPU-s for about {ran_s} s on 2 GPUs");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(charged_s(&jobs(&api).await), first_charge, "nothing charged while it waits");
+
+    // Run again, it is stopped once the budget is spent, and ends.
+    std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
+    let second_from = std::time::Instant::now();
+    let ended = until("the budget spent", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == o && j.state == "finished") }
+    })
+    .await;
+    let second_s = second_from.elapsed().as_secs_f64();
+    assert!(ended.detail.contains("budget spent"), "{ended:?}");
+    assert!(ended.runs.iter().all(|r| !matches!(r.state.as_str(), "starting" | "running")), "{:?}", ended.runs);
+    let total = ended.charged_gpu_h * 3600.0;
+    // Spent to the second, plus the seconds its process took to stop.
+    assert!((BUDGET_GPU_S - 2.0..=BUDGET_GPU_S + 2.0 * 4.0).contains(&total), "charged {total} GPU-s of a {BUDGET_GPU_S} budget");
+    assert!(second_s + 0.5 >= (BUDGET_GPU_S - first_charge) / 2.0 - 1.0, "stopped after {second_s} s: before its budget was spent");
+    let out = std::process::Command::new(BERTH).args(["jobs", "--server", &url, "--token", "alice-test-token", "--partition", "p0"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().any(|l| l.trim_start().starts_with(&o.to_string()) && l.contains("[opportunistic,") && l.contains("GPU-h used]")), "{text}");
+
+    // Durable.
+    kill9(&mut host);
+    let (_host, _) = serve(&d, "serve2", &d.join("state"), &args).await;
+    let again = until("the host back", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { api.clone().list_jobs(pb::ListJobsRequest { partition: "p0".into(), ..Default::default() }).await.ok().map(|r| r.into_inner().jobs) }
+    })
+    .await;
+    assert_eq!(charged_s(&again), total, "the charge kept across the restart");
+}

@@ -663,6 +663,7 @@ impl Live {
                 }
             }
             let fenced: Vec<u64> = job.runs.iter().map(|r| r.alloc_id).collect();
+            job.close_run(self.now_ms());
             job.state = JobState::Pending;
             job.allocations.clear();
             job.placements.clear();
@@ -1027,7 +1028,10 @@ impl Live {
                 // Its processes are gone: none is asleep.
                 job.sleep = super::state::SleepState::Awake;
                 if job.state == JobState::Running {
-                    let ok = job.runs.iter().all(|r| !r.state.failed(r.exit_code, r.signal));
+                    // Stopped because its budget was spent: the end it bought.
+                    let spent = job.time_limit_stop && job.detail == super::scheduler::BUDGET_SPENT;
+                    let ok = spent || job.runs.iter().all(|r| !r.state.failed(r.exit_code, r.signal));
+                    job.close_run(self.now_ms());
                     job.state = if ok { JobState::Finished } else { JobState::Failed };
                     job.ended_unix_ms = self.now_ms();
                     self.metrics.jobs.with_label_values(&[&part.name, JobState::Running.as_str()]).dec();

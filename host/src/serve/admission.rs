@@ -73,6 +73,7 @@ impl Live {
             time_limit_stop: false,
             evicting: false,
             waiting_on: Vec::new(),
+            charged_gpu_ms: 0,
             interruptions: 0,
             interrupted_s: Vec::new(),
             reserved_until_s: 0,
@@ -135,6 +136,7 @@ impl Live {
         // was acknowledged survives a restart (a running job's stops would
         // otherwise be forgotten, and the job taken back as running).
         let mut after = job.clone();
+        after.close_run(self.now_ms());
         after.state = JobState::Cancelled;
         // An asleep (or still waking) job's GPUs stay lent until its frozen
         // processes are gone (they are killed, never woken onto them): the

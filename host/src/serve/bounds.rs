@@ -41,3 +41,6 @@ pub fn check_task_command(argv: &[String], env: &std::collections::HashMap<Strin
     }
     Ok(())
 }
+/// The largest opportunistic budget one job may buy, in GPU-hours (a
+/// thousand GPUs for a year, about).
+pub const MAX_BUDGET_GPU_H: f64 = 1.0e7;

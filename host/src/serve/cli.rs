@@ -457,6 +457,11 @@ pub enum ApiCommand {
         /// Default: the partition's (the access file's default_tier).
         #[arg(long, value_parser = ["guaranteed", "preemptible", "opportunistic"])]
         tier: Option<String>,
+        /// With --tier opportunistic: GPU-hours of run bought. Each run is
+        /// charged its GPUs x the time it held them; once the budget is
+        /// spent the job is stopped and ends (default: no bound).
+        #[arg(long, value_name = "GPU_H")]
+        budget_gpu_h: Option<f64>,
         /// Makes a retried submission safe: the host answers a second
         /// submission with the same key (yours, for a job it still keeps)
         /// with the first one's job instead of a new one. Default: a fresh
@@ -861,7 +866,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
     match cmd {
-        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, work_unit, class, tier, idempotency_key, conn, argv } => {
+        ApiCommand::Submit { partition, tasks, gpus, gpu_milli, cores, memory_gib, models, priority, duration_s, name, env, movable, wait_ready, sleepable, work_unit, class, tier, budget_gpu_h, idempotency_key, conn, argv } => {
             let duration_s = duration_s.unwrap_or(if argv.is_empty() { 600.0 } else { 0.0 });
             let env = env
                 .iter()
@@ -886,6 +891,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 work_unit,
                 class: class.unwrap_or_default(),
                 tier: tier.unwrap_or_default(),
+                budget_gpu_h: budget_gpu_h.unwrap_or(0.0),
             };
             let idempotency_key = idempotency_key.unwrap_or_else(|| {
                 use rand::Rng;
@@ -927,7 +933,13 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 let oom: Vec<String> = j.runs.iter().filter(|r| r.limit == "oom").map(|r| r.allocation_id.to_string()).collect();
                 let oom = if oom.is_empty() { String::new() } else { format!("  (over its memory limit: task {})", oom.join(", ")) };
                 // Tiers other than the default, named.
-                let tier = if s.tier.is_empty() || s.tier == "preemptible" { String::new() } else { format!("  [{}]", esc(&s.tier)) };
+                let tier = if s.tier.is_empty() || s.tier == "preemptible" {
+                    String::new()
+                } else if s.budget_gpu_h > 0.0 {
+                    format!("  [{}, {:.2} of {:.2} GPU-h used]", esc(&s.tier), j.charged_gpu_h, s.budget_gpu_h)
+                } else {
+                    format!("  [{}]", esc(&s.tier))
+                };
                 println!("{:>6} {:<5} {:<10} {:<9} {:>5} {:>5} {:>7} {:>4}  {}{tier}{oom}", j.id, s.partition, esc(&j.owner), state, s.tasks, s.gpus, decided, ver, placements(&j.placements));
             }
             if next != 0 {
@@ -1095,6 +1107,9 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             }
             if r.queued_ahead > 0 {
                 println!("  {} pending job(s) at or above priority {priority} are decided first", r.queued_ahead);
+            }
+            for o in &r.offers {
+                println!("  {:<14} {:<40} {}", format!("{}:", esc(&o.tier)), offer_start(o), offer_contract(o));
             }
         }
         ApiCommand::Credits { partition, tenant, conn } => {
@@ -1290,4 +1305,35 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// When a copy could start under one tier of a quote.
+fn offer_start(o: &pb::TierOffer) -> String {
+    let mut when = if o.now > 0 {
+        format!("now ({} cop{})", o.now, if o.now == 1 { "y" } else { "ies" })
+    } else if o.has_next {
+        format!("in {} s", o.next_in_s)
+    } else {
+        "not as running work ends on plan".to_string()
+    };
+    if o.now == 0 && o.by_preemption > 0 {
+        when = format!("now by preemption ({}), else {when}", o.by_preemption);
+    }
+    when
+}
+
+/// The contract one tier of a quote runs under, in words.
+fn offer_contract(o: &pb::TierOffer) -> String {
+    if o.max_interruptions_per_day == 0 {
+        return "never stopped by the host".to_string();
+    }
+    let stop = if o.notice_s == 0 && o.grace_s == 0 { "stopped without notice".to_string() } else { format!("{} s notice + {} s grace", o.notice_s, o.grace_s) };
+    let cap = if o.max_interruptions_per_day == u32::MAX { "no daily cap".to_string() } else { format!("at most {} interruption(s) a day", o.max_interruptions_per_day) };
+    let outage = if o.max_outage_s > 0 { format!(", back within {} s", o.max_outage_s) } else { String::new() };
+    let credit = if o.credit_per_lost_gpu_h > 0.0 {
+        format!("; lost work credited {} GPU-h per GPU-h, a broken promise {}x (at least {} GPU-h per GPU)", o.credit_per_lost_gpu_h, o.broken_multiplier, o.broken_floor_gpu_h_per_gpu)
+    } else {
+        "; lost work not credited".to_string()
+    };
+    format!("{stop}, {cap}{outage}{credit}")
 }

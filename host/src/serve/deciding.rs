@@ -402,11 +402,16 @@ impl Live {
                 let Some(record) = st.jobs.get_mut(&id) else { return };
                 record.sleep = super::state::SleepState::Awake;
                 let agent_job = !record.spec.argv.is_empty();
-                let ends_at = if agent_job {
+                let mut ends_at = if agent_job {
                     (!record.spec.duration.is_zero()).then(|| clock_now + record.spec.duration)
                 } else {
                     Some(clock_now + delay + left.map_or(record.spec.duration, |l| l.min(record.spec.duration)))
                 };
+                // An opportunistic budget ends the run when it is spent.
+                if let Some(budget_s) = record.budget_left_s() {
+                    let spent_at = clock_now + Duration::from_secs(budget_s);
+                    ends_at = Some(ends_at.map_or(spent_at, |t| t.min(spent_at)));
+                }
                 let (note, decision, version) = last.get(&id).cloned().unwrap_or_default();
                 record.state = JobState::Running;
                 record.started_unix_ms = self.now_ms();
@@ -582,6 +587,7 @@ impl Live {
         if let Some(t) = record.ends_at.take() {
             st.running.remove(&(t, id));
         }
+        record.close_run(self.now_ms());
         record.state = JobState::Pending;
         record.allocations.clear();
         record.placements.clear();

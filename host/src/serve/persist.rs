@@ -108,6 +108,16 @@ struct StoredJob {
     work: super::work::WorkTally,
     #[serde(default)]
     time_limit_stop: bool,
+    /// Opportunistic work: GPU-seconds bought, and GPU-ms its ended runs
+    /// were charged (absent: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    budget_gpu_s: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    charged_gpu_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Serialize, Deserialize)]
@@ -250,6 +260,8 @@ pub(crate) fn job_record_op(clock: &dyn Clock, partition: &str, id: u64, j: &Job
         work_unit: s.work_unit.clone(),
         work: j.work,
         time_limit_stop: j.time_limit_stop,
+        budget_gpu_s: s.budget_gpu_s,
+        charged_gpu_ms: j.charged_gpu_ms,
     };
     Op::Put(job_key(partition, id), serde_json::to_vec(&stored).expect("jobs serialize"))
 }
@@ -536,6 +548,7 @@ impl Live {
                             wait_ready: j.wait_ready,
                             sleepable: j.sleepable,
                             work_unit: j.work_unit.clone(),
+                            budget_gpu_s: j.budget_gpu_s,
                             job: Job {
                                 id: j.id,
                                 priority: j.priority,
@@ -564,6 +577,7 @@ impl Live {
                         detail: j.detail,
                         work: j.work,
                         time_limit_stop: j.time_limit_stop,
+                        charged_gpu_ms: j.charged_gpu_ms,
                         evicting,
                         waiting_on,
                         interruptions,

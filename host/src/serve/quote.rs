@@ -11,6 +11,10 @@
 use std::collections::BTreeMap;
 
 use berth_core::accounting::{self, PendingShape, Quote};
+use berth_core::job::PriorityContract;
+use berth_core::Tier;
+
+use crate::proto as pb;
 use berth_core::forecast::{work_of, Arrival, History, Running};
 use berth_core::sim::WorkRates;
 use berth_core::Allocation;
@@ -54,6 +58,64 @@ impl PartitionState {
             .filter_map(|j| Some((j.ends_at?.saturating_duration_since(now).as_secs_f64().ceil() as u64, held_now(j)?)))
             .collect();
         accounting::quote(fleet, request, &running, 0, deadline_s)
+    }
+
+    /// One offer per tier of `tiers` for `request` at `priority` on `fleet`
+    /// (from [`Self::fleet_of_kind`]): when a copy could start under it and
+    /// the contract it would run under, from the partition's `contract` for
+    /// preemptible work. Guaranteed and high-priority work never use GPUs
+    /// lent by sleeping replicas (the engine keeps them off); with
+    /// `preempts`, a high priority may also start by taking back the work
+    /// the engine would offer its ranker.
+    pub fn offers(&self, fleet: &berth_core::Fleet, request: &PendingShape, priority: u32, tiers: &[Tier], contract: &PriorityContract, preempts: bool) -> Vec<pb::TierOffer> {
+        let high = priority >= self.engine.config.high_priority;
+        let without_lent = || {
+            let mut f = fleet.clone();
+            for &id in self.engine.lent().keys() {
+                f.set_schedulable(id, false).expect("a node of this fleet");
+            }
+            f
+        };
+        let taken_back = |f: &berth_core::Fleet| {
+            let mut f = f.clone();
+            for slot in self.engine.may_take_back_for(&self.fleet, priority, self.now_s()) {
+                for a in self.engine.held(slot) {
+                    f.release(a).expect("a running job's allocation");
+                }
+            }
+            f
+        };
+        let compensation = &self.engine.config.compensation;
+        let mut tiers = tiers.to_vec();
+        tiers.sort();
+        tiers.dedup();
+        tiers
+            .into_iter()
+            .map(|tier| {
+                let f = if high || tier == Tier::Guaranteed { without_lent() } else { fleet.clone() };
+                let q = self.quote(&f, request, None);
+                let by_preemption = if preempts && high { accounting::quote(&taken_back(&f), request, &[], 0, None).now } else { 0 };
+                let c = contract.of_tier(tier);
+                pb::TierOffer {
+                    tier: tier.name().into(),
+                    now: q.now,
+                    has_next: q.next_in_s.is_some(),
+                    next_in_s: q.next_in_s.unwrap_or(0),
+                    by_preemption,
+                    notice_s: if tier == Tier::Guaranteed { 0 } else { c.notice_s },
+                    grace_s: if tier == Tier::Guaranteed { 0 } else { c.grace_s },
+                    max_interruptions_per_day: c.max_interruptions_per_day,
+                    max_outage_s: c.max_outage_s,
+                    credit_per_lost_gpu_h: match tier {
+                        Tier::Guaranteed => 0.0,
+                        Tier::Preemptible => compensation.preemptible_per_lost_gpu_h,
+                        Tier::Opportunistic => compensation.opportunistic_per_lost_gpu_h,
+                    },
+                    broken_multiplier: if tier == Tier::Opportunistic { 0.0 } else { compensation.broken_multiplier },
+                    broken_floor_gpu_h_per_gpu: if tier == Tier::Opportunistic { 0.0 } else { compensation.broken_floor_gpu_h_per_gpu },
+                }
+            })
+            .collect()
     }
 
     /// Pending jobs of at least `priority`: decided before a new one.

@@ -19,6 +19,8 @@ const BEAT_BATCH: Duration = Duration::from_millis(10);
 
 /// A job's detail once its time limit stopped it.
 pub(crate) const TIME_LIMIT_STOPPED: &str = "time limit reached: stopped";
+/// A job's detail once its opportunistic budget ran out.
+pub(crate) const BUDGET_SPENT: &str = "budget spent: stopped";
 
 impl Live {
     /// Stops the scheduler threads (they finish the decision in hand).
@@ -182,11 +184,14 @@ impl Live {
             }
             st.running.pop_first();
             let job = st.jobs.get_mut(&id).expect("running jobs are recorded");
+            // (Within the second its end was rounded to, at its GPUs.)
+            let slack_ms = (job.spec.job.gpus_held() * 1000.0) as u64 + 1000;
+            let budget_spent = job.spec.budget_gpu_s > 0 && job.charged_gpu_ms_at(self.now_ms()).saturating_add(slack_ms) >= job.spec.budget_gpu_s.saturating_mul(1000);
             if !job.runs.is_empty() {
                 // A time limit: stop the processes; their exits free the GPUs.
                 // The job keeps its stored end: a host restarted before they
                 // are gone finds it past and stops them again.
-                job.detail = TIME_LIMIT_STOPPED.into();
+                job.detail = if budget_spent { BUDGET_SPENT } else { TIME_LIMIT_STOPPED }.into();
                 job.time_limit_stop = true;
                 if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
@@ -207,6 +212,10 @@ impl Live {
                 job.waiting_on.clear();
             }
             job.allocations.clear();
+            job.close_run(self.now_ms());
+            if budget_spent {
+                job.detail = BUDGET_SPENT.into();
+            }
             job.state = JobState::Finished;
             job.sleep = SleepState::Awake;
             job.ends_at = None;

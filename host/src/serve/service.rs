@@ -227,6 +227,13 @@ impl Service {
         }
         // The partition's contract, as this tier has it.
         let contract = Some(self.live.contract.of_tier(tier));
+        if !(s.budget_gpu_h.is_finite() && (0.0..=bounds::MAX_BUDGET_GPU_H).contains(&s.budget_gpu_h)) {
+            return Err(bad(format!("budget_gpu_h {} must be in [0, {}] (0: no bound)", s.budget_gpu_h, bounds::MAX_BUDGET_GPU_H)));
+        }
+        if s.budget_gpu_h > 0.0 && (tier != berth_core::Tier::Opportunistic || shape.gpu_count == 0) {
+            return Err(bad(format!("budget_gpu_h {}: only opportunistic jobs with GPUs buy a GPU-hour budget (this one is {} with {} GPUs per task)", s.budget_gpu_h, tier.name(), shape.gpu_count)));
+        }
+        let budget_gpu_s = (s.budget_gpu_h * 3600.0).ceil() as u64;
         Ok(JobSpec {
             partition: s.partition.clone(),
             name: s.name.clone(),
@@ -238,6 +245,7 @@ impl Service {
             wait_ready: s.wait_ready,
             sleepable: s.sleepable,
             work_unit: s.work_unit.clone(),
+            budget_gpu_s,
             job: Job { priority: s.priority, duration_s: s.duration_s.ceil() as u64, tasks, shape, declared_class, contract, ..Job::default() },
         })
     }
@@ -272,7 +280,7 @@ fn check_job_size(s: &pb::JobSpec) -> Result<(), ServeError> {
 /// A job as a reply. Its environment and arguments (either may hold
 /// secrets) only for its owner and the partition's operators; other viewers
 /// see the program's name alone.
-fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
+fn job_message(id: u64, j: &JobRecord, show_env: bool, now_ms: u64) -> pb::Job {
     let s = &j.spec;
     pb::Job {
         id,
@@ -295,6 +303,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
             work_unit: s.work_unit.clone(),
             class: s.job.task_class().name().to_string(),
             tier: s.job.contract.map(|c| c.tier).unwrap_or_default().name().to_string(),
+            budget_gpu_h: s.budget_gpu_s as f64 / 3600.0,
         }),
         owner: j.owner.clone(),
         state: j.shown_state().into(),
@@ -325,6 +334,7 @@ fn job_message(id: u64, j: &JobRecord, show_env: bool) -> pb::Job {
         sleep: j.sleep.as_str().into(),
         work_done: j.work.done,
         work_lost: j.work.lost,
+        charged_gpu_h: j.charged_gpu_ms_at(now_ms) as f64 / 3_600_000.0,
     }
 }
 
@@ -482,7 +492,7 @@ impl Berth for Service {
                     .rev()
                     .filter(|(_, j)| r.state.is_empty() || j.shown_state() == r.state)
                     .take(limit)
-                    .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name))
+                    .map(|(&i, j)| job_message(i, j, operator || j.owner == id.name, st.clock.unix_ms()))
                     .collect();
                 more |= page.len() == limit;
                 jobs.extend(page);
@@ -955,6 +965,9 @@ impl Berth for Service {
             let fleet = st.fleet_of_kind(q.agent_nodes);
             let quote = st.quote(&fleet, &request, deadline_s);
             let queued_ahead = st.queued_at_or_above(q.priority);
+            let tiers = if id.role_in(&q.partition) >= Some(Role::Operator) { berth_core::Tier::ALL.to_vec() } else { this.live.access.tenant_tiers(&q.partition) };
+            let preempts = this.live.partitions[p].ranker().is_some();
+            let offers = st.offers(&fleet, &request, q.priority, &tiers, &this.live.contract, preempts);
             // The chance runs on a copy of the state, off the partition's lock.
             let rates = this.live.work.as_ref().map(|w| w.rates(&st.fleet));
             let inputs = deadline_s.map(|_| st.forecast_inputs(fleet, q.agent_nodes, q.priority, st.clock.unix_ms(), rates.as_ref()));
@@ -966,6 +979,7 @@ impl Berth for Service {
                 has_deadline: quote.meets_deadline.is_some(),
                 meets_deadline: quote.meets_deadline.unwrap_or(false),
                 queued_ahead,
+                offers,
                 ..Default::default()
             };
             if let (Some(inputs), Some(deadline_s)) = (inputs, deadline_s) {

@@ -327,6 +327,8 @@ pub struct JobSpec {
     pub sleepable: bool,
     /// What one unit of its reported work is (empty: "units").
     pub work_unit: String,
+    /// Opportunistic work: GPU-seconds of run bought (0: no bound).
+    pub budget_gpu_s: u64,
     /// The core's view: id, priority, tasks, shape.
     pub job: Job,
 }
@@ -365,6 +367,9 @@ pub struct JobRecord {
     /// Preempted jobs whose processes must be gone before this job's tasks
     /// start on their GPUs.
     pub waiting_on: Vec<u64>,
+    /// GPU-milliseconds its ended runs were charged: GPUs x the time from
+    /// a run's start to when the host ended it or took it back.
+    pub charged_gpu_ms: u64,
     /// Times it was preempted.
     pub interruptions: u32,
     /// When (clock seconds) the latest of those were, at most
@@ -381,6 +386,29 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// The running run ends now (`now_ms`, host clock): it is charged GPUs
+    /// x its length. Nothing for a record that is not running.
+    pub fn close_run(&mut self, now_ms: u64) {
+        self.charged_gpu_ms = self.charged_gpu_ms_at(now_ms);
+    }
+
+    /// GPU-milliseconds charged so far, the running run's included.
+    pub fn charged_gpu_ms_at(&self, now_ms: u64) -> u64 {
+        let running = self.state == JobState::Running && self.started_unix_ms > 0;
+        let run = if running { self.spec.job.gpus_held() * now_ms.saturating_sub(self.started_unix_ms) as f64 } else { 0.0 };
+        self.charged_gpu_ms.saturating_add(run as u64)
+    }
+
+    /// Seconds of run its budget has left at its GPUs (`None`: no budget).
+    pub fn budget_left_s(&self) -> Option<u64> {
+        if self.spec.budget_gpu_s == 0 {
+            return None;
+        }
+        let gpus = self.spec.job.gpus_held().max(1e-3);
+        let left_ms = self.spec.budget_gpu_s.saturating_mul(1000).saturating_sub(self.charged_gpu_ms);
+        Some((left_ms as f64 / 1000.0 / gpus).floor() as u64)
+    }
+
     /// Whether a run of it that ends now, short of finishing, loses its
     /// work since its last checkpoint: not once its owner stopped it (a
     /// cancel, a time limit).
