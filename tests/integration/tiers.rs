@@ -388,3 +388,71 @@ async fn an_opportunistic_budget_is_charged_only_for_what_ran() {
     .await;
     assert_eq!(charged_s(&again), total, "the charge kept across the restart");
 }
+
+/// A preemptible job already at its daily cap that the host stops again
+/// (its node lost) is a broken promise, past-cap, credited to its tenant;
+/// with an outage bound it is placed again ahead of newer work of its
+/// priority. Two real agents; one is killed with SIGKILL under the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_stopped_past_its_cap_is_credited_and_placed_again_first() {
+    let d = dir("tiers-pastcap");
+    let args = ["--agent-timeout-ms", "1000", "--reschedule-after-ms", "1000", "--notice-s", "1", "--max-interruptions-per-day", "1", "--max-outage-s", "600"];
+    let (_host, url) = serve(&d, "serve", &d.join("state"), &args).await;
+    let mut agents = std::collections::BTreeMap::new();
+    for n in ["n1", "n2"] {
+        agents.insert(n.to_string(), agent(&d, &url, n, "1xH20", &[]));
+    }
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut alice = berth::client::connect(&url, Some("alice-test-token"), None, None).await.unwrap();
+    for n in ["n1", "n2"] {
+        schedulable(&api, n).await;
+    }
+    upload_rank(&mut api, &policy_path("spot-gpu")).await;
+    let high = || pb::JobSpec { priority: 5, ..agent_job(&d, 1, 1) };
+    let submit = |api: &mut berth::client::Client, job: pb::JobSpec| {
+        let mut api = api.clone();
+        async move { api.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap().into_inner().job_id }
+    };
+    // High-priority work on one node, alice's preemptible job on the other.
+    let h0 = submit(&mut api, high()).await;
+    running(&api, &[h0]).await;
+    let p = submit(&mut alice, agent_job(&d, 1, 1)).await;
+    running(&api, &[p]).await;
+    // A second high job takes p's GPU back: p's one interruption today.
+    let h1 = submit(&mut api, high()).await;
+    running(&api, &[h1]).await;
+    let newer = submit(&mut alice, agent_job(&d, 1, 1)).await;
+    let owed = credits_of(&mut api, "alice").await.expect("the preemption is on the ledger");
+    assert_eq!((owed.preemptions, owed.broken_promises), (1, 0), "{owed:?}");
+    // h0 ends: p, interrupted, runs again ahead of the newer job.
+    std::fs::write(d.join(format!("release-{h0}")), "0").unwrap();
+    let again = running(&api, &[p]).await;
+    assert_eq!(jobs(&api).await.iter().find(|j| j.id == newer).unwrap().state, "pending");
+    let node = again[0].runs[0].node.clone();
+
+    // Its node is lost (agent killed, past the reschedule wait): p is
+    // stopped again at its cap, a broken promise of at least a GPU-hour.
+    kill9(agents.get_mut(&node).unwrap());
+    let owed = until("the past-cap promise credited", Duration::from_secs(60), || {
+        let mut api = api.clone();
+        async move { credits_of(&mut api, "alice").await.filter(|c| c.broken_promises == 1) }
+    })
+    .await;
+    assert!(owed.credit_gpu_hours >= 1.0, "the floor, one GPU-hour for a one-GPU job: {owed:?}");
+    let log = crate::agent::plain(&std::fs::read_to_string(d.join("serve.log")).unwrap());
+    assert!(log.lines().any(|l| l.contains("promise broken: stopped by the host past its daily interruption cap") && l.contains(&format!("job={p} "))), "no past-cap promise logged for job {p}");
+    let requeued = jobs(&api).await.into_iter().find(|j| j.id == p).unwrap();
+    assert_eq!(requeued.state, "pending", "{requeued:?}");
+    assert!(requeued.detail.contains("requeued"), "{requeued:?}");
+
+    // h1 ends: p, interrupted, is placed again before the newer job.
+    std::fs::write(d.join(format!("release-{h1}")), "0").unwrap();
+    running(&api, &[p]).await;
+    let all = jobs(&api).await;
+    assert_one_owner(&all, &[]);
+    assert_eq!(all.iter().find(|j| j.id == newer).unwrap().state, "pending", "{all:?}");
+    // (The lost run's process outlived its agent: let it and the rest end.)
+    for id in [p, newer] {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+}
