@@ -357,6 +357,16 @@ impl TaskGroup {
         self.dir("freezer").is_some_and(|d| d.join(if self.v2 { "cgroup.freeze" } else { "freezer.state" }).exists())
     }
 
+    /// Whether the kernel has finished freezing the group (v1 FREEZING is
+    /// on the way, not there: some task may still run).
+    pub fn frozen_through(&self) -> bool {
+        match self.dir("freezer") {
+            Some(d) if self.v2 => read(d, "cgroup.events").is_some_and(|s| s.lines().any(|l| l.trim() == "frozen 1")),
+            Some(d) => read(d, "freezer.state").is_some_and(|s| s.trim() == "FROZEN"),
+            None => false,
+        }
+    }
+
     /// Whether the group is frozen now.
     pub fn frozen(&self) -> bool {
         match self.dir("freezer") {

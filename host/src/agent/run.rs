@@ -553,6 +553,10 @@ struct Agent {
     /// Exit reports the host has not acknowledged yet (it was away); their
     /// records stay on disk until it does.
     unsent: Mutex<Vec<pb::AllocationReport>>,
+    /// Exit reports on their way to the host, not yet acknowledged: still
+    /// named in heartbeats, so a beat that overtakes its report never
+    /// makes the host take the task for lost.
+    sending: Mutex<std::collections::HashSet<u64>>,
     /// The identity of the host this agent registered with last (empty
     /// before, or from a host that has none).
     host: Mutex<String>,
@@ -589,6 +593,7 @@ impl Agent {
             client: Mutex::new(None),
             state_dir,
             unsent: Mutex::new(Vec::new()),
+            sending: Mutex::new(Default::default()),
             host: Mutex::new(String::new()),
             ended_under: Mutex::new(HashMap::new()),
             isolation,
@@ -726,11 +731,23 @@ impl Agent {
     /// Sends the exit reports the host has not had; forgets the records of
     /// those it acknowledged.
     async fn flush(&self) {
-        let pending: Vec<pb::AllocationReport> = std::mem::take(&mut *self.unsent.lock().unwrap());
+        let pending: Vec<pb::AllocationReport> = {
+            // (Named as sending before they leave the unsent list: a
+            // heartbeat reads one or the other.)
+            let mut unsent = self.unsent.lock().unwrap();
+            self.sending.lock().unwrap().extend(unsent.iter().map(|r| r.allocation_id));
+            std::mem::take(&mut *unsent)
+        };
         let mut client = self.client();
         for r in pending {
             let id = r.allocation_id;
-            match client.report_allocation(r.clone()).await {
+            let sent = client.report_allocation(r.clone()).await;
+            // Kept for later unless the host took it or never will.
+            if sent.as_ref().is_err_and(|s| s.code() != tonic::Code::NotFound) {
+                self.unsent.lock().unwrap().push(r.clone());
+            }
+            self.sending.lock().unwrap().remove(&id);
+            match sent {
                 Ok(_) => self.forget_task_files(id),
                 Err(s) if s.code() == tonic::Code::NotFound => {
                     tracing::warn!(target: "berth::agent", allocation = id, "the host does not know this allocation: {}", s.message());
@@ -738,7 +755,6 @@ impl Agent {
                 }
                 Err(s) => {
                     tracing::warn!(target: "berth::agent", allocation = id, "report kept for later: {:?}: {}", s.code(), s.message());
-                    self.unsent.lock().unwrap().push(r);
                 }
             }
         }
@@ -859,7 +875,11 @@ impl Agent {
             // (Children first: a child leaves them only after its report is
             // queued, so one read or the other finds it.)
             let mut running: Vec<u64> = self.children.lock().unwrap().keys().copied().collect();
-            running.extend(self.unsent.lock().unwrap().iter().map(|r| r.allocation_id));
+            {
+                let unsent = self.unsent.lock().unwrap();
+                running.extend(unsent.iter().map(|r| r.allocation_id));
+                running.extend(self.sending.lock().unwrap().iter().copied());
+            }
             running.sort_unstable();
             running.dedup();
             let gpus = self.src.lock().unwrap().sample(&busy).into_iter().map(telemetry).collect();
@@ -1181,7 +1201,21 @@ impl Agent {
                     let group = self.isolation.group(id);
                     let freezer = group.has_freezer();
                     match action {
-                        "sleep" if freezer => group.freeze(true).map_err(std::io::Error::other),
+                        "sleep" if freezer => match group.freeze(true) {
+                            // Asleep once every task is: reported only then.
+                            Ok(()) => {
+                                let mut waited = Duration::ZERO;
+                                while !group.frozen_through() && waited < Duration::from_secs(2) {
+                                    tokio::time::sleep(Duration::from_millis(5)).await;
+                                    waited += Duration::from_millis(5);
+                                }
+                                if !group.frozen_through() {
+                                    tracing::warn!(target: "berth::agent", allocation = id, "still freezing after 2 s");
+                                }
+                                Ok(())
+                            }
+                            Err(e) => Err(std::io::Error::other(e)),
+                        },
                         "wake" if freezer => group.freeze(false).map_err(std::io::Error::other),
                         "sleep" => signal_group(pid, libc::SIGSTOP),
                         "wake" => signal_group(pid, libc::SIGCONT),
