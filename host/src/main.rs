@@ -204,6 +204,13 @@ struct ReplayArgs {
     /// priced in the "credit GPUh" column.
     #[arg(long, requires = "preempt", default_value_t = 0)]
     max_outage_s: u64,
+    /// With --preempt: the tiers low-priority jobs are sold as,
+    /// "GUARANTEED,PREEMPTIBLE,OPPORTUNISTIC" percentages summing to 100
+    /// (drawn per job), e.g. 10,60,30: guaranteed work is never a victim,
+    /// opportunistic work is stopped without notice or cap. Prints each
+    /// tier's completion, interruptions and credits per run
+    #[arg(long, requires = "preempt", value_name = "G,P,O", default_value = "0,100,0")]
+    tiers: String,
     /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model). Omit both --nodes
     /// and --pods to replay a seeded, generated trace.
     #[arg(long, requires = "pods")]
@@ -1155,7 +1162,8 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
             ..Default::default()
         };
         // Compaction and the quote run in every one of the runs.
-        let alongside = berth::asi::preempt::Alongside { compaction: compaction.as_ref(), quote: request.as_ref(), costs: Some(&economics.cost_per_gpu_hour) };
+        let tiers = berth::asi::preempt::TierMix::parse(&args.tiers).context("--tiers")?;
+        let alongside = berth::asi::preempt::Alongside { compaction: compaction.as_ref(), quote: request.as_ref(), costs: Some(&economics.cost_per_gpu_hour), tiers };
         let rows = berth::asi::preempt::compare(&engine, &placement, &rankers, &fleet, &jobs, &base, alongside, replay_limits(args))?;
         print!("{}", berth::asi::preempt::table(&rows));
         let html_rows: Vec<_> = rows

@@ -408,6 +408,35 @@ fn spot_gpu_loses_less_work_than_both_baselines() {
     assert!(lost[0] < lost[1] && lost[0] < lost[2], "lost GPU-hours: spot-gpu {:.1}, smallest-first {:.1}, newest-first {:.1}", lost[0], lost[1], lost[2]);
 }
 
+/// Replay sells low-priority work as a mix of tiers (`--tiers`): the
+/// engine honours each job's own contract. Guaranteed jobs are never
+/// interrupted and owed nothing; opportunistic jobs are interrupted and
+/// owed nothing; preemptible jobs are owed their lost work.
+#[test]
+fn a_replay_honours_each_jobs_tier() {
+    let (fleet, _) = FleetConfig::parse(ASI_DEFAULT, "default").unwrap().scaled(0.02).build().unwrap();
+    let rankers = vec![load(&policy_path("spot-gpu"))];
+    let placement = load(&policy_path("best-fit"));
+    let jobs = WorkloadConfig { days: 3.0, seed: 1, ..WorkloadConfig::default() }.generate(&fleet);
+    let base = SimConfig { horizon_s: 3 * 86_400, ..SimConfig::default() };
+    let tiers = berth::asi::preempt::TierMix::parse("30,40,30").unwrap();
+    let alongside = berth::asi::preempt::Alongside { tiers, ..Default::default() };
+    let rows = berth::asi::preempt::compare(&engine(), &placement, &rankers, &fleet, &jobs, &base, alongside, Limits::default()).unwrap();
+    let spot = &rows[2];
+    let tier = |name: &str| spot.by_tier.iter().find(|t| t.tier == name).unwrap_or_else(|| panic!("no {name} row: {:?}", spot.by_tier));
+    let (g, p, o) = (tier("guaranteed"), tier("preemptible"), tier("opportunistic"));
+    assert_eq!(g.jobs + p.jobs + o.jobs, spot.low_jobs);
+    for t in [g, p, o] {
+        assert!(t.jobs as f64 >= 0.2 * spot.low_jobs as f64, "a 30/40/30 draw: {:?}", spot.by_tier);
+    }
+    assert_eq!((g.interruptions, g.credit_gpu_h), (0, 0.0), "{g:?}");
+    assert!(o.interruptions > 0 && o.credit_gpu_h == 0.0, "{o:?}");
+    assert!(p.interruptions > 0 && p.credit_gpu_h > 0.0 && (p.credit_gpu_h - p.lost_gpu_h).abs() < 1e-6, "{p:?}");
+    let total: f64 = spot.by_tier.iter().map(|t| t.credit_gpu_h).sum();
+    assert!((total - spot.credit_gpu_h).abs() < 1e-6, "the tiers' credits add up to the run's");
+    assert!(berth::asi::preempt::TierMix::parse("50,50,1").is_err() && berth::asi::preempt::TierMix::parse("a,b,c").is_err());
+}
+
 /// The `backlog` preset (ASI's high-priority mix plus a large low-priority
 /// backlog): low-priority fill without preemption takes capacity high
 /// priority needed; with SpotGPU preemption total allocation passes 90%

@@ -11,7 +11,7 @@ use berth_core::compaction::{CompactionConfig, CompactionPolicy, Ledger};
 use berth_core::harvest::Harvest;
 use berth_core::job::PriorityContract;
 use berth_core::sim::{simulate_with, Deciders, Job, SimConfig, SimOutcome};
-use berth_core::Fleet;
+use berth_core::{Fleet, Tier};
 use serde::Serialize;
 
 use super::report::percentile;
@@ -65,6 +65,64 @@ pub struct PreemptRow {
     /// With a quote request: the quote at the end of the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub quote: Option<Quote>,
+    /// Low-priority work by the tier it was sold as (tiers with jobs only).
+    pub by_tier: Vec<TierRow>,
+}
+
+/// One tier's low-priority jobs in one run.
+#[derive(Debug, Serialize, Clone, PartialEq)]
+pub struct TierRow {
+    pub tier: String,
+    pub jobs: usize,
+    pub finished: usize,
+    /// Arrival to end, unfinished ones counted to the horizon, h.
+    pub completion_mean_h: f64,
+    pub interruptions: u64,
+    pub lost_gpu_h: f64,
+    pub credit_gpu_h: f64,
+    pub broken_promises: u64,
+}
+
+/// The tiers low-priority work is sold as in a replay, in percent of the
+/// low-priority jobs (drawn per job id; high-priority work never is a
+/// victim, whatever its tier).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierMix {
+    pub guaranteed_pct: u32,
+    pub preemptible_pct: u32,
+    pub opportunistic_pct: u32,
+}
+
+impl Default for TierMix {
+    /// Every low-priority job preemptible.
+    fn default() -> Self {
+        TierMix { guaranteed_pct: 0, preemptible_pct: 100, opportunistic_pct: 0 }
+    }
+}
+
+impl TierMix {
+    /// Parses "G,P,O" (percent, summing to 100), e.g. "10,60,30".
+    pub fn parse(text: &str) -> anyhow::Result<TierMix> {
+        let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+        anyhow::ensure!(parts.len() == 3, "{:?}: want GUARANTEED,PREEMPTIBLE,OPPORTUNISTIC percentages, e.g. 10,60,30", crate::text::printable(text, 64));
+        let pct = |s: &str| -> anyhow::Result<u32> { s.parse::<u32>().map_err(|_| anyhow::anyhow!("{:?} is not a whole percentage", crate::text::printable(s, 32))) };
+        let mix = TierMix { guaranteed_pct: pct(parts[0])?, preemptible_pct: pct(parts[1])?, opportunistic_pct: pct(parts[2])? };
+        let sum = u64::from(mix.guaranteed_pct) + u64::from(mix.preemptible_pct) + u64::from(mix.opportunistic_pct);
+        anyhow::ensure!(sum == 100, "the shares sum to {sum}, not 100");
+        Ok(mix)
+    }
+
+    /// The tier of the job whose draw is `draw` (any u64).
+    fn tier(&self, draw: u64) -> Tier {
+        let u = (draw % 100) as u32;
+        if u < self.guaranteed_pct {
+            Tier::Guaranteed
+        } else if u < self.guaranteed_pct + self.preemptible_pct {
+            Tier::Preemptible
+        } else {
+            Tier::Opportunistic
+        }
+    }
 }
 
 /// Mechanisms every run of the comparison composes with preemption.
@@ -76,23 +134,28 @@ pub struct Alongside<'a> {
     pub quote: Option<&'a (PendingShape, Option<u64>)>,
     /// Prices of a GPU-hour by model (lower case), for the outcome.
     pub costs: Option<&'a std::collections::BTreeMap<String, f64>>,
+    /// The tiers low-priority work is sold as.
+    pub tiers: TierMix,
 }
 
 /// Gives each low-priority job a contract: checkpoints every 30, 60 or 120
-/// minutes, and one job in four checkpoints when given notice. Drawn from
-/// the job id, so the workload generator's own draws are untouched. The
-/// rest (notice, cap, outage bound) is `base`'s.
-pub fn with_contracts(jobs: &[Job], base: PriorityContract) -> Vec<Job> {
+/// minutes, one job in four checkpoints when given notice, and a tier drawn
+/// from `tiers`. Drawn from the job id, so the workload generator's own
+/// draws are untouched. The rest (notice, cap, outage bound) is `base`'s,
+/// as the tier has it.
+pub fn with_contracts(jobs: &[Job], base: PriorityContract, tiers: TierMix) -> Vec<Job> {
     jobs.iter()
         .map(|j| {
             let mut j = j.clone();
             if j.priority < HIGH_PRIORITY {
                 let h = j.id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
-                j.contract = Some(PriorityContract {
+                let tier = tiers.tier(j.id.wrapping_add(0x5851_F42D).wrapping_mul(0xBF58_476D_1CE4_E5B9) >> 29);
+                let contract = PriorityContract {
                     checkpoint_every_s: [1800, 3600, 7200][(h % 3) as usize],
                     checkpoint_on_notice: h % 4 == 0,
                     ..base
-                });
+                };
+                j.contract = Some(contract.of_tier(tier));
             }
             j
         })
@@ -115,7 +178,7 @@ pub fn compare(
     alongside: Alongside<'_>,
     limits: Limits,
 ) -> anyhow::Result<Vec<PreemptRow>> {
-    let jobs = with_contracts(jobs, base.contract);
+    let jobs = with_contracts(jobs, base.contract, alongside.tiers);
     let horizon_s = base.horizon_s;
     let config = SimConfig { high_priority: HIGH_PRIORITY, ..base.clone() };
     let run = |name: &str, jobs: &[Job], ranker: Option<&Arc<LoadedPolicy>>| -> anyhow::Result<PreemptRow> {
@@ -192,6 +255,22 @@ fn summarise(run: &str, fleet: &Fleet, jobs: &[Job], out: &SimOutcome, horizon_s
         wake_failures: out.wake_failures,
         compaction: None,
         quote: None,
+        by_tier: Tier::ALL
+            .iter()
+            .filter_map(|&tier| {
+                let of: Vec<_> = low.iter().filter(|(j, _)| j.contract.map_or(Tier::Preemptible, |c| c.tier) == tier).collect();
+                (!of.is_empty()).then(|| TierRow {
+                    tier: tier.name().to_string(),
+                    jobs: of.len(),
+                    finished: of.iter().filter(|(_, o)| o.end_s.is_some()).count(),
+                    completion_mean_h: of.iter().map(|(j, o)| (o.end_s.unwrap_or(horizon_s.max(j.arrival_s)) - j.arrival_s) as f64 / 3600.0).sum::<f64>() / of.len() as f64,
+                    interruptions: of.iter().map(|(_, o)| u64::from(o.interruptions)).sum(),
+                    lost_gpu_h: of.iter().map(|(_, o)| o.lost_gpu_s).sum::<f64>() / 3600.0,
+                    credit_gpu_h: of.iter().map(|(_, o)| o.credit_gpu_h).sum(),
+                    broken_promises: of.iter().map(|(_, o)| u64::from(o.broken)).sum(),
+                })
+            })
+            .collect(),
     }
 }
 
@@ -204,6 +283,15 @@ pub fn table(rows: &[PreemptRow]) -> String {
     s += &rows_table(rows);
     for r in rows.iter().filter(|r| r.broken_promises > 0) {
         s += &format!("{}: {} promises broken (of {:.1} GPU-h owed)\n", r.run, r.broken_promises, r.credit_gpu_h);
+    }
+    // By tier, where more than one was sold.
+    for r in rows.iter().filter(|r| r.by_tier.len() > 1) {
+        for t in &r.by_tier {
+            s += &format!(
+                "{}: {:<13} {:>5}/{:<5} done, completion {:.1}h, {} interruptions, {:.1} GPU-h lost, {:.1} GPU-h owed, {} promises broken\n",
+                r.run, t.tier, t.finished, t.jobs, t.completion_mean_h, t.interruptions, t.lost_gpu_h, t.credit_gpu_h, t.broken_promises
+            );
+        }
     }
     for r in rows.iter().filter(|r| r.compaction.is_some() || r.quote.is_some()) {
         s += &format!("{}:", r.run);
