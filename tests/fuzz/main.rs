@@ -500,7 +500,7 @@ mod grpc {
             ("/berth.v1.Berth/SubmitJob", pb::SubmitJobRequest { job: Some(job.clone()), ..Default::default() }.encode_to_vec()),
             ("/berth.v1.Berth/CancelJob", pb::CancelJobRequest { job_id: 1 }.encode_to_vec()),
             ("/berth.v1.Berth/ListJobs", pb::ListJobsRequest { partition: "p0".into(), ..Default::default() }.encode_to_vec()),
-            ("/berth.v1.Berth/ExplainJob", pb::ExplainJobRequest { job_id: 1 }.encode_to_vec()),
+            ("/berth.v1.Berth/ExplainJob", pb::ExplainJobRequest { job_id: 1, what_if: true }.encode_to_vec()),
             ("/berth.v1.Berth/Quote", pb::QuoteRequest { partition: "p0".into(), tasks: 1, gpus: 1, gpu_milli: 1000, ..Default::default() }.encode_to_vec()),
             ("/berth.v1.Berth/UploadPolicy", pb::UploadPolicyRequest { partition: "p0".into(), component: b"\0asm\x0d\0\x01\0".to_vec(), ..Default::default() }.encode_to_vec()),
             ("/berth.v1.AgentHub/Register", pb::RegisterAgentRequest { node: "fz".into(), partition: "p0".into(), gpus: vec![gpu], ..Default::default() }.encode_to_vec()),

@@ -74,7 +74,7 @@ async fn a_gang_is_starved_by_small_jobs_until_an_operator_turns_the_guard_on() 
     // Guard off: eight seconds, many passes, and the gang never starts.
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert_eq!(state_of(&mut ops, gang).await, "pending", "the gang started with the guard off");
-    let why = ops.explain_job(pb::ExplainJobRequest { job_id: gang }).await.unwrap().into_inner();
+    let why = ops.explain_job(pb::ExplainJobRequest { job_id: gang, ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(why.reserved_until_unix_s, 0, "{}", why.summary);
     let started_small = jobs(&mut ops, "p0").await.iter().filter(|j| j.id > gang && j.state != "pending").count();
     assert!(started_small >= 20, "later 1-GPU jobs went past the gang: {started_small}");
@@ -96,7 +96,7 @@ async fn a_gang_is_starved_by_small_jobs_until_an_operator_turns_the_guard_on() 
     let mut reserved_until = 0;
     let mut summary = String::new();
     while state_of(&mut ops, gang).await == "pending" {
-        let why = ops.explain_job(pb::ExplainJobRequest { job_id: gang }).await.unwrap().into_inner();
+        let why = ops.explain_job(pb::ExplainJobRequest { job_id: gang, ..Default::default() }).await.unwrap().into_inner();
         if why.reserved_until_unix_s != 0 {
             reserved_until = why.reserved_until_unix_s;
             summary = why.summary;
@@ -152,7 +152,7 @@ async fn an_admission_window_lets_a_gang_start_within_a_window_of_a_stream() {
         if held.is_empty()
             && let Some(small) = jobs(&mut ops, "p0").await.into_iter().find(|j| j.id > gang && j.state == "pending")
         {
-            let why = ops.explain_job(pb::ExplainJobRequest { job_id: small.id }).await.unwrap().into_inner();
+            let why = ops.explain_job(pb::ExplainJobRequest { job_id: small.id, ..Default::default() }).await.unwrap().into_inner();
             if why.summary.contains("admission window") {
                 held = why.summary;
             }

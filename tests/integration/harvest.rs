@@ -114,7 +114,7 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     let js = jobs(&api).await;
     assert_eq!(job(&js, h).state, "pending", "{:?}", job(&js, h));
     assert_eq!(job(&js, low).state, "running");
-    let why = api.explain_job(pb::ExplainJobRequest { job_id: h }).await.unwrap().into_inner();
+    let why = api.explain_job(pb::ExplainJobRequest { job_id: h, ..Default::default() }).await.unwrap().into_inner();
     assert!(why.summary.contains("1 nodes: GPUs lent by a sleeping job"), "{why:?}");
     api.cancel_job(pb::CancelJobRequest { job_id: h }).await.unwrap();
 
@@ -331,7 +331,7 @@ async fn a_sleeping_replica_that_still_holds_gpu_memory_lends_nothing() {
     let why = until("the refusal said", Duration::from_secs(30), || {
         let mut api = api.clone();
         async move {
-            let e = api.explain_job(pb::ExplainJobRequest { job_id: held }).await.ok()?.into_inner();
+            let e = api.explain_job(pb::ExplainJobRequest { job_id: held, ..Default::default() }).await.ok()?.into_inner();
             e.last_decision.contains("GPUs not lent").then_some(e.last_decision)
         }
     })

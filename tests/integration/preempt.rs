@@ -364,7 +364,7 @@ async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let j = jobs(&api).await.into_iter().find(|j| j.id == low).unwrap();
     assert_eq!(j.state, "pending", "{j:?}");
-    let why = api.explain_job(pb::ExplainJobRequest { job_id: low }).await.unwrap().into_inner();
+    let why = api.explain_job(pb::ExplainJobRequest { job_id: low, ..Default::default() }).await.unwrap().into_inner();
     assert!(why.summary.contains("preempted 1 times in 24 h, its contract's limit"), "{why:?}");
     let wait = |summary: &str| -> u64 { summary.split("starts again in ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).expect("a wait in seconds") };
     assert!(wait(&why.summary) > 86_000 && wait(&why.summary) <= 86_400, "{}", why.summary);
@@ -377,7 +377,7 @@ async fn a_job_at_its_interruption_limit_waits_out_the_day() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let j = jobs(&api).await.into_iter().find(|j| j.id == low).unwrap();
     assert_eq!(j.state, "pending", "{j:?}");
-    let again = api.explain_job(pb::ExplainJobRequest { job_id: low }).await.unwrap().into_inner();
+    let again = api.explain_job(pb::ExplainJobRequest { job_id: low, ..Default::default() }).await.unwrap().into_inner();
     assert!(again.summary.contains("its contract's limit") && wait(&again.summary) <= wait(&why.summary), "{again:?}");
     api.cancel_job(pb::CancelJobRequest { job_id: low }).await.unwrap();
 }
@@ -503,4 +503,87 @@ async fn a_plain_task_lives_through_its_preemption_notice() {
     running(&api, &[h]).await;
     assert_one_owner(&jobs(&api).await, &[]);
     std::fs::write(d.join(format!("release-{h}")), "0").unwrap();
+}
+
+/// `berth explain JOB --what-if` on a live host with real agents: for a
+/// pending two-GPU job it names the cheapest work to stop (all of one
+/// node's jobs), the movable task to move into a hole elsewhere, and the
+/// unreachable node to repair, each with its cost, and acts on none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_what_if_names_a_stop_a_move_and_a_repair_and_does_none() {
+    let d = dir("whatif");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let (_host, url) = serve(&d, "serve", &d.join("state"), &["--listen", listen.as_str(), "--agent-timeout-ms", "1000", "--no-auto-compaction", "--high-priority", "10"]).await;
+    let mut agents = Vec::new();
+    for n in ["n1", "n2", "n3"] {
+        agents.push(agent(&d, &url, n, "2xH20", &[]));
+    }
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    for n in ["n1", "n2", "n3"] {
+        schedulable(&api, n).await;
+    }
+    // Five one-GPU low jobs (the fifth movable), then one cancelled: every
+    // node holds work, one has a hole.
+    let mut low = Vec::new();
+    for k in 0..5 {
+        let job = pb::JobSpec { movable: k == 4, ..low_job(&d, 1) };
+        low.push(api.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap().into_inner().job_id);
+        running(&api, &low).await;
+    }
+    let node_of = |all: &[pb::Job], id: u64| all.iter().find(|j| j.id == id).unwrap().runs[0].node.clone();
+    let all = jobs(&api).await;
+    let movable_node = node_of(&all, low[4]);
+    // Cancel a job on another node than the movable one: a hole there.
+    let hole_job = *low[..4].iter().find(|&&id| node_of(&all, id) != movable_node).unwrap();
+    let hole = node_of(&all, hole_job);
+    api.cancel_job(pb::CancelJobRequest { job_id: hole_job }).await.unwrap();
+    std::fs::write(d.join(format!("release-{hole_job}")), "0").unwrap();
+    // A fourth node joins and becomes unreachable: down, empty.
+    let mut n4 = agent(&d, &url, "n4", "2xH20", &[]);
+    schedulable(&api, "n4").await;
+    kill9(&mut n4);
+    until("n4 unschedulable", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { crate::agent::node_info(&api, "n4").await.filter(|n| !n.schedulable) }
+    })
+    .await;
+    // Priority 5, below the host's high-priority threshold (10): it waits
+    // rather than preempt (the what-if still names the lower work).
+    let high = pb::JobSpec { priority: 5, ..low_job(&d, 2) };
+    let h = api.submit_job(pb::SubmitJobRequest { job: Some(high), ..Default::default() }).await.unwrap().into_inner().job_id;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = jobs(&api).await;
+    let why = api.explain_job(pb::ExplainJobRequest { job_id: h, what_if: true }).await.unwrap().into_inner();
+    assert_eq!(why.state, "pending", "{why:?}");
+    let kind = |k: &str| why.what_if.iter().find(|w| w.kind == k).unwrap_or_else(|| panic!("no {k}: {why:?}")).clone();
+    // Stop: every job of one node, and nothing else.
+    let stop = kind("preempt");
+    let stopped_node = node_of(&before, stop.jobs[0]);
+    let on_it: Vec<u64> = before.iter().filter(|j| j.state == "running" && j.runs[0].node == stopped_node).map(|j| j.id).collect();
+    let mut named = stop.jobs.clone();
+    named.sort_unstable();
+    assert_eq!(named, on_it, "{stop:?}");
+    // Move: the movable task into the hole, its memory copied.
+    let mv = kind("move");
+    assert_eq!((mv.jobs.clone(), mv.moves.clone()), (vec![low[4]], vec![format!("{}: {movable_node} -> {hole}", low[4])]), "{mv:?}");
+    assert_eq!(mv.bytes_moved, 1024 << 20);
+    // Repair: the unreachable node.
+    assert_eq!(kind("repair").nodes, vec!["n4".to_string()]);
+    // Nothing was done: every job where it was.
+    let after = jobs(&api).await;
+    for j in before.iter().filter(|j| j.state == "running") {
+        let now = after.iter().find(|a| a.id == j.id).unwrap();
+        assert_eq!((now.state.as_str(), now.runs[0].allocation_id), ("running", j.runs[0].allocation_id), "job {} touched", j.id);
+    }
+    assert_one_owner(&after, &[]);
+    // The CLI prints the three lines.
+    let out = std::process::Command::new(BERTH).args(["explain", &h.to_string(), "--what-if", "--server", &url, "--token", "ops-test-token"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for line in ["preempt job(s)", "GPU-s of work lost", &format!("move 1 task(s) of job(s) [{}]", low[4]), "1.0 GiB copied", "repair node(s) n4"] {
+        assert!(text.contains(line), "no {line:?} in:\n{text}");
+    }
+    for id in low.iter().chain([&h]) {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
 }

@@ -113,7 +113,7 @@ fn ended_jobs_leave_memory_and_the_store_after_their_retention_and_pruned_ids_ar
     newest.sort_unstable_by(|a, b| b.cmp(a));
     newest.truncate(100);
     assert_eq!(paged, newest, "the pages list the newest 100, each once");
-    let gone = rt.block_on(api.explain_job(pb::ExplainJobRequest { job_id: submitted[0] })).unwrap_err();
+    let gone = rt.block_on(api.explain_job(pb::ExplainJobRequest { job_id: submitted[0], ..Default::default() })).unwrap_err();
     assert_eq!(gone.code(), Code::NotFound, "a pruned job is gone: {gone:?}");
 
     // Past the time bound everything ended leaves, the newest ids too.

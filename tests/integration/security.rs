@@ -266,7 +266,7 @@ async fn caller_fields_are_bounded_and_roles_hide_what_they_should() {
     let absent = carol.cancel_job(berth::proto::CancelJobRequest { job_id: 987_654 }).await.unwrap_err();
     assert_eq!((hidden.code(), absent.code()), (Code::NotFound, Code::NotFound));
     assert_eq!(hidden.message().replace(&secret.to_string(), "N"), absent.message().replace("987654", "N"));
-    let e = carol.explain_job(berth::proto::ExplainJobRequest { job_id: secret }).await.unwrap_err();
+    let e = carol.explain_job(berth::proto::ExplainJobRequest { job_id: secret, ..Default::default() }).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
     let real = carol.submit_job(job("p2", 1)).await.unwrap_err();
     let fake = carol.submit_job(job("nowhere", 1)).await.unwrap_err();

@@ -334,7 +334,7 @@ async fn hostile_version_trips_the_breaker_and_the_partition_rolls_back() {
     let mut a100 = job("p2", 1);
     a100.job.as_mut().unwrap().models = vec!["A100".into()];
     let waiting = alice.submit_job(a100).await.unwrap().into_inner().job_id;
-    let why = alice.explain_job(pb::ExplainJobRequest { job_id: waiting }).await.unwrap().into_inner();
+    let why = alice.explain_job(pb::ExplainJobRequest { job_id: waiting, ..Default::default() }).await.unwrap().into_inner();
     assert_eq!((why.state.as_str(), why.summary.as_str()), ("pending", "32 nodes: GPU model mismatch"));
     let acc = ops.accounting(pb::AccountingRequest { partition: "p2".into() }).await.unwrap().into_inner();
     let p2 = acc.rows.iter().find(|r| r.group == "partition p2").unwrap().gpus.unwrap();

@@ -766,6 +766,38 @@ impl Engine {
             .collect()
     }
 
+    /// What would let pending job `slot` start now (see
+    /// [`crate::whatif`]), on the nodes `keep` accepts, never acting: the
+    /// running work's priority, contract (guaranteed work and protected
+    /// partitions are never stopped) and work since its last checkpoint come
+    /// from the engine; whether a job may be moved, and the bytes a task's
+    /// move copies, from `movable`.
+    pub fn what_if(&self, fleet: &Fleet, slot: Slot, now: u64, keep: &dyn Fn(NodeId, &Node) -> bool, movable: &dyn Fn(&Job) -> Option<u64>) -> Vec<crate::whatif::Change> {
+        let running: Vec<crate::whatif::Running> = self
+            .runs
+            .planned_end
+            .iter()
+            .enumerate()
+            .filter(|(v, e)| e.is_some() && !self.sleeping.contains_key(v) && !self.runs.held[*v].is_empty())
+            .map(|(v, _)| {
+                let job = &self.jobs[v];
+                let contract = self.config.contract_of(job);
+                let protected = self.runs.held[v].iter().any(|a| self.config.protected_partitions.contains(&fleet.nodes()[a.node as usize].partition));
+                let since = self.runs.since_checkpoint(v, now, job, &contract);
+                crate::whatif::Running {
+                    job_id: job.id,
+                    priority: job.priority,
+                    allocations: &self.runs.held[v],
+                    stoppable: contract.tier != crate::contract::Tier::Guaranteed && !protected,
+                    lost_gpu_s: job.gpus_held() * since as f64,
+                    movable: movable(job).is_some(),
+                    state_bytes_per_task: movable(job).unwrap_or(0),
+                }
+            })
+            .collect();
+        crate::whatif::what_would_let_it_start(fleet, &self.jobs[slot], keep, &running)
+    }
+
     fn low(&self, j: Slot) -> bool {
         self.jobs[j].priority < self.config.high_priority
     }

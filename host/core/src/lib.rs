@@ -23,6 +23,7 @@ pub mod predicate;
 pub mod sim;
 pub mod task;
 pub mod units;
+pub mod whatif;
 
 pub use contract::{Broken, Compensation, Tier};
 pub use engine::{Decision, Engine, Event, Hook, World};

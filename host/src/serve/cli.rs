@@ -594,6 +594,11 @@ pub enum ApiCommand {
     Explain {
         /// The job id (see `berth jobs`).
         job: u64,
+        /// For a pending job, also the smallest change of each kind that
+        /// would let it start now (work to preempt, tasks to move, nodes
+        /// to repair) with its cost; nothing is done.
+        #[arg(long)]
+        what_if: bool,
         #[command(flatten)]
         conn: Conn,
     },
@@ -1052,8 +1057,8 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        ApiCommand::Explain { job, conn } => {
-            let r = client(&conn).await?.explain_job(pb::ExplainJobRequest { job_id: job }).await.map_err(status)?.into_inner();
+        ApiCommand::Explain { job, what_if, conn } => {
+            let r = client(&conn).await?.explain_job(pb::ExplainJobRequest { job_id: job, what_if }).await.map_err(status)?.into_inner();
             println!("job {job}: {}", r.state);
             println!("  {}", esc(&r.summary));
             if !r.last_decision.is_empty() {
@@ -1061,6 +1066,21 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             }
             for t in &r.tasks {
                 println!("  {}", esc(t));
+            }
+            if what_if && r.state == "pending" {
+                if r.what_if.is_empty() {
+                    println!("  what would let it start now: no stop, move or repair (it fits, or it must wait for running work to end)");
+                } else {
+                    println!("  what would let it start now (nothing is done):");
+                }
+                for w in &r.what_if {
+                    match w.kind.as_str() {
+                        "preempt" => println!("    preempt job(s) {:?}: {:.0} GPU-s of work lost", w.jobs, w.lost_gpu_seconds),
+                        "move" => println!("    move {} task(s) of job(s) {:?} ({}): {:.1} GiB copied", w.moves.len(), w.jobs, w.moves.iter().map(|m| esc(m)).collect::<Vec<_>>().join(", "), w.bytes_moved as f64 / f64::from(1u32 << 30)),
+                        "repair" => println!("    repair node(s) {}", w.nodes.iter().map(|n| esc(n)).collect::<Vec<_>>().join(", ")),
+                        other => println!("    {}", esc(other)),
+                    }
+                }
             }
         }
         ApiCommand::Quote { partition, gpus, tasks, gpu_milli, cores, memory_gib, models, same_domain, deadline_h, duration_h, samples, budget_ms, agents, priority, conn } => {

@@ -228,7 +228,7 @@ impl Console {
             let mut row = to_json(j);
             if j.state == "pending" && explained < EXPLAINED {
                 explained += 1;
-                if let Ok(e) = svc.explain_job(self.request(h, pb::ExplainJobRequest { job_id: j.id })).await {
+                if let Ok(e) = svc.explain_job(self.request(h, pb::ExplainJobRequest { job_id: j.id, ..Default::default() })).await {
                     row["explain"] = to_json(e.get_ref());
                 }
                 let p = j.spec.as_ref().and_then(|s| live.partition_index(&s.partition).ok());

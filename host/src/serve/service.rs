@@ -618,6 +618,27 @@ impl Berth for Service {
                     out.summary
                 );
             }
+            if req.get_ref().what_if
+                && let Some(&slot) = st.slots.get(&job_id)
+            {
+                // A task's move copies its memory (the state a live move
+                // carries, as compaction counts it).
+                let movable = |j: &berth_core::Job| st.jobs.get(&j.id).filter(|r| r.spec.movable).map(|_| j.shape.memory_mib << 20);
+                let name = |id: u32| st.fleet.nodes()[id as usize].name.clone();
+                for change in st.engine.what_if(&st.fleet, slot, now, &|id, _| may_run(id), &movable) {
+                    out.what_if.push(match change {
+                        berth_core::whatif::Change::Preempt { jobs, lost_gpu_s } => pb::WhatIf { kind: "preempt".into(), jobs, lost_gpu_seconds: lost_gpu_s, ..Default::default() },
+                        berth_core::whatif::Change::Move { moves, bytes } => {
+                            let mut jobs: Vec<u64> = moves.iter().map(|m| m.0).collect();
+                            jobs.sort_unstable();
+                            jobs.dedup();
+                            let moves = moves.iter().map(|&(j, from, to)| format!("{j}: {} -> {}", name(from), name(to))).collect();
+                            pb::WhatIf { kind: "move".into(), jobs, moves, bytes_moved: bytes, ..Default::default() }
+                        }
+                        berth_core::whatif::Change::Repair { nodes } => pb::WhatIf { kind: "repair".into(), nodes: nodes.into_iter().map(name).collect(), ..Default::default() },
+                    });
+                }
+            }
             if let Some(until) = reserved {
                 out.summary = if until == u64::MAX {
                     format!("reserved by the starvation guard; no running work ends on plan to make room; {}", out.summary)

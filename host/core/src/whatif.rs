@@ -1,0 +1,169 @@
+//! "What would let it start": for a job that cannot start now, the
+//! smallest change of each kind that would let it, with what the change
+//! costs, computed on copies of the fleet and never acted on. Three kinds:
+//! stop lower-priority work (the work it would lose), move movable tasks
+//! off nodes to other nodes of their GPU model (the state it would copy),
+//! bring unschedulable nodes back (the nodes to repair).
+
+use crate::capacity::{fitting_tasks_among, tasks_on_node};
+use crate::fleet::{gpus_of, Allocation, Fleet, Node, NodeId};
+use crate::job::Job;
+use crate::task::TaskShape;
+
+/// A running job as the what-if sees it.
+pub struct Running<'a> {
+    pub job_id: u64,
+    pub priority: u32,
+    /// Its allocations now.
+    pub allocations: &'a [Allocation],
+    /// The host may stop it for higher-priority work (not guaranteed, not
+    /// in a non-preemptible partition).
+    pub stoppable: bool,
+    /// GPU-seconds of work a stop now would lose (since its last
+    /// checkpoint).
+    pub lost_gpu_s: f64,
+    /// Live compaction may move its tasks, and the bytes of state one
+    /// task's move copies.
+    pub movable: bool,
+    pub state_bytes_per_task: u64,
+}
+
+/// One change that would let the job start now.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// Stop these jobs (fewest lost GPU-seconds first, then the shortest
+    /// prefix that makes room, then every one the room does not need given
+    /// back).
+    Preempt { jobs: Vec<u64>, lost_gpu_s: f64 },
+    /// Move these tasks (job, allocation's node, to node), copying `bytes`.
+    Move { moves: Vec<(u64, NodeId, NodeId)>, bytes: u64 },
+    /// Make these unschedulable nodes schedulable again.
+    Repair { nodes: Vec<NodeId> },
+}
+
+/// The changes, one per kind that works (in the order preempt, move,
+/// repair), for `job` on the nodes `keep` accepts (its scope; schedulable
+/// or not). Empty when the job fits now or nothing of the three helps.
+pub fn what_would_let_it_start(fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool, running: &[Running]) -> Vec<Change> {
+    let shape = &job.shape;
+    let tasks = job.tasks.max(1);
+    let usable = |id: NodeId, n: &Node| keep(id, n) && (shape.gpu_count == 0 || shape.accepts(n.model));
+    if fitting_tasks_among(fleet, shape, tasks, &usable) >= tasks {
+        return Vec::new();
+    }
+    let mut changes = Vec::new();
+    if let Some(c) = preempt(fleet, job, &usable, running) {
+        changes.push(c);
+    }
+    if let Some(c) = moves(fleet, job, keep, &usable, running) {
+        changes.push(c);
+    }
+    if let Some(c) = repair(fleet, shape, tasks, &usable) {
+        changes.push(c);
+    }
+    changes
+}
+
+fn preempt(fleet: &Fleet, job: &Job, usable: &dyn Fn(NodeId, &Node) -> bool, running: &[Running]) -> Option<Change> {
+    let mut candidates: Vec<&Running> = running.iter().filter(|r| r.stoppable && r.priority < job.priority && r.allocations.iter().any(|a| usable(a.node, &fleet.nodes()[a.node as usize]))).collect();
+    candidates.sort_by(|a, b| a.lost_gpu_s.total_cmp(&b.lost_gpu_s).then(a.job_id.cmp(&b.job_id)));
+    let ranked: Vec<&[Allocation]> = candidates.iter().map(|r| r.allocations).collect();
+    let picked = crate::preemption::choose_victims(fleet, &job.shape, job.tasks.max(1), usable, &ranked)?;
+    let mut jobs: Vec<u64> = picked.iter().map(|&k| candidates[k].job_id).collect();
+    jobs.sort_unstable();
+    Some(Change::Preempt { jobs, lost_gpu_s: picked.iter().map(|&k| candidates[k].lost_gpu_s).sum() })
+}
+
+/// The shape of one task from its allocation (what a move must find room
+/// for elsewhere).
+fn shape_of(fleet: &Fleet, a: &Allocation) -> TaskShape {
+    let node = &fleet.nodes()[a.node as usize];
+    TaskShape {
+        gpu_count: gpus_of(a.gpus).count() as u32,
+        gpu_milli: a.gpu_milli,
+        cpu_milli: a.cpu_milli,
+        memory_mib: a.memory_mib,
+        models: node.model.into_iter().collect(),
+    }
+}
+
+/// Empties nodes of their movable tasks, cheapest node first, each task to
+/// another node of its GPU model that fits it, until the job fits.
+fn moves(fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool, usable: &dyn Fn(NodeId, &Node) -> bool, running: &[Running]) -> Option<Change> {
+    let shape = &job.shape;
+    let tasks = job.tasks.max(1);
+    // Movable tasks by node, with their job and bytes.
+    let mut on: std::collections::BTreeMap<NodeId, Vec<(u64, &Allocation, u64)>> = Default::default();
+    for r in running.iter().filter(|r| r.movable) {
+        for a in r.allocations {
+            on.entry(a.node).or_default().push((r.job_id, a, r.state_bytes_per_task));
+        }
+    }
+    let mut order: Vec<(u64, NodeId)> = on.iter().filter(|(id, _)| usable(**id, &fleet.nodes()[**id as usize])).map(|(id, t)| (t.iter().map(|x| x.2).sum::<u64>(), *id)).collect();
+    order.sort_unstable();
+    let mut scratch = fleet.clone();
+    let mut planned = Vec::new();
+    let mut bytes = 0u64;
+    let mut emptied: Vec<NodeId> = Vec::new();
+    for (_, id) in order {
+        let mut trial = scratch.clone();
+        let mut trial_moves = Vec::new();
+        let mut trial_bytes = 0u64;
+        let mut ok = true;
+        for &(job_id, a, b) in &on[&id] {
+            trial.release(a).ok()?;
+            let task = shape_of(fleet, a);
+            // Elsewhere in scope on its own GPU model, never onto a node
+            // being emptied for the job.
+            let to = (0..trial.nodes().len() as NodeId).find(|&t| t != id && !emptied.contains(&t) && keep(t, &trial.nodes()[t as usize]) && tasks_on_node(&trial.nodes()[t as usize], &task) > 0);
+            let Some(to) = to else {
+                ok = false;
+                break;
+            };
+            let mask = crate::placement::default_gpus(&trial.nodes()[to as usize], &task);
+            trial.allocate(&Fleet::allocation(to, &task, mask)).ok()?;
+            trial_moves.push((job_id, id, to));
+            trial_bytes += b;
+        }
+        if !ok || tasks_on_node(&trial.nodes()[id as usize], shape) == 0 {
+            continue;
+        }
+        scratch = trial;
+        planned.extend(trial_moves);
+        bytes += trial_bytes;
+        emptied.push(id);
+        if fitting_tasks_among(&scratch, shape, tasks, usable) >= tasks {
+            return Some(Change::Move { moves: planned, bytes });
+        }
+    }
+    None
+}
+
+/// The fewest unschedulable nodes (most room for the job first) whose
+/// return lets the job fit.
+fn repair(fleet: &Fleet, shape: &TaskShape, tasks: u32, usable: &dyn Fn(NodeId, &Node) -> bool) -> Option<Change> {
+    let mut down: Vec<(u32, NodeId)> = fleet
+        .nodes()
+        .iter()
+        .enumerate()
+        .filter(|(id, n)| !n.schedulable && usable(*id as NodeId, n))
+        .map(|(id, n)| {
+            let mut up = n.clone();
+            up.schedulable = true;
+            (tasks_on_node(&up, shape), id as NodeId)
+        })
+        .filter(|&(t, _)| t > 0)
+        .collect();
+    down.sort_by_key(|&(t, id)| (std::cmp::Reverse(t), id));
+    let mut scratch = fleet.clone();
+    let mut nodes = Vec::new();
+    for (_, id) in down {
+        scratch.set_schedulable(id, true).ok()?;
+        nodes.push(id);
+        if fitting_tasks_among(&scratch, shape, tasks, usable) >= tasks {
+            nodes.sort_unstable();
+            return Some(Change::Repair { nodes });
+        }
+    }
+    None
+}
