@@ -232,9 +232,9 @@ memory_gib = 1024
 
 /// `berth quote` offers each tier the caller may buy, with the contract it
 /// would run under: a tenant limited to preemptible and opportunistic work
-/// gets those two, an operator all three; with a rank policy, a high
-/// priority could start now by taking back the low work that fills the
-/// partition (without one, only as that work ends).
+/// gets those two, an operator all three; a high priority could start now
+/// by taking back the low work that fills the partition, the fill's own
+/// priority only as that work ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quote_offers_each_tier_the_caller_may_buy() {
     const FLEET: &str = r#"
@@ -282,15 +282,12 @@ memory_gib = 1024
     assert_eq!((p.notice_s, p.max_interruptions_per_day, p.credit_per_lost_gpu_h, p.broken_multiplier), (notice_s, 3, 1.0, 3.0), "{p:?}");
     assert_eq!((o.notice_s, o.grace_s, o.max_interruptions_per_day, o.credit_per_lost_gpu_h), (0, 0, u32::MAX, 0.0), "{o:?}");
 
-    // High priority, no rank policy yet: it could only wait.
+    // High priority: both nodes' low work may be taken back (by the
+    // default ranking, no rank policy uploaded): two copies now.
     let offers = ops.quote(ask(5)).await.unwrap().into_inner().offers;
     assert_eq!(tiers(&offers), ["guaranteed", "preemptible", "opportunistic"], "{offers:?}");
-    assert!(offers.iter().all(|o| o.now == 0 && o.by_preemption == 0), "{offers:?}");
-    assert_eq!(offers[0].max_interruptions_per_day, 0, "guaranteed is never stopped: {:?}", offers[0]);
-    // With one, both nodes' low work may be taken back: two copies now.
-    crate::preempt::upload_rank(&mut ops, &policy_path("spot-gpu")).await;
-    let offers = ops.quote(ask(5)).await.unwrap().into_inner().offers;
     assert!(offers.iter().all(|o| o.now == 0 && o.by_preemption == 2), "{offers:?}");
+    assert_eq!(offers[0].max_interruptions_per_day, 0, "guaranteed is never stopped: {:?}", offers[0]);
     // ... and none of it for work of the same priority as the fill.
     assert!(ops.quote(ask(0)).await.unwrap().into_inner().offers.iter().all(|o| o.by_preemption == 0));
 

@@ -768,10 +768,11 @@ impl Engine {
 
     /// What would let pending job `slot` start now (see
     /// [`crate::whatif`]), on the nodes `keep` accepts, never acting: the
-    /// running work's priority, contract (guaranteed work and protected
-    /// partitions are never stopped) and work since its last checkpoint come
-    /// from the engine; whether a job may be moved, and the bytes a task's
-    /// move copies, from `movable`.
+    /// running work's priority, contract (guaranteed work, protected
+    /// partitions and jobs at their daily cap are never stopped) and work
+    /// since its last checkpoint come from the engine; whether a job may be
+    /// moved, and the bytes a task's move copies, from `movable`. Tasks are
+    /// never moved onto GPUs lent by a sleeping job.
     pub fn what_if(&self, fleet: &Fleet, slot: Slot, now: u64, keep: &dyn Fn(NodeId, &Node) -> bool, movable: &dyn Fn(&Job) -> Option<u64>) -> Vec<crate::whatif::Change> {
         let running: Vec<crate::whatif::Running> = self
             .runs
@@ -788,14 +789,17 @@ impl Engine {
                     job_id: job.id,
                     priority: job.priority,
                     allocations: &self.runs.held[v],
-                    stoppable: contract.tier != crate::contract::Tier::Guaranteed && !protected,
+                    stoppable: contract.tier != crate::contract::Tier::Guaranteed
+                        && !protected
+                        && self.runs.recent_interruptions(v, now) < contract.max_interruptions_per_day as usize,
                     lost_gpu_s: job.gpus_held() * since as f64,
                     movable: movable(job).is_some(),
                     state_bytes_per_task: movable(job).unwrap_or(0),
                 }
             })
             .collect();
-        crate::whatif::what_would_let_it_start(fleet, &self.jobs[slot], keep, &running)
+        let destinations = |id: NodeId, n: &Node| keep(id, n) && !self.lent.contains_key(&id);
+        crate::whatif::what_would_let_it_start(fleet, &self.jobs[slot], keep, &destinations, &running)
     }
 
     fn low(&self, j: Slot) -> bool {
@@ -1578,14 +1582,14 @@ impl Engine {
                             // domain: the ranker chooses among all of them
                             // (one more scoring call, only when low work is
                             // in the way of every node of the plan's kind).
-                            if job.tasks == 1 && fitting_tasks_among(fleet, &job.shape, 1, &|id, n| like.contains(&id) && keep(id, n)) == 0 {
-                                match self.placer.tied_best(view, &job.shape, job.meta(), &mut **policy, &keep) {
-                                    Ok(tied) => like.extend(tied),
-                                    Err(e) => {
-                                        error = Some((at, j, Hook::Place, e));
-                                        break;
-                                    }
-                                }
+                            // (A failing policy here only loses the wider
+                            // choice: its failure counts where the attempt on
+                            // the fleet is observed.)
+                            if job.tasks == 1
+                                && fitting_tasks_among(fleet, &job.shape, 1, &|id, n| like.contains(&id) && keep(id, n)) == 0
+                                && let Ok(tied) = self.placer.tied_best(view, &job.shape, job.meta(), &mut **policy, &keep)
+                            {
+                                like.extend(tied);
                             }
                             let there = |id: NodeId, n: &Node| like.contains(&id) && keep(id, n);
                             let picked = if fitting_tasks_among(fleet, &job.shape, job.tasks, &there) >= job.tasks {

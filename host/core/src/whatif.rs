@@ -17,7 +17,7 @@ pub struct Running<'a> {
     /// Its allocations now.
     pub allocations: &'a [Allocation],
     /// The host may stop it for higher-priority work (not guaranteed, not
-    /// in a non-preemptible partition).
+    /// in a non-preemptible partition, under its daily interruption cap).
     pub stoppable: bool,
     /// GPU-seconds of work a stop now would lose (since its last
     /// checkpoint).
@@ -43,8 +43,9 @@ pub enum Change {
 
 /// The changes, one per kind that works (in the order preempt, move,
 /// repair), for `job` on the nodes `keep` accepts (its scope; schedulable
-/// or not). Empty when the job fits now or nothing of the three helps.
-pub fn what_would_let_it_start(fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool, running: &[Running]) -> Vec<Change> {
+/// or not); moved tasks go only to nodes `destinations` accepts. Empty
+/// when the job fits now or nothing of the three helps.
+pub fn what_would_let_it_start(fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool, destinations: &dyn Fn(NodeId, &Node) -> bool, running: &[Running]) -> Vec<Change> {
     let shape = &job.shape;
     let tasks = job.tasks.max(1);
     let usable = |id: NodeId, n: &Node| keep(id, n) && (shape.gpu_count == 0 || shape.accepts(n.model));
@@ -55,7 +56,7 @@ pub fn what_would_let_it_start(fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &
     if let Some(c) = preempt(fleet, job, &usable, running) {
         changes.push(c);
     }
-    if let Some(c) = moves(fleet, job, keep, &usable, running) {
+    if let Some(c) = moves(fleet, job, destinations, &usable, running) {
         changes.push(c);
     }
     if let Some(c) = repair(fleet, shape, tasks, &usable) {
@@ -89,7 +90,7 @@ fn shape_of(fleet: &Fleet, a: &Allocation) -> TaskShape {
 
 /// Empties nodes of their movable tasks, cheapest node first, each task to
 /// another node of its GPU model that fits it, until the job fits.
-fn moves(fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool, usable: &dyn Fn(NodeId, &Node) -> bool, running: &[Running]) -> Option<Change> {
+fn moves(fleet: &Fleet, job: &Job, destinations: &dyn Fn(NodeId, &Node) -> bool, usable: &dyn Fn(NodeId, &Node) -> bool, running: &[Running]) -> Option<Change> {
     let shape = &job.shape;
     let tasks = job.tasks.max(1);
     // Movable tasks by node, with their job and bytes.
@@ -111,17 +112,23 @@ fn moves(fleet: &Fleet, job: &Job, keep: &dyn Fn(NodeId, &Node) -> bool, usable:
         let mut trial_bytes = 0u64;
         let mut ok = true;
         for &(job_id, a, b) in &on[&id] {
-            trial.release(a).ok()?;
+            if trial.release(a).is_err() {
+                ok = false;
+                break;
+            }
             let task = shape_of(fleet, a);
-            // Elsewhere in scope on its own GPU model, never onto a node
-            // being emptied for the job.
-            let to = (0..trial.nodes().len() as NodeId).find(|&t| t != id && !emptied.contains(&t) && keep(t, &trial.nodes()[t as usize]) && tasks_on_node(&trial.nodes()[t as usize], &task) > 0);
+            // Elsewhere on its own GPU model, never onto a node being
+            // emptied for the job.
+            let to = (0..trial.nodes().len() as NodeId).find(|&t| t != id && !emptied.contains(&t) && destinations(t, &trial.nodes()[t as usize]) && tasks_on_node(&trial.nodes()[t as usize], &task) > 0);
             let Some(to) = to else {
                 ok = false;
                 break;
             };
             let mask = crate::placement::default_gpus(&trial.nodes()[to as usize], &task);
-            trial.allocate(&Fleet::allocation(to, &task, mask)).ok()?;
+            if trial.allocate(&Fleet::allocation(to, &task, mask)).is_err() {
+                ok = false;
+                break;
+            }
             trial_moves.push((job_id, id, to));
             trial_bytes += b;
         }

@@ -44,7 +44,7 @@ fn each_kind_of_change_is_the_smallest_that_works() {
     let all = |_: u32, _: &Node| true;
     // Stop the job that loses least and makes room: jobs 2 and 3 each
     // free a node's other half; job 2 loses 10 GPU-s, job 3 20.
-    let changes = what_would_let_it_start(&fleet, &demand, &all, &running(&allocs, [true; 3], [100.0, 10.0, 20.0], [false, true, false]));
+    let changes = what_would_let_it_start(&fleet, &demand, &all, &all, &running(&allocs, [true; 3], [100.0, 10.0, 20.0], [false, true, false]));
     assert_eq!(changes[0], Change::Preempt { jobs: vec![2], lost_gpu_s: 10.0 }, "{changes:?}");
     // Move job 2's task to node 3 (its only room on its model): node 1 empties.
     assert_eq!(changes[1], Change::Move { moves: vec![(2, 1, 3)], bytes: 1 << 30 }, "{changes:?}");
@@ -53,16 +53,16 @@ fn each_kind_of_change_is_the_smallest_that_works() {
     assert_eq!(changes.len(), 3);
 
     // Guaranteed work (not stoppable) is never named, however cheap.
-    let changes = what_would_let_it_start(&fleet, &demand, &all, &running(&allocs, [true, false, false], [100.0, 0.0, 0.0], [false; 3]));
+    let changes = what_would_let_it_start(&fleet, &demand, &all, &all, &running(&allocs, [true, false, false], [100.0, 0.0, 0.0], [false; 3]));
     assert_eq!(changes[0], Change::Preempt { jobs: vec![1], lost_gpu_s: 100.0 }, "{changes:?}");
     assert!(!changes.iter().any(|c| matches!(c, Change::Move { .. })), "nothing movable: {changes:?}");
 
     // Work of the job's own priority or above is never stopped.
     let equal = Job { priority: 0, ..demand.clone() };
-    let changes = what_would_let_it_start(&fleet, &equal, &all, &running(&allocs, [true; 3], [1.0; 3], [false; 3]));
+    let changes = what_would_let_it_start(&fleet, &equal, &all, &all, &running(&allocs, [true; 3], [1.0; 3], [false; 3]));
     assert_eq!(changes, vec![Change::Repair { nodes: vec![2] }]);
 
     // A job that fits now needs no change.
     let small = Job { shape: shape(4), ..demand };
-    assert!(what_would_let_it_start(&fleet, &small, &all, &running(&allocs, [true; 3], [1.0; 3], [true; 3])).is_empty());
+    assert!(what_would_let_it_start(&fleet, &small, &all, &all, &running(&allocs, [true; 3], [1.0; 3], [true; 3])).is_empty());
 }

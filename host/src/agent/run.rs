@@ -742,11 +742,19 @@ impl Agent {
         for r in pending {
             let id = r.allocation_id;
             let sent = client.report_allocation(r.clone()).await;
-            // Kept for later unless the host took it or never will.
-            if sent.as_ref().is_err_and(|s| s.code() != tonic::Code::NotFound) {
-                self.unsent.lock().unwrap().push(r.clone());
+            {
+                // Kept for later unless the host took it or never will; put
+                // back and no longer sending in one step (under the unsent
+                // lock, as a concurrent flush takes it), so no heartbeat
+                // misses it and another flush's send of it stays named.
+                let mut unsent = self.unsent.lock().unwrap();
+                if sent.as_ref().is_err_and(|s| s.code() != tonic::Code::NotFound) {
+                    unsent.push(r.clone());
+                }
+                if !unsent.iter().any(|u| u.allocation_id == id) {
+                    self.sending.lock().unwrap().remove(&id);
+                }
             }
-            self.sending.lock().unwrap().remove(&id);
             match sent {
                 Ok(_) => self.forget_task_files(id),
                 Err(s) if s.code() == tonic::Code::NotFound => {

@@ -428,7 +428,10 @@ impl Live {
                 }
                 self.metrics.jobs.with_label_values(&[&part.name, "pending"]).dec();
                 self.metrics.jobs.with_label_values(&[&part.name, "running"]).inc();
-                if agent_job && st.jobs[&id].waiting_on.is_empty() {
+                // A budget already spent (taken back or requeued at its
+                // end): nothing starts; its end, now, finishes it.
+                let spent = st.jobs[&id].budget_left_s() == Some(0);
+                if agent_job && st.jobs[&id].waiting_on.is_empty() && !spent {
                     self.actuate(part, st, id);
                 } else {
                     self.persist_logged(vec![st.job_op(&part.name, id)]);

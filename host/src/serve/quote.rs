@@ -64,10 +64,11 @@ impl PartitionState {
     /// (from [`Self::fleet_of_kind`]): when a copy could start under it and
     /// the contract it would run under, from the partition's `contract` for
     /// preemptible work. Guaranteed and high-priority work never use GPUs
-    /// lent by sleeping replicas (the engine keeps them off); with
-    /// `preempts`, a high priority may also start by taking back the work
-    /// the engine would offer its ranker.
-    pub fn offers(&self, fleet: &berth_core::Fleet, request: &PendingShape, priority: u32, tiers: &[Tier], contract: &PriorityContract, preempts: bool) -> Vec<pb::TierOffer> {
+    /// lent by sleeping replicas (the engine keeps them off); a high
+    /// priority may also start by taking back the work the engine would
+    /// offer its ranker (the partition's rank policy, or the default
+    /// ranking without one).
+    pub fn offers(&self, fleet: &berth_core::Fleet, request: &PendingShape, priority: u32, tiers: &[Tier], contract: &PriorityContract) -> Vec<pb::TierOffer> {
         let high = priority >= self.engine.config.high_priority;
         let without_lent = || {
             let mut f = fleet.clone();
@@ -94,7 +95,7 @@ impl PartitionState {
             .map(|tier| {
                 let f = if high || tier == Tier::Guaranteed { without_lent() } else { fleet.clone() };
                 let q = self.quote(&f, request, None);
-                let by_preemption = if preempts && high { accounting::quote(&taken_back(&f), request, &[], 0, None).now } else { 0 };
+                let by_preemption = if high { accounting::quote(&taken_back(&f), request, &[], 0, None).now } else { 0 };
                 let c = contract.of_tier(tier);
                 pb::TierOffer {
                     tier: tier.name().into(),

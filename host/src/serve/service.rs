@@ -987,8 +987,7 @@ impl Berth for Service {
             let quote = st.quote(&fleet, &request, deadline_s);
             let queued_ahead = st.queued_at_or_above(q.priority);
             let tiers = if id.role_in(&q.partition) >= Some(Role::Operator) { berth_core::Tier::ALL.to_vec() } else { this.live.access.tenant_tiers(&q.partition) };
-            let preempts = this.live.partitions[p].ranker().is_some();
-            let offers = st.offers(&fleet, &request, q.priority, &tiers, &this.live.contract, preempts);
+            let offers = st.offers(&fleet, &request, q.priority, &tiers, &this.live.contract);
             // The chance runs on a copy of the state, off the partition's lock.
             let rates = this.live.work.as_ref().map(|w| w.rates(&st.fleet));
             let inputs = deadline_s.map(|_| st.forecast_inputs(fleet, q.agent_nodes, q.priority, st.clock.unix_ms(), rates.as_ref()));
