@@ -37,6 +37,10 @@ pub const GPU_MEMORY_ENV: &str = "BERTH_GPU_MEMORY";
 /// How often the agent looks for a task's checkpoint report.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 
+/// How long one exit report waits for the host's answer before it is kept
+/// for the next try.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// `berth checkpointed`, run inside a task: tells the agent (and through it
 /// the host) that the task just saved its work, so preemption counts work
 /// lost from now.
@@ -729,7 +733,7 @@ impl Agent {
     }
 
     /// Sends the exit reports the host has not had; forgets the records of
-    /// those it acknowledged.
+    /// those it acknowledged. Each send waits at most [`REPORT_TIMEOUT`].
     async fn flush(&self) {
         let pending: Vec<pb::AllocationReport> = {
             // (Named as sending before they leave the unsent list: a
@@ -741,7 +745,12 @@ impl Agent {
         let mut client = self.client();
         for r in pending {
             let id = r.allocation_id;
-            let sent = client.report_allocation(r.clone()).await;
+            // Bounded: a stalled connection must not keep the report named
+            // as running (see `sending`) until TCP gives up.
+            let sent = match tokio::time::timeout(REPORT_TIMEOUT, client.report_allocation(r.clone())).await {
+                Ok(sent) => sent,
+                Err(_) => Err(tonic::Status::deadline_exceeded(format!("no answer in {} s", REPORT_TIMEOUT.as_secs()))),
+            };
             {
                 // Kept for later unless the host took it or never will; put
                 // back and no longer sending in one step (under the unsent
