@@ -169,27 +169,22 @@ fn spot_gpu_takes_work_nobody_is_owed_for_first() {
     assert_eq!(rank(&mut policy, [Preemptible, Opportunistic]), vec![2, 1], "opportunistic first");
 }
 
+/// An in-process host on two simulated 8-GPU H800 nodes, one switch domain
+/// each; `layout` sets how they are split into partitions (fleet TOML keys),
+/// `access` is the access file.
+async fn two_h800_host(name: &str, layout: &str, access: &str) -> (berth::serve::ServeHandle, berth::serve::ServeConfig) {
+    let fleet = format!("seed = 1\nnodes_per_switch = 1\n{layout}\n[[shapes]]\nmodel = \"H800\"\ncount = 2\ngpus = 8\ncpu_cores = 128\nmemory_gib = 1024\n");
+    let dir = crate::serve::state_dir(name);
+    let mut cfg = crate::serve::config(&dir, access);
+    cfg.fleet = berth::asi::fleet::FleetConfig::parse(&fleet, name).unwrap();
+    (berth::serve::start(cfg.clone()).await.unwrap(), cfg)
+}
+
 /// The fleet's non-preemptible partitions hold live too: in p0 (listed) a
 /// high-priority job waits behind low-priority work; in p1 it takes it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_preemptible_partition_keeps_its_work_live() {
-    const FLEET: &str = r#"
-seed = 1
-nodes_per_switch = 1
-nodes_per_partition = 1
-non_preemptible_partitions = [0]
-
-[[shapes]]
-model = "H800"
-count = 2
-gpus = 8
-cpu_cores = 128
-memory_gib = 1024
-"#;
-    let dir = crate::serve::state_dir("tiers-protected");
-    let mut cfg = crate::serve::config(&dir, crate::serve::ACCESS);
-    cfg.fleet = berth::asi::fleet::FleetConfig::parse(FLEET, "protected-test").unwrap();
-    let h = berth::serve::start(cfg).await.unwrap();
+    let (h, _) = two_h800_host("tiers-protected", "nodes_per_partition = 1\nnon_preemptible_partitions = [0]\n", crate::serve::ACCESS).await;
     let mut ops = crate::serve::client(&h, "ops-test-token").await;
     let job = |partition: &str, priority: u32| pb::SubmitJobRequest {
         job: Some(pb::JobSpec { partition: partition.into(), tasks: 1, gpus: 8, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, duration_s: 3600.0, priority, ..Default::default() }),
@@ -237,25 +232,10 @@ memory_gib = 1024
 /// priority only as that work ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quote_offers_each_tier_the_caller_may_buy() {
-    const FLEET: &str = r#"
-seed = 1
-nodes_per_switch = 1
-nodes_per_partition = 2
-
-[[shapes]]
-model = "H800"
-count = 2
-gpus = 8
-cpu_cores = 128
-memory_gib = 1024
-"#;
-    let dir = crate::serve::state_dir("tiers-offers");
     // (Top-level keys before the identity tables.)
     let access = format!("tenant_tiers = {{ \"*\" = [\"preemptible\", \"opportunistic\"] }}\n{}", crate::serve::ACCESS);
-    let mut cfg = crate::serve::config(&dir, &access);
-    cfg.fleet = berth::asi::fleet::FleetConfig::parse(FLEET, "offers-test").unwrap();
+    let (h, cfg) = two_h800_host("tiers-offers", "nodes_per_partition = 2\n", &access).await;
     let notice_s = cfg.scheduling.contract.notice_s;
-    let h = berth::serve::start(cfg).await.unwrap();
     let mut ops = crate::serve::client(&h, "ops-test-token").await;
     let mut alice = crate::serve::client(&h, "alice-test-token").await;
     // Low-priority work fills both nodes for an hour.

@@ -774,6 +774,8 @@ impl Engine {
     /// moved, and the bytes a task's move copies, from `movable`. Tasks are
     /// never moved onto GPUs lent by a sleeping job.
     pub fn what_if(&self, fleet: &Fleet, slot: Slot, now: u64, keep: &dyn Fn(NodeId, &Node) -> bool, movable: &dyn Fn(&Job) -> Option<u64>) -> Vec<crate::whatif::Change> {
+        let priority = self.jobs[slot].priority;
+        let outside_protected = |id: NodeId| !self.config.protected_partitions.contains(&fleet.nodes()[id as usize].partition);
         let running: Vec<crate::whatif::Running> = self
             .runs
             .planned_end
@@ -783,18 +785,19 @@ impl Engine {
             .map(|(v, _)| {
                 let job = &self.jobs[v];
                 let contract = self.config.contract_of(job);
-                let protected = self.runs.held[v].iter().any(|a| self.config.protected_partitions.contains(&fleet.nodes()[a.node as usize].partition));
                 let since = self.runs.since_checkpoint(v, now, job, &contract);
+                let state_bytes = movable(job);
                 crate::whatif::Running {
                     job_id: job.id,
                     priority: job.priority,
                     allocations: &self.runs.held[v],
-                    stoppable: contract.tier != crate::contract::Tier::Guaranteed
-                        && !protected
-                        && self.runs.recent_interruptions(v, now) < contract.max_interruptions_per_day as usize,
+                    // The preemption's own filter (below the job's
+                    // priority, not guaranteed, under its cap), anywhere
+                    // outside the protected partitions.
+                    stoppable: self.may_take_back(v, priority, now, &outside_protected),
                     lost_gpu_s: job.gpus_held() * since as f64,
-                    movable: movable(job).is_some(),
-                    state_bytes_per_task: movable(job).unwrap_or(0),
+                    movable: state_bytes.is_some(),
+                    state_bytes_per_task: state_bytes.unwrap_or(0),
                 }
             })
             .collect();

@@ -102,42 +102,48 @@ fn moves(fleet: &Fleet, job: &Job, destinations: &dyn Fn(NodeId, &Node) -> bool,
     }
     let mut order: Vec<(u64, NodeId)> = on.iter().filter(|(id, _)| usable(**id, &fleet.nodes()[**id as usize])).map(|(id, t)| (t.iter().map(|x| x.2).sum::<u64>(), *id)).collect();
     order.sort_unstable();
+    // One copy of the fleet: a node whose tasks cannot all move (or whose
+    // emptying does not make room) is put back as it was.
     let mut scratch = fleet.clone();
     let mut planned = Vec::new();
     let mut bytes = 0u64;
     let mut emptied: Vec<NodeId> = Vec::new();
     for (_, id) in order {
-        let mut trial = scratch.clone();
-        let mut trial_moves = Vec::new();
-        let mut trial_bytes = 0u64;
+        let mut released: Vec<&Allocation> = Vec::new();
+        let mut placed: Vec<(Allocation, u64, u64)> = Vec::new();
         let mut ok = true;
         for &(job_id, a, b) in &on[&id] {
-            if trial.release(a).is_err() {
+            if scratch.release(a).is_err() {
                 ok = false;
                 break;
             }
+            released.push(a);
             let task = shape_of(fleet, a);
             // Elsewhere on its own GPU model, never onto a node being
             // emptied for the job.
-            let to = (0..trial.nodes().len() as NodeId).find(|&t| t != id && !emptied.contains(&t) && destinations(t, &trial.nodes()[t as usize]) && tasks_on_node(&trial.nodes()[t as usize], &task) > 0);
+            let to = (0..scratch.nodes().len() as NodeId).find(|&t| t != id && !emptied.contains(&t) && destinations(t, &scratch.nodes()[t as usize]) && tasks_on_node(&scratch.nodes()[t as usize], &task) > 0);
             let Some(to) = to else {
                 ok = false;
                 break;
             };
-            let mask = crate::placement::default_gpus(&trial.nodes()[to as usize], &task);
-            if trial.allocate(&Fleet::allocation(to, &task, mask)).is_err() {
+            let moved = Fleet::allocation(to, &task, crate::placement::default_gpus(&scratch.nodes()[to as usize], &task));
+            if scratch.allocate(&moved).is_err() {
                 ok = false;
                 break;
             }
-            trial_moves.push((job_id, id, to));
-            trial_bytes += b;
+            placed.push((moved, job_id, b));
         }
-        if !ok || tasks_on_node(&trial.nodes()[id as usize], shape) == 0 {
+        if !ok || tasks_on_node(&scratch.nodes()[id as usize], shape) == 0 {
+            for (moved, _, _) in placed.iter().rev() {
+                scratch.release(moved).expect("just allocated");
+            }
+            for a in released.iter().rev() {
+                scratch.allocate(a).expect("just released");
+            }
             continue;
         }
-        scratch = trial;
-        planned.extend(trial_moves);
-        bytes += trial_bytes;
+        planned.extend(placed.iter().map(|(moved, job_id, _)| (*job_id, id, moved.node)));
+        bytes += placed.iter().map(|p| p.2).sum::<u64>();
         emptied.push(id);
         if fitting_tasks_among(&scratch, shape, tasks, usable) >= tasks {
             return Some(Change::Move { moves: planned, bytes });

@@ -408,7 +408,8 @@ impl Live {
                     Some(clock_now + delay + left.map_or(record.spec.duration, |l| l.min(record.spec.duration)))
                 };
                 // An opportunistic budget ends the run when it is spent.
-                if let Some(budget_s) = record.budget_left_s() {
+                let budget_left_s = record.budget_left_s();
+                if let Some(budget_s) = budget_left_s {
                     let spent_at = clock_now + Duration::from_secs(budget_s);
                     ends_at = Some(ends_at.map_or(spent_at, |t| t.min(spent_at)));
                 }
@@ -430,8 +431,7 @@ impl Live {
                 self.metrics.jobs.with_label_values(&[&part.name, "running"]).inc();
                 // A budget already spent (taken back or requeued at its
                 // end): nothing starts; its end, now, finishes it.
-                let spent = st.jobs[&id].budget_left_s() == Some(0);
-                if agent_job && st.jobs[&id].waiting_on.is_empty() && !spent {
+                if agent_job && st.jobs[&id].waiting_on.is_empty() && budget_left_s != Some(0) {
                     self.actuate(part, st, id);
                 } else {
                     self.persist_logged(vec![st.job_op(&part.name, id)]);

@@ -11,13 +11,12 @@
 use std::collections::BTreeMap;
 
 use berth_core::accounting::{self, PendingShape, Quote};
+use berth_core::forecast::{work_of, Arrival, History, Running};
 use berth_core::job::PriorityContract;
-use berth_core::Tier;
+use berth_core::sim::WorkRates;
+use berth_core::{Allocation, Tier};
 
 use crate::proto as pb;
-use berth_core::forecast::{work_of, Arrival, History, Running};
-use berth_core::sim::WorkRates;
-use berth_core::Allocation;
 
 use super::state::{JobRecord, JobState, PartitionState};
 
@@ -70,32 +69,40 @@ impl PartitionState {
     /// ranking without one).
     pub fn offers(&self, fleet: &berth_core::Fleet, request: &PendingShape, priority: u32, tiers: &[Tier], contract: &PriorityContract) -> Vec<pb::TierOffer> {
         let high = priority >= self.engine.config.high_priority;
-        let without_lent = || {
+        let mut tiers = tiers.to_vec();
+        tiers.sort();
+        tiers.dedup();
+        // Two views at most, each quoted once where a tier uses it: all
+        // free capacity, and the same without lent GPUs (guaranteed or
+        // high-priority work).
+        let lent_free = |tier: Tier| high || tier == Tier::Guaranteed;
+        let everything = tiers.iter().any(|&t| !lent_free(t)).then(|| self.quote(fleet, request, None));
+        let no_lent = tiers.iter().any(|&t| lent_free(t)).then(|| {
             let mut f = fleet.clone();
             for &id in self.engine.lent().keys() {
                 f.set_schedulable(id, false).expect("a node of this fleet");
             }
-            f
-        };
-        let taken_back = |f: &berth_core::Fleet| {
-            let mut f = f.clone();
-            for slot in self.engine.may_take_back_for(&self.fleet, priority, self.now_s()) {
-                for a in self.engine.held(slot) {
-                    f.release(a).expect("a running job's allocation");
+            let q = self.quote(&f, request, None);
+            (f, q)
+        });
+        // High priority: what it could take back, on the view it uses.
+        let by_preemption = match &no_lent {
+            Some((f, _)) if high => {
+                let mut f = f.clone();
+                for slot in self.engine.may_take_back_for(&self.fleet, priority, self.now_s()) {
+                    for a in self.engine.held(slot) {
+                        f.release(a).expect("a running job's allocation");
+                    }
                 }
+                accounting::quote(&f, request, &[], 0, None).now
             }
-            f
+            _ => 0,
         };
         let compensation = &self.engine.config.compensation;
-        let mut tiers = tiers.to_vec();
-        tiers.sort();
-        tiers.dedup();
         tiers
             .into_iter()
             .map(|tier| {
-                let f = if high || tier == Tier::Guaranteed { without_lent() } else { fleet.clone() };
-                let q = self.quote(&f, request, None);
-                let by_preemption = if high { accounting::quote(&taken_back(&f), request, &[], 0, None).now } else { 0 };
+                let q = if lent_free(tier) { &no_lent.as_ref().expect("quoted for this tier").1 } else { everything.as_ref().expect("quoted for this tier") };
                 let c = contract.of_tier(tier);
                 pb::TierOffer {
                     tier: tier.name().into(),

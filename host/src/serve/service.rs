@@ -157,6 +157,16 @@ impl Service {
         Ok(vec![self.live.partition_index(partition)?])
     }
 
+    /// The tiers `id` may buy in `partition`: every tier for its
+    /// operators, the access file's tenant tiers for everyone else.
+    fn buyable_tiers(&self, id: &Identity, partition: &str) -> Vec<berth_core::Tier> {
+        if id.role_in(partition) >= Some(Role::Operator) {
+            berth_core::Tier::ALL.to_vec()
+        } else {
+            self.live.access.tenant_tiers(partition)
+        }
+    }
+
     fn job_spec(&self, id: &Identity, spec: Option<pb::JobSpec>) -> Result<JobSpec, ServeError> {
         let s = spec.ok_or_else(|| ServeError::Invalid("job is missing".into()))?;
         let p = self.live.partition_index(&s.partition)?;
@@ -218,12 +228,10 @@ impl Service {
                 bad(format!("tier \"{}\": one of guaranteed, preemptible, opportunistic", crate::text::printable(name, 32)))
             })?,
         };
-        if id.role_in(&s.partition) < Some(Role::Operator) {
-            let may = self.live.access.tenant_tiers(&s.partition);
-            if !may.contains(&tier) {
-                let names: Vec<&str> = may.iter().map(|t| t.name()).collect();
-                return Err(ServeError::PermissionDenied(format!("tier {}: a tenant of partition {} may buy {names:?}", tier.name(), s.partition)));
-            }
+        let may = self.buyable_tiers(id, &s.partition);
+        if !may.contains(&tier) {
+            let names: Vec<&str> = may.iter().map(|t| t.name()).collect();
+            return Err(ServeError::PermissionDenied(format!("tier {}: a tenant of partition {} may buy {names:?}", tier.name(), s.partition)));
         }
         // The partition's contract, as this tier has it.
         let contract = Some(self.live.contract.of_tier(tier));
@@ -621,8 +629,8 @@ impl Berth for Service {
             if req.get_ref().what_if
                 && let Some(&slot) = st.slots.get(&job_id)
             {
-                // A task's move copies its memory (the state a live move
-                // carries, as compaction counts it).
+                // A task's move is counted as copying its memory (compaction
+                // estimates more: GPU state too, see the note on issue 32).
                 let movable = |j: &berth_core::Job| st.jobs.get(&j.id).filter(|r| r.spec.movable).map(|_| j.shape.memory_mib << 20);
                 let name = |id: u32| st.fleet.nodes()[id as usize].name.clone();
                 for change in st.engine.what_if(&st.fleet, slot, now, &|id, _| may_run(id), &movable) {
@@ -986,7 +994,7 @@ impl Berth for Service {
             let fleet = st.fleet_of_kind(q.agent_nodes);
             let quote = st.quote(&fleet, &request, deadline_s);
             let queued_ahead = st.queued_at_or_above(q.priority);
-            let tiers = if id.role_in(&q.partition) >= Some(Role::Operator) { berth_core::Tier::ALL.to_vec() } else { this.live.access.tenant_tiers(&q.partition) };
+            let tiers = this.buyable_tiers(&id, &q.partition);
             let offers = st.offers(&fleet, &request, q.priority, &tiers, &this.live.contract);
             // The chance runs on a copy of the state, off the partition's lock.
             let rates = this.live.work.as_ref().map(|w| w.rates(&st.fleet));
