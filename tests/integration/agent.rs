@@ -799,6 +799,67 @@ async fn ended_tasks_of_an_earlier_host_are_forgotten_not_reported_to_a_new_one(
     .await;
 }
 
+/// A task an earlier, unrelated host started that still runs when its
+/// agent comes back under a new host (fresh state folder) is stopped before
+/// the agent takes work: the new host gives the same allocation ids again,
+/// and a start naming one was taken for the old task (start ignored, the
+/// old process on the GPUs, the new job "running" with no process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_tasks_of_an_earlier_host_are_stopped_before_a_new_one_gives_work() {
+    let d = dir("foreignrun");
+    let records = d.join("n1-state");
+    let (mut first_host, url) = serve(&d, "serve1", &d.join("state1"), &[]).await;
+    let mut n1 = agent(&d, &url, "n1", "2xH20", &[]);
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let old = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let alloc = until("the first host's task running", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == old && j.state == "running").and_then(|j| j.runs.first().map(|r| r.allocation_id)) }
+    })
+    .await;
+    let vis = d.join(format!("vis-{old}-{alloc}"));
+    until("the task started", Duration::from_secs(30), || {
+        let up = vis.exists();
+        async move { up.then_some(()) }
+    })
+    .await;
+    let old_pid = task_pid(&records, alloc);
+    // The agent and the host die; the task runs on, unwatched.
+    kill9(&mut n1);
+    kill9(&mut first_host);
+    assert!(alive(old_pid));
+
+    let (_second_host, url2) = serve(&d, "serve2", &d.join("state2"), &[]).await;
+    let _n1 = agent(&d, &url2, "n1", "2xH20", &[]);
+    let api2 = berth::client::connect(&url2, Some("ops-test-token"), None, None).await.unwrap();
+    until("n1 schedulable on the new host", Duration::from_secs(60), || {
+        let api = api2.clone();
+        async move { node_info(&api, "n1").await.filter(|n| n.schedulable) }
+    })
+    .await;
+    // Gone by the time the node takes work (the stop grace is 2 s).
+    assert!(!alive(old_pid), "the earlier host's task still runs (pid {old_pid})");
+    // The new host's first job gets the same allocation id, and its own
+    // process runs (it writes its own file).
+    let new = api2.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let new_alloc = until("the new host's task running", Duration::from_secs(60), || {
+        let api = api2.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == new && j.state == "running").and_then(|j| j.runs.first().map(|r| r.allocation_id)) }
+    })
+    .await;
+    assert_eq!(new_alloc, alloc, "the test needs the ids to repeat");
+    let new_vis = d.join(format!("vis-{new}-{new_alloc}"));
+    until("the new task's own process started", Duration::from_secs(30), || {
+        let up = new_vis.exists();
+        async move { up.then_some(()) }
+    })
+    .await;
+    let log = plain(&std::fs::read_to_string(d.join("n1.log")).unwrap());
+    assert!(!log.contains("already running here"), "a start was taken for the earlier task:\n{log}");
+    std::fs::write(d.join(format!("release-{new}")), "0").unwrap();
+    std::fs::write(d.join(format!("release-{old}")), "0").unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_killed_mid_job_is_adopted_back_or_its_job_requeued_with_no_gpu_twice() {
     let d = dir("agentkill");

@@ -567,6 +567,9 @@ struct Agent {
     /// The host named in each recovered record of a task that ended, by
     /// allocation: its exit report goes only to that host.
     ended_under: Mutex<HashMap<u64, String>>,
+    /// The host named in each recovered record of a task still running:
+    /// one another host started is stopped when this agent registers.
+    adopted_under: Mutex<HashMap<u64, String>>,
     /// How tasks are confined (cgroups, affinity or nothing).
     isolation: Isolation,
     /// Each task's CPU time at the previous heartbeat, for its rate.
@@ -600,6 +603,7 @@ impl Agent {
             sending: Mutex::new(Default::default()),
             host: Mutex::new(String::new()),
             ended_under: Mutex::new(HashMap::new()),
+            adopted_under: Mutex::new(HashMap::new()),
             isolation,
             cpu_seen: Mutex::new(HashMap::new()),
         })
@@ -655,6 +659,7 @@ impl Agent {
                 let stat = std::fs::read_to_string(format!("/proc/{}/stat", rec.pid)).unwrap_or_default();
                 let sleeping = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T") || self.isolation.group(rec.alloc_id).frozen();
                 self.children.lock().unwrap().insert(rec.alloc_id, Child { pid: rec.pid, gpus: rec.gpus, sleeping, stop: None });
+                self.adopted_under.lock().unwrap().insert(rec.alloc_id, rec.host);
                 adopted.push((rec.alloc_id, rec.pid));
                 tracing::info!(target: "berth::agent", allocation = rec.alloc_id, pid = rec.pid, "adopted a running task");
             } else {
@@ -828,8 +833,57 @@ impl Agent {
         };
         let r = c.register(req).await.map_err(|s| anyhow::anyhow!("register: {:?}: {}", s.code(), s.message()))?.into_inner();
         self.forget_other_hosts_ends(&r.host_identity);
+        self.stop_other_hosts_tasks(&r.host_identity).await;
         *self.host.lock().unwrap() = r.host_identity;
         Ok(r.session)
+    }
+
+    /// Stops the tasks an earlier, unrelated host started that still run
+    /// (their records in this node's state folder name another host
+    /// identity): this host never gave those allocation ids and will give
+    /// them again, so they are gone before it can send a start with one of
+    /// them (which the agent would take for a task it already runs, while
+    /// the old process held the GPUs). SIGTERM (a frozen task thawed to act
+    /// on it), SIGKILL after the stop grace.
+    async fn stop_other_hosts_tasks(&self, identity: &str) {
+        if identity.is_empty() {
+            return;
+        }
+        let foreign: Vec<(u64, u32)> = {
+            let under = self.adopted_under.lock().unwrap();
+            let children = self.children.lock().unwrap();
+            under.iter().filter(|(_, host)| !host.is_empty() && *host != identity).filter_map(|(&id, _)| children.get(&id).map(|c| (id, c.pid))).collect()
+        };
+        if foreign.is_empty() {
+            return;
+        }
+        let alive = |foreign: &[(u64, u32)]| foreign.iter().any(|&(_, pid)| supervisor_alive(pid));
+        for &(id, pid) in &foreign {
+            let _ = signal_group(pid, libc::SIGTERM);
+            let _ = self.isolation.group(id).freeze(false);
+            let _ = signal_group(pid, libc::SIGCONT);
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(self.args.stop_grace_s);
+        while alive(&foreign) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for &(id, pid) in &foreign {
+            if supervisor_alive(pid) {
+                let _ = signal_group(pid, libc::SIGKILL);
+                self.isolation.group(id).kill_all();
+            }
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while alive(&foreign) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for &(id, _) in &foreign {
+            self.children.lock().unwrap().remove(&id);
+            self.adopted_under.lock().unwrap().remove(&id);
+            self.unsent.lock().unwrap().retain(|r| r.allocation_id != id);
+            self.forget_task_files(id);
+        }
+        tracing::warn!(target: "berth::agent", stopped = foreign.len(), "tasks an earlier, unrelated host started (this node's state folder) stopped");
     }
 
     /// Drops the recorded ends of tasks another host started (an earlier,
@@ -873,8 +927,11 @@ impl Agent {
         // Ends the host has not heard of go before the first heartbeat, which
         // lists what still runs.
         self.flush().await;
+        // (Those another host started are gone already.)
         for (id, pid) in adopted {
-            self.watch_adopted(id, pid);
+            if self.children.lock().unwrap().get(&id).is_some_and(|c| c.pid == pid) {
+                self.watch_adopted(id, pid);
+            }
         }
         let session = Arc::new(std::sync::atomic::AtomicU64::new(session));
         let commands = tokio::spawn(self.clone().command_loop(session.clone()));
@@ -935,9 +992,16 @@ impl Agent {
             }
         }
         commands.abort();
-        // Children leave with the agent: stop them.
-        for c in self.children.lock().unwrap().values() {
-            let _ = signal_group(c.pid, libc::SIGTERM);
+        // Children leave with the agent: stop them. An asleep one is killed
+        // where it stands (its GPUs may be lent; a frozen task would never
+        // act on SIGTERM and outlive the agent).
+        for (&id, c) in self.children.lock().unwrap().iter() {
+            if c.sleeping {
+                let _ = signal_group(c.pid, libc::SIGKILL);
+                self.isolation.group(id).kill_all();
+            } else {
+                let _ = signal_group(c.pid, libc::SIGTERM);
+            }
         }
         Ok(())
     }
