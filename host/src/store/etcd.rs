@@ -82,6 +82,9 @@ fn run_on<T: Send + 'static>(rt: &tokio::runtime::Runtime, f: impl Future<Output
     rx.recv().expect("the etcd runtime runs")
 }
 
+/// How long a starting host tries its etcd endpoints before it gives up.
+const ETCD_CONNECT_WAIT: Duration = Duration::from_secs(30);
+
 impl EtcdStore {
     /// Connects, takes a lease, keeps it alive and campaigns: returns once
     /// this host leads (a standby waits here, logging who leads). Blocks:
@@ -103,16 +106,27 @@ impl EtcdStore {
         let (kv, lease_client, endpoint, lease) = run_on(&rt, async move {
             let mut last = String::new();
             let mut channel = None;
-            for e in &cfg.endpoints {
-                match Channel::from_shared(e.clone()).map_err(|x| x.to_string())?.connect_timeout(Duration::from_secs(3)).connect().await {
-                    Ok(c) => {
-                        channel = Some((c, e.clone()));
-                        break;
+            // etcd started beside the host (by hand, or by a service
+            // manager at boot) may take a moment to answer.
+            let give_up = tokio::time::Instant::now() + ETCD_CONNECT_WAIT;
+            while channel.is_none() {
+                for e in &cfg.endpoints {
+                    match Channel::from_shared(e.clone()).map_err(|x| x.to_string())?.connect_timeout(Duration::from_secs(3)).connect().await {
+                        Ok(c) => {
+                            channel = Some((c, e.clone()));
+                            break;
+                        }
+                        Err(x) => last = format!("{e}: {x}"),
                     }
-                    Err(x) => last = format!("{e}: {x}"),
+                }
+                if channel.is_none() {
+                    if tokio::time::Instant::now() >= give_up {
+                        return Err(format!("no etcd endpoint answered within {} s ({last})", ETCD_CONNECT_WAIT.as_secs()));
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
                 }
             }
-            let (channel, endpoint) = channel.ok_or_else(|| format!("no etcd endpoint answered ({last})"))?;
+            let (channel, endpoint) = channel.expect("connected");
             let mut kv = KvClient::new(channel.clone());
             let mut leases = LeaseClient::new(channel);
             let lease = leases.lease_grant(pb::LeaseGrantRequest { ttl, id: 0 }).await.map_err(|s| format!("lease grant: {}", s.message()))?.into_inner();
