@@ -20,7 +20,7 @@ fn includes(text: &str) -> Vec<(String, Option<String>)> {
         .collect()
 }
 
-fn book_pages() -> Vec<PathBuf> {
+pub(crate) fn book_pages() -> Vec<PathBuf> {
     let dir = repo_root().join("docs/src");
     let mut pages: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
@@ -229,6 +229,7 @@ fn every_berth_command_the_book_shows_parses() {
 /// Every other command must succeed the first time.
 #[test]
 fn the_readme_tour_runs_from_another_folder() {
+    let _ports = crate::book::DOCS_PORTS.lock().unwrap_or_else(|e| e.into_inner());
     if std::net::TcpListener::bind("127.0.0.1:7450").is_err() || std::net::TcpListener::bind("127.0.0.1:7451").is_err() {
         crate::common::skip("127.0.0.1:7450 or 7451 is taken: the tour's host listens there");
         return;

@@ -10,6 +10,7 @@ mod cli;
 mod confinement;
 mod console;
 mod containment;
+mod book;
 mod docs;
 mod equivalence;
 mod guard;
