@@ -57,6 +57,38 @@ fn every_book_include_names_an_existing_file_and_anchor() {
 
 /// Chapters named in SUMMARY.md (mdbook fails the build when one is
 /// missing: `create-missing = false`).
+/// Every relative link of the book names a chapter of the book: a link to
+/// a file elsewhere in the repository (`../../wit/...`) works on a source
+/// browser and is a dead link in the built book.
+#[test]
+fn book_links_stay_inside_the_book() {
+    let link = |text: &str| -> Vec<String> {
+        let mut out = Vec::new();
+        let mut rest = text;
+        while let Some(i) = rest.find("](") {
+            rest = &rest[i + 2..];
+            if let Some(end) = rest.find(')') {
+                out.push(rest[..end].to_string());
+            }
+        }
+        out
+    };
+    let dir = repo_root().join("docs/src");
+    let mut bad = Vec::new();
+    for page in book_pages() {
+        for target in link(&std::fs::read_to_string(&page).unwrap()) {
+            if target.starts_with("http://") || target.starts_with("https://") || target.starts_with('#') || target.starts_with("mailto:") {
+                continue;
+            }
+            let file = target.split('#').next().unwrap();
+            if !(file.ends_with(".md") && !file.contains('/') && dir.join(file).is_file()) {
+                bad.push(format!("{}: {target}", page.file_name().unwrap().to_string_lossy()));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "links that leave the book (name the path as code instead):\n{}", bad.join("\n"));
+}
+
 fn summary_chapters() -> Vec<String> {
     let text = std::fs::read_to_string(repo_root().join("docs/src/SUMMARY.md")).unwrap();
     text.match_indices("](").map(|(i, _)| text[i + 2..].split(')').next().unwrap().to_string()).collect()
