@@ -597,6 +597,9 @@ fn is_background(code: &str) -> bool {
 #[test]
 fn every_command_block_of_the_book_runs_as_shown() {
     let _ports = DOCS_PORTS.lock().unwrap_or_else(|e| e.into_inner());
+    // Its sessions load the CPUs on purpose (a chapter's CPU hogs, a policy
+    // build): no test measuring a task's rate runs meanwhile.
+    let _cpu = crate::common::cpu_measuring();
     for port in [7450, 7451, 7470, 7471, 2479, 2480] {
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
             crate::common::skip(&format!("127.0.0.1:{port} is taken: the book's hosts listen there"));

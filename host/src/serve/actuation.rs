@@ -1029,7 +1029,7 @@ impl Live {
                 job.sleep = super::state::SleepState::Awake;
                 if job.state == JobState::Running {
                     // Stopped because its budget was spent: the end it bought.
-                    let spent = job.time_limit_stop && job.detail == super::scheduler::BUDGET_SPENT;
+                    let spent = job.time_limit_stop && job.budget_stop;
                     let ok = spent || job.runs.iter().all(|r| !r.state.failed(r.exit_code, r.signal));
                     job.close_run(self.now_ms());
                     job.state = if ok { JobState::Finished } else { JobState::Failed };

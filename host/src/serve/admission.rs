@@ -71,6 +71,7 @@ impl Live {
             detail: String::new(),
             work: Default::default(),
             time_limit_stop: false,
+            budget_stop: false,
             evicting: false,
             waiting_on: Vec::new(),
             charged_gpu_ms: 0,

@@ -108,6 +108,9 @@ struct StoredJob {
     work: super::work::WorkTally,
     #[serde(default)]
     time_limit_stop: bool,
+    /// The time limit was its budget running out (it ends finished).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    budget_stop: bool,
     /// Opportunistic work: GPU-seconds bought, and GPU-ms its ended runs
     /// were charged (absent: none).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -260,6 +263,7 @@ pub(crate) fn job_record_op(clock: &dyn Clock, partition: &str, id: u64, j: &Job
         work_unit: s.work_unit.clone(),
         work: j.work,
         time_limit_stop: j.time_limit_stop,
+        budget_stop: j.budget_stop,
         budget_gpu_s: s.budget_gpu_s,
         charged_gpu_ms: j.charged_gpu_ms,
     };
@@ -577,6 +581,7 @@ impl Live {
                         detail: j.detail,
                         work: j.work,
                         time_limit_stop: j.time_limit_stop,
+                        budget_stop: j.budget_stop,
                         charged_gpu_ms: j.charged_gpu_ms,
                         evicting,
                         waiting_on,

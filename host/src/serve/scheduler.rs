@@ -193,6 +193,7 @@ impl Live {
                 // are gone finds it past and stops them again.
                 job.detail = if budget_spent { BUDGET_SPENT } else { TIME_LIMIT_STOPPED }.into();
                 job.time_limit_stop = true;
+                job.budget_stop = budget_spent;
                 if let Some(act) = self.actuator() {
                     for r in job.runs.iter().filter(|r| r.holds) {
                         act.stop(r.alloc_id, &r.node);

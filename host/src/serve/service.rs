@@ -629,9 +629,12 @@ impl Berth for Service {
             if req.get_ref().what_if
                 && let Some(&slot) = st.slots.get(&job_id)
             {
-                // A task's move is counted as copying its memory (compaction
-                // estimates more: GPU state too, see the note on issue 32).
-                let movable = |j: &berth_core::Job| st.jobs.get(&j.id).filter(|r| r.spec.movable).map(|_| j.shape.memory_mib << 20);
+                // A task's move copies what live compaction estimates for it:
+                // its GPU state and its memory, under the partition's config.
+                let config = &st.compaction.config;
+                let movable = |j: &berth_core::Job| {
+                    st.jobs.get(&j.id).filter(|r| r.spec.movable).map(|_| berth_core::compaction::estimate_state_bytes(config, j.shape.gpu_count, j.shape.gpu_milli, j.shape.memory_mib))
+                };
                 let name = |id: u32| st.fleet.nodes()[id as usize].name.clone();
                 for change in st.engine.what_if(&st.fleet, slot, now, &|id, _| may_run(id), &movable) {
                     out.what_if.push(match change {

@@ -361,6 +361,9 @@ pub struct JobRecord {
     /// Its time limit stopped its tasks: their ends are its owner's limit,
     /// not failures or moves that lose work.
     pub time_limit_stop: bool,
+    /// That stop was its GPU-hour budget spent: an end it bought, not a
+    /// failure.
+    pub budget_stop: bool,
     /// Preempted: its processes are stopping under the priority contract;
     /// it runs again once they are gone.
     pub evicting: bool,
