@@ -57,6 +57,54 @@ fn every_book_include_names_an_existing_file_and_anchor() {
 
 /// Chapters named in SUMMARY.md (mdbook fails the build when one is
 /// missing: `create-missing = false`).
+/// `./scripts/demo.sh` alone readies the README's tour: it builds every
+/// Rust policy, and every bundled policy the tour names (and the host's
+/// default, binpack) is a Rust one. (It built only the six it replays, and
+/// the tour's host stopped at once: no policy named binpack.)
+#[test]
+fn the_demo_builds_every_policy_the_tour_names() {
+    let demo = std::fs::read_to_string(repo_root().join("scripts/demo.sh")).unwrap();
+    assert!(demo.lines().any(|l| l.trim_start().starts_with("bash scripts/build-policies.sh --rust-only")), "demo.sh no longer builds every Rust policy");
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let tour = readme.split("## A five-minute tour").nth(1).and_then(|t| t.split("\n## ").next()).expect("README.md has its tour");
+    let mut named = vec!["binpack".to_string()];
+    let mut in_sh = false;
+    for line in tour.lines() {
+        if let Some(lang) = line.trim_start().strip_prefix("```") {
+            in_sh = !in_sh && lang.trim() == "sh";
+            continue;
+        }
+        if !in_sh {
+            continue;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        for (i, w) in words.iter().enumerate() {
+            let next = words.get(i + 1).copied().unwrap_or("");
+            // `--policy X`, `--preempt X`, and the component of `policy upload`.
+            if matches!(*w, "--policy" | "--preempt") {
+                named.push(next.to_string());
+            }
+            if *w == "upload" {
+                let rest: Vec<&str> = words[i + 1..].iter().copied().take_while(|a| *a != "&&").collect();
+                let mut k = 0;
+                while k < rest.len() {
+                    if rest[k].starts_with("--") {
+                        k += 2;
+                    } else {
+                        named.push(rest[k].to_string());
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let bundled: Vec<&String> = named.iter().filter(|n| !n.contains('/') && !n.ends_with(".wasm")).collect();
+    assert!(bundled.len() >= 6, "only {bundled:?} found in the tour");
+    for name in bundled {
+        assert!(repo_root().join("policies").join(name).join("Cargo.toml").is_file(), "the tour names {name:?}, which is not a Rust policy demo.sh builds");
+    }
+}
+
 /// Every relative link of the book names a chapter of the book: a link to
 /// a file elsewhere in the repository (`../../wit/...`) works on a source
 /// browser and is a dead link in the built book.
