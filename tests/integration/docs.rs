@@ -310,6 +310,10 @@ fn every_berth_command_the_book_shows_parses() {
 #[test]
 fn the_readme_tour_runs_from_another_folder() {
     let _ports = crate::book::DOCS_PORTS.lock().unwrap_or_else(|e| e.into_inner());
+    // It builds a policy (a minute of both CPUs): no test measuring a
+    // task's rate runs meanwhile (a clean-clone CI run saw a training task
+    // at half its rate alone beside it).
+    let _cpu = crate::common::cpu_measuring();
     if std::net::TcpListener::bind("127.0.0.1:7450").is_err() || std::net::TcpListener::bind("127.0.0.1:7451").is_err() {
         crate::common::skip("127.0.0.1:7450 or 7451 is taken: the tour's host listens there");
         return;

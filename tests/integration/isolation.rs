@@ -87,6 +87,9 @@ async fn a_task_gets_the_cores_and_memory_it_asked_for_and_an_oom_kill_is_its_ow
     let neighbour_pid = task_pid(&d, &api, &hub, neighbour).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let loops = descendants(hog_pid);
+    // Tasks outlive a killed agent by design: a failure below must not
+    // leave the hog spinning under the tests after it.
+    let _reaper = Reaper(loops.iter().copied().chain([hog_pid]).collect());
     assert!(loops.len() >= 2, "the hog's loops are not running: {loops:?}");
     let (t0, c0) = (Instant::now(), cpu_seconds(&loops));
     tokio::time::sleep(Duration::from_secs(4)).await;
