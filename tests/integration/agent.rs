@@ -736,6 +736,42 @@ pub(crate) async fn node_info(api: &berth::client::Client, name: &str) -> Option
     nodes.into_iter().find(|n| n.name == name)
 }
 
+/// A host on `state1` with agent n1 (state folder `n1-state`) running one
+/// one-GPU task: (host, agent, job, allocation), once the task's process
+/// wrote its file.
+async fn a_task_under_a_first_host(d: &Path) -> (Proc, Proc, u64, u64) {
+    let (host, url) = serve(d, "serve1", &d.join("state1"), &[]).await;
+    let n1 = agent(d, &url, "n1", "2xH20", &[]);
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let job = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
+    let alloc = until("the first host's task running", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { jobs(&api).await.into_iter().find(|j| j.id == job && j.state == "running").and_then(|j| j.runs.first().map(|r| r.allocation_id)) }
+    })
+    .await;
+    let vis = d.join(format!("vis-{job}-{alloc}"));
+    until("the task started", Duration::from_secs(30), || {
+        let up = vis.exists();
+        async move { up.then_some(()) }
+    })
+    .await;
+    (host, n1, job, alloc)
+}
+
+/// A new host on a fresh state folder (`state2`), and agent n1 back on the
+/// same agent state folder, schedulable there: (host, agent, client).
+async fn the_agent_under_a_second_host(d: &Path) -> (Proc, Proc, berth::client::Client) {
+    let (host, url) = serve(d, "serve2", &d.join("state2"), &[]).await;
+    let n1 = agent(d, &url, "n1", "2xH20", &[]);
+    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    until("n1 schedulable on the new host", Duration::from_secs(60), || {
+        let api = api.clone();
+        async move { node_info(&api, "n1").await.filter(|n| n.schedulable) }
+    })
+    .await;
+    (host, n1, api)
+}
+
 /// An agent's state folder outlives unrelated runs: a task that ended
 /// while its agent was down, under a host since replaced by one on a fresh
 /// state folder, is not reported to the new host (whose allocation ids
@@ -744,21 +780,7 @@ pub(crate) async fn node_info(api: &berth::client::Client, name: &str) -> Option
 async fn ended_tasks_of_an_earlier_host_are_forgotten_not_reported_to_a_new_one() {
     let d = dir("foreign");
     let records = d.join("n1-state");
-    let (mut first_host, url) = serve(&d, "serve1", &d.join("state1"), &[]).await;
-    let mut n1 = agent(&d, &url, "n1", "2xH20", &[]);
-    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
-    let old = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
-    let alloc = until("the first host's task running", Duration::from_secs(60), || {
-        let api = api.clone();
-        async move { jobs(&api).await.into_iter().find(|j| j.id == old && j.state == "running").and_then(|j| j.runs.first().map(|r| r.allocation_id)) }
-    })
-    .await;
-    let vis = d.join(format!("vis-{old}-{alloc}"));
-    until("the task started", Duration::from_secs(30), || {
-        let up = vis.exists();
-        async move { up.then_some(()) }
-    })
-    .await;
+    let (mut first_host, mut n1, old, alloc) = a_task_under_a_first_host(&d).await;
     // The agent dies; its task ends with no agent to report it; the host
     // goes too.
     kill9(&mut n1);
@@ -772,14 +794,7 @@ async fn ended_tasks_of_an_earlier_host_are_forgotten_not_reported_to_a_new_one(
     kill9(&mut first_host);
 
     // A new host on a fresh state folder; the same agent state folder.
-    let (_second_host, url2) = serve(&d, "serve2", &d.join("state2"), &[]).await;
-    let _n1 = agent(&d, &url2, "n1", "2xH20", &[]);
-    let api2 = berth::client::connect(&url2, Some("ops-test-token"), None, None).await.unwrap();
-    until("n1 schedulable on the new host", Duration::from_secs(60), || {
-        let api = api2.clone();
-        async move { node_info(&api, "n1").await.filter(|n| n.schedulable) }
-    })
-    .await;
+    let (_second_host, _n1, api2) = the_agent_under_a_second_host(&d).await;
     assert!(!status.exists() && !records.join(format!("alloc-{alloc}.json")).exists(), "the earlier host's records are gone");
     let log = plain(&std::fs::read_to_string(d.join("n1.log")).unwrap());
     assert!(!log.contains("does not know this allocation"), "an earlier host's end was reported to the new one:\n{log}");
@@ -808,35 +823,14 @@ async fn ended_tasks_of_an_earlier_host_are_forgotten_not_reported_to_a_new_one(
 async fn running_tasks_of_an_earlier_host_are_stopped_before_a_new_one_gives_work() {
     let d = dir("foreignrun");
     let records = d.join("n1-state");
-    let (mut first_host, url) = serve(&d, "serve1", &d.join("state1"), &[]).await;
-    let mut n1 = agent(&d, &url, "n1", "2xH20", &[]);
-    let api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
-    let old = api.clone().submit_job(pb::SubmitJobRequest { job: Some(agent_job(&d, 1, 1)), ..Default::default() }).await.unwrap().into_inner().job_id;
-    let alloc = until("the first host's task running", Duration::from_secs(60), || {
-        let api = api.clone();
-        async move { jobs(&api).await.into_iter().find(|j| j.id == old && j.state == "running").and_then(|j| j.runs.first().map(|r| r.allocation_id)) }
-    })
-    .await;
-    let vis = d.join(format!("vis-{old}-{alloc}"));
-    until("the task started", Duration::from_secs(30), || {
-        let up = vis.exists();
-        async move { up.then_some(()) }
-    })
-    .await;
+    let (mut first_host, mut n1, old, alloc) = a_task_under_a_first_host(&d).await;
     let old_pid = task_pid(&records, alloc);
     // The agent and the host die; the task runs on, unwatched.
     kill9(&mut n1);
     kill9(&mut first_host);
     assert!(alive(old_pid));
 
-    let (_second_host, url2) = serve(&d, "serve2", &d.join("state2"), &[]).await;
-    let _n1 = agent(&d, &url2, "n1", "2xH20", &[]);
-    let api2 = berth::client::connect(&url2, Some("ops-test-token"), None, None).await.unwrap();
-    until("n1 schedulable on the new host", Duration::from_secs(60), || {
-        let api = api2.clone();
-        async move { node_info(&api, "n1").await.filter(|n| n.schedulable) }
-    })
-    .await;
+    let (_second_host, _n1, api2) = the_agent_under_a_second_host(&d).await;
     // Gone by the time the node takes work (the stop grace is 2 s).
     assert!(!alive(old_pid), "the earlier host's task still runs (pid {old_pid})");
     // The new host's first job gets the same allocation id, and its own

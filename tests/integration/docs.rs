@@ -57,6 +57,22 @@ fn every_book_include_names_an_existing_file_and_anchor() {
 
 /// Chapters named in SUMMARY.md (mdbook fails the build when one is
 /// missing: `create-missing = false`).
+/// The lines of the `sh` blocks of README.md's tour, as written.
+fn tour_sh_lines() -> Vec<String> {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let tour = readme.split("## A five-minute tour").nth(1).and_then(|t| t.split("\n## ").next()).expect("README.md has its tour");
+    let mut in_sh = false;
+    let mut out = Vec::new();
+    for line in tour.lines() {
+        if let Some(lang) = line.trim_start().strip_prefix("```") {
+            in_sh = !in_sh && lang.trim() == "sh";
+        } else if in_sh {
+            out.push(line.to_string());
+        }
+    }
+    out
+}
+
 /// `./scripts/demo.sh` alone readies the README's tour: it builds every
 /// Rust policy, and every bundled policy the tour names (and the host's
 /// default, binpack) is a Rust one. (It built only the six it replays, and
@@ -65,18 +81,8 @@ fn every_book_include_names_an_existing_file_and_anchor() {
 fn the_demo_builds_every_policy_the_tour_names() {
     let demo = std::fs::read_to_string(repo_root().join("scripts/demo.sh")).unwrap();
     assert!(demo.lines().any(|l| l.trim_start().starts_with("bash scripts/build-policies.sh --rust-only")), "demo.sh no longer builds every Rust policy");
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
-    let tour = readme.split("## A five-minute tour").nth(1).and_then(|t| t.split("\n## ").next()).expect("README.md has its tour");
     let mut named = vec!["binpack".to_string()];
-    let mut in_sh = false;
-    for line in tour.lines() {
-        if let Some(lang) = line.trim_start().strip_prefix("```") {
-            in_sh = !in_sh && lang.trim() == "sh";
-            continue;
-        }
-        if !in_sh {
-            continue;
-        }
+    for line in tour_sh_lines() {
         let words: Vec<&str> = line.split_whitespace().collect();
         for (i, w) in words.iter().enumerate() {
             let next = words.get(i + 1).copied().unwrap_or("");
@@ -318,22 +324,13 @@ fn the_readme_tour_runs_from_another_folder() {
         crate::common::skip("127.0.0.1:7450 or 7451 is taken: the tour's host listens there");
         return;
     }
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
-    let tour = readme.split("## A five-minute tour").nth(1).and_then(|t| t.split("\n## ").next()).expect("README.md has its tour");
     let mut lines = Vec::new();
-    let (mut in_sh, mut joined) = (false, String::new());
-    for line in tour.lines() {
-        if let Some(lang) = line.trim_start().strip_prefix("```") {
-            in_sh = !in_sh && lang.trim() == "sh";
-            continue;
-        }
-        if !in_sh {
-            continue;
-        }
+    let mut joined = String::new();
+    for line in tour_sh_lines() {
         match line.strip_suffix('\\') {
             Some(part) => joined.push_str(part),
             None => {
-                joined.push_str(line);
+                joined.push_str(&line);
                 let whole = std::mem::take(&mut joined);
                 let code = whole.find(" #").map_or(whole.as_str(), |i| &whole[..i]).trim().to_string();
                 if !code.is_empty() {
