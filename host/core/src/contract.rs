@@ -9,7 +9,7 @@
 pub use berth_sdk::Tier;
 
 /// A promise the host broke, found by the engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Broken {
     /// A preemptible job was stopped again while at its daily cap (a host
     /// action: a lost node, an owner waking on GPUs it borrowed).
@@ -32,7 +32,7 @@ impl Broken {
 }
 
 /// What the host owes for lost work and broken promises, in GPU-hours.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Compensation {
     /// Credit per GPU-hour of work a preemptible job lost to a preemption
     /// (the work since its last checkpoint).

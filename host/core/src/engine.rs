@@ -101,7 +101,7 @@ pub struct SimOutcome {
 }
 
 /// Engine settings.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SimConfig {
     /// Replay stops at this simulated time (the live host ignores it).
     pub horizon_s: u64,
@@ -135,7 +135,7 @@ pub struct SimConfig {
 /// at 90%). The GPUs stay held for the run's time: the loss shows in the
 /// outcome (completed work), not in allocation, as the paper says a busy
 /// fleet can hide it.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Interference {
     pub median_loss: f64,
     pub p90_loss: f64,
@@ -176,7 +176,7 @@ impl Interference {
 /// divided by `cross_domain_slowdown` when its tasks span more than one
 /// switch domain (ASI: all-reduce inside one access switch is up to 27%
 /// faster). A slower run holds its GPUs longer for the same work.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WorkRates {
     /// Speed of each GPU model (indexed like the fleet's models) against
     /// the reference.
@@ -218,7 +218,7 @@ impl SimConfig {
 }
 
 /// Starvation-guard settings: fleet-wide, and per partition.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Guards {
     /// For jobs not submitted to a partition, or whose partition has no
     /// setting of its own.
@@ -246,7 +246,7 @@ impl Guards {
 /// enough running work will have ended for it), so the reserved job starts
 /// then at the latest. Each partition (and the fleet-wide scope) holds at
 /// most one reservation at a time.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StarvationGuard {
     /// A job waiting this long that cannot start gets the reservation.
     pub reserve_after_s: u64,
@@ -263,7 +263,7 @@ pub struct StarvationGuard {
 /// budget is spent, smaller work waits for the next window, so a stream of
 /// short arrivals cannot keep the capacity the waiting job needs busy
 /// forever: running work ends and the waiting job fits.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdmissionWindow {
     pub window_s: u64,
     pub small_gpu_h: f64,
@@ -340,7 +340,7 @@ impl SimOutcome {
 pub type Slot = usize;
 
 /// Something that happened, at the `now` of [`Engine::handle`].
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Event {
     /// A registered job joins the queue.
     Arrive(Slot),
@@ -382,7 +382,7 @@ pub enum Event {
 }
 
 /// What the engine decided, in the order it decided it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Decision {
     /// The job runs on these allocations, starting at `start_s` (once the
     /// `victims` it evicted have vacated).
@@ -490,6 +490,8 @@ pub struct Engine {
     high_view: Option<HighView>,
     /// Simulated seconds since the interference model last looked.
     interference_due_s: f64,
+    /// Every input given, while capture is on (see [`crate::capture`]).
+    capture: Option<crate::capture::Recorder>,
 }
 
 impl Engine {
@@ -525,12 +527,61 @@ impl Engine {
             announced: Vec::new(),
             interference_due_s: 0.0,
             high_view: None,
+            capture: None,
+        }
+    }
+
+    /// Records every input from now on, starting with the settings and the
+    /// whole of `fleet` (the world drains them with [`Engine::take_captured`]).
+    pub fn start_capture(&mut self, fleet: &Fleet) {
+        self.capture = Some(crate::capture::Recorder::start(&self.config, fleet));
+    }
+
+    pub fn capturing(&self) -> bool {
+        self.capture.is_some()
+    }
+
+    /// The inputs recorded since the last call.
+    pub fn take_captured(&mut self) -> Vec<crate::capture::Input> {
+        self.capture.as_mut().map(|c| std::mem::take(&mut c.inputs)).unwrap_or_default()
+    }
+
+    /// Records what the world notes for a replay (policy versions, agent
+    /// nodes), in order with the engine's inputs; nothing when not capturing.
+    pub fn capture_note(&mut self, note: crate::capture::Input) {
+        if let Some(c) = &mut self.capture {
+            c.inputs.push(note);
+        }
+    }
+
+    fn record(&mut self, input: impl FnOnce(&Self) -> crate::capture::Input) {
+        if self.capture.is_some() {
+            let input = input(self);
+            self.capture.as_mut().expect("checked").inputs.push(input);
+        }
+    }
+
+    fn record_saw(&mut self, fleet: &Fleet) {
+        if let Some(c) = &mut self.capture {
+            c.saw(fleet);
+        }
+    }
+
+    fn record_left(&mut self, fleet: &Fleet) {
+        if let Some(c) = &mut self.capture {
+            c.left(fleet);
         }
     }
 
     /// Adds a job to the engine's table (not yet to the queue: see
     /// [`Event::Arrive`]); returns its slot.
     pub fn register(&mut self, job: Job) -> Slot {
+        let slot = self.register_job(job);
+        self.record(|e| crate::capture::Input::Register { slot, job: e.jobs[slot].clone() });
+        slot
+    }
+
+    fn register_job(&mut self, job: Job) -> Slot {
         let key = (job.partition, job.tasks, job.shape.clone());
         let class = match self.class_ids.get(&key) {
             Some(&c) => c,
@@ -569,6 +620,7 @@ impl Engine {
     /// changes) while the job still waits, holds, sleeps, is being taken
     /// back or holds a reservation.
     pub fn forget(&mut self, slot: Slot) -> bool {
+        self.record(|_| crate::capture::Input::Forget { slot });
         let busy = self.pending.contains(&slot)
             || !self.runs.held[slot].is_empty()
             || self.runs.planned_end[slot].is_some()
@@ -670,6 +722,7 @@ impl Engine {
     /// from durable state; a waiting job at its daily limit is held back
     /// again until the oldest is a day old.
     pub fn restore_interruptions(&mut self, slot: Slot, mut times: Vec<u64>, now: u64) {
+        self.record(|_| crate::capture::Input::RestoreInterruptions { slot, times: times.clone(), now });
         if times.is_empty() {
             return;
         }
@@ -714,6 +767,11 @@ impl Engine {
     /// its time behind: kept, it would stay due forever, and the live host
     /// would spin on it.
     pub fn take_due_wakeups(&mut self, now: u64) -> bool {
+        self.record(|_| crate::capture::Input::DueWakeups { now });
+        self.due_wakeups(now)
+    }
+
+    fn due_wakeups(&mut self, now: u64) -> bool {
         let mut any = false;
         while self.runs.wakeups.peek().is_some_and(|&Reverse(t)| t <= now) {
             self.runs.wakeups.pop();
@@ -732,6 +790,7 @@ impl Engine {
     /// whose guard is now off gives up its reservation and drained nodes;
     /// every pending job is tried again.
     pub fn set_guards(&mut self, guards: Guards) {
+        self.record(|_| crate::capture::Input::Guards { guards: guards.clone() });
         self.config.guards = guards;
         let config = &self.config;
         let jobs = &self.jobs;
@@ -892,10 +951,31 @@ impl Engine {
         deciders: &mut Deciders,
         world: &mut World,
     ) -> Pass {
-        self.take_due_wakeups(now);
+        self.record_saw(fleet);
+        let events: Vec<Event> = events.into_iter().collect();
+        let pass = self.handle_events(fleet, now, events.iter().cloned(), deciders, world);
+        self.record_left(fleet);
+        self.record(|_| crate::capture::Input::Pass {
+            now,
+            events,
+            decisions: pass.decisions.clone(),
+            error: pass.error.as_ref().map(|(_, hook, e)| format!("{hook:?}: {e}")),
+        });
+        pass
+    }
+
+    fn handle_events(
+        &mut self,
+        fleet: &mut Fleet,
+        now: u64,
+        events: impl IntoIterator<Item = Event>,
+        deciders: &mut Deciders,
+        world: &mut World,
+    ) -> Pass {
+        self.due_wakeups(now);
         let mut pass = Pass::default();
         for event in events {
-            self.apply(fleet, now, event);
+            self.apply_event(fleet, now, event);
         }
         pass.decisions.append(&mut self.announced);
         if let Err((slot, hook, e)) = self.pass(fleet, now, deciders, world, &mut pass.decisions) {
@@ -911,6 +991,21 @@ impl Engine {
     /// Applies one event now, without a pass (the live host applies what
     /// happens as it happens, and walks the queue when it is ready to).
     pub fn apply(&mut self, fleet: &mut Fleet, now: u64, event: Event) {
+        self.record_saw(fleet);
+        self.record(|e| {
+            let job = match event {
+                Event::Arrive(j) | Event::End(j) | Event::Cancel(j) | Event::Leaving(j) | Event::Requeue(j) | Event::Unstarted(j) | Event::Vacated(j) | Event::Checkpoint(j) | Event::SleepJob(j) | Event::WakeJob(j) => {
+                    e.jobs.get(j).map(|job| job.id)
+                }
+                Event::FleetChanged | Event::Sleep | Event::Wake | Event::Compact => None,
+            };
+            crate::capture::Input::Apply { now, job, event: event.clone() }
+        });
+        self.apply_event(fleet, now, event);
+        self.record_left(fleet);
+    }
+
+    fn apply_event(&mut self, fleet: &mut Fleet, now: u64, event: Event) {
         match event {
             Event::Arrive(j) => {
                 self.pending.push(j);
@@ -1002,6 +1097,14 @@ impl Engine {
     /// A running job recovered from durable state: it holds `allocations`
     /// (allocated here) since `started_s`.
     pub fn restore_running(&mut self, fleet: &mut Fleet, slot: Slot, allocations: Vec<Allocation>, started_s: u64) -> Result<(), crate::FleetError> {
+        self.record_saw(fleet);
+        self.record(|_| crate::capture::Input::RestoreRunning { slot, allocations: allocations.clone(), started_s });
+        let restored = self.restore_running_job(fleet, slot, allocations, started_s);
+        self.record_left(fleet);
+        restored
+    }
+
+    fn restore_running_job(&mut self, fleet: &mut Fleet, slot: Slot, allocations: Vec<Allocation>, started_s: u64) -> Result<(), crate::FleetError> {
         for (k, a) in allocations.iter().enumerate() {
             if let Err(e) = fleet.allocate(a) {
                 for done in &allocations[..k] {
@@ -1026,6 +1129,7 @@ impl Engine {
     /// A sleeping job recovered from durable state: it keeps its claim on
     /// `allocations` (not allocated: lent, and borrowers may hold them).
     pub fn restore_sleeping(&mut self, slot: Slot, allocations: Vec<Allocation>, started_s: u64) {
+        self.record(|_| crate::capture::Input::RestoreSleeping { slot, allocations: allocations.clone(), started_s });
         self.lend(&allocations);
         let job = &self.jobs[slot];
         self.sleeping.insert(slot, allocations.clone());
@@ -1041,7 +1145,9 @@ impl Engine {
     /// Decisions made by events applied outside [`Engine::handle`] (a
     /// sleep, a wake and its evictions), in order; the caller actuates them.
     pub fn take_announced(&mut self) -> Vec<Decision> {
-        std::mem::take(&mut self.announced)
+        let taken = std::mem::take(&mut self.announced);
+        self.record(|_| crate::capture::Input::TakeAnnounced { decisions: taken.clone() });
+        taken
     }
 
     /// Takes only the broken promises announced (a [`Event::Requeue`]
@@ -1049,6 +1155,7 @@ impl Engine {
     pub fn take_broken(&mut self) -> Vec<Decision> {
         let (broken, rest) = std::mem::take(&mut self.announced).into_iter().partition(|d| matches!(d, Decision::Broken { .. }));
         self.announced = rest;
+        self.record(|_| crate::capture::Input::TakeBroken { decisions: broken.clone() });
         broken
     }
 
@@ -1058,14 +1165,19 @@ impl Engine {
     /// held by another job restored before it drains until it is gone.
     /// Restore running jobs first: they keep what they were given.
     pub fn restore_evicting(&mut self, fleet: &mut Fleet, slot: Slot, still_running: &[Allocation]) {
+        self.record_saw(fleet);
+        self.record(|_| crate::capture::Input::RestoreEvicting { slot, still_running: still_running.to_vec() });
         self.runs.ready_at[slot] = u64::MAX;
         self.pending.push(slot);
         self.runs.drain_victim(fleet, slot, still_running);
+        self.record_left(fleet);
     }
 
     /// A job recovered while it waited for its victims (or borrowers) to
     /// go: if it ends before they do, its GPUs drain.
     pub fn restore_awaiting(&mut self, slot: Slot, victims: impl IntoIterator<Item = Slot>) {
+        let victims: Vec<Slot> = victims.into_iter().collect();
+        self.record(|_| crate::capture::Input::RestoreAwaiting { slot, victims: victims.clone() });
         let victims: BTreeSet<Slot> = victims.into_iter().filter(|&v| self.runs.ready_at[v] == u64::MAX).collect();
         if !victims.is_empty() {
             self.runs.awaiting.entry(slot).or_default().extend(victims);
@@ -1080,6 +1192,7 @@ impl Engine {
     /// A running job's task moved (make-before-break migration done): the
     /// engine's record follows; the caller made the fleet's changes.
     pub fn replace_held(&mut self, slot: Slot, old: &Allocation, new: Allocation) -> bool {
+        self.record(|_| crate::capture::Input::ReplaceHeld { slot, old: old.clone(), new: new.clone() });
         let nodes = [old.node, new.node];
         match self.runs.held[slot].iter_mut().find(|a| *a == old) {
             Some(a) => {

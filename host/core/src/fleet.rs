@@ -36,7 +36,7 @@ pub enum FleetError {
 }
 
 /// One node and what is free on it.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Node {
     pub name: String,
     /// GPU model; `None` for a CPU-only node.
@@ -57,6 +57,7 @@ pub struct Node {
     /// False when cordoned or unhealthy: the predicate skips it.
     pub schedulable: bool,
     /// Running GPU allocations per kind (see [`berth_sdk::alloc_kind_bit`]).
+    #[serde(with = "crate::serde_sdk::sparse_counts")]
     kind_counts: [u32; 64],
     /// CPU held by allocations without a GPU.
     cpu_only_milli: u32,
@@ -68,7 +69,7 @@ pub struct Node {
 /// What a node's agent measured over its last report (contract 0.4.0's
 /// contention columns): CPU its tasks used, and the share of time some
 /// task waited for CPU, memory or IO (PSI `some avg10`), in thousandths.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Measured {
     pub cpu_used_milli: u32,
     pub cpu_pressure: u32,
@@ -216,7 +217,7 @@ impl Node {
 }
 
 /// What one placed task holds on one node.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Allocation {
     pub node: NodeId,
     /// GPUs held (bit g = GPU g of the node).

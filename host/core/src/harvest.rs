@@ -6,7 +6,7 @@
 //! mean, 48 s p95; fewer than 5% forced terminations.
 
 /// When and what sleeps.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Harvest {
     /// Jobs of this workload class are replicas that may sleep.
     pub class: u8,

@@ -7,7 +7,7 @@ pub use berth_sdk::TaskClass;
 
 /// One job: `tasks` identical tasks (a gang when more than one), each of
 /// `shape`, on distinct or shared nodes as the policy decides.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Job {
     pub id: u64,
     /// Workload class index (the caller's naming, e.g. online inference).
@@ -33,6 +33,7 @@ pub struct Job {
     pub reports_exit: bool,
     /// What kind of work the job said it is; `None`: implied by its shape
     /// (see [`Job::task_class`]).
+    #[serde(with = "crate::serde_sdk::opt_task_class")]
     pub declared_class: Option<TaskClass>,
 }
 
@@ -59,7 +60,7 @@ impl Job {
 }
 
 /// What a low-priority job is promised when it is preempted.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PriorityContract {
     /// Warning given before the capacity is taken back.
     pub notice_s: u64,
@@ -74,6 +75,7 @@ pub struct PriorityContract {
     /// work since the last one.
     pub checkpoint_every_s: u64,
     /// What the job bought (see [`crate::contract::Tier`]).
+    #[serde(with = "crate::serde_sdk::tier")]
     pub tier: Tier,
     /// Longest time out of service after an interruption (0: no bound).
     /// With a bound, an interrupted job waits in the queue ahead of new work

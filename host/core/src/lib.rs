@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod calibration;
 pub mod capacity;
+pub mod capture;
 pub mod compaction;
 pub mod contract;
 pub mod engine;
@@ -20,6 +21,7 @@ pub mod policy;
 pub mod pool;
 pub mod preemption;
 pub mod predicate;
+mod serde_sdk;
 pub mod sim;
 pub mod task;
 pub mod units;

@@ -28,7 +28,7 @@ pub trait PreemptionPolicy {
 }
 
 /// How long an evicted job takes to vacate its GPUs: lognormal.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EvictionLatency {
     /// Mean and standard deviation of the natural log of seconds.
     pub mu: f64,

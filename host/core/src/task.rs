@@ -7,7 +7,7 @@ use crate::units::ModelId;
 use crate::units::MILLI_PER_GPU;
 
 /// What one task (a job, or one task of a gang) asks of a single node.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct TaskShape {
     /// GPUs wanted on the node; 0 for CPU-only tasks.
     pub gpu_count: u32,
