@@ -7,6 +7,7 @@ pub mod bench;
 pub mod bench_fleet;
 pub mod bench_live;
 pub mod bench_retention;
+pub mod capture;
 pub mod catalog;
 pub mod chaos;
 pub mod client;

@@ -119,6 +119,23 @@ struct ReplayArgs {
     /// is the first seed's; medians over all of them beside Aegaeon's).
     #[arg(long, conflicts_with_all = ["fleet", "nodes", "pods", "keep_order", "native", "decisions", "typical_from", "save_snapshot"])]
     pool: Option<String>,
+    /// Replay a live partition's capture (`berth capture export`): without
+    /// --policy, every segment is decided again with the policy versions
+    /// the host used (found by content hash) and the decisions compared
+    /// (exits 1 at the first difference); with --policy, the same arrivals
+    /// and captured durations run under each policy, side by side with
+    /// what happened live (--json, --html).
+    #[arg(long, conflicts_with_all = ["pool", "fleet", "nodes", "pods", "keep_order", "native", "decisions", "typical_from", "save_snapshot"])]
+    events: Option<PathBuf>,
+    /// With --events: where the live host's policy versions are (a state
+    /// directory's components/ folder, a folder of .wasm, or one .wasm;
+    /// repeatable). The bundled policies are always looked in.
+    #[arg(long = "components", requires = "events")]
+    components: Vec<PathBuf>,
+    /// With --events and --policy: the rank policy of the counterfactual
+    /// runs (default: the one the capture used last, or the default order).
+    #[arg(long, requires = "events")]
+    rank: Option<String>,
     /// With --pool: take arrivals and token counts from an Azure LLM
     /// inference trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens) instead
     /// of the synthetic generator, spread over the catalog by popularity.
@@ -219,7 +236,7 @@ struct ReplayArgs {
     #[arg(long, requires = "nodes")]
     pods: Option<PathBuf>,
     /// Policies (names of bundled components or .wasm paths); repeatable.
-    #[arg(long = "policy", required_unless_present = "pool")]
+    #[arg(long = "policy", required_unless_present_any = ["pool", "events"])]
     policies: Vec<String>,
     /// Seeds: a range `42-51`, a list `1,2,3`, or one seed.
     #[arg(long, default_value = "42-51")]
@@ -908,6 +925,9 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(spec) = &args.pool {
         return pool_replay(engine, spec, &args);
     }
+    if let Some(path) = &args.events {
+        return events_replay(engine, path, &args);
+    }
     if let Some(fleet) = &args.fleet {
         return event_replay(engine, fleet, &args, false);
     }
@@ -972,6 +992,102 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
             published_from: published_path.as_deref().filter(|_| !published.is_empty()),
         };
         report::write_html(path, &meta, &outcome, &published)?;
+    }
+    Ok(())
+}
+
+/// `berth replay --events`: a live capture decided again, or run under
+/// other policies.
+fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &ReplayArgs) -> anyhow::Result<()> {
+    use berth::replay::events;
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let capture = berth::capture::read(std::io::BufReader::new(file), &path.display().to_string())?;
+    anyhow::ensure!(!capture.segments.is_empty(), "{}: no capture in it (`berth capture export` writes one)", path.display());
+    let components = events::Components::scan(&args.components)?;
+    let limits = replay_limits(args);
+    let inputs: usize = capture.segments.iter().map(|s| s.inputs.len()).sum();
+    let setting = format!("partition {}: {} segment(s), {inputs} inputs, from {}", berth::text::printable(&capture.partition, 64), capture.segments.len(), path.display());
+    println!("{setting}");
+    // Exact re-decision always: it measures the live run the others are beside.
+    let exact = events::exact(&engine, &capture, &components, limits)?;
+    for x in &exact {
+        let names: Vec<&str> = x.policies.values().map(String::as_str).collect();
+        match (&x.skipped, &x.fidelity.first_difference) {
+            (Some(why), _) => println!("segment {}: not replayed: {why}", x.segment),
+            (None, None) => println!(
+                "segment {}: {} inputs, {} passes, decisions identical {} / {} (100%); policies {}",
+                x.segment,
+                x.inputs,
+                x.fidelity.passes,
+                x.fidelity.identical,
+                x.fidelity.decisions,
+                names.join(", ")
+            ),
+            (None, Some(d)) => println!(
+                "segment {}: FIRST DIFFERENCE at input {} (t={}): captured {}, replayed {}; identical {} / {} before it",
+                x.segment,
+                d.input,
+                d.now.map_or("-".into(), |t| t.to_string()),
+                d.captured.as_deref().unwrap_or("nothing"),
+                d.replayed.as_deref().unwrap_or("nothing"),
+                x.fidelity.identical,
+                x.fidelity.decisions
+            ),
+        }
+    }
+    let mut rows: Vec<events::RunRow> = exact.iter().filter(|x| x.skipped.is_none()).map(|x| x.tally.clone()).collect();
+    if rows.len() > 1 {
+        for (r, x) in rows.iter_mut().zip(exact.iter().filter(|x| x.skipped.is_none())) {
+            r.run = format!("as captured, segment {}", x.segment);
+        }
+    }
+    if !args.policies.is_empty() {
+        let work = events::workload(&capture)?;
+        println!(
+            "counterfactual: {} jobs on {} nodes over {:.1} h ({} cancelled before they started left out, {} unfinished at the end)",
+            work.jobs.len(),
+            work.fleet.nodes().len(),
+            work.horizon_s as f64 / 3600.0,
+            work.cancelled_waiting,
+            work.unfinished
+        );
+        let last_rank = capture.segments.iter().flat_map(|s| &s.inputs).filter_map(|l| match &l.input {
+            berth_core::capture::Input::Arms { rank, .. } => Some(rank.clone()),
+            _ => None,
+        }).last().flatten();
+        for spec in &args.policies {
+            let p = catalog::resolve(spec)?;
+            let loaded = LoadedPolicy::from_file(&engine, &p).with_context(|| format!("loading {}", p.display()))?;
+            let mut placement = berth::wasm::WasmPolicy::new(engine.clone(), loaded.clone(), limits);
+            let mut rank: Box<dyn berth_core::preemption::PreemptionPolicy> = match (&args.rank, &last_rank) {
+                (Some(spec), _) => {
+                    let r = catalog::resolve(spec)?;
+                    Box::new(berth::wasm::WasmPolicy::new(engine.clone(), LoadedPolicy::from_file(&engine, &r).with_context(|| format!("loading {}", r.display()))?, limits))
+                }
+                (None, Some(r)) => {
+                    let path = components.path_of(&r.sha256)?;
+                    let mut w = berth::wasm::WasmPolicy::new(engine.clone(), LoadedPolicy::from_file(&engine, path)?, limits);
+                    if !r.config.is_empty() {
+                        w.configure(&r.config)?;
+                    }
+                    Box::new(w)
+                }
+                (None, None) => Box::new(events::DefaultRanking),
+            };
+            rows.push(events::counterfactual(&loaded.info.name, &work, &mut placement, &mut *rank)?);
+        }
+    }
+    if !rows.is_empty() {
+        print!("{}", events::table(&rows));
+    }
+    if let Some(out) = &args.json {
+        std::fs::write(out, serde_json::to_string_pretty(&serde_json::json!({ "exact": exact, "runs": rows }))?).with_context(|| format!("writing {}", out.display()))?;
+    }
+    if let Some(out) = &args.html {
+        std::fs::write(out, events::html(&setting, &exact, &rows)).with_context(|| format!("writing {}", out.display()))?;
+    }
+    if args.policies.is_empty() && exact.iter().any(|x| x.skipped.is_none() && !x.fidelity.exact()) {
+        anyhow::bail!("the replay decided otherwise than the live host (first difference above)");
     }
     Ok(())
 }

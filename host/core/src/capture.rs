@@ -72,15 +72,14 @@ pub enum Input {
     /// Decisions the world took out of the engine between passes.
     TakeAnnounced { decisions: Vec<Decision> },
     TakeBroken { decisions: Vec<Decision> },
-    /// The policy versions the next passes ask, by content hash (sha256 of
-    /// the component): placement, a split candidate with the share of jobs
-    /// it decides, preemption ranking.
+    /// The policy versions the next passes ask: placement, a split
+    /// candidate with the share of jobs it decides, preemption ranking.
     Arms {
-        place: String,
+        place: PolicyRef,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        split: Option<(String, f64)>,
+        split: Option<(PolicyRef, f64)>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        rank: Option<String>,
+        rank: Option<PolicyRef>,
     },
     /// The nodes run by agents (jobs with a command run only there;
     /// simulated jobs never do).
@@ -95,6 +94,15 @@ impl Input {
             _ => None,
         }
     }
+}
+
+/// A policy version as a replay finds it again: the component's content
+/// hash and the configuration it was given.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PolicyRef {
+    pub sha256: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub config: String,
 }
 
 /// The engine's record of its inputs while capture is on.

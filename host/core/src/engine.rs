@@ -767,8 +767,13 @@ impl Engine {
     /// its time behind: kept, it would stay due forever, and the live host
     /// would spin on it.
     pub fn take_due_wakeups(&mut self, now: u64) -> bool {
-        self.record(|_| crate::capture::Input::DueWakeups { now });
-        self.due_wakeups(now)
+        // Recorded only when it changed something: the live host asks on
+        // every turn of its loop.
+        let any = self.due_wakeups(now);
+        if any {
+            self.record(|_| crate::capture::Input::DueWakeups { now });
+        }
+        any
     }
 
     fn due_wakeups(&mut self, now: u64) -> bool {

@@ -173,6 +173,12 @@ pub struct ServeArgs {
     /// this many MiB; two rotated files are kept, older ones deleted.
     #[arg(long, default_value_t = 64)]
     decision_log_mib: u64,
+    /// Each partition's capture of what its engine was given (capture/ in
+    /// --state-dir, for `berth capture export` and `berth replay --events`)
+    /// keeps at most this many MiB, the oldest files deleted; 0 turns
+    /// capture off.
+    #[arg(long, default_value_t = 256)]
+    capture_mib: u64,
 }
 
 impl ServeArgs {
@@ -241,6 +247,7 @@ impl ServeArgs {
                         ended_for: Duration::from_secs_f64(self.retain_ended_h.min(100.0 * 365.0 * 24.0) * 3600.0),
                         ended_max: self.retain_ended_jobs,
                         decision_log_bytes: self.decision_log_mib << 20,
+                        capture_bytes: self.capture_mib.min(1 << 30) << 20,
                         ..Default::default()
                     }
                 },
@@ -388,6 +395,48 @@ pub struct Conn {
     /// Private key (PEM) of the client certificate (--cert).
     #[arg(long, requires = "cert")]
     key: Option<PathBuf>,
+}
+
+/// `berth capture ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum CaptureCommand {
+    /// Print a partition's captured engine inputs as JSON lines (the format
+    /// `berth replay --events` reads), oldest first.
+    Export {
+        /// Partition to export.
+        #[arg(long)]
+        partition: String,
+        /// Only inputs from this time: unix seconds, or a duration ago
+        /// (`90m`, `2h`, `1d`). Exact re-decision needs a segment from its
+        /// start; a window serves counterfactuals.
+        #[arg(long)]
+        since: Option<String>,
+        /// Only inputs up to this time (same forms as --since).
+        #[arg(long)]
+        until: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+/// A time for `--since` / `--until`: unix seconds, or a duration before now.
+fn parse_time(text: &str, flag: &str) -> anyhow::Result<u64> {
+    let text = text.trim();
+    if let Ok(s) = text.parse::<u64>() {
+        return Ok(s);
+    }
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len()));
+    let scale = match unit {
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        "d" => 86_400.0,
+        _ => anyhow::bail!("{flag} {text:?}: unix seconds, or a duration ago such as 90m, 2h, 1d"),
+    };
+    let ago: f64 = number.parse().map_err(|_| anyhow::anyhow!("{flag} {text:?}: {number:?} is not a number"))?;
+    anyhow::ensure!(ago.is_finite() && ago >= 0.0 && ago * scale < 1e10, "{flag} {text:?}: out of range");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+    Ok(now.saturating_sub((ago * scale) as u64))
 }
 
 /// Client commands at the top level of `berth`.
@@ -574,6 +623,12 @@ pub enum ApiCommand {
         window_gpu_h: f64,
         #[command(flatten)]
         conn: Conn,
+    },
+    /// A partition's capture of what its engine was given (operator), for
+    /// `berth replay --events`.
+    Capture {
+        #[command(subcommand)]
+        what: CaptureCommand,
     },
     /// The live compaction ledger: chains with their moves, newest first
     /// (`berth compact --live` runs a step).
@@ -997,6 +1052,21 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let req = pb::SetGuardRequest { partition: partition.clone(), off, reserve_after_s, aging_per_hour, window_s, window_gpu_hours: window_gpu_h };
             let r = client(&conn).await?.set_guard(req).await.map_err(status)?.into_inner();
             println!("{partition}: starvation guard {}", r.guard);
+        }
+        ApiCommand::Capture { what: CaptureCommand::Export { partition, since, until, conn } } => {
+            use std::io::Write;
+            let req = pb::ExportCaptureRequest {
+                partition,
+                since_s: since.as_deref().map(|t| parse_time(t, "--since")).transpose()?,
+                until_s: until.as_deref().map(|t| parse_time(t, "--until")).transpose()?,
+            };
+            // A start line holds the whole fleet: larger than the default 4 MiB at scale.
+            let mut stream = client(&conn).await?.max_decoding_message_size(256 << 20).export_capture(req).await.map_err(status)?.into_inner();
+            let mut out = std::io::stdout().lock();
+            while let Some(chunk) = stream.message().await.map_err(status)? {
+                out.write_all(&chunk.text)?;
+            }
+            out.flush()?;
         }
         ApiCommand::Compactions { partition, limit, json, conn } => {
             let r = client(&conn).await?.list_compactions(pb::ListCompactionsRequest { partition, limit }).await.map_err(status)?.into_inner();

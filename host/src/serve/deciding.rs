@@ -300,6 +300,12 @@ impl Live {
             notes: Vec::new(),
             trip: Trip::None,
         };
+        if st.capture.is_some() {
+            use berth_core::capture::{Input, PolicyRef};
+            let of = |arm: &Arm| PolicyRef { sha256: arm.meta.sha256.clone(), config: arm.meta.config.clone() };
+            let arms = Input::Arms { place: of(&chooser.active), split: chooser.split.as_ref().map(|(c, f)| (of(c), *f)), rank: ranker.as_deref().map(of) };
+            st.note_for_capture(arms);
+        }
         // Jobs with a command run on agent nodes only; simulated jobs never do.
         let is_agent = std::mem::take(&mut st.is_agent);
         let eligible = |job: &Job, id: NodeId, _: &Node| is_agent.get(id as usize).copied().unwrap_or(false) == job.reports_exit;

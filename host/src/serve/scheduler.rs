@@ -36,6 +36,7 @@ impl Live {
         let part = &self.partitions[p];
         let mut st = part.lock_state();
         while !self.shutdown.load(Ordering::SeqCst) {
+            st.flush_capture();
             let now = self.clock.now();
             // Agents' reports every turn; heartbeats in batches. The beats
             // are taken first and the reports after, and the reports go in
@@ -105,6 +106,7 @@ impl Live {
             }
             st = part.wake.wait_timeout(st, wait).unwrap().0;
         }
+        st.flush_capture();
     }
 
     /// Holds partition `p`'s decisions (or lets them go on): while held,

@@ -233,6 +233,14 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
                 st.clock = config.scheduling.clock.clone();
                 st.harvest = config.scheduling.harvest;
                 st.outcome.started_unix_ms = st.clock.unix_ms();
+                if config.scheduling.retention.capture_bytes > 0 {
+                    // Before recovery: a segment starts from an empty engine.
+                    let dir = crate::capture::dir_of(&config.state_dir, name);
+                    let bounds = crate::capture::Bounds::of_total(config.scheduling.retention.capture_bytes);
+                    st.capture = Some(crate::capture::CaptureLog::open(&dir, name, bounds, st.clock.unix_ms()).with_context(|| format!("opening the capture in {}", dir.display()))?);
+                    let st = &mut *st;
+                    st.engine.start_capture(&st.fleet);
+                }
             }
             Ok(part)
         })

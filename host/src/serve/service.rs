@@ -406,6 +406,40 @@ fn denominators(d: &accounting::Denominators) -> pb::Denominators {
 
 #[tonic::async_trait]
 impl Berth for Service {
+    type ExportCaptureStream = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CaptureChunk, Status>> + Send>>;
+
+    async fn export_capture(&self, req: Request<pb::ExportCaptureRequest>) -> Reply<Self::ExportCaptureStream> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Operator)?;
+        let p = self.live.partition_index(&r.partition)?;
+        let live = self.live.clone();
+        // Written out first (the lock takes what the engine recorded).
+        let dir = blocking(move || Ok(live.partitions[p].lock_state().capture.as_ref().map(|c| c.dir().to_path_buf()))).await?;
+        let Some(dir) = dir else { return Err(Status::failed_precondition(format!("partition {}: capture is off (berth serve --capture-mib 0)", r.partition))) };
+        let window = crate::capture::Window { since: r.since_s, until: r.until_s };
+        tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, since = ?r.since_s, until = ?r.until_s, "capture exported");
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::task::spawn_blocking(move || {
+            // Whole lines, about a MiB a message.
+            let mut chunk = Vec::new();
+            let sent = crate::capture::export(&dir, window, |line| {
+                chunk.extend_from_slice(line.as_bytes());
+                chunk.push(b'\n');
+                if chunk.len() >= 1 << 20 {
+                    tx.blocking_send(Ok(pb::CaptureChunk { text: std::mem::take(&mut chunk) })).map_err(|_| std::io::Error::other("the caller left"))?;
+                }
+                Ok(())
+            });
+            let last = match sent {
+                Ok(_) => Ok(pb::CaptureChunk { text: chunk }),
+                Err(e) => Err(Status::internal(format!("reading the capture in {}: {e}", dir.display()))),
+            };
+            let _ = tx.blocking_send(last);
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
     async fn submit_job(&self, req: Request<pb::SubmitJobRequest>) -> Reply<pb::SubmitJobResponse> {
         let this = self.clone();
         crate::util::off_worker(move || {

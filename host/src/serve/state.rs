@@ -513,6 +513,12 @@ pub struct PartitionState {
     pub outcome: super::work::PartitionOutcome,
     /// What each tenant is owed for lost work and broken promises.
     pub credits: super::credits::Credits,
+    /// The engine's inputs written as they are taken (see [`crate::capture`]);
+    /// `None` when capture is off. The last policy versions and agent
+    /// nodes noted in it.
+    pub(crate) capture: Option<crate::capture::CaptureLog>,
+    pub(crate) captured_arms: Option<berth_core::capture::Input>,
+    pub(crate) captured_agents: Vec<bool>,
 }
 
 /// The allocation that keeps an unhealthy GPU out of placement.
@@ -544,6 +550,31 @@ impl PartitionState {
     /// Seconds on the host's clock: the engine's `now`.
     pub fn now_s(&self) -> u64 {
         self.clock.unix_ms() / 1000
+    }
+
+    /// Writes the engine inputs captured since the last call.
+    pub fn flush_capture(&mut self) {
+        if let Some(log) = &mut self.capture {
+            let inputs = self.engine.take_captured();
+            log.write(inputs, self.clock.unix_ms());
+        }
+    }
+
+    /// Notes for a replay what the next pass asks beside the engine: the
+    /// policy versions and the agents' nodes, when they changed.
+    pub(super) fn note_for_capture(&mut self, arms: berth_core::capture::Input) {
+        if self.capture.is_none() {
+            return;
+        }
+        if self.captured_arms.as_ref() != Some(&arms) {
+            self.engine.capture_note(arms.clone());
+            self.captured_arms = Some(arms);
+        }
+        if self.captured_agents != self.is_agent {
+            let nodes = self.is_agent.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| i as NodeId).collect();
+            self.engine.capture_note(berth_core::capture::Input::AgentNodes { nodes });
+            self.captured_agents = self.is_agent.clone();
+        }
     }
 
     /// Whether a pass is due at `now`: something changed or a failed pass
@@ -782,6 +813,9 @@ impl Partition {
                 swept_at: None,
                 beats_taken: None,
                 outcome: Default::default(),
+                capture: None,
+                captured_arms: None,
+                captured_agents: Vec::new(),
             }),
             wake: Condvar::new(),
             place: HookSlot::default(),
@@ -802,6 +836,7 @@ impl Partition {
         for (id, record) in arrived {
             st.admit(id, record);
         }
+        st.flush_capture();
         st
     }
 
@@ -1265,10 +1300,13 @@ pub struct Retention {
     pub decision_log_files: usize,
     /// Ended agent allocations the hub lists (the oldest leave first).
     pub ended_allocations: usize,
+    /// Each partition's capture of its engine inputs keeps at most this
+    /// many bytes (the oldest files are deleted); 0: no capture.
+    pub capture_bytes: u64,
 }
 
 impl Default for Retention {
     fn default() -> Self {
-        Retention { ended_for: Duration::from_secs(7 * 86_400), ended_max: 50_000, decision_log_bytes: 64 << 20, decision_log_files: 2, ended_allocations: 10_000 }
+        Retention { ended_for: Duration::from_secs(7 * 86_400), ended_max: 50_000, decision_log_bytes: 64 << 20, decision_log_files: 2, ended_allocations: 10_000, capture_bytes: 256 << 20 }
     }
 }

@@ -1,0 +1,620 @@
+//! `berth replay --events`: what a live partition was given (its capture,
+//! see [`crate::capture`]), replayed.
+//!
+//! - **Exact re-decision**: each segment that starts with the engine's start
+//!   is given, input by input, to a fresh engine with the policy versions the
+//!   live host used (found by content hash); every decision is compared with
+//!   the captured one, and the first difference is named.
+//! - **Counterfactual**: the same arrivals, with their captured durations,
+//!   replayed under other policies on the fleet the capture saw, side by side
+//!   with what happened live.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use berth_core::capture::{Fidelity, Input, PolicyRef, Replayer};
+use berth_core::engine::{Deciders, SimConfig};
+use berth_core::preemption::PreemptionPolicy;
+use berth_core::{Decision, Fleet, Job, Node, PlacementPolicy, PolicyError};
+use berth_sdk::{Allocations, Domains, Nodes, Scores, Task};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::capture::Capture;
+use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
+
+/// Components found by content hash: the bundled policies and every
+/// `.wasm` in the folders given (a state directory's `components/` holds
+/// every version uploaded to the live host).
+pub struct Components {
+    by_sha: HashMap<String, PathBuf>,
+}
+
+impl Components {
+    pub fn scan(dirs: &[PathBuf]) -> anyhow::Result<Components> {
+        let mut by_sha = HashMap::new();
+        let bundled = crate::catalog::policy_dir();
+        for dir in dirs.iter().map(PathBuf::as_path).chain([bundled.as_path()]) {
+            let entries: Vec<PathBuf> = if dir.is_file() {
+                vec![dir.to_path_buf()]
+            } else {
+                match std::fs::read_dir(dir) {
+                    Ok(e) => e.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "wasm")).collect(),
+                    Err(e) if dir == bundled.as_path() && e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+                    Err(e) => return Err(e).with_context(|| format!("--components {}", dir.display())),
+                }
+            };
+            for path in entries {
+                let bytes = std::fs::read(&path).with_context(|| path.display().to_string())?;
+                by_sha.entry(hex::encode(Sha256::digest(&bytes))).or_insert(path);
+            }
+        }
+        Ok(Components { by_sha })
+    }
+
+    pub fn path_of(&self, sha256: &str) -> anyhow::Result<&Path> {
+        self.by_sha.get(sha256).map(PathBuf::as_path).ok_or_else(|| {
+            anyhow::anyhow!("no component with sha256 {sha256} among {} found (pass --components with the live host's state directory's components/ folder, or the .wasm)", self.by_sha.len())
+        })
+    }
+}
+
+/// Policy instances of a replay, one per (component, configuration), kept
+/// for the whole segment as the live host keeps its versions'.
+struct Instances<'a> {
+    engine: &'a Arc<PolicyEngine>,
+    components: &'a Components,
+    limits: Limits,
+    /// By role (placement, split candidate, rank: each its own instance
+    /// live) and version.
+    loaded: HashMap<(Role, PolicyRef), WasmPolicy>,
+    names: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Role {
+    Place,
+    Candidate,
+    Rank,
+}
+
+impl Instances<'_> {
+    fn get(&mut self, role: Role, r: &PolicyRef) -> anyhow::Result<()> {
+        let key = (role, r.clone());
+        if !self.loaded.contains_key(&key) {
+            let path = self.components.path_of(&r.sha256)?;
+            let loaded = LoadedPolicy::from_file(self.engine, path).with_context(|| format!("loading {}", path.display()))?;
+            self.names.insert(r.sha256.clone(), format!("{}@{}", loaded.info.name, loaded.info.version));
+            let mut policy = WasmPolicy::new(self.engine.clone(), loaded, self.limits);
+            if !r.config.is_empty() {
+                policy.configure(&r.config)?;
+            }
+            self.loaded.insert(key, policy);
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, role: Role, r: &PolicyRef) -> WasmPolicy {
+        self.loaded.remove(&(role, r.clone())).expect("loaded by get")
+    }
+
+    fn put(&mut self, role: Role, r: &PolicyRef, policy: WasmPolicy) {
+        self.loaded.insert((role, r.clone()), policy);
+    }
+}
+
+/// The live host's split A/B, as replay makes it: a job in the candidate's
+/// share is decided by the candidate, by the active version when the
+/// candidate fails it.
+struct Split<'a> {
+    active: &'a mut WasmPolicy,
+    candidate: Option<(&'a mut WasmPolicy, f64)>,
+}
+
+impl Split<'_> {
+    fn call<T>(&mut self, job_id: u64, mut f: impl FnMut(&mut dyn PlacementPolicy) -> Result<T, PolicyError>) -> Result<T, PolicyError> {
+        if let Some((c, fraction)) = &mut self.candidate
+            && crate::serve::shadow::in_split(job_id, *fraction)
+            && let Ok(v) = f(&mut **c)
+        {
+            return Ok(v);
+        }
+        f(&mut *self.active)
+    }
+}
+
+impl PlacementPolicy for Split<'_> {
+    fn describe(&self) -> String {
+        "replayed split".into()
+    }
+    fn score(&mut self, task: &Task, nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        self.call(task.job_id, |p| p.score(task, nodes))
+    }
+    fn score_domains(&mut self, task: &Task, domains: &mut Domains) -> Result<Option<Vec<f64>>, PolicyError> {
+        self.call(task.job_id, |p| p.score_domains(task, domains))
+    }
+}
+
+/// The engine's default victim order (no rank version active).
+pub struct DefaultRanking;
+
+impl PreemptionPolicy for DefaultRanking {
+    fn describe(&self) -> String {
+        "default ranking".into()
+    }
+    fn rank(&mut self, _demand: &Task, _victims: &mut Allocations) -> Result<Option<Vec<u32>>, PolicyError> {
+        Ok(None)
+    }
+}
+
+/// One segment's exact re-decision.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExactReport {
+    pub segment: u64,
+    pub inputs: usize,
+    pub fidelity: Fidelity,
+    /// The policy versions the segment used (name@version by sha256).
+    pub policies: BTreeMap<String, String>,
+    /// What happened, measured on the replayed fleet.
+    pub tally: RunRow,
+    /// Why the segment was not replayed (it lost its start to rotation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+}
+
+/// Replays every segment of `capture` exactly.
+pub fn exact(engine: &Arc<PolicyEngine>, capture: &Capture, components: &Components, limits: Limits) -> anyhow::Result<Vec<ExactReport>> {
+    let mut reports = Vec::new();
+    for segment in &capture.segments {
+        if !segment.complete() {
+            reports.push(ExactReport {
+                segment: segment.id,
+                inputs: segment.inputs.len(),
+                fidelity: Fidelity::default(),
+                policies: BTreeMap::new(),
+                tally: RunRow::default(),
+                skipped: Some("its first file was rotated away: it does not begin with the engine's start".into()),
+            });
+            continue;
+        }
+        let mut replayer = Replayer::new(&segment.inputs[0].input).map_err(anyhow::Error::msg)?;
+        let mut instances = Instances { engine, components, limits, loaded: HashMap::new(), names: BTreeMap::new() };
+        let mut arms: Option<(PolicyRef, Option<(PolicyRef, f64)>, Option<PolicyRef>)> = None;
+        let mut tally = Tally::new("as captured (live)", replayer.engine.config.high_priority);
+        for (k, line) in segment.inputs.iter().enumerate().skip(1) {
+            let input = &line.input;
+            if let Input::Arms { place, split, rank } = input {
+                let wanted = [Some((Role::Place, place)), split.as_ref().map(|(c, _)| (Role::Candidate, c)), rank.as_ref().map(|r| (Role::Rank, r))];
+                for (role, r) in wanted.into_iter().flatten() {
+                    instances.get(role, r).with_context(|| format!("segment {}, input {k}", segment.id))?;
+                }
+                arms = Some((place.clone(), split.clone(), rank.clone()));
+            }
+            tally.see(input, &replayer);
+            if let Input::Pass { .. } = input {
+                let Some((place, split, rank)) = &arms else { anyhow::bail!("segment {}, input {k}: a pass before the policy versions were noted", segment.id) };
+                let mut active = instances.take(Role::Place, place);
+                let mut candidate = split.as_ref().map(|(c, f)| (instances.take(Role::Candidate, c), *f));
+                let mut ranker = rank.as_ref().map(|r| instances.take(Role::Rank, r));
+                let result = {
+                    let mut chooser = Split { active: &mut active, candidate: candidate.as_mut().map(|(c, f)| (c, *f)) };
+                    let mut default = DefaultRanking;
+                    let preemption: &mut dyn PreemptionPolicy = match ranker.as_mut() {
+                        Some(r) => r,
+                        None => &mut default,
+                    };
+                    replayer.step(input, &mut chooser, Some(preemption))
+                };
+                instances.put(Role::Place, place, active);
+                if let (Some((c, _)), Some((p, _))) = (split, candidate) {
+                    instances.put(Role::Candidate, c, p);
+                }
+                if let (Some(r), Some(p)) = (rank, ranker) {
+                    instances.put(Role::Rank, r, p);
+                }
+                result.map_err(|e| anyhow::anyhow!("segment {}: {e}", segment.id))?;
+            } else {
+                replayer.step(input, &mut DefaultPlacement, None).map_err(|e| anyhow::anyhow!("segment {}: {e}", segment.id))?;
+            }
+            tally.after(input, &replayer.fleet);
+            if !replayer.fidelity.exact() {
+                // What follows was decided on a state this replay no longer has.
+                break;
+            }
+        }
+        reports.push(ExactReport { segment: segment.id, inputs: segment.inputs.len(), fidelity: replayer.fidelity.clone(), policies: instances.names, tally: tally.row(), skipped: None });
+    }
+    Ok(reports)
+}
+
+/// Never asked: inputs other than passes place nothing.
+struct DefaultPlacement;
+
+impl PlacementPolicy for DefaultPlacement {
+    fn describe(&self) -> String {
+        "none".into()
+    }
+    fn score(&mut self, _task: &Task, _nodes: &mut Nodes) -> Result<Scores, PolicyError> {
+        Err(PolicyError::Trap("placement asked outside a pass".into()))
+    }
+}
+
+/// One run's figures, side by side with the others'.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct RunRow {
+    pub run: String,
+    pub jobs: usize,
+    pub started: usize,
+    /// Waits from arrival to first start, s, of high- and low-priority
+    /// jobs started: p50 and p99.
+    pub high_wait_s: [u64; 2],
+    pub low_wait_s: [u64; 2],
+    /// Time-averaged allocated over installed GPUs, %.
+    pub allocation_pct: f64,
+    pub evictions: u64,
+    pub lost_gpu_h: f64,
+    /// Tasks moved (live compaction, migrations).
+    pub moves: u64,
+    /// Time-averaged nodes partly used (some but not all GPUs allocated).
+    pub partly_used_nodes: f64,
+}
+
+/// Counts a run's figures from its inputs, decisions and fleet over time.
+struct Tally {
+    row: RunRow,
+    high_priority: u32,
+    arrivals: HashMap<u64, (u64, bool)>,
+    started: HashMap<u64, u64>,
+    last: Option<(u64, f64, f64, f64)>,
+    integrals: (f64, f64, f64, f64),
+}
+
+impl Tally {
+    fn new(run: &str, high_priority: u32) -> Tally {
+        Tally { row: RunRow { run: run.into(), ..Default::default() }, high_priority, arrivals: HashMap::new(), started: HashMap::new(), last: None, integrals: Default::default() }
+    }
+
+    /// Before `input` is given (the fleet as it stood until then).
+    fn see(&mut self, input: &Input, replayer: &Replayer) {
+        if let Some(now) = input.now() {
+            self.observe(now, &replayer.fleet);
+        }
+        match input {
+            Input::Register { job, .. } => {
+                self.arrivals.entry(job.id).or_insert((job.arrival_s, job.priority >= self.high_priority));
+            }
+            Input::ReplaceHeld { .. } => self.row.moves += 1,
+            _ => {}
+        }
+    }
+
+    /// After `input` was given: its decisions (the captured ones: the
+    /// replay stops at the first that differs).
+    fn after(&mut self, input: &Input, fleet: &Fleet) {
+        let decisions = match input {
+            Input::Pass { decisions, .. } | Input::TakeAnnounced { decisions } | Input::TakeBroken { decisions } => decisions.as_slice(),
+            _ => &[],
+        };
+        self.decided(decisions);
+        if let Some(now) = input.now() {
+            self.observe(now, fleet);
+        }
+    }
+
+    fn decided<'a>(&mut self, decisions: impl IntoIterator<Item = &'a Decision>) {
+        for d in decisions {
+            match d {
+                Decision::Place { job, start_s, .. } => {
+                    self.started.entry(*job).or_insert(*start_s);
+                }
+                Decision::Evict { lost_gpu_s, .. } => {
+                    self.row.evictions += 1;
+                    self.row.lost_gpu_h += lost_gpu_s / 3600.0;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn observe(&mut self, now: u64, fleet: &Fleet) {
+        let total = fleet.gpu_total_milli() as f64;
+        let allocated = fleet.gpu_allocated_milli() as f64;
+        let partly = fleet.nodes().iter().filter(|n| !n.gpus.is_empty() && n.gpu_free_milli() > 0 && n.gpu_free_milli() < n.gpu_total_milli()).count() as f64;
+        if let Some((t, a, tot, p)) = self.last
+            && now > t
+        {
+            let dt = (now - t) as f64;
+            self.integrals.0 += a * dt;
+            self.integrals.1 += tot * dt;
+            self.integrals.2 += p * dt;
+            self.integrals.3 += dt;
+        }
+        if self.last.is_none_or(|(t, ..)| now >= t) {
+            self.last = Some((now, allocated, total, partly));
+        }
+    }
+
+    fn row(mut self) -> RunRow {
+        let pct = |mut v: Vec<u64>| -> [u64; 2] {
+            v.sort_unstable();
+            let at = |q: f64| v.get(((v.len() as f64 * q).ceil() as usize).saturating_sub(1).min(v.len().saturating_sub(1))).copied().unwrap_or(0);
+            [at(0.5), at(0.99)]
+        };
+        let waits = |high: bool| self.started.iter().filter_map(|(id, s)| self.arrivals.get(id).filter(|(_, h)| *h == high).map(|(a, _)| s.saturating_sub(*a))).collect::<Vec<u64>>();
+        self.row.high_wait_s = pct(waits(true));
+        self.row.low_wait_s = pct(waits(false));
+        self.row.jobs = self.arrivals.len();
+        self.row.started = self.started.keys().filter(|id| self.arrivals.contains_key(id)).count();
+        let (a, tot, p, t) = self.integrals;
+        self.row.allocation_pct = if tot > 0.0 { 100.0 * a / tot } else { 0.0 };
+        self.row.partly_used_nodes = if t > 0.0 { p / t } else { 0.0 };
+        self.row
+    }
+}
+
+/// The arrivals of a capture as replayable work: each job as submitted,
+/// lasting as long as its captured run did.
+pub struct Workload {
+    pub fleet: Fleet,
+    pub jobs: Vec<Job>,
+    pub config: SimConfig,
+    /// The first captured time: replayed times count from it.
+    pub origin_s: u64,
+    pub horizon_s: u64,
+    /// Jobs cancelled before they ever started (not replayed).
+    pub cancelled_waiting: usize,
+    /// Jobs still running at the capture's end (their duration is a lower bound).
+    pub unfinished: usize,
+}
+
+/// Builds the counterfactual's input from every segment of `capture`.
+/// The fleet is every node the capture saw, idle, as last defined; agent
+/// nodes and simulated nodes stay apart (jobs with a command ran only on
+/// agents' nodes) as two partitions of the replayed fleet.
+pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
+    let mut config: Option<SimConfig> = None;
+    let mut models: Vec<String> = Vec::new();
+    let mut nodes: BTreeMap<String, Node> = BTreeMap::new();
+    let mut agent_names: std::collections::BTreeSet<String> = Default::default();
+    let mut jobs: BTreeMap<u64, Job> = BTreeMap::new();
+    let mut starts: HashMap<u64, u64> = HashMap::new();
+    let mut ran_s: HashMap<u64, u64> = HashMap::new();
+    let mut ended: std::collections::BTreeSet<u64> = Default::default();
+    let mut cancelled_waiting = 0;
+    let (mut first, mut last) = (u64::MAX, 0u64);
+    for segment in &capture.segments {
+        // Node names by id within this segment (ids are per host start).
+        let mut names: Vec<String> = Vec::new();
+        let mut job_of_slot: HashMap<usize, u64> = HashMap::new();
+        let put = |id: u32, node: &Node, models_now: &[String], names: &mut Vec<String>, models: &mut Vec<String>, nodes: &mut BTreeMap<String, Node>| {
+            let model = node.model.and_then(|m| models_now.get(m as usize)).map(|name| berth_core::fleet::intern_model(models, name));
+            let mut idle = Node::new(node.name.clone(), model, node.gpus.len(), node.cpu_total_milli, node.memory_total_mib);
+            idle.switch_domain = node.switch_domain;
+            idle.aggregation = node.aggregation;
+            if names.len() <= id as usize {
+                names.resize(id as usize + 1, String::new());
+            }
+            names[id as usize] = node.name.clone();
+            nodes.insert(node.name.clone(), idle);
+        };
+        let mut seg_models: Vec<String> = Vec::new();
+        for line in &segment.inputs {
+            if let Some(now) = line.input.now() {
+                first = first.min(now);
+                last = last.max(now);
+            }
+            match &line.input {
+                Input::Start { config: c, models: m, nodes: n } => {
+                    config.get_or_insert_with(|| c.clone());
+                    seg_models = m.clone();
+                    for (id, node) in n.iter().enumerate() {
+                        put(id as u32, node, &seg_models, &mut names, &mut models, &mut nodes);
+                    }
+                }
+                Input::Nodes { models: m, nodes: n } => {
+                    if let Some(m) = m {
+                        seg_models = m.clone();
+                    }
+                    for (id, node) in n {
+                        put(*id, node, &seg_models, &mut names, &mut models, &mut nodes);
+                    }
+                }
+                Input::AgentNodes { nodes: ids } => {
+                    agent_names.extend(ids.iter().filter_map(|&id| names.get(id as usize).cloned()));
+                }
+                Input::Register { slot, job } => {
+                    job_of_slot.insert(*slot, job.id);
+                    jobs.entry(job.id).or_insert_with(|| job.clone());
+                    first = first.min(job.arrival_s);
+                }
+                Input::Pass { decisions, .. } | Input::TakeAnnounced { decisions } => {
+                    for d in decisions {
+                        match d {
+                            Decision::Place { job, start_s, .. } => {
+                                starts.insert(*job, *start_s);
+                            }
+                            Decision::Evict { job, stop_by_s, .. } => {
+                                if let Some(s) = starts.remove(job) {
+                                    *ran_s.entry(*job).or_default() += stop_by_s.saturating_sub(s);
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                Input::Apply { now, event, .. } => {
+                    use berth_core::Event;
+                    let slot_job = |slot: &usize| job_of_slot.get(slot).copied();
+                    match event {
+                        Event::End(slot) | Event::Cancel(slot) | Event::Requeue(slot) | Event::Unstarted(slot) => {
+                            let Some(id) = slot_job(slot) else { continue };
+                            match starts.remove(&id) {
+                                Some(s) => *ran_s.entry(id).or_default() += now.saturating_sub(s),
+                                None if matches!(event, Event::Cancel(_)) && !ran_s.contains_key(&id) => {
+                                    cancelled_waiting += 1;
+                                    jobs.remove(&id);
+                                }
+                                None => {}
+                            }
+                            if matches!(event, Event::End(_) | Event::Cancel(_)) {
+                                ended.insert(id);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let config = config.ok_or_else(|| anyhow::anyhow!("the capture holds no segment start (its first files were rotated away): nothing says what the fleet was"))?;
+    anyhow::ensure!(!nodes.is_empty(), "the capture saw no nodes");
+    let origin_s = if first == u64::MAX { 0 } else { first };
+    let horizon_s = last.saturating_sub(origin_s).max(1);
+    let mut unfinished = 0;
+    let mut replayed = Vec::new();
+    for (id, mut job) in jobs {
+        if let Some(s) = starts.get(&id) {
+            // Still running at the end: as long as it ran until then.
+            *ran_s.entry(id).or_default() += last.saturating_sub(*s);
+            unfinished += 1;
+        }
+        job.duration_s = match ran_s.get(&id) {
+            Some(&d) => d.max(1),
+            None => job.duration_s.clamp(1, horizon_s),
+        };
+        if !ended.contains(&id) && ran_s.contains_key(&id) && !starts.contains_key(&id) {
+            unfinished += 1;
+        }
+        job.arrival_s = job.arrival_s.saturating_sub(origin_s);
+        // Agent work stays on agents' nodes, simulated work off them.
+        job.partition = Some(u32::from(job.reports_exit));
+        job.reports_exit = false;
+        replayed.push(job);
+    }
+    let fleet_nodes = nodes
+        .into_values()
+        .map(|mut n| {
+            n.partition = u32::from(agent_names.contains(&n.name));
+            n
+        })
+        .collect();
+    let fleet = Fleet::new(models, fleet_nodes).map_err(|e| anyhow::anyhow!("the captured fleet: {e}"))?;
+    let config = SimConfig { horizon_s, ..config };
+    Ok(Workload { fleet, jobs: replayed, config, origin_s, horizon_s, cancelled_waiting, unfinished })
+}
+
+/// Runs the workload under `placement` (and `rank`), counting what the
+/// live run is counted by.
+pub fn counterfactual(name: &str, work: &Workload, placement: &mut dyn PlacementPolicy, rank: &mut dyn PreemptionPolicy) -> anyhow::Result<RunRow> {
+    let mut fleet = work.fleet.clone();
+    let mut tally = Tally::new(name, work.config.high_priority);
+    for job in &work.jobs {
+        tally.arrivals.insert(job.id, (job.arrival_s, job.priority >= work.config.high_priority));
+    }
+    let mut log = Vec::new();
+    let mut observed: Vec<(u64, f64, f64, f64)> = Vec::new();
+    {
+        let deciders = Deciders { placement, preemption: Some(rank), compaction: None };
+        let mut watch = |now: u64, _: &berth_core::Engine, fleet: &Fleet| {
+            let partly = fleet.nodes().iter().filter(|n| !n.gpus.is_empty() && n.gpu_free_milli() > 0 && n.gpu_free_milli() < n.gpu_total_milli()).count() as f64;
+            observed.push((now, fleet.gpu_allocated_milli() as f64, fleet.gpu_total_milli() as f64, partly));
+        };
+        berth_core::sim::simulate_watched(&mut fleet, &work.jobs, deciders, work.config.clone(), Some(&mut log), &mut watch).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+        // The fleet as the last events left it held until the horizon.
+        watch(work.horizon_s, &berth_core::Engine::new(SimConfig::default()), &fleet);
+    }
+    // Each look is before that time's events: the fleet as it stood since
+    // the previous look.
+    let mut since: Option<u64> = None;
+    for (now, a, tot, p) in observed {
+        if let Some(t) = since
+            && now > t
+        {
+            let dt = (now - t) as f64;
+            tally.integrals = (tally.integrals.0 + a * dt, tally.integrals.1 + tot * dt, tally.integrals.2 + p * dt, tally.integrals.3 + dt);
+        }
+        since = Some(now);
+    }
+    tally.decided(log.iter().map(|(_, d)| d));
+    Ok(tally.row())
+}
+
+/// The side-by-side table.
+pub fn table(rows: &[RunRow]) -> String {
+    let mut out = format!(
+        "{:<28} {:>6} {:>8} {:>16} {:>16} {:>7} {:>6} {:>8} {:>6} {:>7}\n",
+        "run", "jobs", "started", "high wait p50/99", "low wait p50/99", "alloc%", "evict", "lost GPUh", "moves", "partly"
+    );
+    for r in rows {
+        out += &format!(
+            "{:<28} {:>6} {:>8} {:>16} {:>16} {:>7.2} {:>6} {:>8.2} {:>6} {:>7.2}\n",
+            crate::text::printable(&r.run, 28),
+            r.jobs,
+            r.started,
+            format!("{}/{} s", r.high_wait_s[0], r.high_wait_s[1]),
+            format!("{}/{} s", r.low_wait_s[0], r.low_wait_s[1]),
+            r.allocation_pct,
+            r.evictions,
+            r.lost_gpu_h,
+            r.moves,
+            r.partly_used_nodes
+        );
+    }
+    out
+}
+
+/// The report as one self-contained HTML page.
+pub fn html(setting: &str, exact: &[ExactReport], rows: &[RunRow]) -> String {
+    use super::report::escape_html as e;
+    let mut h = format!(
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>Berth: a capture replayed</title>\n<style>{}</style>\n</head>\n<body>\n<h1>A capture replayed</h1>\n<p class=\"meta\">{}</p>\n",
+        super::report::STYLE,
+        e(setting)
+    );
+    if !exact.is_empty() {
+        h += "<h2>Exact re-decision</h2>\n<table id=\"fidelity\">\n<thead><tr><th>segment</th><th>inputs</th><th>passes</th><th>decisions identical</th><th>first difference</th></tr></thead>\n<tbody>\n";
+        for x in exact {
+            let first = match (&x.skipped, &x.fidelity.first_difference) {
+                (Some(why), _) => format!("not replayed: {why}"),
+                (None, Some(d)) => format!("input {}: captured {} / replayed {}", d.input, d.captured.as_deref().unwrap_or("nothing"), d.replayed.as_deref().unwrap_or("nothing")),
+                (None, None) => "none".into(),
+            };
+            h += &format!(
+                "<tr><th scope=\"row\">{}</th><td>{}</td><td>{}</td><td>{} / {}</td><td>{}</td></tr>\n",
+                x.segment,
+                x.inputs,
+                x.fidelity.passes,
+                x.fidelity.identical,
+                x.fidelity.decisions,
+                e(&first)
+            );
+        }
+        h += "</tbody>\n</table>\n";
+    }
+    if !rows.is_empty() {
+        h += "<h2>Side by side</h2>\n<table id=\"runs\">\n<thead><tr><th>run</th><th>jobs</th><th>started</th><th>high-priority wait p50 / p99 (s)</th><th>low-priority wait p50 / p99 (s)</th><th>allocation %</th><th>evictions</th><th>work lost GPU-h</th><th>moves</th><th>partly used nodes</th></tr></thead>\n<tbody>\n";
+        for r in rows {
+            h += &format!(
+                "<tr><th scope=\"row\">{}</th><td>{}</td><td>{}</td><td>{} / {}</td><td>{} / {}</td><td>{:.2}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{:.2}</td></tr>\n",
+                e(&r.run),
+                r.jobs,
+                r.started,
+                r.high_wait_s[0],
+                r.high_wait_s[1],
+                r.low_wait_s[0],
+                r.low_wait_s[1],
+                r.allocation_pct,
+                r.evictions,
+                r.lost_gpu_h,
+                r.moves,
+                r.partly_used_nodes
+            );
+        }
+        h += "</tbody>\n</table>\n";
+    }
+    h += "</body>\n</html>\n";
+    h
+}
