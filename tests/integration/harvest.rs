@@ -172,6 +172,10 @@ async fn a_sleeping_replica_lends_its_gpus_to_low_priority_work_and_gets_them_ba
     api.cancel_job(pb::CancelJobRequest { job_id: low }).await.unwrap();
     std::fs::write(d.join(format!("release-{r}")), "0").unwrap();
     up(&api, "the replica finished", |j| j.state == "finished", r).await;
+    // Both host lives (the first killed with SIGKILL) replay exactly: the
+    // sleep, the loan, the restart's recovery, the wake and its eviction.
+    let (_, report) = crate::capture::replays_exactly(&d, &url, &state, 4);
+    assert_eq!(report.lines().filter(|l| l.starts_with("segment ") && l.contains("(100%)")).count(), 2, "{report}");
 }
 
 /// Found by the simulation test: a replica cancelled while asleep was

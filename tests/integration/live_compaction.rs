@@ -241,6 +241,9 @@ async fn a_fragmented_partition_is_compacted_make_before_break_and_a_whole_node_
         "live compaction: chain {} moved job {} {} -> {} (overlap {} ms, takeover {} ms); {both} of {samples} API samples saw both copies running",
         chain.id, mv.job_id, mv.from_node, mv.to_node, mv.overlap_ms, mv.warmup_ms
     );
+    // The move reached the engine as inputs: the capture replays exactly.
+    let (events, _) = crate::capture::replays_exactly(&d, &url, &d.join("state"), 3);
+    assert!(std::fs::read_to_string(events).unwrap().contains("\"input\":\"replace_held\""), "the move is in the capture");
     std::fs::write(d.join("release"), "0").unwrap();
 }
 

@@ -7,6 +7,7 @@
 //! preempted by high-priority jobs and evicted jobs resume.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,10 +57,22 @@ pub(crate) fn settle(live: &berth::serve::state::Live) {
     assert!(live.wait_settled(0, Duration::from_secs(60)), "partition p0 did not settle");
 }
 
-#[test]
-fn the_live_host_and_replay_make_the_same_decisions_for_one_event_sequence() {
+/// A live run of the workload: the jobs as the engine saw them, its
+/// decisions (time, job, what), and what replay needs to run it again.
+pub(crate) struct LiveRun {
+    jobs: BTreeMap<u64, Job>,
+    seen: Vec<Seen>,
+    fleet: berth_core::Fleet,
+    engine_config: berth_core::sim::SimConfig,
+    horizon: u64,
+}
+
+/// Runs `n` jobs of the workload of `seed` through a live host on a manual
+/// clock (simulated nodes; binpack places, spot-gpu ranks); with `export`,
+/// writes the partition's capture there through the API before it stops.
+pub(crate) fn run_live(name: &str, seed: u64, n: usize, export: Option<&Path>) -> LiveRun {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let dir = state_dir("live-replay");
+    let dir = state_dir(name);
     let clock = Arc::new(ManualClock::at(T0 * 1000));
     let mut cfg = config(&dir, ACCESS);
     cfg.scheduling.clock = clock.clone();
@@ -79,7 +92,7 @@ fn the_live_host_and_replay_make_the_same_decisions_for_one_event_sequence() {
 
     // Live: at each moment something happens, hold the partition, move the
     // clock, submit what arrives then, and let it decide once.
-    let trace = workload(7, 260);
+    let trace = workload(seed, n);
     let horizon = T0 + trace.last().unwrap().0 + 1800;
     let mut jobs: BTreeMap<u64, Job> = BTreeMap::new();
     let mut next = 0;
@@ -107,7 +120,7 @@ fn the_live_host_and_replay_make_the_same_decisions_for_one_event_sequence() {
     }
     assert_eq!(next, trace.len(), "every job was submitted before the horizon");
     let filter = Filter { partition: Some("p0".into()), job_id: None, policy_version: None, include_shadow: false, limit: usize::MAX };
-    let mut live_seen: Vec<Seen> = live
+    let mut seen: Vec<Seen> = live
         .decisions
         .query(&filter)
         .into_iter()
@@ -120,8 +133,33 @@ fn the_live_host_and_replay_make_the_same_decisions_for_one_event_sequence() {
             Some((d.unix_ms / 1000, d.job_id, what))
         })
         .collect();
-    live_seen.sort();
+    seen.sort();
+    if let Some(path) = export {
+        let mut out = Vec::new();
+        rt.block_on(async {
+            let mut stream = api.export_capture(pb::ExportCaptureRequest { partition: "p0".into(), ..Default::default() }).await.unwrap().into_inner();
+            while let Some(chunk) = stream.message().await.unwrap() {
+                out.extend_from_slice(&chunk.text);
+            }
+        });
+        std::fs::write(path, out).unwrap();
+    }
     rt.block_on(h.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+    LiveRun { jobs, seen, fleet, engine_config, horizon }
+}
+
+/// A live run's capture (a smaller workload than the equivalence test's),
+/// written in `d`.
+pub(crate) fn captured_run(d: &Path) -> PathBuf {
+    let path = d.join("p0.events");
+    run_live(&format!("capture-{}", d.file_name().unwrap().to_string_lossy()), 11, 120, Some(&path));
+    path
+}
+
+#[test]
+fn the_live_host_and_replay_make_the_same_decisions_for_one_event_sequence() {
+    let LiveRun { jobs, seen: live_seen, fleet, engine_config, horizon } = run_live("live-replay", 7, 260, None);
 
     // Replay: the same fleet, engine settings, jobs and policies.
     let jobs: Vec<Job> = jobs.into_values().collect();
@@ -153,5 +191,4 @@ fn the_live_host_and_replay_make_the_same_decisions_for_one_event_sequence() {
     }
     assert_eq!(live_seen.len(), replay_seen.len(), "live made {} decisions, replay {}", live_seen.len(), replay_seen.len());
     println!("live and replay: the same {placed} placements and {evicted} evictions of {} jobs", jobs.len());
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,6 +3,7 @@
 
 mod agent;
 mod asi;
+mod capture;
 mod common;
 mod compaction;
 mod chaos;

@@ -151,6 +151,9 @@ async fn preempts_the_victims_of(rank: &str) {
         std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
     }
     all_finished(&api).await;
+    // What the host was given replays to the same decisions, evictions included.
+    let (_, report) = crate::capture::replays_exactly(&d, &url, &d.join("state"), 6);
+    assert!(report.contains(rank), "{report}");
 }
 
 /// A low-priority one-GPU task running `script` in sh.

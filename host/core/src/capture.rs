@@ -170,6 +170,16 @@ pub struct Difference {
     pub replayed: Option<String>,
 }
 
+/// A decision without what only labels it: the rank policy's description
+/// (a live host names its version, a replay the component) is not a choice.
+fn comparable(d: &Decision) -> Decision {
+    let mut d = d.clone();
+    if let Decision::Evict { ranker, .. } = &mut d {
+        ranker.clear();
+    }
+    d
+}
+
 /// How faithfully a replay remade the captured decisions.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Fidelity {
@@ -186,7 +196,7 @@ impl Fidelity {
         let mut first = None;
         for k in 0..captured.len().max(replayed.len()) {
             let (c, r) = (captured.get(k), replayed.get(k));
-            if c == r {
+            if c.map(comparable) == r.map(comparable) {
                 self.identical += 1;
             } else if first.is_none() {
                 first = Some(Difference { input, now, captured: c.map(|d| format!("{d:?}")), replayed: r.map(|d| format!("{d:?}")) });
