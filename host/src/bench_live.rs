@@ -31,6 +31,11 @@ pub struct LiveBench {
     /// From the submission's acceptance to the recorded eviction, ms.
     pub submit_to_decision_p50_ms: u64,
     pub submit_to_decision_p99_ms: u64,
+    /// The capture's bound (0: off) and the bytes it wrote for this run:
+    /// the start (the whole fleet) and the rest.
+    pub capture_bytes_bound: u64,
+    pub capture_bytes: u64,
+    pub capture_start_bytes: u64,
 }
 
 const TOKEN: &str = "bench-operator-token";
@@ -52,7 +57,7 @@ fn job(gpus: u32, priority: u32) -> pb::SubmitJobRequest {
     }
 }
 
-pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize) -> anyhow::Result<LiveBench> {
+pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize, capture_bytes: u64) -> anyhow::Result<LiveBench> {
     anyhow::ensure!((1..=20_000).contains(&nodes), "--nodes must be in 1..=20000");
     anyhow::ensure!((1..=10_000).contains(&preemptions), "--preemptions must be in 1..=10000");
     let fleet = format!(
@@ -71,8 +76,9 @@ pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize) -> anyhow:
         breaker: Default::default(),
         max_upload_bytes: 16 << 20,
         store: StoreChoice::Memory,
-        scheduling: Scheduling::default(),
+        scheduling: Scheduling { retention: crate::serve::state::Retention { capture_bytes, ..Default::default() }, ..Default::default() },
     };
+    let capture_dir = crate::capture::dir_of(&state_dir, "p0");
     let rank_component = std::fs::read(catalog::resolve(rank)?)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(async move {
@@ -97,7 +103,8 @@ pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize) -> anyhow:
                 break;
             }
             anyhow::ensure!(fill_started.elapsed() < Duration::from_secs(600), "the fleet did not fill in 10 minutes");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            // Often enough that the fill's time is not the poll's.
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         let fill_s = fill_started.elapsed().as_secs_f64();
 
@@ -121,6 +128,7 @@ pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize) -> anyhow:
             to_decision_ms.push(record.unix_ms.saturating_sub(submitted_ms));
         }
         host.shutdown().await;
+        let (start_bytes, rest_bytes) = crate::capture::sizes(&capture_dir)?;
         pass_us.sort_unstable();
         to_decision_ms.sort_unstable();
         Ok::<_, anyhow::Error>(LiveBench {
@@ -135,6 +143,9 @@ pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize) -> anyhow:
             pass_max_us: pass_us.last().copied().unwrap_or(0),
             submit_to_decision_p50_ms: percentile(&to_decision_ms, 50.0),
             submit_to_decision_p99_ms: percentile(&to_decision_ms, 99.0),
+            capture_bytes_bound: capture_bytes,
+            capture_bytes: start_bytes + rest_bytes,
+            capture_start_bytes: start_bytes,
         })
     });
     let _ = std::fs::remove_dir_all(&state_dir);
@@ -360,3 +371,108 @@ pub fn compact_live(compact: &str, nodes: u32, plan_runs: usize) -> anyhow::Resu
     result
 }
 
+
+/// What `berth bench live --capture-cost` measured: the engine's decisions
+/// per second on one partition with capture off and on (inputs recorded and
+/// written as JSON lines, as `berth serve` does).
+#[derive(Debug, Serialize)]
+pub struct CaptureCost {
+    pub nodes: u32,
+    pub jobs: usize,
+    pub decisions_per_s_off: f64,
+    pub decisions_per_s_on: f64,
+    /// Throughput lost to capture, %.
+    pub cost_pct: f64,
+    /// Bytes written: the start (the whole fleet) and per 1,000 jobs after it.
+    pub start_bytes: u64,
+    pub bytes_per_1000_jobs: f64,
+}
+
+/// Drives one engine as the live host does (a job arrives, a pass places
+/// it with the wasm `policy`; the oldest running jobs end to keep the fleet
+/// about 90% full), `jobs` times, with capture off and on, alternating
+/// three times each; the fastest run of each counts.
+pub fn capture_cost(policy: &str, nodes: u32, jobs: usize) -> anyhow::Result<CaptureCost> {
+    use berth_core::engine::{Deciders, Event, World};
+    anyhow::ensure!((1..=20_000).contains(&nodes), "--nodes must be in 1..=20000");
+    anyhow::ensure!((1..=1_000_000).contains(&jobs), "--jobs must be in 1..=1000000");
+    let fleet_toml = format!(
+        "seed = 1\nnodes_per_switch = 32\nnodes_per_partition = {nodes}\n\n[[shapes]]\nmodel = \"H800\"\ncount = {nodes}\ngpus = 8\ncpu_cores = 128\nmemory_gib = 2048\n"
+    );
+    let (fleet, _) = crate::asi::fleet::FleetConfig::parse(&fleet_toml, "bench")?.build()?;
+    let engine = std::sync::Arc::new(crate::wasm::PolicyEngine::new(None)?);
+    let loaded = crate::wasm::LoadedPolicy::from_file(&engine, &catalog::resolve(policy)?)?;
+    let dir = std::env::temp_dir().join(format!("berth-bench-capture-{}", std::process::id()));
+    let run = |capture: bool| -> anyhow::Result<(f64, u64, u64)> {
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut fleet = fleet.clone();
+        let mut placement = crate::wasm::WasmPolicy::new(engine.clone(), loaded.clone(), crate::wasm::Limits::default());
+        let mut e = berth_core::Engine::new(berth_core::sim::SimConfig { high_priority: 5, ..Default::default() });
+        let mut log = None;
+        if capture {
+            e.start_capture(&fleet);
+            log = Some(crate::capture::CaptureLog::open(&dir, "p0", crate::capture::Bounds::of_total(1 << 30), 0)?);
+        }
+        let mut running = std::collections::VecDeque::new();
+        let capacity = nodes as usize * 8 * 9 / 10;
+        let mut held = 0;
+        let started = Instant::now();
+        for i in 0..jobs {
+            let now = i as u64;
+            let gpus = [1u32, 2, 4, 8][i % 4];
+            while held + gpus as usize > capacity {
+                let (slot, g) = running.pop_front().expect("something runs");
+                e.apply(&mut fleet, now, Event::End(slot));
+                e.forget(slot);
+                held -= g;
+            }
+            let job = berth_core::Job {
+                id: i as u64 + 1,
+                arrival_s: now,
+                duration_s: 86_400,
+                tasks: 1,
+                shape: berth_core::TaskShape { gpu_count: gpus, gpu_milli: 1000, cpu_milli: 8000 * gpus, memory_mib: 65_536, models: vec![] },
+                ..Default::default()
+            };
+            let slot = e.register(job);
+            e.apply(&mut fleet, now, Event::Arrive(slot));
+            let mut deciders = Deciders { placement: &mut placement, preemption: None, compaction: None };
+            let pass = e.handle(&mut fleet, now, [], &mut deciders, &mut World::default());
+            if pass.decisions.iter().any(|d| matches!(d, berth_core::Decision::Place { .. })) {
+                running.push_back((slot, gpus as usize));
+                held += gpus as usize;
+            }
+            if let Some(log) = log.as_mut() {
+                log.write(e.take_captured(), now * 1000);
+            }
+        }
+        let took = started.elapsed().as_secs_f64();
+        let sizes = match log.as_mut() {
+            Some(log) => {
+                log.sync();
+                crate::capture::sizes(&dir)?
+            }
+            None => (0, 0),
+        };
+        Ok((jobs as f64 / took, sizes.0, sizes.1))
+    };
+    run(false)?; // warm the instance's code
+    let (mut off, mut on) = (0f64, 0f64);
+    let mut sizes = (0, 0);
+    for _ in 0..3 {
+        off = off.max(run(false)?.0);
+        let (rate, start, rest) = run(true)?;
+        on = on.max(rate);
+        sizes = (start, rest);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(CaptureCost {
+        nodes,
+        jobs,
+        decisions_per_s_off: off,
+        decisions_per_s_on: on,
+        cost_pct: 100.0 * (off - on) / off,
+        start_bytes: sizes.0,
+        bytes_per_1000_jobs: sizes.1 as f64 / jobs as f64 * 1000.0,
+    })
+}

@@ -67,6 +67,10 @@ pub struct CaptureLog {
     started_unix_ms: u64,
     /// Writing failed once: capture stops (logged) rather than fail the host.
     broken: bool,
+    /// When the buffer last went to the file: at most a second's inputs
+    /// wait in memory (a write per lock of the partition cost the host 5%
+    /// of its decisions); an export or a stop writes them first.
+    flushed: std::time::Instant,
 }
 
 /// File name of a segment's part: sorted by name is sorted by time.
@@ -100,12 +104,12 @@ impl CaptureLog {
         std::fs::create_dir_all(dir)?;
         let segment = files(dir)?.last().map_or(1, |(s, _, _)| s + 1);
         let (out, bytes) = Self::create(dir, partition, segment, 0, unix_ms)?;
-        Ok(CaptureLog { dir: dir.to_path_buf(), partition: partition.to_string(), bounds, segment, part: 0, out, bytes, started_unix_ms: unix_ms, broken: false })
+        Ok(CaptureLog { dir: dir.to_path_buf(), partition: partition.to_string(), bounds, segment, part: 0, out, bytes, started_unix_ms: unix_ms, broken: false, flushed: std::time::Instant::now() })
     }
 
     fn create(dir: &Path, partition: &str, segment: u64, part: u64, unix_ms: u64) -> std::io::Result<(std::io::BufWriter<std::fs::File>, u64)> {
         let path = dir.join(file_name(segment, part));
-        let mut out = std::io::BufWriter::new(std::fs::OpenOptions::new().create_new(true).write(true).open(&path)?);
+        let mut out = std::io::BufWriter::with_capacity(256 << 10, std::fs::OpenOptions::new().create_new(true).write(true).open(&path)?);
         let header = Header { format: FORMAT.into(), version: VERSION, partition: partition.into(), segment, part, started_unix_ms: unix_ms };
         let line = serde_json::to_string(&header).map_err(std::io::Error::other)?;
         writeln!(out, "{line}")?;
@@ -114,13 +118,27 @@ impl CaptureLog {
 
     /// Appends `inputs`, cutting and pruning files past the bounds.
     pub fn write(&mut self, inputs: Vec<Input>, unix_ms: u64) {
-        if self.broken || inputs.is_empty() {
+        if self.broken {
             return;
         }
         if let Err(e) = self.try_write(inputs, unix_ms) {
-            tracing::error!(target: "berth::serve", partition = %self.partition, dir = %self.dir.display(), error = %e, "capture stopped: writing failed");
-            self.broken = true;
+            self.fail(e);
         }
+    }
+
+    /// Sends what is buffered to the file (before an export, at a stop).
+    pub fn sync(&mut self) {
+        if !self.broken
+            && let Err(e) = self.out.flush()
+        {
+            self.fail(e);
+        }
+        self.flushed = std::time::Instant::now();
+    }
+
+    fn fail(&mut self, e: std::io::Error) {
+        tracing::error!(target: "berth::serve", partition = %self.partition, dir = %self.dir.display(), error = %e, "capture stopped: writing failed");
+        self.broken = true;
     }
 
     fn try_write(&mut self, inputs: Vec<Input>, unix_ms: u64) -> std::io::Result<()> {
@@ -129,8 +147,12 @@ impl CaptureLog {
             writeln!(self.out, "{line}")?;
             self.bytes += line.len() as u64 + 1;
         }
-        self.out.flush()?;
+        if self.flushed.elapsed() >= std::time::Duration::from_secs(1) {
+            self.out.flush()?;
+            self.flushed = std::time::Instant::now();
+        }
         if self.bytes > self.bounds.file_bytes {
+            self.out.flush()?;
             self.part += 1;
             let (out, bytes) = Self::create(&self.dir, &self.partition, self.segment, self.part, unix_ms)?;
             self.out = out;
@@ -162,6 +184,24 @@ impl CaptureLog {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
+
+/// The bytes of a partition's capture files: segment starts (the whole
+/// fleet each) and everything else.
+pub fn sizes(dir: &Path) -> std::io::Result<(u64, u64)> {
+    let (mut starts, mut rest) = (0, 0);
+    for (_, _, path) in files(dir)? {
+        for line in std::io::BufReader::new(std::fs::File::open(&path)?).lines() {
+            let line = line?;
+            let bytes = line.len() as u64 + 1;
+            if line.contains("\"input\":\"start\"") {
+                starts += bytes;
+            } else {
+                rest += bytes;
+            }
+        }
+    }
+    Ok((starts, rest))
 }
 
 /// Where partition `name`'s capture lives under the state directory.

@@ -468,6 +468,28 @@ enum BenchCommand {
         /// High-priority arrivals, each needing a preemption.
         #[arg(long, default_value_t = 100)]
         preemptions: usize,
+        /// The capture's bound, MiB (as `berth serve --capture-mib`; 0: off).
+        #[arg(long, default_value_t = 256)]
+        capture_mib: u64,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// What capture costs the engine: one partition of N eight-GPU nodes
+    /// driven as the live host drives it (an arrival, a pass placing it
+    /// with the wasm policy, the oldest work ending at 90% full), with
+    /// capture off and on (recorded and written as JSON lines), the fastest
+    /// of three runs each; and the bytes written.
+    Capture {
+        /// Eight-GPU nodes in the partition.
+        #[arg(long, default_value_t = 2000)]
+        nodes: u32,
+        /// Jobs to place.
+        #[arg(long, default_value_t = 20_000)]
+        jobs: usize,
+        /// Placement policy (bundled name or .wasm path).
+        #[arg(long, default_value = "binpack")]
+        policy: String,
         /// Print the result as JSON.
         #[arg(long)]
         json: bool,
@@ -743,13 +765,33 @@ fn run() -> anyhow::Result<()> {
                 print!("{}", r.table());
             }
         }
-        Command::Bench { what: BenchCommand::Live { nodes, policy, rank, preemptions, json } } => {
-            let r = berth::bench_live::live(&policy, &rank, nodes, preemptions)?;
+        Command::Bench { what: BenchCommand::Capture { nodes, jobs, policy, json } } => {
+            let r = berth::bench_live::capture_cost(&policy, nodes, jobs)?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!(
-                    "live host, {} nodes ({} GPUs), {} / {}: filled with {} jobs in {:.1} s; {} preemptions: deciding pass p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; submit to eviction p50 {} ms, p99 {} ms",
+                    "capture, {} nodes, {} jobs with {policy}: {:.0} decisions/s off, {:.0} on ({:+.1}%); the start (the whole fleet) {:.0} KiB, then {:.0} KiB per 1,000 jobs",
+                    r.nodes,
+                    r.jobs,
+                    r.decisions_per_s_off,
+                    r.decisions_per_s_on,
+                    -r.cost_pct,
+                    r.start_bytes as f64 / 1024.0,
+                    r.bytes_per_1000_jobs / 1024.0
+                );
+            }
+        }
+        Command::Bench { what: BenchCommand::Live { nodes, policy, rank, preemptions, capture_mib, json } } => {
+            let runs = [berth::bench_live::live(&policy, &rank, nodes, preemptions, capture_mib.min(1 << 30) << 20)?];
+            if json {
+                println!("{}", serde_json::to_string(&runs[0])?);
+                return Ok(());
+            }
+            for r in &runs {
+                let jobs = u64::from(r.fill_jobs) + r.preemptions as u64;
+                println!(
+                    "live host, {} nodes ({} GPUs), {} / {}: filled with {} jobs in {:.1} s; {} preemptions: deciding pass p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; submit to eviction p50 {} ms, p99 {} ms{}",
                     r.nodes,
                     r.nodes * 8,
                     r.policy,
@@ -761,7 +803,17 @@ fn run() -> anyhow::Result<()> {
                     r.pass_p99_us as f64 / 1e3,
                     r.pass_max_us as f64 / 1e3,
                     r.submit_to_decision_p50_ms,
-                    r.submit_to_decision_p99_ms
+                    r.submit_to_decision_p99_ms,
+                    if r.capture_bytes_bound == 0 {
+                        String::new()
+                    } else {
+                        format!(
+                            "; captured {:.1} MiB: the start (the whole fleet) {:.0} KiB, then {:.0} KiB per 1,000 jobs",
+                            r.capture_bytes as f64 / 1048576.0,
+                            r.capture_start_bytes as f64 / 1024.0,
+                            (r.capture_bytes - r.capture_start_bytes) as f64 / 1024.0 / jobs as f64 * 1000.0
+                        )
+                    }
                 );
             }
         }

@@ -165,3 +165,54 @@ fn a_capture_replayed_under_other_policies_reports_side_by_side_in_a_browser() {
     assert!(seen["width"].as_f64().unwrap() > 500.0 && seen["height"].as_f64().unwrap() > 60.0, "laid out: {seen}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A partition's capture stays within its bound: files are cut and the
+/// oldest deleted, never the one being written; what is left exports in
+/// order, and a window keeps the headers and the start with the inputs
+/// inside it.
+#[test]
+fn the_capture_is_cut_and_pruned_within_its_bound_and_exports_a_window() {
+    use berth::capture::{export, files, Bounds, CaptureLog, Window};
+    use berth_core::capture::Input;
+    let d = std::env::temp_dir().join(format!("berth-test-{}-capture-bounds", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let bounds = Bounds { total_bytes: 200_000, file_bytes: 20_000 };
+    let mut log = CaptureLog::open(&d, "p0", bounds, 0).unwrap();
+    for now in 0..5_000u64 {
+        log.write(vec![Input::DueWakeups { now }], now * 1000);
+    }
+    log.sync();
+    let kept = files(&d).unwrap();
+    let total: u64 = kept.iter().map(|(_, _, p)| std::fs::metadata(p).unwrap().len()).sum();
+    assert!(kept.len() > 2 && total <= bounds.total_bytes + bounds.file_bytes, "{} files, {total} bytes", kept.len());
+    assert!(kept.iter().all(|(s, _, _)| *s == 1) && kept[0].1 > 0, "the oldest parts went first: {kept:?}");
+    // A second host start opens the next segment beside the first.
+    drop(log);
+    let mut next = CaptureLog::open(&d, "p0", bounds, 0).unwrap();
+    next.write(vec![Input::DueWakeups { now: 9_999 }], 0);
+    next.sync();
+    assert_eq!(files(&d).unwrap().last().unwrap().0, 2);
+
+    let mut times = Vec::new();
+    let lines = export(&d, Window { since: Some(4_990), until: Some(4_994) }, |line| {
+        let v: Value = serde_json::from_str(line).unwrap();
+        if let Some(t) = v["now"].as_u64() {
+            times.push(t);
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(times, [4_990, 4_991, 4_992, 4_993, 4_994]);
+    assert!(lines as usize > times.len(), "the files' headers come too");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `berth bench capture` runs end to end (its figures are the benchmark's).
+#[test]
+fn the_capture_benchmark_measures_both_ways_and_the_bytes() {
+    let out = Command::new(BERTH).args(["bench", "capture", "--nodes", "16", "--jobs", "300", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(r["decisions_per_s_off"].as_f64().unwrap() > 0.0 && r["decisions_per_s_on"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["start_bytes"].as_u64().unwrap() > 16 * 100 && r["bytes_per_1000_jobs"].as_f64().unwrap() > 1000.0, "{r}");
+}

@@ -335,6 +335,8 @@ fn the_live_decision_benchmark_reports_every_preemption() {
     assert_eq!((r["nodes"].as_u64(), r["preemptions"].as_u64()), (Some(16), Some(3)), "{r}");
     let (p50, p99, max) = (r["pass_p50_us"].as_u64().unwrap(), r["pass_p99_us"].as_u64().unwrap(), r["pass_max_us"].as_u64().unwrap());
     assert!(0 < p50 && p50 <= p99 && p99 <= max, "{r}");
+    // Capture is on by default, as in `berth serve`: the run wrote one.
+    assert!(r["capture_bytes_bound"].as_u64().unwrap() > 0 && r["capture_bytes"].as_u64().unwrap() > 1000, "{r}");
 }
 
 /// A job taken back as often as its contract allows waits out the 24 hours

@@ -124,6 +124,9 @@ impl Recorder {
     /// Records the nodes changed since the engine last saw `fleet`.
     pub fn saw(&mut self, fleet: &Fleet) {
         let all = fleet.lineage() != self.lineage;
+        if !all && fleet.changes() == self.mark && fleet.models.len() == self.models {
+            return; // nothing changed since (the common case: no scan)
+        }
         let nodes: Vec<(NodeId, Node)> =
             if all { fleet.nodes().iter().enumerate().map(|(i, n)| (i as NodeId, n.clone())).collect() } else { fleet.changed_since(self.mark).map(|id| (id, fleet.nodes()[id as usize].clone())).collect() };
         let models = (fleet.models.len() != self.models || all).then(|| fleet.models.clone());

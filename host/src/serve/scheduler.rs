@@ -107,6 +107,9 @@ impl Live {
             st = part.wake.wait_timeout(st, wait).unwrap().0;
         }
         st.flush_capture();
+        if let Some(c) = st.capture.as_mut() {
+            c.sync();
+        }
     }
 
     /// Holds partition `p`'s decisions (or lets them go on): while held,

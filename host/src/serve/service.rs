@@ -415,7 +415,13 @@ impl Berth for Service {
         let p = self.live.partition_index(&r.partition)?;
         let live = self.live.clone();
         // Written out first (the lock takes what the engine recorded).
-        let dir = blocking(move || Ok(live.partitions[p].lock_state().capture.as_ref().map(|c| c.dir().to_path_buf()))).await?;
+        let dir = blocking(move || {
+            Ok(live.partitions[p].lock_state().capture.as_mut().map(|c| {
+                c.sync();
+                c.dir().to_path_buf()
+            }))
+        })
+        .await?;
         let Some(dir) = dir else { return Err(Status::failed_precondition(format!("partition {}: capture is off (berth serve --capture-mib 0)", r.partition))) };
         let window = crate::capture::Window { since: r.since_s, until: r.until_s };
         tracing::info!(target: "berth::serve", partition = %r.partition, by = %id.name, since = ?r.since_s, until = ?r.until_s, "capture exported");
