@@ -1096,10 +1096,10 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
     if !args.policies.is_empty() {
         let work = events::workload(&capture)?;
         println!(
-            "counterfactual: {} jobs on {} nodes over {:.1} h ({} cancelled before they started left out, {} unfinished at the end)",
+            "counterfactual: {} jobs on {} nodes over {} ({} cancelled before they started left out, {} unfinished at the end)",
             work.jobs.len(),
             work.fleet.nodes().len(),
-            work.horizon_s as f64 / 3600.0,
+            if work.horizon_s < 3600 { format!("{} s", work.horizon_s) } else { format!("{:.1} h", work.horizon_s as f64 / 3600.0) },
             work.cancelled_waiting,
             work.unfinished
         );
