@@ -29,6 +29,11 @@ pub struct Header {
     pub segment: u64,
     pub part: u64,
     pub started_unix_ms: u64,
+    /// Set by an export that kept only inputs from a time on (`since`,
+    /// `until`): such a segment misses inputs before its window, so it
+    /// serves a counterfactual, not an exact re-decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<(Option<u64>, Option<u64>)>,
 }
 
 /// One captured line after the header: an input and the wall clock when it
@@ -104,13 +109,17 @@ impl CaptureLog {
         std::fs::create_dir_all(dir)?;
         let segment = files(dir)?.last().map_or(1, |(s, _, _)| s + 1);
         let (out, bytes) = Self::create(dir, partition, segment, 0, unix_ms)?;
-        Ok(CaptureLog { dir: dir.to_path_buf(), partition: partition.to_string(), bounds, segment, part: 0, out, bytes, started_unix_ms: unix_ms, broken: false, flushed: std::time::Instant::now() })
+        let log = CaptureLog { dir: dir.to_path_buf(), partition: partition.to_string(), bounds, segment, part: 0, out, bytes, started_unix_ms: unix_ms, broken: false, flushed: std::time::Instant::now() };
+        // A host restarting often writes a start each time: the bound holds
+        // across starts too.
+        log.prune()?;
+        Ok(log)
     }
 
     fn create(dir: &Path, partition: &str, segment: u64, part: u64, unix_ms: u64) -> std::io::Result<(std::io::BufWriter<std::fs::File>, u64)> {
         let path = dir.join(file_name(segment, part));
         let mut out = std::io::BufWriter::with_capacity(256 << 10, std::fs::OpenOptions::new().create_new(true).write(true).open(&path)?);
-        let header = Header { format: FORMAT.into(), version: VERSION, partition: partition.into(), segment, part, started_unix_ms: unix_ms };
+        let header = Header { format: FORMAT.into(), version: VERSION, partition: partition.into(), segment, part, started_unix_ms: unix_ms, window: None };
         let line = serde_json::to_string(&header).map_err(std::io::Error::other)?;
         writeln!(out, "{line}")?;
         Ok((out, line.len() as u64 + 1))
@@ -217,31 +226,67 @@ pub struct Window {
 }
 
 /// The partition's captured lines in order, headers included, within
-/// `window` (an input without a time of its own has the time of the last
-/// one that had one; headers and a segment's start always come, so the
-/// output stays readable). `each` gets every line's text.
+/// `window`. An input without a time of its own (a registration, a
+/// forget) goes with the next one that has one (a registration comes just
+/// before its arrival); headers and each segment's start always come, so
+/// the output stays readable, and with `since` the headers say so. `each`
+/// gets every line's text.
 pub fn export(dir: &Path, window: Window, mut each: impl FnMut(&str) -> std::io::Result<()>) -> std::io::Result<u64> {
     let mut lines = 0;
+    let inside = |t: u64| window.since.is_none_or(|s| t >= s) && window.until.is_none_or(|u| t <= u);
+    let mut waiting: Vec<String> = Vec::new();
+    let mut now: Option<u64> = None;
     for (_, _, path) in files(dir)? {
         let file = match std::fs::File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // pruned meanwhile
             Err(e) => return Err(e),
         };
-        let mut now: Option<u64> = None;
         for line in std::io::BufReader::new(file).lines() {
             let line = line?;
             // A torn last line (a crash mid-write) is left out.
             let Ok(value) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
-            let is_frame = value.get("format").is_some() || value.get("input").and_then(|i| i.as_str()) == Some("start");
-            if let Some(t) = value.get("now").and_then(|n| n.as_u64()) {
-                now = Some(t);
+            if value.get("format").is_some() {
+                let text = match (serde_json::from_value::<Header>(value), window.since.is_some() || window.until.is_some()) {
+                    (Ok(mut h), true) => {
+                        h.window = Some((window.since, window.until));
+                        serde_json::to_string(&h).map_err(std::io::Error::other)?
+                    }
+                    _ => line,
+                };
+                each(&text)?;
+                lines += 1;
+                continue;
             }
-            let inside = is_frame || now.is_none_or(|t| window.since.is_none_or(|s| t >= s) && window.until.is_none_or(|u| t <= u));
-            if inside {
+            if value.get("input").and_then(|i| i.as_str()) == Some("start") {
                 each(&line)?;
                 lines += 1;
+                continue;
             }
+            match value.get("now").and_then(|n| n.as_u64()) {
+                None => waiting.push(line),
+                Some(t) => {
+                    now = Some(t);
+                    let keep = inside(t);
+                    for w in waiting.drain(..) {
+                        if keep {
+                            each(&w)?;
+                            lines += 1;
+                        }
+                    }
+                    if keep {
+                        each(&line)?;
+                        lines += 1;
+                    }
+                }
+            }
+        }
+    }
+    // Inputs after the last timed one go with it.
+    if now.is_none_or(inside) {
+        for w in waiting {
+            each(&w)?;
+            lines += 1;
         }
     }
     Ok(lines)
@@ -258,6 +303,8 @@ pub struct Capture {
 #[derive(Debug, Default)]
 pub struct Segment {
     pub id: u64,
+    /// Exported from a time on: inputs before it are missing.
+    pub windowed: bool,
     pub inputs: Vec<Line>,
     /// Lines that were not inputs of this version (told, not fatal).
     pub skipped: u64,
@@ -267,7 +314,7 @@ impl Segment {
     /// Whether the segment begins with the engine's start (exact
     /// re-decision needs it).
     pub fn complete(&self) -> bool {
-        matches!(self.inputs.first(), Some(Line { input: Input::Start { .. }, .. }))
+        !self.windowed && matches!(self.inputs.first(), Some(Line { input: Input::Start { .. }, .. }))
     }
 }
 
@@ -275,16 +322,24 @@ impl Segment {
 pub const MAX_LINE_BYTES: usize = 256 << 20;
 
 /// Reads an exported capture (or a partition's files joined).
-pub fn read(reader: impl std::io::BufRead, origin: &str) -> anyhow::Result<Capture> {
+pub fn read(mut reader: impl std::io::BufRead, origin: &str) -> anyhow::Result<Capture> {
+    use std::io::Read;
     let mut capture = Capture::default();
-    for (n, line) in reader.lines().enumerate() {
-        let line = line.map_err(|e| anyhow::anyhow!("{origin}: line {}: {e}", n + 1))?;
-        anyhow::ensure!(line.len() <= MAX_LINE_BYTES, "{origin}: line {} is {} bytes, more than {MAX_LINE_BYTES}", n + 1, line.len());
+    let mut buf = Vec::new();
+    for n in 0.. {
+        buf.clear();
+        // Bounded before it is held: a line without an end cannot fill memory.
+        let got = (&mut reader).take(MAX_LINE_BYTES as u64 + 1).read_until(b'\n', &mut buf).map_err(|e| anyhow::anyhow!("{origin}: line {}: {e}", n + 1))?;
+        if got == 0 {
+            break;
+        }
+        anyhow::ensure!(buf.len() <= MAX_LINE_BYTES, "{origin}: line {} is longer than {MAX_LINE_BYTES} bytes", n + 1);
+        let line = std::str::from_utf8(&buf).map_err(|_| anyhow::anyhow!("{origin}: line {} is not UTF-8", n + 1))?.trim_end_matches(['\n', '\r']);
         if line.trim().is_empty() {
             continue;
         }
         if line.contains("\"format\"")
-            && let Ok(h) = serde_json::from_str::<Header>(&line)
+            && let Ok(h) = serde_json::from_str::<Header>(line)
         {
             anyhow::ensure!(h.format == FORMAT, "{origin}: line {}: format {:?}, not {FORMAT}", n + 1, crate::text::printable(&h.format, 64));
             anyhow::ensure!(h.version == VERSION, "{origin}: line {}: {FORMAT} version {}; this berth reads version {VERSION}", n + 1, h.version);
@@ -294,10 +349,13 @@ pub fn read(reader: impl std::io::BufRead, origin: &str) -> anyhow::Result<Captu
             if capture.segments.last().is_none_or(|s| s.id != h.segment) {
                 capture.segments.push(Segment { id: h.segment, ..Default::default() });
             }
+            if h.window.is_some_and(|(since, _)| since.is_some()) {
+                capture.segments.last_mut().expect("just pushed").windowed = true;
+            }
             continue;
         }
         let Some(segment) = capture.segments.last_mut() else { anyhow::bail!("{origin}: line {}: an input before any header", n + 1) };
-        match serde_json::from_str::<Line>(&line) {
+        match serde_json::from_str::<Line>(line) {
             Ok(l) => segment.inputs.push(l),
             Err(_) => segment.skipped += 1,
         }

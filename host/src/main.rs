@@ -201,10 +201,11 @@ struct ReplayArgs {
     /// places.
     #[arg(long = "preempt", requires = "fleet")]
     preempt: Vec<String>,
-    /// Compaction for --fleet: run this compaction policy (e.g. ipc) every
-    /// period over every partition, configured by --compact-config (TOML of
-    /// the compaction settings, e.g. period_s, min_residence_s).
-    #[arg(long, requires = "fleet")]
+    /// Compaction for --fleet (and the counterfactual runs of --events):
+    /// run this compaction policy (e.g. ipc) every period over every
+    /// partition, configured by --compact-config (TOML of the compaction
+    /// settings, e.g. period_s, min_residence_s).
+    #[arg(long)]
     compact: Option<String>,
     /// With --compact: the compaction settings (TOML of `CompactionConfig`
     /// fields, e.g. period_s, min_residence_s).
@@ -980,6 +981,7 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.events {
         return events_replay(engine, path, &args);
     }
+    anyhow::ensure!(args.compact.is_none() || args.fleet.is_some(), "--compact runs with --fleet or --events");
     if let Some(fleet) = &args.fleet {
         return event_replay(engine, fleet, &args, false);
     }
@@ -1061,7 +1063,10 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
     let setting = format!("partition {}: {} segment(s), {inputs} inputs, from {}", berth::text::printable(&capture.partition, 64), capture.segments.len(), path.display());
     println!("{setting}");
     // Exact re-decision always: it measures the live run the others are beside.
-    let exact = events::exact(&engine, &capture, &components, limits)?;
+    for s in capture.segments.iter().filter(|s| s.skipped > 0) {
+        println!("segment {}: {} line(s) not read (not inputs of {} version {})", s.id, s.skipped, berth_core::capture::FORMAT, berth_core::capture::VERSION);
+    }
+    let exact = events::exact(&engine, &capture, &components, limits, args.policies.is_empty())?;
     for x in &exact {
         let names: Vec<&str> = x.policies.values().map(String::as_str).collect();
         match (&x.skipped, &x.fidelity.first_difference) {
@@ -1103,6 +1108,21 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
             work.cancelled_waiting,
             work.unfinished
         );
+        // Compaction in the counterfactual runs (`--compact`, `--compact-config`).
+        let compaction = match &args.compact {
+            Some(spec) => {
+                let p = catalog::resolve(spec)?;
+                let planner = LoadedPolicy::from_file(&engine, &p).with_context(|| format!("loading {}", p.display()))?;
+                let config: berth_core::compaction::CompactionConfig = match &args.compact_config {
+                    Some(c) => berth::text::parse_toml(&std::fs::read_to_string(c).with_context(|| format!("reading {}", c.display()))?)
+                        .with_context(|| format!("compaction config {}", c.display()))?,
+                    None => Default::default(),
+                };
+                config.check().map_err(anyhow::Error::msg).context("compaction config")?;
+                Some((planner, config))
+            }
+            None => None,
+        };
         let last_rank = capture.segments.iter().flat_map(|s| &s.inputs).filter_map(|l| match &l.input {
             berth_core::capture::Input::Arms { rank, .. } => Some(rank.clone()),
             _ => None,
@@ -1126,7 +1146,9 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
                 }
                 (None, None) => Box::new(events::DefaultRanking),
             };
-            rows.push(events::counterfactual(&loaded.info.name, &work, &mut placement, &mut *rank)?);
+            let mut planner = compaction.as_ref().map(|(p, c)| (berth::wasm::WasmPolicy::new(engine.clone(), p.clone(), limits), c.clone()));
+            let compact = planner.as_mut().map(|(p, c)| (p as &mut dyn berth_core::compaction::CompactionPolicy, c.clone()));
+            rows.push(events::counterfactual(&loaded.info.name, &work, &mut placement, &mut *rank, compact)?);
         }
     }
     if !rows.is_empty() {

@@ -194,16 +194,25 @@ fn the_capture_is_cut_and_pruned_within_its_bound_and_exports_a_window() {
     assert_eq!(files(&d).unwrap().last().unwrap().0, 2);
 
     let mut times = Vec::new();
+    let mut text = String::new();
     let lines = export(&d, Window { since: Some(4_990), until: Some(4_994) }, |line| {
         let v: Value = serde_json::from_str(line).unwrap();
         if let Some(t) = v["now"].as_u64() {
             times.push(t);
         }
+        text += line;
+        text.push('\n');
         Ok(())
     })
     .unwrap();
     assert_eq!(times, [4_990, 4_991, 4_992, 4_993, 4_994]);
     assert!(lines as usize > times.len(), "the files' headers come too");
+    // The window is in the headers: its segments are not taken for whole ones.
+    let read = berth::capture::read(text.as_bytes(), "window").unwrap();
+    assert!(!read.segments.is_empty() && read.segments.iter().all(|s| s.windowed && !s.complete()), "{:?}", read.segments.iter().map(|s| s.id).collect::<Vec<_>>());
+    // A line with no end is refused before it is held.
+    let endless = format!("{{\"format\":\"berth-capture\",\"version\":1,\"partition\":\"p0\",\"segment\":1,\"part\":0,\"started_unix_ms\":0}}\n{}", "x".repeat(1000));
+    assert!(berth::capture::read(endless.as_bytes(), "endless").is_ok(), "a short torn line is only skipped");
     let _ = std::fs::remove_dir_all(&d);
 }
 

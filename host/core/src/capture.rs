@@ -16,10 +16,11 @@
 //! Decisions are recorded with the inputs that made them, so a replay can
 //! say how many of its own are identical and where the first difference is.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::engine::{Decision, Event, Guards, Pass, SimConfig, Slot};
-use crate::fleet::{Allocation, Fleet, Node, NodeId};
+pub use crate::engine::{Input, PolicyRef};
+use crate::engine::{Decision, Event, Pass, Slot};
+use crate::fleet::{Fleet, Node, NodeId};
 use crate::job::Job;
 use crate::policy::PlacementPolicy;
 
@@ -27,120 +28,24 @@ use crate::policy::PlacementPolicy;
 pub const FORMAT: &str = "berth-capture";
 pub const VERSION: u32 = 1;
 
-/// One input of the engine (or an output a replay compares), as recorded.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "input", rename_all = "snake_case")]
-pub enum Input {
-    /// Capture starts: the engine's settings and the whole fleet.
-    Start { config: SimConfig, models: Vec<String>, nodes: Vec<Node> },
-    /// Nodes the world changed (or added) since the engine last saw the
-    /// fleet, as they are now; `models` when the model list grew.
-    Nodes {
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        models: Option<Vec<String>>,
-        nodes: Vec<(NodeId, Node)>,
-    },
-    Register { slot: Slot, job: Job },
-    Forget { slot: Slot },
-    /// An event applied without a pass; `job` is the id of the slot's job
-    /// (slots are reused), for readers.
-    Apply {
-        now: u64,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        job: Option<u64>,
-        event: Event,
-    },
-    /// A pass ([`crate::Engine::handle`]) with its events, and what it
-    /// decided (compared by a replay, not replayed).
-    Pass {
-        now: u64,
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        events: Vec<Event>,
-        decisions: Vec<Decision>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        error: Option<String>,
-    },
-    DueWakeups { now: u64 },
-    Guards { guards: Guards },
-    RestoreRunning { slot: Slot, allocations: Vec<Allocation>, started_s: u64 },
-    RestoreSleeping { slot: Slot, allocations: Vec<Allocation>, started_s: u64 },
-    RestoreInterruptions { slot: Slot, times: Vec<u64>, now: u64 },
-    RestoreEvicting { slot: Slot, still_running: Vec<Allocation> },
-    RestoreAwaiting { slot: Slot, victims: Vec<Slot> },
-    /// A task moved (live compaction, `berth migrate`).
-    ReplaceHeld { slot: Slot, old: Allocation, new: Allocation },
-    /// Decisions the world took out of the engine between passes.
-    TakeAnnounced { decisions: Vec<Decision> },
-    TakeBroken { decisions: Vec<Decision> },
-    /// The policy versions the next passes ask: placement, a split
-    /// candidate with the share of jobs it decides, preemption ranking.
-    Arms {
-        place: PolicyRef,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        split: Option<(PolicyRef, f64)>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        rank: Option<PolicyRef>,
-    },
-    /// The nodes run by agents (jobs with a command run only there;
-    /// simulated jobs never do).
-    AgentNodes { nodes: Vec<NodeId> },
-}
+/// The most nodes a replayed fleet may name (a bound on what a file can ask
+/// a replay to allocate).
+pub const MAX_NODES: usize = 1 << 20;
 
-impl Input {
-    /// The engine time the input carries, if it carries one.
-    pub fn now(&self) -> Option<u64> {
-        match self {
-            Input::Apply { now, .. } | Input::Pass { now, .. } | Input::DueWakeups { now } | Input::RestoreInterruptions { now, .. } => Some(*now),
-            _ => None,
+/// The slots an input names (a registration makes its own).
+fn slots_named(input: &Input) -> Vec<Slot> {
+    fn of(e: &Event) -> Option<Slot> {
+        match e {
+            Event::Arrive(j) | Event::End(j) | Event::Cancel(j) | Event::Leaving(j) | Event::Requeue(j) | Event::Unstarted(j) | Event::Vacated(j) | Event::Checkpoint(j) | Event::SleepJob(j) | Event::WakeJob(j) => Some(*j),
+            Event::FleetChanged | Event::Sleep | Event::Wake | Event::Compact => None,
         }
     }
-}
-
-/// A policy version as a replay finds it again: the component's content
-/// hash and the configuration it was given.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct PolicyRef {
-    pub sha256: String,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub config: String,
-}
-
-/// The engine's record of its inputs while capture is on.
-#[derive(Debug)]
-pub(crate) struct Recorder {
-    pub inputs: Vec<Input>,
-    /// The fleet's change count and identity when the engine last saw it.
-    mark: u64,
-    lineage: u64,
-    models: usize,
-}
-
-impl Recorder {
-    pub fn start(config: &SimConfig, fleet: &Fleet) -> Recorder {
-        let start = Input::Start { config: config.clone(), models: fleet.models.clone(), nodes: fleet.nodes().to_vec() };
-        Recorder { inputs: vec![start], mark: fleet.changes(), lineage: fleet.lineage(), models: fleet.models.len() }
-    }
-
-    /// Records the nodes changed since the engine last saw `fleet`.
-    pub fn saw(&mut self, fleet: &Fleet) {
-        let all = fleet.lineage() != self.lineage;
-        if !all && fleet.changes() == self.mark && fleet.models.len() == self.models {
-            return; // nothing changed since (the common case: no scan)
-        }
-        let nodes: Vec<(NodeId, Node)> =
-            if all { fleet.nodes().iter().enumerate().map(|(i, n)| (i as NodeId, n.clone())).collect() } else { fleet.changed_since(self.mark).map(|id| (id, fleet.nodes()[id as usize].clone())).collect() };
-        let models = (fleet.models.len() != self.models || all).then(|| fleet.models.clone());
-        if !nodes.is_empty() || models.is_some() {
-            self.inputs.push(Input::Nodes { models, nodes });
-        }
-        self.left(fleet);
-    }
-
-    /// The engine is done with `fleet` for this call.
-    pub fn left(&mut self, fleet: &Fleet) {
-        self.mark = fleet.changes();
-        self.lineage = fleet.lineage();
-        self.models = fleet.models.len();
+    match input {
+        Input::Forget { slot } | Input::RestoreRunning { slot, .. } | Input::RestoreSleeping { slot, .. } | Input::RestoreInterruptions { slot, .. } | Input::RestoreEvicting { slot, .. } | Input::ReplaceHeld { slot, .. } => vec![*slot],
+        Input::RestoreAwaiting { slot, victims } => std::iter::once(*slot).chain(victims.iter().copied()).collect(),
+        Input::Apply { event, .. } => of(event).into_iter().collect(),
+        Input::Pass { events, .. } => events.iter().filter_map(of).collect(),
+        _ => Vec::new(),
     }
 }
 
@@ -244,6 +149,18 @@ impl Replayer {
     pub fn step<'a>(&mut self, input: &Input, placement: &'a mut dyn PlacementPolicy, preemption: Option<&'a mut dyn crate::preemption::PreemptionPolicy>) -> Result<(), String> {
         let at = self.next;
         self.next += 1;
+        // A capture is a file: a slot or node it names that does not exist
+        // is an error here, never an index out of bounds in the engine.
+        let slots = self.engine.slot_count();
+        if let Some(bad) = slots_named(input).into_iter().find(|&s| s >= slots) {
+            return Err(format!("input {at}: slot {bad} was never registered ({slots} slots)"));
+        }
+        let nodes = self.fleet.nodes().len();
+        if let Input::ReplaceHeld { old, new, .. } = input
+            && let Some(bad) = [old.node, new.node].into_iter().find(|&n| n as usize >= nodes)
+        {
+            return Err(format!("input {at}: node {bad} is not in the fleet ({nodes} nodes)"));
+        }
         let (engine, fleet) = (&mut self.engine, &mut self.fleet);
         match input {
             Input::Start { .. } => return Err(format!("input {at}: a second start (a host restart): replay each segment from its own start")),
@@ -292,6 +209,11 @@ impl Replayer {
             }
             Input::Arms { .. } => {}
             Input::AgentNodes { nodes } => {
+                // Noted before the pass that adds a new agent's node: ids may
+                // run a little past the fleet, never past a fleet's bound.
+                if let Some(&bad) = nodes.iter().find(|&&n| n as usize >= MAX_NODES) {
+                    return Err(format!("input {at}: node {bad} is past the {MAX_NODES} nodes a fleet may have"));
+                }
                 self.agent_nodes = vec![false; self.fleet.nodes().len().max(nodes.iter().map(|&n| n as usize + 1).max().unwrap_or(0))];
                 for &n in nodes {
                     self.agent_nodes[n as usize] = true;

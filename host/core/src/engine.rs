@@ -491,7 +491,7 @@ pub struct Engine {
     /// Simulated seconds since the interference model last looked.
     interference_due_s: f64,
     /// Every input given, while capture is on (see [`crate::capture`]).
-    capture: Option<crate::capture::Recorder>,
+    capture: Option<Recorder>,
 }
 
 impl Engine {
@@ -534,7 +534,7 @@ impl Engine {
     /// Records every input from now on, starting with the settings and the
     /// whole of `fleet` (the world drains them with [`Engine::take_captured`]).
     pub fn start_capture(&mut self, fleet: &Fleet) {
-        self.capture = Some(crate::capture::Recorder::start(&self.config, fleet));
+        self.capture = Some(Recorder::start(&self.config, fleet));
     }
 
     pub fn capturing(&self) -> bool {
@@ -542,19 +542,19 @@ impl Engine {
     }
 
     /// The inputs recorded since the last call.
-    pub fn take_captured(&mut self) -> Vec<crate::capture::Input> {
+    pub fn take_captured(&mut self) -> Vec<Input> {
         self.capture.as_mut().map(|c| std::mem::take(&mut c.inputs)).unwrap_or_default()
     }
 
     /// Records what the world notes for a replay (policy versions, agent
     /// nodes), in order with the engine's inputs; nothing when not capturing.
-    pub fn capture_note(&mut self, note: crate::capture::Input) {
+    pub fn capture_note(&mut self, note: Input) {
         if let Some(c) = &mut self.capture {
             c.inputs.push(note);
         }
     }
 
-    fn record(&mut self, input: impl FnOnce(&Self) -> crate::capture::Input) {
+    fn record(&mut self, input: impl FnOnce(&Self) -> Input) {
         if self.capture.is_some() {
             let input = input(self);
             self.capture.as_mut().expect("checked").inputs.push(input);
@@ -577,7 +577,7 @@ impl Engine {
     /// [`Event::Arrive`]); returns its slot.
     pub fn register(&mut self, job: Job) -> Slot {
         let slot = self.register_job(job);
-        self.record(|e| crate::capture::Input::Register { slot, job: e.jobs[slot].clone() });
+        self.record(|e| Input::Register { slot, job: e.jobs[slot].clone() });
         slot
     }
 
@@ -620,7 +620,21 @@ impl Engine {
     /// changes) while the job still waits, holds, sleeps, is being taken
     /// back or holds a reservation.
     pub fn forget(&mut self, slot: Slot) -> bool {
-        self.record(|_| crate::capture::Input::Forget { slot });
+        let forgot = self.forget_job(slot);
+        if forgot {
+            // Only when it changed something: the live host asks every
+            // second for every ended job, busy slots included.
+            self.record(|_| Input::Forget { slot });
+        }
+        forgot
+    }
+
+    /// The number of slots (used or free): a replay checks the slots it is given.
+    pub fn slot_count(&self) -> usize {
+        self.jobs.len()
+    }
+
+    fn forget_job(&mut self, slot: Slot) -> bool {
         let busy = self.pending.contains(&slot)
             || !self.runs.held[slot].is_empty()
             || self.runs.planned_end[slot].is_some()
@@ -722,7 +736,7 @@ impl Engine {
     /// from durable state; a waiting job at its daily limit is held back
     /// again until the oldest is a day old.
     pub fn restore_interruptions(&mut self, slot: Slot, mut times: Vec<u64>, now: u64) {
-        self.record(|_| crate::capture::Input::RestoreInterruptions { slot, times: times.clone(), now });
+        self.record(|_| Input::RestoreInterruptions { slot, times: times.clone(), now });
         if times.is_empty() {
             return;
         }
@@ -771,7 +785,7 @@ impl Engine {
         // every turn of its loop.
         let any = self.due_wakeups(now);
         if any {
-            self.record(|_| crate::capture::Input::DueWakeups { now });
+            self.record(|_| Input::DueWakeups { now });
         }
         any
     }
@@ -795,7 +809,7 @@ impl Engine {
     /// whose guard is now off gives up its reservation and drained nodes;
     /// every pending job is tried again.
     pub fn set_guards(&mut self, guards: Guards) {
-        self.record(|_| crate::capture::Input::Guards { guards: guards.clone() });
+        self.record(|_| Input::Guards { guards: guards.clone() });
         self.config.guards = guards;
         let config = &self.config;
         let jobs = &self.jobs;
@@ -960,7 +974,7 @@ impl Engine {
         let events: Vec<Event> = events.into_iter().collect();
         let pass = self.handle_events(fleet, now, events.iter().cloned(), deciders, world);
         self.record_left(fleet);
-        self.record(|_| crate::capture::Input::Pass {
+        self.record(|_| Input::Pass {
             now,
             events,
             decisions: pass.decisions.clone(),
@@ -1004,7 +1018,7 @@ impl Engine {
                 }
                 Event::FleetChanged | Event::Sleep | Event::Wake | Event::Compact => None,
             };
-            crate::capture::Input::Apply { now, job, event: event.clone() }
+            Input::Apply { now, job, event: event.clone() }
         });
         self.apply_event(fleet, now, event);
         self.record_left(fleet);
@@ -1103,7 +1117,7 @@ impl Engine {
     /// (allocated here) since `started_s`.
     pub fn restore_running(&mut self, fleet: &mut Fleet, slot: Slot, allocations: Vec<Allocation>, started_s: u64) -> Result<(), crate::FleetError> {
         self.record_saw(fleet);
-        self.record(|_| crate::capture::Input::RestoreRunning { slot, allocations: allocations.clone(), started_s });
+        self.record(|_| Input::RestoreRunning { slot, allocations: allocations.clone(), started_s });
         let restored = self.restore_running_job(fleet, slot, allocations, started_s);
         self.record_left(fleet);
         restored
@@ -1134,7 +1148,7 @@ impl Engine {
     /// A sleeping job recovered from durable state: it keeps its claim on
     /// `allocations` (not allocated: lent, and borrowers may hold them).
     pub fn restore_sleeping(&mut self, slot: Slot, allocations: Vec<Allocation>, started_s: u64) {
-        self.record(|_| crate::capture::Input::RestoreSleeping { slot, allocations: allocations.clone(), started_s });
+        self.record(|_| Input::RestoreSleeping { slot, allocations: allocations.clone(), started_s });
         self.lend(&allocations);
         let job = &self.jobs[slot];
         self.sleeping.insert(slot, allocations.clone());
@@ -1151,7 +1165,7 @@ impl Engine {
     /// sleep, a wake and its evictions), in order; the caller actuates them.
     pub fn take_announced(&mut self) -> Vec<Decision> {
         let taken = std::mem::take(&mut self.announced);
-        self.record(|_| crate::capture::Input::TakeAnnounced { decisions: taken.clone() });
+        self.record(|_| Input::TakeAnnounced { decisions: taken.clone() });
         taken
     }
 
@@ -1160,7 +1174,7 @@ impl Engine {
     pub fn take_broken(&mut self) -> Vec<Decision> {
         let (broken, rest) = std::mem::take(&mut self.announced).into_iter().partition(|d| matches!(d, Decision::Broken { .. }));
         self.announced = rest;
-        self.record(|_| crate::capture::Input::TakeBroken { decisions: broken.clone() });
+        self.record(|_| Input::TakeBroken { decisions: broken.clone() });
         broken
     }
 
@@ -1171,7 +1185,7 @@ impl Engine {
     /// Restore running jobs first: they keep what they were given.
     pub fn restore_evicting(&mut self, fleet: &mut Fleet, slot: Slot, still_running: &[Allocation]) {
         self.record_saw(fleet);
-        self.record(|_| crate::capture::Input::RestoreEvicting { slot, still_running: still_running.to_vec() });
+        self.record(|_| Input::RestoreEvicting { slot, still_running: still_running.to_vec() });
         self.runs.ready_at[slot] = u64::MAX;
         self.pending.push(slot);
         self.runs.drain_victim(fleet, slot, still_running);
@@ -1182,7 +1196,7 @@ impl Engine {
     /// go: if it ends before they do, its GPUs drain.
     pub fn restore_awaiting(&mut self, slot: Slot, victims: impl IntoIterator<Item = Slot>) {
         let victims: Vec<Slot> = victims.into_iter().collect();
-        self.record(|_| crate::capture::Input::RestoreAwaiting { slot, victims: victims.clone() });
+        self.record(|_| Input::RestoreAwaiting { slot, victims: victims.clone() });
         let victims: BTreeSet<Slot> = victims.into_iter().filter(|&v| self.runs.ready_at[v] == u64::MAX).collect();
         if !victims.is_empty() {
             self.runs.awaiting.entry(slot).or_default().extend(victims);
@@ -1197,7 +1211,7 @@ impl Engine {
     /// A running job's task moved (make-before-break migration done): the
     /// engine's record follows; the caller made the fleet's changes.
     pub fn replace_held(&mut self, slot: Slot, old: &Allocation, new: Allocation) -> bool {
-        self.record(|_| crate::capture::Input::ReplaceHeld { slot, old: old.clone(), new: new.clone() });
+        self.record(|_| Input::ReplaceHeld { slot, old: old.clone(), new: new.clone() });
         let nodes = [old.node, new.node];
         match self.runs.held[slot].iter_mut().find(|a| *a == old) {
             Some(a) => {
@@ -2596,4 +2610,125 @@ fn shadow_time(fleet: &Fleet, mut ends: Vec<(u64, usize)>, held: &[Vec<Allocatio
         }
     }
     (u64::MAX, HashSet::new())
+}
+
+// Capture (see [`crate::capture`]): the engine's inputs as recorded. They
+// live here, beside the engine that records them, so that the capture
+// module (the replay) depends on the engine and not the other way round.
+
+/// One input of the engine (or an output a replay compares), as recorded.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "input", rename_all = "snake_case")]
+pub enum Input {
+    /// Capture starts: the engine's settings and the whole fleet.
+    Start { config: SimConfig, models: Vec<String>, nodes: Vec<Node> },
+    /// Nodes the world changed (or added) since the engine last saw the
+    /// fleet, as they are now; `models` when the model list grew.
+    Nodes {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        models: Option<Vec<String>>,
+        nodes: Vec<(NodeId, Node)>,
+    },
+    Register { slot: Slot, job: Job },
+    Forget { slot: Slot },
+    /// An event applied without a pass; `job` is the id of the slot's job
+    /// (slots are reused), for readers.
+    Apply {
+        now: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job: Option<u64>,
+        event: Event,
+    },
+    /// A pass ([`crate::Engine::handle`]) with its events, and what it
+    /// decided (compared by a replay, not replayed).
+    Pass {
+        now: u64,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        events: Vec<Event>,
+        decisions: Vec<Decision>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+    DueWakeups { now: u64 },
+    Guards { guards: Guards },
+    RestoreRunning { slot: Slot, allocations: Vec<Allocation>, started_s: u64 },
+    RestoreSleeping { slot: Slot, allocations: Vec<Allocation>, started_s: u64 },
+    RestoreInterruptions { slot: Slot, times: Vec<u64>, now: u64 },
+    RestoreEvicting { slot: Slot, still_running: Vec<Allocation> },
+    RestoreAwaiting { slot: Slot, victims: Vec<Slot> },
+    /// A task moved (live compaction, `berth migrate`).
+    ReplaceHeld { slot: Slot, old: Allocation, new: Allocation },
+    /// Decisions the world took out of the engine between passes.
+    TakeAnnounced { decisions: Vec<Decision> },
+    TakeBroken { decisions: Vec<Decision> },
+    /// The policy versions the next passes ask: placement, a split
+    /// candidate with the share of jobs it decides, preemption ranking.
+    Arms {
+        place: PolicyRef,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        split: Option<(PolicyRef, f64)>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rank: Option<PolicyRef>,
+    },
+    /// The nodes run by agents (jobs with a command run only there;
+    /// simulated jobs never do).
+    AgentNodes { nodes: Vec<NodeId> },
+}
+
+impl Input {
+    /// The engine time the input carries, if it carries one.
+    pub fn now(&self) -> Option<u64> {
+        match self {
+            Input::Apply { now, .. } | Input::Pass { now, .. } | Input::DueWakeups { now } | Input::RestoreInterruptions { now, .. } => Some(*now),
+            _ => None,
+        }
+    }
+}
+
+/// A policy version as a replay finds it again: the component's content
+/// hash and the configuration it was given.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct PolicyRef {
+    pub sha256: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub config: String,
+}
+
+/// The engine's record of its inputs while capture is on.
+#[derive(Debug)]
+pub(crate) struct Recorder {
+    pub inputs: Vec<Input>,
+    /// The fleet's change count and identity when the engine last saw it.
+    mark: u64,
+    lineage: u64,
+    models: usize,
+}
+
+impl Recorder {
+    pub fn start(config: &SimConfig, fleet: &Fleet) -> Recorder {
+        let start = Input::Start { config: config.clone(), models: fleet.models.clone(), nodes: fleet.nodes().to_vec() };
+        Recorder { inputs: vec![start], mark: fleet.changes(), lineage: fleet.lineage(), models: fleet.models.len() }
+    }
+
+    /// Records the nodes changed since the engine last saw `fleet`.
+    pub fn saw(&mut self, fleet: &Fleet) {
+        let all = fleet.lineage() != self.lineage;
+        if !all && fleet.changes() == self.mark && fleet.models.len() == self.models {
+            return; // nothing changed since (the common case: no scan)
+        }
+        let nodes: Vec<(NodeId, Node)> =
+            if all { fleet.nodes().iter().enumerate().map(|(i, n)| (i as NodeId, n.clone())).collect() } else { fleet.changed_since(self.mark).map(|id| (id, fleet.nodes()[id as usize].clone())).collect() };
+        let models = (fleet.models.len() != self.models || all).then(|| fleet.models.clone());
+        if !nodes.is_empty() || models.is_some() {
+            self.inputs.push(Input::Nodes { models, nodes });
+        }
+        self.left(fleet);
+    }
+
+    /// The engine is done with `fleet` for this call.
+    pub fn left(&mut self, fleet: &Fleet) {
+        self.mark = fleet.changes();
+        self.lineage = fleet.lineage();
+        self.models = fleet.models.len();
+    }
 }

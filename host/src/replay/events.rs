@@ -106,20 +106,28 @@ impl Instances<'_> {
 }
 
 /// The live host's split A/B, as replay makes it: a job in the candidate's
-/// share is decided by the candidate, by the active version when the
-/// candidate fails it.
+/// share is decided by the candidate; once the candidate fails a job, the
+/// active version decides the rest of that job's attempt (as live).
 struct Split<'a> {
     active: &'a mut WasmPolicy,
     candidate: Option<(&'a mut WasmPolicy, f64)>,
+    /// The job whose attempt the candidate failed.
+    fell_back: Option<u64>,
 }
 
 impl Split<'_> {
     fn call<T>(&mut self, job_id: u64, mut f: impl FnMut(&mut dyn PlacementPolicy) -> Result<T, PolicyError>) -> Result<T, PolicyError> {
+        if self.fell_back.is_some_and(|j| j != job_id) {
+            self.fell_back = None;
+        }
         if let Some((c, fraction)) = &mut self.candidate
+            && self.fell_back.is_none()
             && crate::serve::shadow::in_split(job_id, *fraction)
-            && let Ok(v) = f(&mut **c)
         {
-            return Ok(v);
+            match f(&mut **c) {
+                Ok(v) => return Ok(v),
+                Err(_) => self.fell_back = Some(job_id),
+            }
         }
         f(&mut *self.active)
     }
@@ -164,21 +172,46 @@ pub struct ExactReport {
     pub skipped: Option<String>,
 }
 
-/// Replays every segment of `capture` exactly.
-pub fn exact(engine: &Arc<PolicyEngine>, capture: &Capture, components: &Components, limits: Limits) -> anyhow::Result<Vec<ExactReport>> {
+/// Replays every segment of `capture` exactly. A segment that cannot be
+/// replayed (a component not found, an input naming what was never there)
+/// is an error when `strict`, else reported as not replayed.
+pub fn exact(engine: &Arc<PolicyEngine>, capture: &Capture, components: &Components, limits: Limits, strict: bool) -> anyhow::Result<Vec<ExactReport>> {
     let mut reports = Vec::new();
     for segment in &capture.segments {
         if !segment.complete() {
+            let why = if segment.windowed {
+                "exported from a time on (--since): inputs before it are missing"
+            } else {
+                "its first file was rotated away: it does not begin with the engine's start"
+            };
             reports.push(ExactReport {
                 segment: segment.id,
                 inputs: segment.inputs.len(),
                 fidelity: Fidelity::default(),
                 policies: BTreeMap::new(),
                 tally: RunRow::default(),
-                skipped: Some("its first file was rotated away: it does not begin with the engine's start".into()),
+                skipped: Some(why.into()),
             });
             continue;
         }
+        match exact_segment(engine, segment, components, limits) {
+            Ok(report) => reports.push(report),
+            Err(e) if !strict => reports.push(ExactReport {
+                segment: segment.id,
+                inputs: segment.inputs.len(),
+                fidelity: Fidelity::default(),
+                policies: BTreeMap::new(),
+                tally: RunRow::default(),
+                skipped: Some(format!("{e:#}")),
+            }),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(reports)
+}
+
+fn exact_segment(engine: &Arc<PolicyEngine>, segment: &crate::capture::Segment, components: &Components, limits: Limits) -> anyhow::Result<ExactReport> {
+    {
         let mut replayer = Replayer::new(&segment.inputs[0].input).map_err(anyhow::Error::msg)?;
         let mut instances = Instances { engine, components, limits, loaded: HashMap::new(), names: BTreeMap::new() };
         let mut arms: Option<(PolicyRef, Option<(PolicyRef, f64)>, Option<PolicyRef>)> = None;
@@ -199,7 +232,7 @@ pub fn exact(engine: &Arc<PolicyEngine>, capture: &Capture, components: &Compone
                 let mut candidate = split.as_ref().map(|(c, f)| (instances.take(Role::Candidate, c), *f));
                 let mut ranker = rank.as_ref().map(|r| instances.take(Role::Rank, r));
                 let result = {
-                    let mut chooser = Split { active: &mut active, candidate: candidate.as_mut().map(|(c, f)| (c, *f)) };
+                    let mut chooser = Split { active: &mut active, candidate: candidate.as_mut().map(|(c, f)| (c, *f)), fell_back: None };
                     let mut default = DefaultRanking;
                     let preemption: &mut dyn PreemptionPolicy = match ranker.as_mut() {
                         Some(r) => r,
@@ -224,9 +257,8 @@ pub fn exact(engine: &Arc<PolicyEngine>, capture: &Capture, components: &Compone
                 break;
             }
         }
-        reports.push(ExactReport { segment: segment.id, inputs: segment.inputs.len(), fidelity: replayer.fidelity.clone(), policies: instances.names, tally: tally.row(), skipped: None });
+        Ok(ExactReport { segment: segment.id, inputs: segment.inputs.len(), fidelity: replayer.fidelity.clone(), policies: instances.names, tally: tally.row(), skipped: None })
     }
-    Ok(reports)
 }
 
 /// Never asked: inputs other than passes place nothing.
@@ -383,6 +415,7 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
     let mut ran_s: HashMap<u64, u64> = HashMap::new();
     let mut ended: std::collections::BTreeSet<u64> = Default::default();
     let mut cancelled_waiting = 0;
+    let mut latest_guards = None;
     let (mut first, mut last) = (u64::MAX, 0u64);
     for segment in &capture.segments {
         // Node names by id within this segment (ids are per host start).
@@ -400,6 +433,7 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
             nodes.insert(node.name.clone(), idle);
         };
         let mut seg_models: Vec<String> = Vec::new();
+        let mut agent_ids: std::collections::BTreeSet<u32> = Default::default();
         for line in &segment.inputs {
             if let Some(now) = line.input.now() {
                 first = first.min(now);
@@ -422,12 +456,20 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
                     }
                 }
                 Input::AgentNodes { nodes: ids } => {
-                    agent_names.extend(ids.iter().filter_map(|&id| names.get(id as usize).cloned()));
+                    // Named at the segment's end: the note comes before the
+                    // pass that adds a new agent's node.
+                    agent_ids.extend(ids.iter().copied());
                 }
+                Input::Guards { guards } => latest_guards = Some(guards.clone()),
                 Input::Register { slot, job } => {
                     job_of_slot.insert(*slot, job.id);
                     jobs.entry(job.id).or_insert_with(|| job.clone());
-                    first = first.min(job.arrival_s);
+                }
+                Input::RestoreRunning { slot, started_s, .. } | Input::RestoreSleeping { slot, started_s, .. } => {
+                    // Running when the host restarted: its run goes on.
+                    if let Some(&id) = job_of_slot.get(slot) {
+                        starts.entry(id).or_insert(*started_s);
+                    }
                 }
                 Input::Pass { decisions, .. } | Input::TakeAnnounced { decisions } => {
                     for d in decisions {
@@ -468,6 +510,7 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
                 _ => {}
             }
         }
+        agent_names.extend(agent_ids.iter().filter_map(|&id| names.get(id as usize).cloned()));
     }
     let config = config.ok_or_else(|| anyhow::anyhow!("the capture holds no segment start (its first files were rotated away): nothing says what the fleet was"))?;
     anyhow::ensure!(!nodes.is_empty(), "the capture saw no nodes");
@@ -488,6 +531,8 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
         if !ended.contains(&id) && ran_s.contains_key(&id) && !starts.contains_key(&id) {
             unfinished += 1;
         }
+        // Submitted before the capture began (recovered at a start): it
+        // arrives when the capture begins.
         job.arrival_s = job.arrival_s.saturating_sub(origin_s);
         // Agent work stays on agents' nodes, simulated work off them.
         job.partition = Some(u32::from(job.reports_exit));
@@ -502,13 +547,24 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
         })
         .collect();
     let fleet = Fleet::new(models, fleet_nodes).map_err(|e| anyhow::anyhow!("the captured fleet: {e}"))?;
-    let config = SimConfig { horizon_s, ..config };
+    // The settings as they were last: an operator's guard (recovered at
+    // each start, changed at run time); a partition whose work is never
+    // taken back protects both of the replayed partitions.
+    let guards = latest_guards.unwrap_or(config.guards.clone());
+    let protected_partitions = if config.protected_partitions.is_empty() { Default::default() } else { [0, 1].into_iter().collect() };
+    let config = SimConfig { horizon_s, guards, protected_partitions, ..config };
     Ok(Workload { fleet, jobs: replayed, config, origin_s, horizon_s, cancelled_waiting, unfinished })
 }
 
 /// Runs the workload under `placement` (and `rank`), counting what the
 /// live run is counted by.
-pub fn counterfactual(name: &str, work: &Workload, placement: &mut dyn PlacementPolicy, rank: &mut dyn PreemptionPolicy) -> anyhow::Result<RunRow> {
+pub fn counterfactual<'a>(
+    name: &str,
+    work: &Workload,
+    placement: &'a mut dyn PlacementPolicy,
+    rank: &'a mut dyn PreemptionPolicy,
+    compaction: Option<(&'a mut dyn berth_core::compaction::CompactionPolicy, berth_core::compaction::CompactionConfig)>,
+) -> anyhow::Result<RunRow> {
     let mut fleet = work.fleet.clone();
     let mut tally = Tally::new(name, work.config.high_priority);
     for job in &work.jobs {
@@ -517,12 +573,13 @@ pub fn counterfactual(name: &str, work: &Workload, placement: &mut dyn Placement
     let mut log = Vec::new();
     let mut observed: Vec<(u64, f64, f64, f64)> = Vec::new();
     {
-        let deciders = Deciders { placement, preemption: Some(rank), compaction: None };
+        let deciders = Deciders { placement, preemption: Some(rank), compaction };
         let mut watch = |now: u64, _: &berth_core::Engine, fleet: &Fleet| {
             let partly = fleet.nodes().iter().filter(|n| !n.gpus.is_empty() && n.gpu_free_milli() > 0 && n.gpu_free_milli() < n.gpu_total_milli()).count() as f64;
             observed.push((now, fleet.gpu_allocated_milli() as f64, fleet.gpu_total_milli() as f64, partly));
         };
-        berth_core::sim::simulate_watched(&mut fleet, &work.jobs, deciders, work.config.clone(), Some(&mut log), &mut watch).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+        let out = berth_core::sim::simulate_watched(&mut fleet, &work.jobs, deciders, work.config.clone(), Some(&mut log), &mut watch).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+        tally.row.moves = out.compaction.moves_run;
         // The fleet as the last events left it held until the horizon.
         watch(work.horizon_s, &berth_core::Engine::new(SimConfig::default()), &fleet);
     }
