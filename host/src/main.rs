@@ -1050,6 +1050,21 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--compact` and `--compact-config`: the compaction policy and its
+/// settings, checked (event replay and the counterfactuals of --events).
+fn load_compaction(engine: &Arc<PolicyEngine>, args: &ReplayArgs) -> anyhow::Result<Option<(Arc<LoadedPolicy>, berth_core::compaction::CompactionConfig)>> {
+    let Some(spec) = &args.compact else { return Ok(None) };
+    let path = catalog::resolve(spec)?;
+    let planner = LoadedPolicy::from_file(engine, &path).with_context(|| format!("loading {}", path.display()))?;
+    let config: berth_core::compaction::CompactionConfig = match &args.compact_config {
+        Some(p) => berth::text::parse_toml(&std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
+            .with_context(|| format!("compaction config {}", p.display()))?,
+        None => Default::default(),
+    };
+    config.check().map_err(anyhow::Error::msg).context("compaction config")?;
+    Ok(Some((planner, config)))
+}
+
 /// `berth replay --events`: a live capture decided again, or run under
 /// other policies.
 fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &ReplayArgs) -> anyhow::Result<()> {
@@ -1109,20 +1124,7 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
             work.unfinished
         );
         // Compaction in the counterfactual runs (`--compact`, `--compact-config`).
-        let compaction = match &args.compact {
-            Some(spec) => {
-                let p = catalog::resolve(spec)?;
-                let planner = LoadedPolicy::from_file(&engine, &p).with_context(|| format!("loading {}", p.display()))?;
-                let config: berth_core::compaction::CompactionConfig = match &args.compact_config {
-                    Some(c) => berth::text::parse_toml(&std::fs::read_to_string(c).with_context(|| format!("reading {}", c.display()))?)
-                        .with_context(|| format!("compaction config {}", c.display()))?,
-                    None => Default::default(),
-                };
-                config.check().map_err(anyhow::Error::msg).context("compaction config")?;
-                Some((planner, config))
-            }
-            None => None,
-        };
+        let compaction = load_compaction(&engine, args)?;
         let last_rank = capture.segments.iter().flat_map(|s| &s.inputs).filter_map(|l| match &l.input {
             berth_core::capture::Input::Arms { rank, .. } => Some(rank.clone()),
             _ => None,
@@ -1300,20 +1302,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     // How fast placed work advances, and what GPU-hours cost: the outcome.
     let interference = args.interference.as_deref().map(parse_interference).transpose().context("--interference")?;
     let economics = asi_report::Economics { work: config.work_rates(&fleet), interference, cost_per_gpu_hour: config.costs() };
-    let compaction = match &args.compact {
-        Some(spec) => {
-            let path = catalog::resolve(spec)?;
-            let planner = LoadedPolicy::from_file(&engine, &path).with_context(|| format!("loading {}", path.display()))?;
-            let config: berth_core::compaction::CompactionConfig = match &args.compact_config {
-                Some(p) => berth::text::parse_toml(&std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)
-                    .with_context(|| format!("compaction config {}", p.display()))?,
-                None => Default::default(),
-            };
-            config.check().map_err(anyhow::Error::msg).context("compaction config")?;
-            Some((planner, config))
-        }
-        None => None,
-    };
+    let compaction = load_compaction(&engine, args)?;
     if let Some(quotes) = args.calibrate {
         anyhow::ensure!((1..=100_000).contains(&quotes), "--calibrate takes 1 to 100,000 quotes");
         anyhow::ensure!((1..=berth_core::forecast::MAX_SAMPLES).contains(&args.calibrate_samples), "--calibrate-samples takes 1 to 10,000");
