@@ -2,8 +2,9 @@
 //! export`, `berth replay --events`). The exact re-decision check runs at
 //! the end of the live tests that exercise a mechanism with real agents
 //! (compaction, preemption, harvesting across a host restart: see
-//! [`replays_exactly`]); here, the file format and its bounds, and a capture
-//! replayed under other policies with its report in a headless browser.
+//! [`replays_exactly`]); here, all three in one run on a manual clock, the
+//! file format and its bounds, and a capture replayed under other policies
+//! with its report in a headless browser.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -224,4 +225,241 @@ fn the_capture_benchmark_measures_both_ways_and_the_bytes() {
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(r["decisions_per_s_off"].as_f64().unwrap() > 0.0 && r["decisions_per_s_on"].as_f64().unwrap() > 0.0, "{r}");
     assert!(r["start_bytes"].as_u64().unwrap() > 16 * 100 && r["bytes_per_1000_jobs"].as_f64().unwrap() > 1000.0, "{r}");
+}
+
+
+/// Moves the test's clock a second at a time, poking partition p0's loop to
+/// run what fell due, until `f` gives a value (at most 90 s of the
+/// machine's time: a liveness bound).
+async fn tick_until<T, F: std::future::Future<Output = Option<T>>>(clock: &berth::serve::clock::ManualClock, live: &berth::serve::state::Live, what: &str, mut f: impl FnMut() -> F) -> T {
+    use berth::serve::clock::Clock;
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(std::time::Instant::now() < end, "timed out waiting for {what} (the test's clock at {} s)", clock.unix_ms() / 1000);
+        clock.set(clock.unix_ms() + 1000);
+        live.hold(0, false);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// One live run of every mechanism the capture must carry, on a clock the
+/// test moves by hand: an in-process host (its timers, notices, run times
+/// and decisions on a [`berth::serve::clock::ManualClock`]) serving real
+/// sockets, two real `berth agent` processes whose tasks are real child
+/// processes, spot-gpu ranking and ipc compacting as wasm. Live compaction
+/// frees a node for a whole-node job (make-before-break); a high-priority
+/// job preempts under a notice that only the test's clock ends; a sleeping
+/// replica lends its GPUs and takes them back on wake. The partition's
+/// capture, exported through the CLI, replays decision for decision (the
+/// replay stops at the first difference), and every time in it is the
+/// test's clock's. No GPU has two running owners in any sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_live_run_with_two_agents_on_a_manual_clock_replays_exactly() {
+    use std::collections::BTreeSet;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use berth::proto as pb;
+    use berth::serve::clock::{Clock, ManualClock};
+
+    use crate::agent::{agent, agent_job, dir, jobs, task_asleep};
+    use crate::live_compaction::{fragment, ledger, schedulable, spec, until_running, upload_compact};
+
+    /// Far from the machine's clock: a time taken from it would stand out.
+    const T0_S: u64 = 1_000_000;
+    const NOTICE_S: u64 = 5;
+    let d = dir("capture-one-run");
+    let state = d.join("state");
+    let clock = Arc::new(ManualClock::at(T0_S * 1000));
+    let mut cfg = crate::serve::config(&state, crate::agent::ACCESS);
+    cfg.scheduling.clock = clock.clone();
+    cfg.scheduling.auto_compaction = false;
+    cfg.scheduling.contract.notice_s = NOTICE_S;
+    // The hub's silence timer runs on the test's clock, which moves ten
+    // times faster than the machine's while the test waits: no node loss
+    // here (a loaded machine must not make one).
+    let hub_config = berth::serve::hub::HubConfig { heartbeat_timeout: Duration::from_secs(24 * 3600), reschedule_after: None, ..Default::default() };
+    let host = berth::serve::server::start_with_agents(cfg, hub_config).await.unwrap();
+    let live = host.live.clone();
+    let url = format!("http://{}", host.addr);
+    let hook = format!("echo $BERTH_ALLOCATION > {}/ckpt-$BERTH_ALLOCATION", d.display());
+    let _n1 = agent(&d, &url, "n1", "4xH20", &["--checkpoint-hook", &hook]);
+    let _n2 = agent(&d, &url, "n2", "4xH20", &["--checkpoint-hook", &hook]);
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let mut hub = berth::agent::connect_hub(&url, Some("ops-test-token"), None).await.unwrap();
+    schedulable(&api, &["n1", "n2"]).await;
+    crate::preempt::upload_rank(&mut api, &crate::common::policy_path("spot-gpu")).await;
+    upload_compact(&mut api, "ipc").await;
+    let client = api.clone();
+    let submit = |spec: pb::JobSpec| {
+        let mut api = client.clone();
+        async move { api.submit_job(pb::SubmitJobRequest { job: Some(spec), ..Default::default() }).await.unwrap().into_inner().job_id }
+    };
+    // The jobs as the API shows them, no GPU used by two running tasks.
+    let sample = || {
+        let api = client.clone();
+        async move {
+            let js = jobs(&api).await;
+            // A sleeping replica's GPUs are lent: only running tasks count.
+            assert_eq!(crate::harvest::shared_gpus(&js), None);
+            js
+        }
+    };
+    let find = |js: &[pb::Job], id: u64| js.iter().find(|j| j.id == id).cloned().unwrap_or_else(|| panic!("job {id} not listed"));
+    let all_finished = |ids: Vec<u64>| {
+        let sample = sample.clone();
+        move || {
+            let (ids, sample) = (ids.clone(), sample.clone());
+            async move { sample().await.iter().filter(|j| ids.contains(&j.id)).all(|j| j.state == "finished").then_some(()) }
+        }
+    };
+    let step = |s: u64| {
+        clock.set(clock.unix_ms() + s * 1000);
+        live.hold(0, false);
+    };
+
+    // 1. Compaction: two half-used nodes; ipc moves one 2-GPU job onto the
+    // other node (the new copy first), and a whole-node job starts on the
+    // node it emptied once the move is verified (on the test's clock).
+    std::fs::write(d.join("ready-ok"), "").unwrap();
+    let (a, b) = fragment(&d, &mut api, &mut hub).await;
+    let whole = submit(spec(&d, 4, false)).await;
+    crate::live_replay::settle(&live);
+    assert_eq!(find(&sample().await, whole).state, "pending");
+    let chains = api.compact_live(pb::CompactLiveRequest { partition: "p0".into(), dry_run: false }).await.unwrap().into_inner().chain_ids;
+    assert_eq!(chains.len(), 1);
+    let started = tick_until(&clock, &live, "the whole-node job running", || {
+        let sample = sample.clone();
+        async move { sample().await.into_iter().find(|j| j.id == whole && j.state == "running" && !j.runs.is_empty() && j.runs.iter().all(|x| x.state == "running")) }
+    })
+    .await;
+    let emptied = [&a, &b].iter().find(|j| j.runs[0].node == started.runs[0].node).map(|j| j.id);
+    assert!(emptied.is_some(), "the whole-node job runs where a moved job was: {started:?}");
+    let chain = tick_until(&clock, &live, "the chain closed", || {
+        let api = api.clone();
+        async move { ledger(&api).await.into_iter().find(|c| c.state != "running") }
+    })
+    .await;
+    assert_eq!((chain.id, chain.state.as_str(), chain.moves.len()), (chains[0], "done", 1), "{chain:?}");
+    std::fs::write(d.join("release"), "0").unwrap();
+    tick_until(&clock, &live, "the compaction phase's jobs finished", all_finished(vec![a.id, b.id, whole])).await;
+
+    // 2. Preemption: low-priority fill started ten seconds apart; a
+    // priority-5 job that does not fit takes spot-gpu's victims, which get
+    // their checkpoint notice and keep running until the test's clock
+    // passes the notice.
+    let mut low = Vec::new();
+    for gpus in [4, 2, 1, 1] {
+        let id = submit(agent_job(&d, gpus, 1)).await;
+        until_running(&api, id).await;
+        low.push(id);
+        step(10);
+    }
+    let before = sample().await;
+    let mut high = agent_job(&d, 2, 1);
+    high.priority = 5;
+    let submitted_ms = clock.unix_ms();
+    let h = submit(high).await;
+    crate::live_replay::settle(&live);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let noticed = sample().await;
+    let victims: Vec<u64> = noticed.iter().filter(|j| low.contains(&j.id) && j.detail.contains(&format!("preempted for job {h}"))).map(|j| j.id).collect();
+    assert!(!victims.is_empty(), "no victim for job {h}: {noticed:?}");
+    // Placed on its victims' GPUs, not started: they run on under notice.
+    assert!(find(&noticed, h).runs.is_empty(), "the preemptor started before its victims' notice ran out on the test's clock: {:?}", find(&noticed, h));
+    for v in &victims {
+        let j = find(&noticed, *v);
+        assert!(j.state == "evicting" && j.runs.iter().all(|x| x.state == "running"), "victim {v} stopped before its notice ran out: {j:?}");
+    }
+    let hj = tick_until(&clock, &live, "the preemptor running", || {
+        let sample = sample.clone();
+        async move { sample().await.into_iter().find(|j| j.id == h && j.state == "running" && !j.runs.is_empty() && j.runs.iter().all(|r| r.state == "running")) }
+    })
+    .await;
+    assert!(clock.unix_ms() >= submitted_ms + NOTICE_S * 1000, "started {} ms after its submission, within the notice", clock.unix_ms() - submitted_ms);
+    for v in &victims {
+        let run = &find(&before, *v).runs[0];
+        let noted = std::fs::read_to_string(d.join(format!("ckpt-{}", run.allocation_id))).unwrap_or_default();
+        assert_eq!(noted.trim(), run.allocation_id.to_string(), "no checkpoint notice for victim {v}");
+    }
+    assert!(hj.runs[0].gpus.iter().all(|g| victims.iter().any(|v| find(&before, *v).runs[0].node == hj.runs[0].node && find(&before, *v).runs[0].gpus.contains(g))), "the preemptor runs on its victims' GPUs: {hj:?}");
+    for id in low.iter().chain([&h]) {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+    let mut phase: Vec<u64> = low.clone();
+    phase.push(h);
+    tick_until(&clock, &live, "the preemption phase's jobs finished", all_finished(phase)).await;
+
+    // 3. Harvesting: a low-priority filler on one node, a priority-5
+    // replica on the other; asleep, the replica lends its GPUs to a waiting
+    // low-priority job; woken, it takes them back after the borrower's notice.
+    let filler = submit(agent_job(&d, 4, 1)).await;
+    until_running(&api, filler).await;
+    let mut replica = agent_job(&d, 4, 1);
+    replica.priority = 5;
+    let r = submit(replica).await;
+    let rj = until_running(&api, r).await;
+    let allocs = hub.list_agents(pb::ListAgentsRequest::default()).await.unwrap().into_inner().allocations;
+    let pid = allocs.iter().find(|x| x.id == rj.runs[0].allocation_id).expect("the replica's allocation").pid;
+    let borrower = submit(agent_job(&d, 2, 1)).await;
+    crate::live_replay::settle(&live);
+    assert_eq!(find(&sample().await, borrower).state, "pending");
+    api.sleep_job(pb::SleepJobRequest { job_id: r }).await.unwrap();
+    let lent = tick_until(&clock, &live, "the replica asleep and the borrower on its GPUs", || {
+        let sample = sample.clone();
+        async move {
+            let js = sample().await;
+            let asleep = js.iter().any(|j| j.id == r && j.sleep == "asleep" && !j.runs.is_empty() && j.runs.iter().all(|x| x.state == "sleeping"));
+            js.into_iter().find(|j| asleep && j.id == borrower && j.state == "running" && !j.runs.is_empty() && j.runs.iter().all(|x| x.state == "running"))
+        }
+    })
+    .await;
+    assert!(task_asleep(pid), "the replica's process is not asleep");
+    assert!(lent.runs[0].node == rj.runs[0].node && lent.runs[0].gpus.iter().all(|g| rj.runs[0].gpus.contains(g)), "the borrower runs on the replica's GPUs: {lent:?}");
+    api.wake_job(pb::SleepJobRequest { job_id: r }).await.unwrap();
+    tick_until(&clock, &live, "the replica awake again", || {
+        let sample = sample.clone();
+        async move { sample().await.into_iter().find(|j| j.id == r && j.sleep == "awake" && j.state == "running" && !j.runs.is_empty() && j.runs.iter().all(|x| x.state == "running")) }
+    })
+    .await;
+    assert!(!task_asleep(pid), "the replica's process is still asleep");
+    let noted = std::fs::read_to_string(d.join(format!("ckpt-{}", lent.runs[0].allocation_id))).unwrap_or_default();
+    assert_eq!(noted.trim(), lent.runs[0].allocation_id.to_string(), "no checkpoint notice for the borrower");
+    for id in [filler, r, borrower] {
+        std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
+    }
+    tick_until(&clock, &live, "the harvest phase's jobs finished", all_finished(vec![filler, r, borrower])).await;
+    let end_s = clock.unix_ms() / 1000;
+
+    // The capture: exported with the CLI, replayed exactly.
+    let (events, report) = replays_exactly(&d, &url, &state, 15);
+    let mut inputs = BTreeSet::new();
+    let mut decided = BTreeSet::new();
+    let mut times = 0;
+    for line in std::fs::read_to_string(&events).unwrap().lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        if let Some(input) = v["input"].as_str() {
+            inputs.insert(input.to_string());
+        }
+        if let Some(now) = v["now"].as_u64() {
+            assert!((T0_S..=end_s).contains(&now), "a time off the test's clock ({now} s, the run was {T0_S}..{end_s} s): {line}");
+            times += 1;
+        }
+        for dec in v["decisions"].as_array().into_iter().flatten() {
+            if let Some((kind, body)) = dec.as_object().and_then(|o| o.iter().next()) {
+                decided.insert(if kind == "Evict" && body["wake"] == json!(true) { "Evict on wake".to_string() } else { kind.clone() });
+            }
+        }
+    }
+    assert!(times > 20, "{times} timed inputs");
+    assert!(inputs.contains("replace_held"), "the move is not in the capture: {inputs:?}");
+    for want in ["Place", "Evict", "Evict on wake", "Sleep", "Wake"] {
+        assert!(decided.contains(want), "no {want} decision in the capture: {decided:?}\n{report}");
+    }
+    println!("one live run on a manual clock ({} s of it): {report}", end_s - T0_S);
+    host.shutdown().await;
+    let _ = std::fs::remove_dir_all(&d);
 }

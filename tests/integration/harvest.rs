@@ -33,7 +33,7 @@ fn job(js: &[pb::Job], id: u64) -> pb::Job {
 }
 
 /// GPUs used by two processes that run (a sleeping one uses none).
-fn shared_gpus(js: &[pb::Job]) -> Option<String> {
+pub(crate) fn shared_gpus(js: &[pb::Job]) -> Option<String> {
     let mut owners: std::collections::BTreeMap<(String, u32), u64> = Default::default();
     for j in js {
         for r in j.runs.iter().filter(|r| matches!(r.state.as_str(), "starting" | "running")) {

@@ -42,11 +42,11 @@ fn movable_argv(d: &Path) -> Vec<String> {
     vec!["sh".into(), "-c".into(), script]
 }
 
-fn spec(d: &Path, gpus: u32, movable: bool) -> pb::JobSpec {
+pub(crate) fn spec(d: &Path, gpus: u32, movable: bool) -> pb::JobSpec {
     pb::JobSpec { partition: "p0".into(), tasks: 1, gpus, cpu_milli: 1000, memory_mib: 1024, argv: movable_argv(d), movable, wait_ready: movable, ..Default::default() }
 }
 
-async fn until_running(api: &berth::client::Client, id: u64) -> pb::Job {
+pub(crate) async fn until_running(api: &berth::client::Client, id: u64) -> pb::Job {
     until(&format!("job {id} running"), Duration::from_secs(60), || {
         let api = api.clone();
         async move { jobs(&api).await.into_iter().find(|j| j.id == id && j.state == "running" && j.runs.len() == 1 && j.runs[0].state == "running") }
@@ -54,7 +54,7 @@ async fn until_running(api: &berth::client::Client, id: u64) -> pb::Job {
     .await
 }
 
-async fn schedulable(api: &berth::client::Client, names: &[&str]) {
+pub(crate) async fn schedulable(api: &berth::client::Client, names: &[&str]) {
     until("agent nodes schedulable", Duration::from_secs(60), || {
         let mut api = api.clone();
         async move {
@@ -82,7 +82,7 @@ async fn release(hub: &mut berth::agent::HubClient, api: &berth::client::Client,
 
 /// Two 4-GPU agent nodes, each half used by a movable 2-GPU job (operator
 /// holds steer the placements); returns the jobs (on n1, on n2).
-async fn fragment(d: &Path, api: &mut berth::client::Client, hub: &mut berth::agent::HubClient) -> (pb::Job, pb::Job) {
+pub(crate) async fn fragment(d: &Path, api: &mut berth::client::Client, hub: &mut berth::agent::HubClient) -> (pb::Job, pb::Job) {
     let h2 = hold(hub, "n2", vec![0, 1, 2, 3]).await;
     let a = api.submit_job(pb::SubmitJobRequest { job: Some(spec(d, 2, true)), ..Default::default() }).await.unwrap().into_inner().job_id;
     let a = until_running(api, a).await;
@@ -102,7 +102,7 @@ async fn upload_ipc(api: &mut berth::client::Client) {
 }
 
 /// Uploads and activates the bundled `name` as p0's compact policy.
-async fn upload_compact(api: &mut berth::client::Client, name: &str) {
+pub(crate) async fn upload_compact(api: &mut berth::client::Client, name: &str) {
     let component = std::fs::read(policy_path(name)).unwrap();
     let up = api
         .upload_policy(pb::UploadPolicyRequest { partition: "p0".into(), component, hook: "compact".into(), ..Default::default() })
@@ -114,7 +114,7 @@ async fn upload_compact(api: &mut berth::client::Client, name: &str) {
     api.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version: up.version, hook: "compact".into() }).await.expect("activate compact");
 }
 
-async fn ledger(api: &berth::client::Client) -> Vec<pb::CompactionChain> {
+pub(crate) async fn ledger(api: &berth::client::Client) -> Vec<pb::CompactionChain> {
     api.clone().list_compactions(pb::ListCompactionsRequest { partition: "p0".into(), limit: 0 }).await.unwrap().into_inner().chains
 }
 
