@@ -91,8 +91,47 @@ enum Command {
     /// --save-snapshot`: a policy's plan, validated and run make-before-
     /// break, with before/after figures and the migration ledger.
     Compact(berth::compact::cli::CompactArgs),
+    /// Trace files: generate openb-like variants nobody fitted on.
+    Trace {
+        #[command(subcommand)]
+        what: TraceCommand,
+    },
     #[command(flatten)]
     Api(berth::serve::cli::ApiCommand),
+}
+
+#[derive(Subcommand)]
+enum TraceCommand {
+    /// An openb-like pod list that changes one property of a published one,
+    /// as the FGD authors built their families (see docs/src/beyond-fgd.md):
+    /// CPU-only pods, shared-GPU demand, pinned GPU models, or multi-GPU
+    /// demand. Seeded: the same arguments give the same file.
+    Variant {
+        /// The pod list to start from (e.g. openb_pod_list_default.csv).
+        #[arg(long)]
+        pods: PathBuf,
+        /// The cluster's node list (pins are drawn only where a node of the
+        /// models could hold the pod).
+        #[arg(long)]
+        nodes: PathBuf,
+        /// Which property changes.
+        #[arg(long, value_enum)]
+        family: berth::replay::variants::Family,
+        /// Its level: CPU-only pods per mille of the pods (cpu); percent of
+        /// the GPU demand (gpushare, multigpu); percent of the GPU pods
+        /// pinned (gpuspec).
+        #[arg(long)]
+        level: u32,
+        /// gpuspec: the models pins are drawn from.
+        #[arg(long, value_enum, default_value = "openb")]
+        mix: berth::replay::variants::Mix,
+        /// Seed of every draw.
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Where to write the pod list (default: stdout).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 /// One seed of an openb trace under the FGD protocol.
@@ -699,6 +738,25 @@ fn run() -> anyhow::Result<()> {
         }
         Command::Replay(args) => replay(engine()?, args)?,
         Command::Compact(args) => berth::compact::cli::run(|| Ok(engine()?), args)?,
+        Command::Trace { what: TraceCommand::Variant { pods, nodes, family, level, mix, seed, out } } => {
+            use berth::replay::{openb, variants};
+            let base = openb::read_pods(&pods)?;
+            let cluster = openb::read_nodes(&nodes)?;
+            let made = variants::generate(&base, &cluster, family, level, mix, seed).map_err(|e| anyhow::anyhow!("{family:?} {level}: {e}"))?;
+            match &out {
+                Some(path) => {
+                    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+                    variants::write_csv(&made, std::io::BufWriter::new(file)).with_context(|| format!("writing {}", path.display()))?;
+                }
+                None => variants::write_csv(&made, std::io::stdout().lock())?,
+            }
+            let (a, b) = (variants::shares(&base), variants::shares(&made));
+            eprintln!(
+                "{} pods (base {}): CPU-only pods {:.1}% (base {:.1}%), shared-GPU demand {:.1}% ({:.1}%), pinned GPU pods {:.1}% ({:.1}%), multi-GPU demand {:.1}% ({:.1}%)",
+                b.pods, a.pods, 100.0 * b.cpu_only_pods, 100.0 * a.cpu_only_pods, 100.0 * b.shared_gpu_demand, 100.0 * a.shared_gpu_demand,
+                100.0 * b.pinned_gpu_pods, 100.0 * a.pinned_gpu_pods, 100.0 * b.multi_gpu_demand, 100.0 * a.multi_gpu_demand
+            );
+        }
         Command::Report(args) => {
             let fleet = args.fleet.clone().ok_or_else(|| anyhow::anyhow!("berth report needs --fleet (asi or a fleet TOML)"))?;
             prepare_outputs([&args.json, &args.svg, &args.html].into_iter().flatten().map(PathBuf::as_path))?;

@@ -407,3 +407,82 @@ fn cli_replay_writes_json_and_svg_and_rejects_bad_input() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `berth trace variant`: every family reaches its level, keeps what it
+/// does not change, reads back as an openb pod list, and is the same file
+/// for the same seed (another seed draws other pods); a pin is only ever
+/// drawn where an empty node of its models holds the pod.
+#[test]
+fn generated_variants_reach_their_level_and_are_seeded() {
+    use berth::replay::variants::{generate, shares, write_csv, Family, Mix};
+    let Some(dir) = openb_dir() else { return };
+    let base = read_pods(&dir.join("openb_pod_list_default.csv")).unwrap();
+    let nodes = read_nodes(&dir.join("openb_node_list_gpu_node.csv")).unwrap();
+    let b = shares(&base);
+    let cases = [(Family::Cpu, 300, Mix::Openb), (Family::Gpushare, 50, Mix::Openb), (Family::Gpuspec, 20, Mix::V100), (Family::Gpuspec, 30, Mix::Openb), (Family::Multigpu, 35, Mix::Openb), (Family::Multigpu, 5, Mix::Openb)];
+    for (family, level, mix) in cases {
+        let made = generate(&base, &nodes, family, level, mix, 7).unwrap();
+        let s = shares(&made);
+        let what = format!("{family:?} {level} {mix:?}: {s:?}");
+        let near = |got: f64, want: f64, within: f64| assert!((got - want).abs() <= within, "{what}: {got} against {want}");
+        match family {
+            Family::Cpu => {
+                near(s.cpu_only_pods, f64::from(level) / 1000.0, 0.001);
+                assert_eq!(made.iter().filter(|p| p.num_gpu > 0).count(), base.iter().filter(|p| p.num_gpu > 0).count(), "{what}");
+            }
+            Family::Gpushare => {
+                near(s.shared_gpu_demand, f64::from(level) / 100.0, 0.002);
+                assert_eq!((s.pods, s.cpu_only_pods), (b.pods, b.cpu_only_pods), "{what}");
+            }
+            Family::Gpuspec => {
+                near(s.pinned_gpu_pods, f64::from(level) / 100.0, 0.001);
+                assert_eq!(made.iter().map(|p| (p.cpu_milli, p.num_gpu, p.gpu_milli)).collect::<Vec<_>>(), base.iter().map(|p| (p.cpu_milli, p.num_gpu, p.gpu_milli)).collect::<Vec<_>>(), "{what}: shapes kept");
+                for p in made.iter().filter(|p| !p.gpu_spec.is_empty()) {
+                    assert!(nodes.iter().any(|n| p.gpu_spec.contains(&n.model) && n.gpus >= p.num_gpu && n.cpu_milli >= p.cpu_milli && n.memory_mib >= p.memory_mib), "{p:?} fits no node of its models");
+                    if mix == Mix::V100 {
+                        assert!(p.gpu_spec.iter().all(|m| m.starts_with("V100") || m == "P100"), "{p:?}");
+                    }
+                }
+            }
+            Family::Multigpu => {
+                near(s.multi_gpu_demand, f64::from(level) / 100.0, 0.01);
+                near(s.cpu_only_pods, b.cpu_only_pods, 0.02);
+            }
+        }
+        let names: std::collections::BTreeSet<&str> = made.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names.len(), made.len(), "{what}: pod names repeat");
+        // Written and read back: the same pods.
+        let path = scratch(&format!("variant-{family:?}-{level}.csv"));
+        write_csv(&made, std::fs::File::create(&path).unwrap()).unwrap();
+        let again = read_pods(&path).unwrap();
+        assert_eq!(again.len(), made.len());
+        assert!(again.iter().zip(&made).all(|(a, m)| (a.name.as_str(), a.num_gpu, a.gpu_milli, &a.gpu_spec, a.cpu_milli) == (m.name.as_str(), m.num_gpu, m.gpu_milli, &m.gpu_spec, m.cpu_milli)), "{what}");
+        let _ = std::fs::remove_file(&path);
+        // Seeded.
+        assert_eq!(generate(&base, &nodes, family, level, mix, 7).unwrap(), made, "{what}: not reproducible");
+        assert_ne!(generate(&base, &nodes, family, level, mix, 8).unwrap(), made, "{what}: another seed drew the same pods");
+    }
+    assert!(generate(&base, &nodes, Family::Gpushare, 101, Mix::Openb, 7).unwrap_err().contains("at most"));
+}
+
+/// The command line writes the file and says what it reached.
+#[test]
+fn the_trace_variant_command_writes_a_pod_list_replay_reads() {
+    let Some(dir) = openb_dir() else { return };
+    let out = scratch("variant-cli.csv");
+    let run = std::process::Command::new(crate::agent::BERTH)
+        .args(["trace", "variant", "--family", "gpushare", "--level", "70", "--seed", "3", "--pods"])
+        .arg(dir.join("openb_pod_list_default.csv"))
+        .arg("--nodes")
+        .arg(dir.join("openb_node_list_gpu_node.csv"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{said}");
+    assert!(said.contains("shared-GPU demand 70.0% (28.5%)"), "{said}");
+    let pods = read_pods(&out).unwrap();
+    assert_eq!(pods.len(), 8152);
+    let _ = std::fs::remove_file(&out);
+}

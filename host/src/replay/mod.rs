@@ -6,6 +6,7 @@ pub mod fgd;
 pub mod openb;
 pub mod report;
 pub mod synthetic;
+pub mod variants;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
