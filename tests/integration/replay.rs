@@ -221,6 +221,42 @@ fn berth_frag_beats_fgd_cpu200() {
     berth_frag_beats_fgd("openb_pod_list_cpu200");
 }
 
+/// berth-frag's `cpu_bound` rule (docs/src/beyond-fgd.md, "Held out"):
+/// silent on work that asks less CPU per GPU than the cluster holds (its
+/// decisions are those without the rule, run for run); on the same pods
+/// asking more CPU than that, its decisions are FGD's.
+#[test]
+fn berth_frag_gives_way_to_fgds_terms_only_where_cpu_runs_out() {
+    use berth::replay::openb::{NodeRow, PodRow};
+    let (nodes, pods) = berth::replay::synthetic::trace(600, 4);
+    let cluster = nodes.iter().map(|n| f64::from(n.cpu_milli)).sum::<f64>() / nodes.iter().map(|n| f64::from(n.gpus) * 1000.0).sum::<f64>();
+    let ratio = |pods: &[PodRow]| pods.iter().map(|p| f64::from(p.cpu_milli)).sum::<f64>() / pods.iter().map(|p| p.total_gpu_milli() as f64).sum::<f64>() / cluster;
+    // The same pods asking half as much CPU again (at most a node's).
+    let most = nodes.iter().map(|n: &NodeRow| n.cpu_milli).max().unwrap();
+    let heavy: Vec<PodRow> = pods.iter().map(|p| PodRow { cpu_milli: (p.cpu_milli * 3 / 2).min(most), ..p.clone() }).collect();
+    let (light_ratio, heavy_ratio) = (ratio(&pods), ratio(&heavy));
+    assert!(light_ratio < 1.0 && heavy_ratio > 1.0, "CPU per GPU against the cluster's: {light_ratio:.2} and {heavy_ratio:.2}");
+    let run = |pods: &[PodRow], extra: &str| {
+        let exp = Experiment::new(&nodes, pods).unwrap();
+        let config = replay::policy_config_with(&typical_pods(&exp), 3, &replay::parse_extra_config(extra).unwrap());
+        let mut p = wasm_policy(&policy_path("berth-frag"), Limits::default());
+        p.configure(&config).unwrap();
+        exp.run(3, &mut p, false, |_| {}).unwrap()
+    };
+    let off = r#"{"weights": {"cpu_bound": 0}}"#;
+    let (light, light_off) = (run(&pods, "{}"), run(&pods, off));
+    assert!(light.pods_offered > 1000, "{} pods: too few for the rule to act", light.pods_offered);
+    assert_eq!(light.curve, light_off.curve, "the rule acted on work that is not CPU-bound");
+    let (heavy_on, heavy_off) = (run(&heavy, "{}"), run(&heavy, off));
+    assert!(heavy_on.pods_offered > 1000);
+    // CPU-bound: FGD's decisions, run for run.
+    let exp = Experiment::new(&nodes, &heavy).unwrap();
+    let mut fgd = wasm_policy(&policy_path("fgd"), Limits::default());
+    fgd.configure(&replay::policy_config(&typical_pods(&exp), 3)).unwrap();
+    assert_eq!(heavy_on.curve, exp.run(3, &mut fgd, false, |_| {}).unwrap().curve, "CPU-bound work placed otherwise than FGD places it");
+    assert_ne!(heavy_on.curve, heavy_off.curve, "the rule did not act on CPU-bound work ({heavy_ratio:.2}; {} pods offered, {} placed)", heavy_on.pods_offered, heavy_on.pods_placed);
+}
+
 /// `berth policy typical-pods` prints the configuration replay gives
 /// FGD-style policies (for `berth policy upload --config` on a live
 /// partition): the same typical pods, weights summing to 1.
