@@ -765,7 +765,7 @@ impl BerthFrag {
 
 impl Policy for BerthFrag {
     const NAME: &'static str = "berth-frag";
-    const VERSION: &'static str = "0.2.0";
+    const VERSION: &'static str = "0.3.0";
     const HOOKS: Hooks = Hooks::SCORE;
 
     fn configure(&mut self, config: &str) -> Result<(), String> {
