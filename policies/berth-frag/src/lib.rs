@@ -55,13 +55,14 @@
 //! times how much more of the node's class is kept than of the least kept
 //! class it fits: the big shape itself pays nothing there.
 //!
-//! All four give way where they cannot help: once the tasks scored so far
-//! ask more CPU per GPU than the nodes seen hold (`cpu_bound`), CPU runs out
-//! before GPU, the GPUs it strands are stranded by the workload, not the
-//! placement, and the terms only move CPU-hungry work onto the nodes FGD
-//! keeps for it (generated variants with 30% and 40% CPU-only pods: 7% and
-//! 6% more GPU unallocated than FGD with them). The task is then scored by
-//! FGD's terms alone.
+//! All four give way where they cannot help: where the workload asks more
+//! CPU per GPU than the fleet holds (`cpu_bound`: by the typical pods,
+//! CPU-only shapes included, or without them by the tasks scored so far),
+//! CPU runs out before GPU, the GPUs it strands are stranded by the
+//! workload, not the placement, and the terms only move CPU-hungry work
+//! onto the nodes FGD keeps for it (generated variants with 30% and 40%
+//! CPU-only pods: 7% and 6% more GPU unallocated than FGD with them). Tasks
+//! are then scored as FGD scores them, decision for decision.
 //!
 //! Information used: the call's task and node columns, the typical pods
 //! given through `configure` (the same `typical_pods` FGD receives), the
@@ -191,6 +192,9 @@ struct StateKey {
     gpus: u8,
     /// Free milli per GPU, sorted (fragmentation ignores GPU order).
     free: [u16; 8],
+    /// Summed as FGD sums it (`cpu_bound`): the same state, another value
+    /// to the last bit.
+    as_fgd: bool,
 }
 
 #[derive(Default)]
@@ -633,13 +637,10 @@ impl BerthFrag {
     }
 
     fn frag(&mut self, model: u32, cpu_free: u32, free: &[u32]) -> f64 {
-        if self.cpu_bound {
-            return self.frag_as_fgd(model, cpu_free, free);
-        }
         if free.len() > 8 {
             return self.frag_any(model, cpu_free, free);
         }
-        let mut key = StateKey { model, cpu_free, gpus: free.len() as u8, free: [0; 8] };
+        let mut key = StateKey { model, cpu_free, gpus: free.len() as u8, free: [0; 8], as_fgd: self.cpu_bound };
         for (k, &g) in key.free.iter_mut().zip(free) {
             *k = g as u16;
         }
@@ -657,7 +658,9 @@ impl BerthFrag {
 
     fn frag_any(&self, model: u32, cpu_free: u32, free: &[u32]) -> f64 {
         let a = self.weights.fill;
-        if a == 0.0 {
+        if self.cpu_bound {
+            self.frag_as_fgd(model, cpu_free, free)
+        } else if a == 0.0 {
             self.frag_uncached(model, cpu_free, free)
         } else if a == 1.0 {
             self.fill_uncached(model, cpu_free, free)
