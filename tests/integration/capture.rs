@@ -227,7 +227,6 @@ fn the_capture_benchmark_measures_both_ways_and_the_bytes() {
     assert!(r["start_bytes"].as_u64().unwrap() > 16 * 100 && r["bytes_per_1000_jobs"].as_f64().unwrap() > 1000.0, "{r}");
 }
 
-
 /// Moves the test's clock a second at a time, poking partition p0's loop to
 /// run what fell due, until `f` gives a value (at most 90 s of the
 /// machine's time: a liveness bound).

@@ -144,16 +144,23 @@ pub fn generate(base: &[PodRow], nodes: &[NodeRow], family: Family, level: u32, 
             if shared.is_empty() || whole.is_empty() {
                 return Err("the base needs shared and whole one-GPU pods to trade".into());
             }
-            let up = shares(&pods).shared_gpu_demand < target;
+            // The share as `shares` computes it, kept up to date per trade.
+            let demand = |ps: &mut dyn Iterator<Item = &PodRow>| ps.map(PodRow::total_gpu_milli).sum::<u64>();
+            let (mut shared_milli, mut all_milli) = (demand(&mut pods.iter().filter(|p| is_shared(p))), demand(&mut pods.iter()));
+            let share = |s: u64, a: u64| s as f64 / a.max(1) as f64;
+            let up = share(shared_milli, all_milli) < target;
             let mut slots = pick(&pods, if up { &is_whole_single } else { &is_shared });
             slots.shuffle(&mut rng);
             for i in slots {
-                let now = shares(&pods).shared_gpu_demand;
+                let now = share(shared_milli, all_milli);
                 if (up && now >= target) || (!up && now <= target) {
                     break;
                 }
                 let from = if up { &shared } else { &whole };
-                pods[i] = PodRow { name: pods[i].name.clone(), ..from.choose(&mut rng).expect("not empty").clone() };
+                let (old, new) = (pods[i].total_gpu_milli(), from.choose(&mut rng).expect("not empty").clone());
+                all_milli = all_milli - old + new.total_gpu_milli();
+                shared_milli = if up { shared_milli + new.total_gpu_milli() } else { shared_milli - old };
+                pods[i] = PodRow { name: pods[i].name.clone(), ..new };
             }
         }
         Family::Gpuspec => {
@@ -201,18 +208,24 @@ pub fn generate(base: &[PodRow], nodes: &[NodeRow], family: Family, level: u32, 
             if multi.is_empty() {
                 return Err("the base has no multi-GPU pod to draw from".into());
             }
-            if shares(&pods).multi_gpu_demand < target {
-                while shares(&pods).multi_gpu_demand < target {
+            // The share as `shares` computes it, kept up to date per pod.
+            let mut multi_milli: u64 = pods.iter().filter(|p| p.num_gpu >= 2).map(PodRow::total_gpu_milli).sum();
+            let mut all_milli: u64 = pods.iter().map(PodRow::total_gpu_milli).sum();
+            let share = |m: u64, a: u64| m as f64 / a.max(1) as f64;
+            if share(multi_milli, all_milli) < target {
+                while share(multi_milli, all_milli) < target {
                     let p = copy(multi.choose(&mut rng).expect("not empty"), &mut copies);
+                    (multi_milli, all_milli) = (multi_milli + p.total_gpu_milli(), all_milli + p.total_gpu_milli());
                     // Spread through the list (the protocol shuffles anyway).
                     let at = rng.random_range(0..=pods.len());
                     pods.insert(at, p);
                 }
             } else {
-                while shares(&pods).multi_gpu_demand > target {
+                while share(multi_milli, all_milli) > target {
                     let slots = pick(&pods, &|p| p.num_gpu >= 2);
                     let &i = slots.choose(&mut rng).expect("a multi-GPU pod is left while its share is above the target");
-                    pods.remove(i);
+                    let gone = pods.remove(i).total_gpu_milli();
+                    (multi_milli, all_milli) = (multi_milli - gone, all_milli - gone);
                 }
             }
         }
