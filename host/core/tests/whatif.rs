@@ -66,3 +66,25 @@ fn each_kind_of_change_is_the_smallest_that_works() {
     let small = Job { shape: shape(4), ..demand };
     assert!(what_would_let_it_start(&fleet, &small, &all, &all, &running(&allocs, [true; 3], [1.0; 3], [true; 3])).is_empty());
 }
+
+#[test]
+fn a_stop_of_one_older_job_beats_two_younger_ones_that_fill_a_node() {
+    // Node 0: job 1 (4 GPUs, 5 GPU-s lost), 4 free. Node 1: jobs 2 and 3
+    // (4 GPUs each, 3 GPU-s lost each), none free. For 8 GPUs the walk
+    // cheapest first stops 2 and 3 (6 GPU-s); stopping job 1 loses 5.
+    let nodes = (0..2).map(|i| Node::new(&format!("n{i}"), Some(0), 8, 64_000, 256_000)).collect();
+    let mut fleet = Fleet::new(vec!["H800".into()], nodes).unwrap();
+    let allocs: Vec<Allocation> = [(0, 0x0f), (1, 0x0f), (1, 0xf0)].into_iter().map(|(node, mask)| Fleet::allocation(node, &shape(4), mask)).collect();
+    for a in &allocs {
+        fleet.allocate(a).unwrap();
+    }
+    let mut running = running(&allocs, [true; 3], [5.0, 3.0, 3.0], [false; 3]);
+    let demand = Job { id: 9, priority: 5, tasks: 1, shape: shape(8), ..Job::default() };
+    let all = |_: u32, _: &Node| true;
+    let changes = what_would_let_it_start(&fleet, &demand, &all, &all, &running);
+    assert_eq!(changes, vec![Change::Preempt { jobs: vec![1], lost_gpu_s: 5.0 }]);
+    // Once job 1 has more to lose than the two together, they are named.
+    running[0].lost_gpu_s = 7.0;
+    let changes = what_would_let_it_start(&fleet, &demand, &all, &all, &running);
+    assert_eq!(changes, vec![Change::Preempt { jobs: vec![2, 3], lost_gpu_s: 6.0 }]);
+}
