@@ -15,6 +15,7 @@ pub mod compact;
 pub mod componentize;
 pub mod conformance;
 pub mod demo;
+pub mod executor;
 pub mod forecast;
 pub mod langbench;
 pub mod native;

@@ -82,6 +82,12 @@ enum Command {
     /// Run inside a task started by `berth agent`: report that the task
     /// serves, so its migrated copy takes over (jobs submitted with --wait-ready).
     Ready,
+    /// One model-pool executor with synthetic timings: connects to a Unix
+    /// socket and serves the executor protocol (load and evict models,
+    /// admit requests, prefill and decode, stream tokens), each step timed
+    /// by the pool's cost model and chosen by a pool-step policy or the
+    /// default step.
+    Executor(berth::executor::ExecutorArgs),
     /// Node agents and allocations: list, start, stop, sleep, wake, checkpoint.
     Alloc {
         #[command(subcommand)]
@@ -716,7 +722,7 @@ fn run() -> anyhow::Result<()> {
     }
     // (Not for the long-running host and agent: a closed stdout must not
     // end them silently.)
-    if !matches!(cli.command, Command::Serve(_) | Command::Agent(_)) {
+    if !matches!(cli.command, Command::Serve(_) | Command::Agent(_) | Command::Executor(_)) {
         quiet_on_closed_pipe();
     }
     let engine = || PolicyEngine::new(PolicyEngine::default_cache_dir()).map(Arc::new);
@@ -959,6 +965,7 @@ fn run() -> anyhow::Result<()> {
         }
         Command::Serve(args) => berth::serve::cli::serve(args)?,
         Command::Agent(args) => berth::agent::run::main(args)?,
+        Command::Executor(args) => berth::executor::main(args)?,
         Command::Checkpointed => berth::agent::run::report_checkpoint()?,
         Command::Progress { units, total } => berth::agent::run::report_progress(units, total)?,
         Command::Ready => berth::agent::run::report_ready()?,

@@ -14,6 +14,7 @@ mod containment;
 mod book;
 mod docs;
 mod equivalence;
+mod executor;
 mod guard;
 mod harvest;
 mod isolation;

@@ -238,6 +238,47 @@ impl PoolConfig {
     }
 }
 
+/// Checks a `pool-step` answer against the executor it was asked about
+/// (the one place a step is validated: the simulator and live executors
+/// call it): the row exists, a prefill has work waiting, a decode has a
+/// batch and 1..=`max_iterations` iterations, and every row to evict is
+/// resident, unpinned, not decoding and not the row to run.
+pub fn check_step(view: &PoolExecutor, step: &PoolStep, max_iterations: u32) -> Result<(), PolicyError> {
+    if step.phase == PoolPhase::Idle {
+        return Ok(());
+    }
+    let rows = view.len();
+    let r = step.row as usize;
+    if r >= rows {
+        return Err(PolicyError::InvalidOutput(format!("step row {r} of {rows}")));
+    }
+    match step.phase {
+        PoolPhase::Prefill if view.waiting[r] == 0 => {
+            return Err(PolicyError::InvalidOutput(format!("prefill of row {r} (model {}) with nothing waiting", view.model[r])));
+        }
+        PoolPhase::Decode if view.decoding[r] == 0 => {
+            return Err(PolicyError::InvalidOutput(format!("decode of row {r} (model {}) with nothing decoding", view.model[r])));
+        }
+        PoolPhase::Decode if step.iterations == 0 || step.iterations > max_iterations => {
+            return Err(PolicyError::InvalidOutput(format!("{} decode iterations (1..={max_iterations})", step.iterations)));
+        }
+        _ => {}
+    }
+    for &v in &step.evict {
+        let v = v as usize;
+        if v >= rows {
+            return Err(PolicyError::InvalidOutput(format!("evict row {v} of {rows}")));
+        }
+        if v == r || view.resident[v] == 0 || view.pinned[v] != 0 || view.decoding[v] != 0 {
+            return Err(PolicyError::InvalidOutput(format!(
+                "evict row {v} (model {}): must be resident, unpinned, not decoding and not the row to run",
+                view.model[v]
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// One inference request.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Request {
@@ -1078,42 +1119,16 @@ impl<'a> PoolSim<'a> {
             Some(s) => s,
             None => berth_sdk::default_pool_step(&self.view, self.cfg.cost.max_iterations),
         };
-        let x = &self.execs[e];
-        let rows = x.rows.len();
         if step.phase == PoolPhase::Idle {
             // The policy leaves work waiting; the next arrival wakes it.
             self.after_idle();
             return Ok(());
         }
+        check_step(&self.view, &step, self.cfg.cost.max_iterations)?;
         let r = step.row as usize;
-        if r >= rows {
-            return Err(PolicyError::InvalidOutput(format!("step row {r} of {rows}")));
-        }
-        match step.phase {
-            PoolPhase::Prefill if x.rows[r].waiting.is_empty() => {
-                return Err(PolicyError::InvalidOutput(format!("prefill of row {r} (model {}) with nothing waiting", x.rows[r].model)));
-            }
-            PoolPhase::Decode if x.rows[r].decoding.is_empty() => {
-                return Err(PolicyError::InvalidOutput(format!("decode of row {r} (model {}) with nothing decoding", x.rows[r].model)));
-            }
-            PoolPhase::Decode if step.iterations == 0 || step.iterations > self.cfg.cost.max_iterations => {
-                return Err(PolicyError::InvalidOutput(format!("{} decode iterations (1..={})", step.iterations, self.cfg.cost.max_iterations)));
-            }
-            _ => {}
-        }
         let mut evict = step.evict.clone();
         evict.sort_unstable();
         evict.dedup();
-        for &v in &evict {
-            let v = v as usize;
-            let row = x.rows.get(v).ok_or_else(|| PolicyError::InvalidOutput(format!("evict row {v} of {rows}")))?;
-            if v == r || !row.resident || row.pinned || !row.decoding.is_empty() {
-                return Err(PolicyError::InvalidOutput(format!(
-                    "evict row {v} (model {}): must be resident, unpinned, not decoding and not the row to run",
-                    row.model
-                )));
-            }
-        }
         for &v in &evict {
             self.evict(e, v as usize);
         }
