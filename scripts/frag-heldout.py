@@ -45,7 +45,9 @@ GRID = {
 # The generated variants: family, level, model mix, seed. The first set (seed 7)
 # showed berth-frag above FGD on cpu300 and cpu400, which led to its `cpu_bound`
 # rule; the second (seed 8, other levels) was generated after that change, to
-# check it on workloads nobody had looked at.
+# check it on workloads nobody had looked at, and showed it above FGD on
+# gpuspec10-v100, which led to `displaced` (berth-frag 0.4.0); the third (seed 9,
+# other levels again) was generated after that.
 VARIANTS = [
     ("cpu", 150, "openb", 7), ("cpu", 300, "openb", 7), ("cpu", 400, "openb", 7),
     ("gpushare", 30, "openb", 7), ("gpushare", 50, "openb", 7), ("gpushare", 70, "openb", 7),
@@ -55,6 +57,10 @@ VARIANTS = [
     ("gpushare", 35, "openb", 8), ("gpushare", 45, "openb", 8), ("gpushare", 65, "openb", 8),
     ("gpuspec", 35, "openb", 8), ("gpuspec", 25, "gpus", 8), ("gpuspec", 10, "v100", 8),
     ("multigpu", 30, "openb", 8), ("multigpu", 45, "openb", 8), ("multigpu", 60, "openb", 8),
+    ("cpu", 200, "openb", 9), ("cpu", 450, "openb", 9), ("cpu", 600, "openb", 9),
+    ("gpushare", 40, "openb", 9), ("gpushare", 55, "openb", 9), ("gpushare", 75, "openb", 9),
+    ("gpuspec", 25, "openb", 9), ("gpuspec", 5, "v100", 9), ("gpuspec", 15, "v100", 9), ("gpuspec", 30, "gpus", 9),
+    ("multigpu", 20, "openb", 9), ("multigpu", 40, "openb", 9), ("multigpu", 55, "openb", 9),
 ]
 
 

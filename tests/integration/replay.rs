@@ -394,6 +394,45 @@ fn berth_frag_keeps_big_nodes_for_shapes_only_they_fit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// berth-frag's scarcity term charges the pinned work a placement
+/// displaces (`displaced`, 0.4.0): model P's pinned pods ask 6 cores per
+/// GPU, so on a P node with 2 GPUs and 8 cores their room is 1.33 GPUs
+/// (CPU runs out first) and a one-core unpinned task leaves them 1: it
+/// displaces a third of a GPU there, a whole one on a P node with 16
+/// cores. With the change the CPU-poor P node scores above the CPU-rich
+/// one for that task; charged by GPU taken (0.3.0), it does not.
+#[test]
+fn berth_frag_charges_the_pinned_work_a_task_displaces() {
+    use berth_core::PlacementPolicy;
+    use berth_sdk::{Nodes, Task};
+    let config = |displaced: u32| {
+        serde_json::json!({
+            "typical_pods": [
+                {"cpu_milli": 6000, "gpu_milli": 1000, "gpu_count": 1, "models": ["P"], "weight": 0.5},
+                {"cpu_milli": 1000, "gpu_milli": 1000, "gpu_count": 1, "models": [], "weight": 0.5}
+            ],
+            "weights": {"displaced": displaced}
+        })
+        .to_string()
+    };
+    let mut nodes = Nodes { models: vec!["P".into(), "G".into()], ..Nodes::default() };
+    nodes.push(0, 0, 0, 8000, 8000, 65_536, 65_536, &[1000, 1000], 0);
+    nodes.push(1, 0, 0, 16_000, 16_000, 65_536, 65_536, &[1000, 1000], 0);
+    nodes.push(2, 1, 0, 96_000, 96_000, 393_216, 393_216, &[1000; 8], 0);
+    let task = Task { gpu_count: 1, gpu_milli: 1000, cpu_milli: 1000, memory_mib: 1024, gang_size: 1, ..Task::default() };
+    let scores = |displaced: u32| {
+        let mut p = wasm_policy(&policy_path("berth-frag"), Limits::default());
+        p.configure(&config(displaced)).unwrap();
+        p.score(&task, &mut nodes.clone()).unwrap().scores
+    };
+    let (now, before) = (scores(1), scores(0));
+    assert!(now[0] > now[1], "displaced: CPU-poor P {} against CPU-rich P {}", now[0], now[1]);
+    assert!(before[0] <= before[1], "by GPU taken: CPU-poor P {} against CPU-rich P {}", before[0], before[1]);
+    // Unpinned work still goes to the model nobody pins first.
+    assert!(now[2] > now[0] && before[2] > before[0], "{now:?} {before:?}");
+    assert_eq!(scores(1), now, "the same call, the same scores");
+}
+
 #[test]
 fn cli_replay_writes_json_and_svg_and_rejects_bad_input() {
     let dir = scratch("cli");

@@ -26,7 +26,13 @@
 //! T4s do not sit idle waiting for T4-only tasks). A task pays
 //! `scarce` milli-GPU per milli-GPU it takes on a node whose model is
 //! scarcer than the least scarce one it could run on: unpinned work leaves
-//! T4s to T4-only tasks, a T4-only task pays nothing there. Without pinned
+//! T4s to T4-only tasks, a T4-only task pays nothing there. What it pays
+//! for is the pinned work it displaces (`displaced`), not the GPU it takes:
+//! the node's room for the model's pinned pods before less after, counting
+//! GPU or CPU at those pods' CPU per GPU, whichever runs out first. On
+//! CPU-poor models (P100 and V100 nodes hold 4 to 12 cores per GPU) pinned
+//! work runs out of CPU with GPUs left, and those GPUs are what low-CPU
+//! unpinned work can take for free. Without pinned
 //! typical pods every scarcity is 0 and the term is silent. (FGD's own
 //! fragmentation steers the same way, by each pinned pod's popularity
 //! alone: too weakly where pinned demand nearly fills its models.)
@@ -148,12 +154,17 @@ pub struct Weights {
     /// after the best-fitting typical shared pod filled it.
     pub residual: f64,
     /// Non-zero: where the workload asks more CPU per GPU than the nodes
-    /// seen (nine in ten of the fleet at least) hold (by the typical pods,
+    /// seen (three in four of the fleet at least) hold (by the typical pods,
     /// CPU-only shapes included; without
     /// them, by the tasks scored so far, at least [`CPU_BOUND_AFTER_TASKS`]),
     /// CPU runs out before GPU, and tasks are scored by FGD's terms alone
     /// (no stranding, residual, scarcity or keep; FGD's scale).
     pub cpu_bound: f64,
+    /// Non-zero: the scarcity term charges the pinned work a placement
+    /// displaces (the node's room for it, GPU or CPU at the pinned pods'
+    /// CPU per GPU, whichever runs out first, before less after) instead
+    /// of the GPU it takes.
+    pub displaced: f64,
 }
 
 /// Tasks scored before `cpu_bound` may judge by them (no typical pods): the
@@ -171,7 +182,7 @@ impl Default for Weights {
         // 1, 3, 10, 30 on those three); residual (0.3, 0.7, 1, 1.5, 3) and
         // then scale (1000, 1500, 2000) on all 13, seeds 42-45; seeds 46-51
         // held out.
-        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1500.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0, keep: 10.0, exclusive: 0.1, dynamic: 1.0, residual: 1.0, cpu_bound: 1.0 }
+        Weights { frag: 1.0, cpu: 3.0, mem: 3.0, pack: 0.0, demand: 0.0, points: 1.0, scale: 1500.0, tie: 0.0, fresh: 0.0, fill: 0.0, cpu_model: 0.0, one_sided: 1.0, scarce: 3.0, keep: 10.0, exclusive: 0.1, dynamic: 1.0, residual: 1.0, cpu_bound: 1.0, displaced: 1.0 }
     }
 }
 
@@ -284,6 +295,9 @@ pub struct BerthFrag {
     /// The same, per model of the batch's model table (typical pods that
     /// accept the model only).
     cpu_per_gpu_model: Vec<f64>,
+    /// Per model: CPU milli per GPU milli of the typical GPU pods pinned
+    /// to it (0: none).
+    pinned_cpu_per_gpu: Vec<f64>,
     /// Per model of the batch's model table, by free milli of a GPU
     /// (0..=1000): what stays idle after the largest typical shared pod
     /// that accepts the model and fits takes it (0 for a whole GPU).
@@ -391,6 +405,18 @@ impl BerthFrag {
                         if f == 1000 { 0 } else { f - largest }
                     })
                     .collect()
+            })
+            .collect();
+        self.pinned_cpu_per_gpu = (0..models.len() as u32)
+            .map(|m| {
+                let (mut cpu, mut gpu) = (0.0, 0.0);
+                for (t, r) in self.typical.iter().zip(&self.resolved) {
+                    if t.gpu_milli > 0 && r.contains(&m) {
+                        cpu += t.weight * f64::from(t.cpu_milli);
+                        gpu += t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count);
+                    }
+                }
+                if gpu > 0.0 { cpu / gpu } else { 0.0 }
             })
             .collect();
         self.cpu_per_gpu_model = (0..models.len() as u32)
@@ -531,6 +557,20 @@ impl BerthFrag {
         let dynamic = self.spread_pinned(&free, 1000.0);
         let d = self.weights.dynamic;
         self.scarcity = self.static_scarcity.iter().zip(&dynamic).map(|(s, y)| (1.0 - d) * s + d * y).collect();
+    }
+
+    /// The room for the node model's pinned work (milli-GPU) the task
+    /// takes: GPU or CPU at the pinned pods' CPU per GPU, whichever runs
+    /// out first.
+    fn displaced(&self, task: &Task, node: &NodeView) -> f64 {
+        let g = task.total_gpu_milli() as f64;
+        let r = self.pinned_cpu_per_gpu.get(node.model as usize).copied().unwrap_or(0.0);
+        if r <= 0.0 {
+            return g;
+        }
+        let room = |gpu: f64, cpu: f64| gpu.min(cpu / r).max(0.0);
+        let (gf, cf) = (f64::from(node.gpu_free_total()), f64::from(node.cpu_free_milli));
+        room(gf, cf) - room(gf - g, cf - f64::from(task.cpu_milli))
     }
 
     /// The least scarcity among the classes an empty node of which would
@@ -768,7 +808,7 @@ impl BerthFrag {
 
 impl Policy for BerthFrag {
     const NAME: &'static str = "berth-frag";
-    const VERSION: &'static str = "0.3.0";
+    const VERSION: &'static str = "0.4.0";
     const HOOKS: Hooks = Hooks::SCORE;
 
     fn configure(&mut self, config: &str) -> Result<(), String> {
@@ -784,7 +824,7 @@ impl Policy for BerthFrag {
         if weights.scale <= 0.0 {
             return Err("berth-frag: weights.scale must be positive".into());
         }
-        for (name, w) in [("exclusive", weights.exclusive), ("dynamic", weights.dynamic), ("cpu_bound", weights.cpu_bound)] {
+        for (name, w) in [("exclusive", weights.exclusive), ("dynamic", weights.dynamic), ("cpu_bound", weights.cpu_bound), ("displaced", weights.displaced)] {
             if !(0.0..=1.0).contains(&w) {
                 return Err(format!("berth-frag: weights.{name} must be between 0 and 1, not {w}"));
             }
@@ -794,7 +834,7 @@ impl Policy for BerthFrag {
                 return Err(format!("berth-frag: weights.{name} must not be negative, not {w}"));
             }
         }
-        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive, weights.dynamic, weights.residual, weights.cpu_bound].iter().all(|w| w.is_finite()) {
+        if ![weights.frag, weights.cpu, weights.mem, weights.pack, weights.demand, weights.points, weights.scale, weights.tie, weights.fresh, weights.fill, weights.cpu_model, weights.one_sided, weights.scarce, weights.keep, weights.exclusive, weights.dynamic, weights.residual, weights.cpu_bound, weights.displaced].iter().all(|w| w.is_finite()) {
             return Err("berth-frag: weights must be finite".into());
         }
         *self = BerthFrag::new(c.typical_pods, weights);
@@ -836,8 +876,10 @@ impl Policy for BerthFrag {
             (self.tasks >= CPU_BOUND_AFTER_TASKS && self.task_gpu > 0.0).then(|| self.task_cpu / self.task_gpu)
         };
         // Judged once the calls have shown most of the fleet (node ids are
-        // dense): the first task's nodes may be one class, the ones it fits.
-        let fleet_seen = self.nodes_seen * 10 >= self.node_class.len() * 9;
+        // dense): the first task's nodes may be one class, the ones it fits
+        // (on openb an 8-GPU task's are half the nodes; a CPU-only task
+        // asking 32 cores is offered 89% of them).
+        let fleet_seen = self.nodes_seen * 4 >= self.node_class.len() * 3;
         let cpu_bound = w.cpu_bound != 0.0 && fleet_seen && self.node_gpu > 0.0 && asked.is_some_and(|r| r * self.node_gpu > self.node_cpu);
         self.cpu_bound = cpu_bound;
         self.weights = if cpu_bound { Weights { cpu: 0.0, mem: 0.0, residual: 0.0, keep: 0.0, scarce: 0.0, scale: 1000.0, ..w } } else { w };
@@ -854,7 +896,8 @@ impl Policy for BerthFrag {
             let mut penalty = 0.0;
             if task.gpu_count > 0 && floor.is_finite() {
                 let r = self.scarcity.get(c).copied().unwrap_or(0.0);
-                penalty += self.weights.scarce * (r - floor).max(0.0) * task.total_gpu_milli() as f64;
+                let taken = if self.weights.displaced != 0.0 { self.displaced(task, &node) } else { task.total_gpu_milli() as f64 };
+                penalty += self.weights.scarce * (r - floor).max(0.0) * taken;
             }
             if task.gpu_count > 0 && keep_floor.is_finite() && node.idle_gpus() as usize == node.gpu_free_milli.len() {
                 let r = self.kept.get(c).copied().unwrap_or(0.0);
