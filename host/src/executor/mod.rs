@@ -78,9 +78,8 @@ async fn run(args: ExecutorArgs) -> anyhow::Result<()> {
                 return;
             }
             let msg = if buf.len() > MAX_LINE_BYTES {
-                // Skip the rest of the over-long line.
-                let mut rest = Vec::new();
-                if lines.read_until(b'\n', &mut rest).await.is_err() {
+                // Skip the rest of the over-long line without keeping it.
+                if !skip_line(&mut lines).await {
                     return;
                 }
                 Err(format!("a line over {MAX_LINE_BYTES} bytes"))
@@ -179,6 +178,24 @@ async fn handle<W: tokio::io::AsyncWrite + Unpin>(serving: &mut Serving, msg: Re
         }
     }
     Ok(true)
+}
+
+/// Reads past the next newline, a buffer at a time; false at the end of
+/// the stream or on an error.
+async fn skip_line<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> bool {
+    loop {
+        let (found, n) = match r.fill_buf().await {
+            Ok([]) | Err(_) => return false,
+            Ok(chunk) => match chunk.iter().position(|&b| b == b'\n') {
+                Some(i) => (true, i + 1),
+                None => (false, chunk.len()),
+            },
+        };
+        r.consume(n);
+        if found {
+            return true;
+        }
+    }
 }
 
 fn kind(d: &Down) -> &'static str {
