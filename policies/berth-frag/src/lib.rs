@@ -407,30 +407,21 @@ impl BerthFrag {
                     .collect()
             })
             .collect();
-        self.pinned_cpu_per_gpu = (0..models.len() as u32)
-            .map(|m| {
-                let (mut cpu, mut gpu) = (0.0, 0.0);
-                for (t, r) in self.typical.iter().zip(&self.resolved) {
-                    if t.gpu_milli > 0 && r.contains(&m) {
-                        cpu += t.weight * f64::from(t.cpu_milli);
-                        gpu += t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count);
-                    }
-                }
-                if gpu > 0.0 { cpu / gpu } else { 0.0 }
-            })
-            .collect();
-        self.cpu_per_gpu_model = (0..models.len() as u32)
-            .map(|m| {
-                let (mut cpu, mut gpu) = (0.0, 0.0);
-                for (t, r) in self.typical.iter().zip(&self.resolved) {
-                    if t.gpu_milli > 0 && (t.models.is_empty() || r.contains(&m)) {
-                        cpu += t.weight * f64::from(t.cpu_milli);
-                        gpu += t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count);
-                    }
-                }
-                if gpu > 0.0 { cpu / gpu } else { 0.0 }
-            })
-            .collect();
+        self.pinned_cpu_per_gpu = (0..models.len() as u32).map(|m| self.typical_cpu_per_gpu_where(|t, r| !t.models.is_empty() && r.contains(&m))).collect();
+        self.cpu_per_gpu_model = (0..models.len() as u32).map(|m| self.typical_cpu_per_gpu_where(|t, r| t.models.is_empty() || r.contains(&m))).collect();
+    }
+
+    /// CPU milli per GPU milli of the typical GPU pods `accepts` keeps
+    /// (given each pod and its resolved models), by popularity; 0 if none.
+    fn typical_cpu_per_gpu_where(&self, accepts: impl Fn(&TypicalPod, &[u32]) -> bool) -> f64 {
+        let (mut cpu, mut gpu) = (0.0, 0.0);
+        for (t, r) in self.typical.iter().zip(&self.resolved) {
+            if t.gpu_milli > 0 && accepts(t, r) {
+                cpu += t.weight * f64::from(t.cpu_milli);
+                gpu += t.weight * f64::from(t.gpu_milli) * f64::from(t.gpu_count);
+            }
+        }
+        if gpu > 0.0 { cpu / gpu } else { 0.0 }
     }
 
     /// Records the nodes of a call not seen before (by id, into classes of
