@@ -81,6 +81,14 @@ fn preempt(fleet: &Fleet, job: &Job, usable: &dyn Fn(NodeId, &Node) -> bool, run
     let mut best: Option<(f64, Vec<u64>)> = None;
     for node in subsets {
         let subset: Vec<&Running> = candidates.iter().copied().filter(|r| node.is_none_or(|n| r.allocations.iter().any(|a| a.node == n))).collect();
+        // Any stop it names loses at least its cheapest job: a subset that
+        // cannot beat the best so far is not walked (each walk copies the
+        // fleet).
+        if let (Some((l, _)), Some(first)) = (&best, subset.first())
+            && first.lost_gpu_s > *l
+        {
+            continue;
+        }
         let ranked: Vec<&[Allocation]> = subset.iter().map(|r| r.allocations).collect();
         let Some(picked) = crate::preemption::choose_victims(fleet, &job.shape, job.tasks.max(1), usable, &ranked) else { continue };
         let lost: f64 = picked.iter().map(|&k| subset[k].lost_gpu_s).sum();
