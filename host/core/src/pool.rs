@@ -236,6 +236,78 @@ impl PoolConfig {
         let disk = if cached_in_host { 0.0 } else { w / (self.cost.disk_to_host_gb_per_s * GB) };
         self.cost.switch_overhead_s + disk + w / f64::from(m.tp) / (self.cost.host_to_gpu_gb_per_s * GB)
     }
+
+    /// Seconds one request of `model` takes to serve alone, with `prompt`
+    /// and `output` tokens: the service time `pool-place` is told per model.
+    pub fn service_s(&self, model: usize, prompt: f64, output: f64) -> f64 {
+        self.prefill_s(model, prompt as u64) + output * self.decode_iteration_s(model, (prompt + output / 2.0) as u64)
+    }
+}
+
+/// A `pool-place` answer's static checks against the pool's executors
+/// (`(tp, memory bytes)` each), the one place both the simulator and the
+/// live host validate it: columns of one length, executors and models that
+/// exist, matching tensor-parallel degrees, weights of at least 1, `pinned`
+/// 0 or 1, no pair twice, and every model fitting beside its executor's
+/// pinned weights. Returns each executor's pinned bytes.
+pub fn check_placement(cfg: &PoolConfig, executors: &[(u32, u64)], p: &PoolPlacement) -> Result<Vec<u64>, PolicyError> {
+    let n = p.executor.len();
+    if p.model.len() != n || p.weight.len() != n || p.pinned.len() != n {
+        return Err(PolicyError::InvalidOutput(format!(
+            "placement columns differ in length ({n} executors, {} models, {} weights, {} pinned)",
+            p.model.len(),
+            p.weight.len(),
+            p.pinned.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut pinned_bytes = vec![0u64; executors.len()];
+    for i in 0..n {
+        let (e, m) = (p.executor[i] as usize, p.model[i] as usize);
+        let &(tp, _) = executors.get(e).ok_or_else(|| PolicyError::InvalidOutput(format!("executor {e} of {}", executors.len())))?;
+        let spec = cfg.models.get(m).ok_or_else(|| PolicyError::InvalidOutput(format!("model {m} of {}", cfg.models.len())))?;
+        if spec.tp != tp {
+            return Err(PolicyError::InvalidOutput(format!("model {m} needs tp {} but executor {e} has {tp}", spec.tp)));
+        }
+        if p.weight[i] == 0 {
+            return Err(PolicyError::InvalidOutput(format!("pair {i} (executor {e}, model {m}) has weight 0")));
+        }
+        if p.pinned[i] > 1 {
+            return Err(PolicyError::InvalidOutput(format!("pair {i}: pinned must be 0 or 1")));
+        }
+        if !seen.insert((e, m)) {
+            return Err(PolicyError::InvalidOutput(format!("executor {e}, model {m} assigned twice")));
+        }
+        if p.pinned[i] == 1 {
+            pinned_bytes[e] += spec.weight_bytes();
+        }
+    }
+    // An unpinned model must fit beside the executor's pinned ones.
+    for i in 0..n {
+        let (e, m) = (p.executor[i] as usize, p.model[i] as usize);
+        let w = cfg.models[m].weight_bytes();
+        let others = if p.pinned[i] == 1 { pinned_bytes[e] - w } else { pinned_bytes[e] };
+        if others + w > executors[e].1 {
+            return Err(PolicyError::InvalidOutput(format!("executor {e}: model {m} does not fit beside {:.1} GB of pinned weights", others as f64 / GB)));
+        }
+    }
+    Ok(pinned_bytes)
+}
+
+/// Where a request goes (the simulator's rule and the live host's): of
+/// the candidates `(executor, load, weight)` serving its model, the one
+/// with the least load per unit of weight; ties: the first.
+pub fn route_least_loaded(candidates: impl IntoIterator<Item = (usize, u32, u32)>) -> Option<usize> {
+    let mut best: Option<(f64, usize)> = None;
+    for (e, load, weight) in candidates {
+        if weight > 0 {
+            let score = f64::from(load + 1) / f64::from(weight);
+            if best.is_none_or(|(s, _)| score < s) {
+                best = Some((score, e));
+            }
+        }
+    }
+    best.map(|(_, e)| e)
 }
 
 /// Checks a `pool-step` answer against the executor it was asked about
@@ -652,7 +724,7 @@ impl<'a> PoolSim<'a> {
             .map(|m| {
                 let c = f64::max(count[m], 1.0);
                 let (p, o) = if count[m] > 0.0 { (prompt[m] / c, output[m] / c) } else { (1020.0, 129.0) };
-                cfg.prefill_s(m, p as u64) + o * cfg.decode_iteration_s(m, (p + o / 2.0) as u64)
+                cfg.service_s(m, p, o)
             })
             .collect();
         let gpus = opts.layout.iter().map(|&(tp, c)| tp * c).sum();
@@ -773,19 +845,7 @@ impl<'a> PoolSim<'a> {
     /// The executor serving `model` with the least load per unit of weight
     /// (ties: lowest id), among those its assignment names.
     fn route(&self, model: usize) -> Option<usize> {
-        let mut best: Option<(f64, usize)> = None;
-        for (e, x) in self.execs.iter().enumerate() {
-            if let Some(r) = x.row(model) {
-                let w = x.rows[r].weight;
-                if w > 0 {
-                    let score = f64::from(x.load + 1) / f64::from(w);
-                    if best.is_none_or(|(s, _)| score < s) {
-                        best = Some((score, e));
-                    }
-                }
-            }
-        }
-        best.map(|(_, e)| e)
+        route_least_loaded(self.execs.iter().enumerate().filter_map(|(e, x)| x.row(model).map(|r| (e, x.load, x.rows[r].weight))))
     }
 
     fn enqueue(&mut self, e: usize, i: usize) {
@@ -841,45 +901,8 @@ impl<'a> PoolSim<'a> {
             None => berth_sdk::default_pool_place(&state),
         };
         let n = p.executor.len();
-        if p.model.len() != n || p.weight.len() != n || p.pinned.len() != n {
-            return Err(PolicyError::InvalidOutput(format!(
-                "placement columns differ in length ({n} executors, {} models, {} weights, {} pinned)",
-                p.model.len(),
-                p.weight.len(),
-                p.pinned.len()
-            )));
-        }
-        let mut seen = std::collections::HashSet::new();
-        let mut pinned_bytes = vec![0u64; self.execs.len()];
-        for i in 0..n {
-            let (e, m) = (p.executor[i] as usize, p.model[i] as usize);
-            let x = self.execs.get(e).ok_or_else(|| PolicyError::InvalidOutput(format!("executor {e} of {}", self.execs.len())))?;
-            let spec = self.cfg.models.get(m).ok_or_else(|| PolicyError::InvalidOutput(format!("model {m} of {}", self.cfg.models.len())))?;
-            if spec.tp != x.tp {
-                return Err(PolicyError::InvalidOutput(format!("model {m} needs tp {} but executor {e} has {}", spec.tp, x.tp)));
-            }
-            if p.weight[i] == 0 {
-                return Err(PolicyError::InvalidOutput(format!("pair {i} (executor {e}, model {m}) has weight 0")));
-            }
-            if p.pinned[i] > 1 {
-                return Err(PolicyError::InvalidOutput(format!("pair {i}: pinned must be 0 or 1")));
-            }
-            if !seen.insert((e, m)) {
-                return Err(PolicyError::InvalidOutput(format!("executor {e}, model {m} assigned twice")));
-            }
-            if p.pinned[i] == 1 {
-                pinned_bytes[e] += spec.weight_bytes();
-            }
-        }
-        // An unpinned model must fit beside the executor's pinned ones.
-        for i in 0..n {
-            let (e, m) = (p.executor[i] as usize, p.model[i] as usize);
-            let w = self.cfg.models[m].weight_bytes();
-            let others = if p.pinned[i] == 1 { pinned_bytes[e] - w } else { pinned_bytes[e] };
-            if others + w > self.execs[e].memory {
-                return Err(PolicyError::InvalidOutput(format!("executor {e}: model {m} does not fit beside {:.1} GB of pinned weights", others as f64 / GB)));
-            }
-        }
+        let shape: Vec<(u32, u64)> = self.execs.iter().map(|x| (x.tp, x.memory)).collect();
+        let pinned_bytes = check_placement(self.cfg, &shape, &p)?;
         // Pinned weights must fit beside the KV cache reserved now and the
         // weights of rows still running decode batches.
         for (e, x) in self.execs.iter().enumerate() {
