@@ -171,6 +171,7 @@ pub fn fleet(args: &FleetArgs) -> anyhow::Result<FleetBench> {
     let config = ServeConfig {
         listen: "127.0.0.1:0".parse()?,
         metrics_listen: None,
+        inference_listen: None,
         state_dir: state_dir.clone(),
         fleet: crate::asi::fleet::FleetConfig::parse(fleet, "bench")?,
         access: Access::parse(&access)?,

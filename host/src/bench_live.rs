@@ -67,6 +67,7 @@ pub fn live(policy: &str, rank: &str, nodes: u32, preemptions: usize, capture_by
     let config = ServeConfig {
         listen: "127.0.0.1:0".parse()?,
         metrics_listen: None,
+        inference_listen: None,
         state_dir: state_dir.clone(),
         fleet: crate::asi::fleet::FleetConfig::parse(&fleet, "bench")?,
         access: Access::parse(&format!("[[identities]]\nname = \"bench\"\ntoken = \"{TOKEN}\"\nroles = {{ \"*\" = \"operator\" }}\n"))?,
@@ -233,6 +234,7 @@ pub fn compact_live(compact: &str, nodes: u32, plan_runs: usize) -> anyhow::Resu
     let config = ServeConfig {
         listen: "127.0.0.1:0".parse()?,
         metrics_listen: None,
+        inference_listen: None,
         state_dir: state_dir.clone(),
         fleet: crate::asi::fleet::FleetConfig::parse(fleet, "bench")?,
         access: Access::parse(&format!("[[identities]]\nname = \"bench\"\ntoken = \"{TOKEN}\"\nroles = {{ \"*\" = \"operator\" }}\n"))?,

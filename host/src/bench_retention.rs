@@ -62,6 +62,7 @@ pub fn run(b: &RetentionBench, mut report: impl FnMut(&Sample)) -> anyhow::Resul
     let config = ServeConfig {
         listen: "127.0.0.1:0".parse()?,
         metrics_listen: None,
+        inference_listen: None,
         state_dir: b.state_dir.clone(),
         fleet: crate::asi::fleet::FleetConfig::parse(DEFAULT_FLEET, "(embedded default)")?,
         access: crate::serve::auth::Access::parse(&access)?,

@@ -343,6 +343,7 @@ pub fn serve_config(dir: &std::path::Path, config: &ChaosConfig, clock: Arc<Manu
     Ok(ServeConfig {
         listen: "127.0.0.1:0".parse()?,
         metrics_listen: None,
+        inference_listen: None,
         state_dir: dir.to_path_buf(),
         fleet: crate::asi::fleet::FleetConfig::parse(fleet, "chaos")?,
         access: crate::serve::auth::Access::parse(&access)?,

@@ -543,6 +543,7 @@ mod grpc {
             let config = berth::serve::ServeConfig {
                 listen: "127.0.0.1:0".parse().unwrap(),
                 metrics_listen: None,
+                inference_listen: None,
                 state_dir: dir,
                 fleet: berth::asi::fleet::FleetConfig::parse(berth::serve::server::DEFAULT_FLEET, "default").unwrap(),
                 access: Access::parse(access).unwrap(),

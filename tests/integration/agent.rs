@@ -31,6 +31,11 @@ token = "alice-test-token"
 roles = { "*" = "viewer", "p0" = "tenant" }
 
 [[identities]]
+name = "carol"
+token = "carol-test-token"
+roles = { "*" = "viewer", "p1" = "tenant" }
+
+[[identities]]
 name = "agents"
 token = "agent-test-token"
 roles = { "p0" = "agent", "p1" = "agent" }

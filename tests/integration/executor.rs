@@ -28,7 +28,8 @@ fn pool() -> PoolConfig {
     let model = |name: &str, params_b: f64| ModelSpec { name: name.into(), params_b, bytes_per_param: 2.0, tp: 1, kv_bytes_per_token: 200_000 };
     PoolConfig {
         gpu: GpuSpec { name: "test".into(), memory_gb: 8.0, ..GpuSpec::default() },
-        cost: CostModel { prefill_overhead_s: 0.2, iteration_overhead_s: 0.04, ..CostModel::default() },
+        // No host cache: every load reads the disk (the slowest, measurable).
+        cost: CostModel { prefill_overhead_s: 0.2, iteration_overhead_s: 0.04, host_cache_gb: 0.0, ..CostModel::default() },
         slo: Slo::default(),
         replan_interval_s: 10.0,
         models: vec![model("a-1b", 1.0), model("b-2b", 2.0), model("c-1b", 1.0)],

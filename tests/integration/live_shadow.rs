@@ -82,6 +82,7 @@ async fn berth_frag_shadows_fgd_live_and_the_ab_report_shows_the_difference() {
     let config = ServeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         metrics_listen: None,
+        inference_listen: None,
         state_dir: dir.clone(),
         fleet: berth::asi::fleet::FleetConfig::parse(FLEET, "openb-like").unwrap(),
         access: Access::parse(ACCESS).unwrap(),

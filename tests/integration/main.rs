@@ -29,6 +29,7 @@ mod loading;
 mod outcome;
 mod partition;
 mod pool;
+mod pool_live;
 mod preempt;
 mod replay;
 mod retention;

@@ -45,6 +45,7 @@ pub(crate) fn config(dir: &Path, access: &str) -> ServeConfig {
     ServeConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
+        inference_listen: None,
         state_dir: dir.to_path_buf(),
         fleet: berth::asi::fleet::FleetConfig::parse(DEFAULT_FLEET, "default").unwrap(),
         access: Access::parse(access).unwrap(),

@@ -237,6 +237,22 @@ impl PoolConfig {
         self.cost.switch_overhead_s + disk + w / f64::from(m.tp) / (self.cost.host_to_gpu_gb_per_s * GB)
     }
 
+    /// The models whose weights are in host memory before any traffic: as
+    /// much of the catalog as fits the host cache, in catalog order (the
+    /// deployment as it stood; the simulator and live executors start so).
+    pub fn warm_host_cache(&self) -> Vec<usize> {
+        let cap = (self.cost.host_cache_gb * GB) as u64;
+        let mut cached = 0;
+        let mut out = Vec::new();
+        for (m, spec) in self.models.iter().enumerate() {
+            if cached + spec.weight_bytes() <= cap {
+                cached += spec.weight_bytes();
+                out.push(m);
+            }
+        }
+        out
+    }
+
     /// Seconds one request of `model` takes to serve alone, with `prompt`
     /// and `output` tokens: the service time `pool-place` is told per model.
     pub fn service_s(&self, model: usize, prompt: f64, output: f64) -> f64 {
@@ -770,16 +786,7 @@ impl<'a> PoolSim<'a> {
                 return Err(PolicyError::InvalidOutput(format!("request {i} names model {} of {}", r.model, self.cfg.models.len())));
             }
         }
-        // Host memory starts with as much of the catalog as fits, in catalog
-        // order (weights are cached in host memory before the trace begins).
-        let cap = (self.cfg.cost.host_cache_gb * GB) as u64;
-        let mut cached = 0;
-        for (m, spec) in self.cfg.models.iter().enumerate() {
-            if cached + spec.weight_bytes() <= cap {
-                cached += spec.weight_bytes();
-                self.host_cache.push((m, 0.0));
-            }
-        }
+        self.host_cache = self.cfg.warm_host_cache().into_iter().map(|m| (m, 0.0)).collect();
         self.place(policy)?;
         self.warm_start = false;
         let arrivals: Vec<(f64, usize)> = self.reqs.iter().enumerate().map(|(i, r)| (r.arrival_s, i)).collect();

@@ -1061,6 +1061,66 @@ impl Agent {
 
     /// The file a task touches (through `berth checkpointed`) to report a
     /// checkpoint: no credentials in the task, and the agent relays it.
+    fn executor_socket(&self, id: u64) -> PathBuf {
+        self.state_dir.join(format!("exec-{id}.sock"))
+    }
+
+    /// Relays pool executor `id`'s lines to the host and back, until
+    /// either side ends; then closes the socket, which ends the executor
+    /// (the host starts another: an executor never runs unrelayed).
+    async fn relay_executor(self: Arc<Self>, id: u64, listener: tokio::net::UnixListener, path: PathBuf) {
+        use tokio::io::AsyncWriteExt;
+        let accepted = tokio::time::timeout(Duration::from_secs(60), listener.accept()).await;
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+        let stream = match accepted {
+            Ok(Ok((s, _))) => s,
+            Ok(Err(e)) => return tracing::warn!(target: "berth::agent", allocation = id, "executor socket: {e}"),
+            Err(_) => return tracing::warn!(target: "berth::agent", allocation = id, "the executor never connected to its socket"),
+        };
+        let (rd, mut wr) = stream.into_split();
+        let (tx, rx) = tokio::sync::mpsc::channel::<pb::ExecutorFrame>(1024);
+        let _ = tx.send(pb::ExecutorFrame { allocation_id: id, node: self.node.clone(), line: Vec::new() }).await;
+        let up = tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(rd);
+            let mut buf = Vec::new();
+            while let Some(read) = crate::executor::protocol::next_line(&mut lines, &mut buf).await {
+                let line = match read {
+                    Ok(()) => std::mem::take(&mut buf),
+                    // Said to the host as the executor's error, never relayed whole.
+                    Err(why) => serde_json::to_vec(&crate::executor::protocol::Up::Error { what: format!("relay: {why}") }).expect("serializes"),
+                };
+                if tx.send(pb::ExecutorFrame { line, ..Default::default() }).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut client = self.client();
+        match client.executor(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
+            Ok(resp) => {
+                let mut down = resp.into_inner();
+                loop {
+                    match down.message().await {
+                        Ok(Some(f)) => {
+                            if wr.write_all(&f.line).await.is_err() || wr.write_all(b"\n").await.is_err() {
+                                break;
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!(target: "berth::agent", allocation = id, "executor relay: {}", e.message());
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(target: "berth::agent", allocation = id, "executor relay refused: {}", e.message()),
+        }
+        up.abort();
+        let _ = wr.shutdown().await;
+        tracing::info!(target: "berth::agent", allocation = id, "executor relay ended");
+    }
+
     fn checkpoint_marker(&self, id: u64) -> PathBuf {
         self.state_dir.join(format!("alloc-{id}.checkpointed"))
     }
@@ -1168,7 +1228,7 @@ impl Agent {
             "start" => {
                 let known: Vec<String> = self.src.lock().unwrap().gpus().iter().map(|g| g.uuid.clone()).collect();
                 let gpus: Vec<u32> = cmd.gpu_uuids.iter().filter_map(|u| known.iter().position(|k| k == u).map(|i| i as u32)).collect();
-                if gpus.len() != cmd.gpu_uuids.len() || cmd.argv.is_empty() {
+                if gpus.len() != cmd.gpu_uuids.len() || (cmd.argv.is_empty() && !cmd.executor) {
                     let detail = format!("refused: argv {:?}, GPUs {:?} (this node has {known:?})", cmd.argv, cmd.gpu_uuids);
                     self.report(pb::AllocationReport { state: "failed".into(), detail, ..base }).await;
                     return;
@@ -1202,6 +1262,27 @@ impl Agent {
                 };
                 let mut task_env = allowed_env(&self.args.task_env);
                 with_own_dir_on_path(&mut task_env, &exe);
+                // A pool executor is this binary's `executor`, on a socket
+                // the agent listens on and relays to the host: it holds no
+                // credential and never dials the host itself.
+                let mut argv = cmd.argv.clone();
+                let mut relay = None;
+                if cmd.executor {
+                    argv = vec![exe.display().to_string(), "executor".into()];
+                    let path = self.executor_socket(id);
+                    let _ = std::fs::remove_file(&path);
+                    match tokio::net::UnixListener::bind(&path) {
+                        Ok(l) => {
+                            task_env.push((crate::executor::SOCKET_ENV.into(), path.clone().into_os_string()));
+                            relay = Some((l, path));
+                        }
+                        Err(e) => {
+                            self.isolation.remove(id);
+                            self.report(pb::AllocationReport { state: "failed".into(), detail: format!("listening on {}: {e}", path.display()), ..base }).await;
+                            return;
+                        }
+                    }
+                }
                 let mut c = Command::new(exe);
                 c.arg("agent").arg("--supervise").arg(&status);
                 for procs in group.procs_files() {
@@ -1211,7 +1292,7 @@ impl Agent {
                     c.arg("--pin").arg(pin.to_string());
                 }
                 c.arg("--")
-                    .args(&cmd.argv)
+                    .args(&argv)
                     // Built, never inherited: the agent's own environment
                     // (its credentials, the operator's shell) is not the
                     // tenant's. The allowlist, then the job's env, then the
@@ -1234,7 +1315,7 @@ impl Agent {
                 let mut child = match c.spawn() {
                     Ok(ch) => ch,
                     Err(e) => {
-                        self.report(pb::AllocationReport { state: "failed".into(), detail: format!("spawn {:?}: {e}", cmd.argv[0]), ..base }).await;
+                        self.report(pb::AllocationReport { state: "failed".into(), detail: format!("spawn {:?}: {e}", argv[0]), ..base }).await;
                         return;
                     }
                 };
@@ -1247,6 +1328,9 @@ impl Agent {
                 tracing::info!(target: "berth::agent", allocation = id, pid, gpus = %visible, "started");
                 self.report(pb::AllocationReport { state: "running".into(), pid, ..base.clone() }).await;
                 tokio::spawn(self.clone().watch_checkpoints(id, base.clone()));
+                if let Some((listener, path)) = relay {
+                    tokio::spawn(self.clone().relay_executor(id, listener, path));
+                }
                 let agent = self.clone();
                 tokio::spawn(async move {
                     let status = child.wait().await;

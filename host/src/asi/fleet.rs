@@ -55,7 +55,31 @@ pub struct FleetConfig {
     /// run at the reference rate).
     #[serde(default)]
     pub work: Option<WorkConfig>,
+    /// Model-pool partitions (`berth serve`): their agent nodes' GPUs serve
+    /// a catalog of models as executors instead of running jobs.
+    #[serde(default)]
+    pub pool: Vec<PoolPartitionConfig>,
 }
+
+/// `[[pool]] partition = 1, market = "default", executors = [[1, 4], [4, 1]]`:
+/// partition 1 is a model pool serving the market file's catalog (`default`:
+/// the embedded one, else a path; as for `berth replay --pool`) on executors
+/// of `[tp, count]` GPUs each, started on the partition's agent nodes.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PoolPartitionConfig {
+    pub partition: u32,
+    #[serde(default = "default_market")]
+    pub market: String,
+    pub executors: Vec<(u32, u32)>,
+}
+
+fn default_market() -> String {
+    "default".into()
+}
+
+/// Executors one pool may declare (a bound on what the host starts).
+pub const MAX_POOL_EXECUTORS: u32 = 4096;
 
 /// `[work]`: a job's duration is its work at the reference rate; a run
 /// advances it at its GPU model's speed, divided by the slowdown when its
@@ -287,6 +311,17 @@ impl FleetConfig {
         }
         for (model, &c) in &self.cost_per_gpu_hour {
             anyhow::ensure!(c.is_finite() && c >= 0.0, "cost_per_gpu_hour.{model}: a non-negative number, not {c}");
+        }
+        let mut pools = std::collections::BTreeSet::new();
+        for (i, pool) in self.pool.iter().enumerate() {
+            let at = format!("pool[{i}]");
+            anyhow::ensure!(pool.partition < self.partitions(), "{at}: partition {} does not exist (the fleet has {})", pool.partition, self.partitions());
+            anyhow::ensure!(pools.insert(pool.partition), "{at}: partition {} is a pool already", pool.partition);
+            anyhow::ensure!(!pool.executors.is_empty(), "{at}: no executors listed ([[tp, count], ...])");
+            let total: u64 = pool.executors.iter().map(|&(_, c)| u64::from(c)).sum();
+            anyhow::ensure!(total >= 1 && total <= u64::from(MAX_POOL_EXECUTORS), "{at}: {total} executors (1..={MAX_POOL_EXECUTORS})");
+            anyhow::ensure!(pool.executors.iter().all(|&(tp, _)| (1..=64).contains(&tp)), "{at}: an executor's tp must be 1..=64");
+            anyhow::ensure!(pool.market.len() <= 4096, "{at}: market path longer than 4096 bytes");
         }
         for &p in &self.non_preemptible_partitions {
             anyhow::ensure!(p < self.partitions(), "non_preemptible_partitions: partition {p} does not exist (the fleet has {})", self.partitions());

@@ -6,6 +6,7 @@
 
 use berth_core::pool::PoolConfig;
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt};
 
 /// Longest line either side sends, in bytes (a 1,000-model catalog is
 /// about 150 KB).
@@ -37,6 +38,11 @@ pub enum Down {
     /// Forget a request (its client left); tokens of a step already under
     /// way may still come.
     Cancel { id: u64 },
+    /// A pool-step policy (a wasm component, base64) to ask from the next
+    /// step on, replacing the one before; `digest` names it in the answer
+    /// (`policy`). Loaded beside the steps, swapped between two. An empty
+    /// `component`: the default step from now on.
+    Policy { digest: String, component: String },
     /// Finish the step under way and exit.
     Shutdown,
 }
@@ -77,6 +83,11 @@ pub enum Up {
     Step { phase: String, model: u32, batch: u32, iterations: u32, seconds: f64, by: String, why: Option<String>, t: f64 },
     /// GPU memory in use after a step.
     Memory { weights_bytes: u64, kv_bytes: u64, memory_bytes: u64 },
+    /// A `policy` message was applied (`loaded`) or refused (`why`); the
+    /// policy before it decides meanwhile and on refusal. Also sent, not
+    /// loaded, when the executor stops asking a policy whose answers it
+    /// refused three times in a row.
+    Policy { digest: String, loaded: bool, why: Option<String> },
     /// A message refused (the executor goes on): what and why.
     Error { what: String },
 }
@@ -87,4 +98,44 @@ pub fn parse_down(line: &str) -> Result<Down, String> {
         return Err(format!("a line of {} bytes (at most {MAX_LINE_BYTES})", line.len()));
     }
     serde_json::from_str(line).map_err(|e| format!("not an executor message: {e}"))
+}
+
+/// Reads the next line into `buf` (without its newline), never holding more
+/// than [`MAX_LINE_BYTES`]: `None` at the end of the stream or on a read
+/// error, `Some(Err)` for an over-long line (skipped to its end).
+pub async fn next_line<R: AsyncBufRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> Option<Result<(), String>> {
+    buf.clear();
+    let n = (&mut *r).take(MAX_LINE_BYTES as u64 + 1).read_until(b'\n', buf).await.ok()?;
+    if n == 0 {
+        return None;
+    }
+    if buf.len() > MAX_LINE_BYTES {
+        buf.clear();
+        if buf_ends_line(r).await {
+            return Some(Err(format!("a line over {MAX_LINE_BYTES} bytes")));
+        }
+        return None;
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+    }
+    Some(Ok(()))
+}
+
+/// Reads past the next newline, a buffer at a time; false at the end of
+/// the stream or on an error.
+async fn buf_ends_line<R: AsyncBufRead + Unpin>(r: &mut R) -> bool {
+    loop {
+        let (found, n) = match r.fill_buf().await {
+            Ok([]) | Err(_) => return false,
+            Ok(chunk) => match chunk.iter().position(|&b| b == b'\n') {
+                Some(i) => (true, i + 1),
+                None => (false, chunk.len()),
+            },
+        };
+        r.consume(n);
+        if found {
+            return true;
+        }
+    }
 }

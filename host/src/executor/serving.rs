@@ -81,7 +81,8 @@ impl Serving {
             return Err(format!("tp {tp}: no model of the catalog runs on {tp} GPU(s)"));
         }
         let memory = cfg.executor_memory(tp);
-        Ok(Serving { cfg, executor, tp, memory, rows: Vec::new(), requests: HashMap::new(), weights: 0, kv: 0, host_cache: Vec::new(), policy_failures: 0 })
+        let host_cache = cfg.warm_host_cache().into_iter().map(|m| (m, 0.0)).collect();
+        Ok(Serving { cfg, executor, tp, memory, rows: Vec::new(), requests: HashMap::new(), weights: 0, kv: 0, host_cache, policy_failures: 0 })
     }
 
     pub fn memory(&self) -> u64 {

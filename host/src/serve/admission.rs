@@ -20,6 +20,9 @@ impl Live {
     /// made: the answer is that job's id and `true`.
     pub fn submit(&self, mut spec: JobSpec, owner: &str, idempotency: Option<IdempotencyKey>) -> Result<(u64, bool), ServeError> {
         let p = self.partition_index(&spec.partition)?;
+        if self.pool_partitions.contains(&spec.partition) {
+            return Err(ServeError::FailedPrecondition(format!("partition {} is a model pool: it serves requests (/v1/completions), not jobs", spec.partition)));
+        }
         let keyed = idempotency.as_ref().map(|k| (owner.to_string(), k.key.clone()));
         let id = match (&keyed, &idempotency) {
             (Some(slot), Some(k)) => {

@@ -31,6 +31,12 @@ pub struct ServeArgs {
     /// (`/console`, answered on loopback only); `off` to disable both.
     #[arg(long, default_value = "127.0.0.1:7451")]
     metrics_listen: String,
+    /// The model pools' OpenAI-compatible endpoint (`/v1/completions`,
+    /// `/v1/chat/completions`, `/v1/models`; tenants' bearer tokens), for
+    /// the fleet config's `[[pool]]` partitions; loopback only (plaintext);
+    /// `off` to disable.
+    #[arg(long, default_value = "off")]
+    inference_listen: String,
     /// Registry, artifacts and decision log live here; survives restarts.
     #[arg(long, default_value = "berth-state")]
     state_dir: PathBuf,
@@ -205,6 +211,10 @@ impl ServeArgs {
                 "off" => None,
                 a => Some(a.parse().with_context(|| format!("--metrics-listen {a:?}"))?),
             },
+            inference_listen: match self.inference_listen.as_str() {
+                "off" => None,
+                a => Some(a.parse().with_context(|| format!("--inference-listen {a:?}"))?),
+            },
             state_dir: self.state_dir.clone(),
             fleet: fleet.scaled(self.fleet_scale),
             access: match &self.access {
@@ -291,7 +301,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         let handle = super::server::start_with_agents(config, agents).await?;
         let scheme = if args.tls_cert.is_some() { "https" } else { "http" };
-        eprintln!("berth serve: API on {scheme}://{}{}", handle.addr, handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics, console on http://{m}/console")));
+        eprintln!(
+            "berth serve: API on {scheme}://{}{}{}",
+            handle.addr,
+            handle.metrics_addr.map_or(String::new(), |m| format!(", metrics on http://{m}/metrics, console on http://{m}/console")),
+            handle.inference_addr.map_or(String::new(), |a| format!(", completions on http://{a}/v1/completions"))
+        );
         for p in &handle.live.partitions {
             let st = p.lock_state();
             let active = p.active().map_or("none".into(), |a| format!("{}@{} (version {})", a.meta.name, a.meta.semver, a.meta.version));

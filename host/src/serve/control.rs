@@ -139,6 +139,30 @@ impl Live {
         Ok(loaded)
     }
 
+    /// Checks a pool component: loads it and, where it places, places two
+    /// executors' models of a small catalog (validated as live).
+    fn smoke_pool(&self, bytes: &[u8], config: &str) -> Result<Arc<LoadedPolicy>, ServeError> {
+        use berth_core::pool::PoolPolicy;
+        let loaded = LoadedPolicy::from_bytes(&self.engine, bytes).map_err(|e| ServeError::Rejected(e.to_string()))?;
+        if !loaded.info.hooks.contains(Hooks::POOL_PLACE) && !loaded.info.hooks.contains(Hooks::POOL_STEP) {
+            return Err(ServeError::Rejected(format!("{} implements neither pool-place nor pool-step", loaded.info.name)));
+        }
+        let mut policy = WasmPolicy::new(self.engine.clone(), loaded.clone(), self.limits);
+        if !config.is_empty() {
+            policy.configure(config).map_err(|e| ServeError::Rejected(format!("configure: {e}")))?;
+        }
+        if loaded.info.hooks.contains(Hooks::POOL_PLACE) {
+            let cfg = crate::pool::PoolFile::load("default").map_err(|e| ServeError::FailedPrecondition(format!("{e:#}")))?.config();
+            let executors = [(1, cfg.executor_memory(1)), (4, cfg.executor_memory(4))];
+            let state = crate::serve::pooling::smoke_state(&cfg, &executors);
+            let placed = policy.pool_place(&state).map_err(|e| ServeError::Rejected(format!("smoke call (pool-place, 2 executors) failed: {e}")))?;
+            if let Some(p) = placed {
+                berth_core::pool::check_placement(&cfg, &executors, &p).map_err(|e| ServeError::Rejected(format!("smoke call (pool-place, 2 executors): {e}")))?;
+            }
+        }
+        Ok(loaded)
+    }
+
     /// Registers a component as the partition's next placement version (or
     /// returns the version that already has these bytes and config).
     pub fn upload(&self, by: &str, partition: &str, bytes: &[u8], config: &str, note: &str) -> Result<(VersionMeta, bool), ServeError> {
@@ -166,6 +190,7 @@ impl Live {
             PolicyHook::Place => self.smoke(bytes, config)?,
             PolicyHook::Rank => self.smoke_rank(bytes, config)?,
             PolicyHook::Compact => self.smoke_compact(bytes, config)?,
+            PolicyHook::Pool => self.smoke_pool(bytes, config)?,
         };
         self.registry.put_component(&sha256, bytes)?;
         let meta = VersionMeta {
@@ -295,6 +320,9 @@ impl Live {
     /// too, never actuated, and its choices are tallied.
     pub fn set_aux_shadow(&self, by: &str, partition: &str, hook: PolicyHook, version: Option<u32>) -> Result<(), ServeError> {
         let p = self.partition_index(partition)?;
+        if hook == PolicyHook::Pool && version.is_some() {
+            return Err(ServeError::FailedPrecondition("the pool hook has no shadow mode yet: A/B a pool policy with `berth replay --pool`".into()));
+        }
         let part = &self.partitions[p];
         let key = hook_key(partition, hook);
         let now = unix_ms();

@@ -145,6 +145,8 @@ pub struct Hub {
     /// tasks through the hub, so nothing here calls into `live` while
     /// holding this lock (a report and a pass met in a deadlock that way).
     state: Mutex<HubState>,
+    /// The host's model pools, whose executors relay through agents.
+    pub pools: std::sync::OnceLock<Arc<crate::serve::pooling::Pools>>,
 }
 
 type Reply<T> = Result<Response<T>, Status>;
@@ -159,7 +161,7 @@ impl Hub {
     }
 
     pub fn new(live: Arc<Live>, config: HubConfig) -> Arc<Hub> {
-        Arc::new(Hub { live, config, state: Mutex::new(HubState { next_session: 1, ..HubState::default() }) })
+        Arc::new(Hub { live, config, state: Mutex::new(HubState { next_session: 1, ..HubState::default() }), pools: Default::default() })
     }
 
     fn who<T>(&self, req: &Request<T>) -> Result<Identity, Status> {
@@ -390,6 +392,77 @@ impl Hub {
         Ok(())
     }
 
+    /// Records a held allocation and sends its start command; on a failed
+    /// send the allocation ends failed (its hold released).
+    fn dispatch_start(&self, alloc: pb::AllocationInfo, cmd: pb::AgentCommand) -> Result<(), Status> {
+        let id = alloc.id;
+        let node = alloc.node.clone();
+        self.state.lock().unwrap().allocations.insert(id, alloc);
+        if let Err(e) = self.send(&node, cmd) {
+            {
+                let mut st = self.state.lock().unwrap();
+                if let Some(a) = st.allocations.get_mut(&id) {
+                    a.state = "failed".into();
+                    a.detail = e.message().to_string();
+                    st.ended(id, self.live.retention.ended_allocations);
+                }
+            }
+            self.live.task_report(id, Report::State(TaskState::Failed), -1, 0, e.message(), None);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A partition's agent nodes that take commands, each with its healthy
+    /// GPUs no allocation holds.
+    pub fn free_agent_gpus(&self, partition: &str) -> Vec<(String, Vec<u32>)> {
+        let st = self.state.lock().unwrap();
+        let held: std::collections::HashSet<(&str, u32)> =
+            st.allocations.values().filter(|a| holds_gpus(&a.state)).flat_map(|a| a.gpus.iter().map(move |&g| (a.node.as_str(), g))).collect();
+        st.agents
+            .iter()
+            .filter(|(_, a)| a.partition == partition && a.reachable && a.commands.is_some() && a.powered_down != Some(true))
+            .map(|(n, a)| (n.clone(), a.gpus.iter().filter(|g| g.healthy && !held.contains(&(n.as_str(), g.info.index))).map(|g| g.info.index).collect()))
+            .collect()
+    }
+
+    /// Starts a pool executor on `gpus` of agent node `node`: held in the
+    /// fleet first (one owner per GPU), then the agent's start command.
+    pub fn start_executor(&self, partition: &str, node: &str, gpus: &[u32]) -> Result<u64, Status> {
+        let uuids = {
+            let st = self.state.lock().unwrap();
+            let a = st.agents.get(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
+            gpus.iter().map(|&g| a.gpus.iter().find(|x| x.info.index == g).map(|x| x.info.uuid.clone()).ok_or_else(|| Status::invalid_argument(format!("node {node} has no GPU {g}")))).collect::<Result<Vec<_>, _>>()?
+        };
+        let id = self.live.hold_manual(partition, node, gpus)?;
+        let alloc = pb::AllocationInfo {
+            id,
+            node: node.to_string(),
+            gpus: gpus.to_vec(),
+            gpu_uuids: uuids.clone(),
+            argv: vec!["berth".into(), "executor".into()],
+            state: "starting".into(),
+            started_by: crate::serve::pooling::POOL_STARTER.into(),
+            ..Default::default()
+        };
+        let cmd = pb::AgentCommand { allocation_id: id, action: "start".into(), gpu_uuids: uuids, executor: true, ..Default::default() };
+        self.dispatch_start(alloc, cmd)?;
+        Ok(id)
+    }
+
+    /// Whether allocation `id` is listed and still holds its GPUs.
+    pub fn allocation_holds(&self, id: u64) -> bool {
+        self.state.lock().unwrap().allocations.get(&id).is_some_and(|a| holds_gpus(&a.state))
+    }
+
+    /// The agent node and partition of allocation `id`, when a pool
+    /// started it.
+    fn executor_of(&self, id: u64) -> Option<(String, String)> {
+        let st = self.state.lock().unwrap();
+        let a = st.allocations.get(&id).filter(|a| a.started_by == crate::serve::pooling::POOL_STARTER && holds_gpus(&a.state))?;
+        Some((a.node.clone(), st.agents.get(&a.node)?.partition.clone()))
+    }
+
     /// Commands sent to `node` on the stream of `session` (none if that
     /// session is over or holds no stream).
     pub fn commands_sent(&self, node: &str, session: u64) -> Option<u64> {
@@ -495,6 +568,7 @@ fn check_heartbeat(r: &pb::HeartbeatRequest) -> Result<(), Status> {
 }
 
 type CommandStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCommand, Status>> + Send>>;
+type ExecutorStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::ExecutorFrame, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl AgentHub for Arc<Hub> {
@@ -584,6 +658,43 @@ impl AgentHub for Arc<Hub> {
     }
 
     type CommandsStream = CommandStream;
+    type ExecutorStream = ExecutorStream;
+
+    async fn executor(&self, req: Request<tonic::Streaming<pb::ExecutorFrame>>) -> Reply<Self::ExecutorStream> {
+        let id = self.who(&req)?;
+        let mut up = req.into_inner();
+        let first = up.message().await?.ok_or_else(|| Status::invalid_argument("an executor stream opens with a frame naming its allocation"))?;
+        check_node_name(&first.node).map_err(Status::invalid_argument)?;
+        // One answer for a missing executor and one the caller may not relay.
+        let refused = || Status::not_found(format!("no pool executor {} on node {} that {} may relay", first.allocation_id, first.node, id.name));
+        let (node, partition) = self.executor_of(first.allocation_id).ok_or_else(refused)?;
+        if node != first.node || !id.may_act_as_node(&partition, &node) {
+            return Err(refused());
+        }
+        let pool = self.pools.get().and_then(|p| p.by_executor(first.allocation_id)).cloned().ok_or_else(refused)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        pool.attach(first.allocation_id, tx).map_err(Status::failed_precondition)?;
+        let live = self.live.clone();
+        let alloc = first.allocation_id;
+        tokio::spawn(async move {
+            loop {
+                match up.message().await {
+                    Ok(Some(f)) => {
+                        let (pool, live) = (pool.clone(), live.clone());
+                        // Off the async workers: a trip writes the registry.
+                        let tripped = pool.on_line(&live, alloc, &f.line);
+                        if let Some((digest, why)) = tripped {
+                            let _ = tokio::task::spawn_blocking(move || pool.trip_step(&live, &digest, &why)).await;
+                        }
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            pool.detach(&live, alloc);
+            tracing::info!(target: "berth::pool", allocation = alloc, "executor relay ended");
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)) as ExecutorStream))
+    }
 
     async fn commands(&self, req: Request<pb::CommandsRequest>) -> Reply<Self::CommandsStream> {
         let hub = self.clone();
@@ -783,34 +894,18 @@ impl AgentHub for Arc<Hub> {
             };
             // No GPU ever has two owners: the fleet holds them (or says who does).
             let id_ = hub.live.hold_manual(&partition, &r.node, &r.gpus)?;
-            let (alloc, cmd) = {
-                let mut st = hub.state.lock().unwrap();
-                let alloc = pb::AllocationInfo {
-                    id: id_,
-                    node: r.node.clone(),
-                    gpus: r.gpus.clone(),
-                    gpu_uuids: uuids.clone(),
-                    argv: r.argv.clone(),
-                    state: "starting".into(),
-                    started_by: id.name.clone(),
-                    ..Default::default()
-                };
-                st.allocations.insert(id_, alloc.clone());
-                let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env, ..Default::default() };
-                (alloc, cmd)
+            let alloc = pb::AllocationInfo {
+                id: id_,
+                node: r.node.clone(),
+                gpus: r.gpus.clone(),
+                gpu_uuids: uuids.clone(),
+                argv: r.argv.clone(),
+                state: "starting".into(),
+                started_by: id.name.clone(),
+                ..Default::default()
             };
-            if let Err(e) = hub.send(&r.node, cmd) {
-                {
-                    let mut st = hub.state.lock().unwrap();
-                    if let Some(a) = st.allocations.get_mut(&alloc.id) {
-                        a.state = "failed".into();
-                        a.detail = e.message().to_string();
-                        st.ended(alloc.id, hub.live.retention.ended_allocations);
-                    }
-                }
-                hub.live.task_report(alloc.id, Report::State(TaskState::Failed), -1, 0, e.message(), None);
-                return Err(e);
-            }
+            let cmd = pb::AgentCommand { allocation_id: id_, action: "start".into(), argv: r.argv, gpu_uuids: uuids, env: r.env, ..Default::default() };
+            hub.dispatch_start(alloc.clone(), cmd)?;
             tracing::info!(target: "berth::agent", allocation = alloc.id, node = %alloc.node, gpus = ?alloc.gpus, by = %id.name, "allocation sent");
             Ok(Response::new(pb::StartAllocationResponse { allocation_id: alloc.id, gpu_uuids: alloc.gpu_uuids }))
         }).await
@@ -884,7 +979,7 @@ impl Actuator for Hub {
                 },
             );
             let env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).chain([("BERTH_JOB".to_string(), s.job_id.to_string())]).collect();
-            pb::AgentCommand { allocation_id: s.alloc_id, action: "start".into(), argv: s.argv.to_vec(), gpu_uuids: uuids, env, cpu_milli: s.cpu_milli, memory_mib: s.memory_mib }
+            pb::AgentCommand { allocation_id: s.alloc_id, action: "start".into(), argv: s.argv.to_vec(), gpu_uuids: uuids, env, cpu_milli: s.cpu_milli, memory_mib: s.memory_mib, executor: false }
         };
         tracing::info!(target: "berth::agent", allocation = s.alloc_id, job = s.job_id, node = %s.node, gpus = ?s.gpus, "task sent");
         self.send(s.node, cmd).map_err(|e| e.message().to_string()).inspect_err(|e| {

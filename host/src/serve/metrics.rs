@@ -67,6 +67,17 @@ pub struct Metrics {
     pub node_task_cores: prometheus::GaugeVec,
     /// partition: tasks the kernel killed over their memory limit.
     pub oom_kills: IntCounterVec,
+    /// Model pools, by partition and model (catalog names, bounded by the
+    /// fleet config): requests by outcome (slo_met, slo_missed, rejected,
+    /// failed, cancelled), time to first token and between tokens as the
+    /// host saw them, weight loads (model switches), executor steps by who
+    /// chose them, executors by state.
+    pub pool_requests: IntCounterVec,
+    pub pool_ttft_seconds: HistogramVec,
+    pub pool_tbt_seconds: HistogramVec,
+    pub pool_switches: IntCounterVec,
+    pub pool_steps: IntCounterVec,
+    pub pool_executors: IntGaugeVec,
 }
 
 /// Distinct work units the metrics name (a bound on label cardinality).
@@ -166,6 +177,26 @@ impl Metrics {
                 g
             },
             oom_kills: counter("berth_task_oom_kills_total", "Tasks the kernel killed over their memory limit", &["partition"]),
+            pool_requests: counter("berth_pool_requests_total", "Pool requests by model and outcome (slo_met, slo_missed, rejected, failed, cancelled)", &["partition", "model", "outcome"]),
+            pool_ttft_seconds: histogram(
+                "berth_pool_ttft_seconds",
+                "Pool requests: seconds from arrival at the endpoint to the first token",
+                &["partition", "model"],
+                vec![0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0],
+            ),
+            pool_tbt_seconds: histogram(
+                "berth_pool_tbt_seconds",
+                "Pool requests: seconds between two tokens of one request",
+                &["partition", "model"],
+                vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
+            ),
+            pool_switches: counter("berth_pool_switches_total", "Model weights loaded onto a pool executor (switches)", &["partition", "model"]),
+            pool_steps: counter("berth_pool_steps_total", "Pool executor steps by who chose them (policy, default, fallback)", &["partition", "by"]),
+            pool_executors: {
+                let g = IntGaugeVec::new(Opts::new("berth_pool_executors", "Pool executors by state (ready, starting, missing) and tensor-parallel degree"), &["partition", "tp", "state"]).expect("valid");
+                registry.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
             registry,
         }
     }

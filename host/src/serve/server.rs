@@ -76,6 +76,8 @@ pub struct TlsFiles {
 pub struct ServeConfig {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
+    /// The model pools' OpenAI-compatible endpoint (loopback only).
+    pub inference_listen: Option<SocketAddr>,
     pub state_dir: PathBuf,
     pub fleet: FleetConfig,
     pub access: Access,
@@ -158,6 +160,8 @@ pub enum StoreChoice {
 pub struct ServeHandle {
     pub addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    /// The model pools' endpoint, when --inference-listen is on.
+    pub inference_addr: Option<SocketAddr>,
     pub live: Arc<Live>,
     /// The agent hub (nodes, heartbeats, command streams).
     pub hub: Arc<crate::serve::hub::Hub>,
@@ -256,7 +260,21 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     };
     // Each partition's placement versions, and its rank hook's.
     use super::state::{hook_key, PolicyHook};
-    let keys: Vec<String> = names.iter().flat_map(|n| [n.clone(), hook_key(n, PolicyHook::Rank), hook_key(n, PolicyHook::Compact)]).collect();
+    // Pool partitions: their catalogs and executors, and a pool hook each.
+    let pool_specs = config
+        .fleet
+        .pool
+        .iter()
+        .map(|p| {
+            let file = crate::pool::PoolFile::load(&p.market).with_context(|| format!("[[pool]] of partition {}", p.partition))?;
+            Ok(super::pooling::PoolSpec { partition: format!("p{}", p.partition), config: file.config(), executors: p.executors.clone() })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for spec in &pool_specs {
+        anyhow::ensure!(names.contains(&spec.partition), "[[pool]]: partition {} does not exist", spec.partition);
+    }
+    let mut keys: Vec<String> = names.iter().flat_map(|n| [n.clone(), hook_key(n, PolicyHook::Rank), hook_key(n, PolicyHook::Compact)]).collect();
+    keys.extend(pool_specs.iter().map(|s| hook_key(&s.partition, PolicyHook::Pool)));
     let registry = Registry::open_in(&config.state_dir, &keys, store.clone())?;
     let engine = Arc::new(PolicyEngine::new(Some(registry.artifact_dir()))?);
     let retention = config.scheduling.retention;
@@ -279,11 +297,15 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     live.contract = config.scheduling.contract;
     live.cost_per_gpu_hour = config.fleet.costs();
     live.work = config.fleet.work.clone();
+    live.pool_partitions = pool_specs.iter().map(|s| s.partition.clone()).collect();
     let live = Arc::new(live);
     for name in &names {
         live.restore(name, &config.default_policy).with_context(|| format!("partition {name}"))?;
         live.restore_aux(name, PolicyHook::Rank).with_context(|| format!("partition {name}: rank hook"))?;
         live.restore_aux(name, PolicyHook::Compact).with_context(|| format!("partition {name}: compact hook"))?;
+    }
+    for spec in &pool_specs {
+        live.restore_aux(&spec.partition, PolicyHook::Pool).with_context(|| format!("partition {}: pool hook", spec.partition))?;
     }
     let mut agents = agents;
     if let Some(store) = store {
@@ -322,6 +344,13 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
     let actuator: Arc<dyn super::state::Actuator> = hub.clone();
     let _ = live.actuator.set(Arc::downgrade(&actuator));
     tasks.push(hub.spawn_sweeper(stopped.clone()));
+    let pools = Arc::new(super::pooling::Pools {
+        pools: pool_specs.iter().map(|s| Arc::new(super::pooling::PoolRun::new(s, names.iter().position(|n| *n == s.partition).expect("checked")))).collect(),
+    });
+    let _ = hub.pools.set(pools.clone());
+    if !pools.pools.is_empty() {
+        tasks.push(super::pooling::spawn_supervisor(pools.clone(), live.clone(), hub.clone(), stopped.clone()));
+    }
     let console_hub = hub.clone();
     let handle_hub = hub.clone();
     let service = BerthServer::new(Service { live: live.clone(), agents: Some(hub.clone()) }).max_decoding_message_size(2 * config.max_upload_bytes + (64 << 10));
@@ -352,6 +381,22 @@ pub async fn start_with_agents(config: ServeConfig, agents: crate::serve::hub::H
             }
         }));
     }
+    let mut inference_addr = None;
+    if let Some(listen) = config.inference_listen {
+        anyhow::ensure!(listen.ip().is_loopback(), "--inference-listen {listen}: plaintext, so loopback only (put a TLS-terminating proxy in front)");
+        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+        let at = listener.local_addr()?;
+        inference_addr = Some(at);
+        let app = super::completions::router(live.clone(), pools.clone());
+        let mut rx = stopped.clone();
+        tasks.push(tokio::spawn(async move {
+            let shutdown = async move { drop(rx.wait_for(|s| *s).await) };
+            if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                tracing::error!(target: "berth::serve", "inference endpoint failed: {e}");
+            }
+        }));
+        tracing::info!(target: "berth::serve", "inference endpoint on http://{at}/v1/completions ({} pool partitions)", pools.pools.len());
+    }
     tracing::info!(target: "berth::serve", %addr, tls = config.tls.is_some(), partitions = names.len(), "serving");
-    Ok(ServeHandle { addr, metrics_addr, live, hub: handle_hub, stop: Some(stop), tasks, schedulers })
+    Ok(ServeHandle { addr, metrics_addr, inference_addr, live, hub: handle_hub, stop: Some(stop), tasks, schedulers })
 }

@@ -726,6 +726,9 @@ pub struct Partition {
     /// The compact hook (no active version: no live compaction); a
     /// candidate in shadow plans on every step's snapshot too (never run).
     pub compact: HookSlot<Arm, shadow::CompactStats>,
+    /// The pool hook of a pool partition (no active version: the default
+    /// pool placement, and executors step by the default step).
+    pub pool: HookSlot<Arm, ()>,
     /// Jobs accepted and stored but not yet in `state`: a submission never
     /// waits for the state lock, which the deciding thread holds through its
     /// policy calls. Whoever takes the lock next moves them in.
@@ -821,6 +824,7 @@ impl Partition {
             place: HookSlot::default(),
             rank: HookSlot::default(),
             compact: HookSlot::default(),
+            pool: HookSlot::default(),
             inbox: Mutex::new(Vec::new()),
             beats: Mutex::new(Beats::default()),
             reports: Mutex::new(Vec::new()),
@@ -862,6 +866,7 @@ impl Partition {
             PolicyHook::Place => &self.place.active,
             PolicyHook::Rank => &self.rank.active,
             PolicyHook::Compact => &self.compact.active,
+            PolicyHook::Pool => &self.pool.active,
         }
     }
 
@@ -869,6 +874,7 @@ impl Partition {
     pub fn aux_candidate(&self, hook: PolicyHook) -> &Mutex<Option<Arc<Arm>>> {
         match hook {
             PolicyHook::Compact => &self.compact.candidate,
+            PolicyHook::Pool => &self.pool.candidate,
             _ => &self.rank.candidate,
         }
     }
@@ -946,6 +952,8 @@ pub struct Live {
     /// The fleet config's work model (`[work]`): the expected rate of a
     /// quoted copy.
     pub work: Option<crate::asi::fleet::WorkConfig>,
+    /// Partitions that are model pools: they take requests, not jobs.
+    pub pool_partitions: std::collections::BTreeSet<String>,
     /// The largest job id pruned so far (stored: ids are never reused).
     pub(crate) pruned_job_floor: AtomicU64,
     /// Submissions' idempotency keys: (owner, key) to the job it made, for
@@ -1015,6 +1023,7 @@ impl Live {
             contract: Default::default(),
             cost_per_gpu_hour: BTreeMap::new(),
             work: None,
+            pool_partitions: Default::default(),
             pruned_job_floor: AtomicU64::new(0),
             idempotency: Mutex::new(HashMap::new()),
             idempotency_settled: Condvar::new(),
@@ -1068,12 +1077,14 @@ impl AgentTopology {
 }
 
 /// The policy hooks a partition versions separately: placement scoring,
-/// preemption ranking and compaction planning.
+/// preemption ranking, compaction planning and, on a pool partition, the
+/// model pool's placement and steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PolicyHook {
     Place,
     Rank,
     Compact,
+    Pool,
 }
 
 impl PolicyHook {
@@ -1083,7 +1094,8 @@ impl PolicyHook {
             "" | "place" => Ok(PolicyHook::Place),
             "rank" => Ok(PolicyHook::Rank),
             "compact" => Ok(PolicyHook::Compact),
-            other => Err(ServeError::Invalid(format!("unknown hook \"{}\": place, rank or compact", crate::text::printable(other, 64)))),
+            "pool" => Ok(PolicyHook::Pool),
+            other => Err(ServeError::Invalid(format!("unknown hook \"{}\": place, rank, compact or pool", crate::text::printable(other, 64)))),
         }
     }
 
@@ -1092,6 +1104,7 @@ impl PolicyHook {
             PolicyHook::Place => "place",
             PolicyHook::Rank => "rank",
             PolicyHook::Compact => "compact",
+            PolicyHook::Pool => "pool",
         }
     }
 
@@ -1101,6 +1114,7 @@ impl PolicyHook {
             PolicyHook::Place => "the previous version",
             PolicyHook::Rank => "the default ranking",
             PolicyHook::Compact => "nothing (live compaction stops)",
+            PolicyHook::Pool => "the default pool placement and step",
         }
     }
 }

@@ -371,6 +371,11 @@ impl WasmPolicy {
     }
 
     /// Instantiates now (so the first decision does not pay for it).
+    /// The component this instance runs (its name, version and hooks).
+    pub fn loaded(&self) -> &Arc<LoadedPolicy> {
+        &self.loaded
+    }
+
     pub fn warm(&mut self) -> Result<(), PolicyError> {
         self.instance().map(|_| ())
     }

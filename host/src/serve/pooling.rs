@@ -1,0 +1,704 @@
+//! Model pools live (Aegaeon): a pool partition's GPUs on agent nodes
+//! grouped into executors (`berth executor` processes the agents start and
+//! relay), the pool hook's `pool-place` run here (at start, every replan
+//! interval, and when a request comes for a model nobody serves), its
+//! `pool-step` pushed to the executors, and requests routed by the
+//! placement's weights. The rules are the simulator's (`berth_core::pool`):
+//! one placement validator, one routing rule, one step validator (in the
+//! executor).
+//!
+//! Executors are held like operators' manual allocations: the fleet holds
+//! their GPUs before the agent's start command goes out, and releases them
+//! only when the agent reports the process gone.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_core::pool::{self, PoolConfig, PoolPolicy};
+use berth_sdk::{PoolPlacement, PoolState};
+use tokio::sync::{mpsc, Notify};
+
+use super::breaker::Call;
+use super::hub::Hub;
+use super::state::{Live, PolicyHook};
+use crate::executor::protocol::{Down, PlaceRow, Up, MAX_LINE_BYTES};
+use crate::proto as pb;
+
+/// Requests one pool holds at once (waiting for a route or in executors).
+pub const MAX_POOL_REQUESTS: usize = 65_536;
+/// How long a request waits for an executor serving its model.
+pub const ROUTE_WAIT: Duration = Duration::from_secs(30);
+/// Pause before an ended executor is started again.
+pub const RESTART_DELAY: Duration = Duration::from_secs(2);
+/// Who the hub records as having started an executor.
+pub const POOL_STARTER: &str = "pool";
+
+/// A pool partition as the fleet config declares it.
+#[derive(Clone, Debug)]
+pub struct PoolSpec {
+    pub partition: String,
+    pub config: PoolConfig,
+    /// `(tp, count)` executors.
+    pub executors: Vec<(u32, u32)>,
+}
+
+/// What a request's caller hears.
+#[derive(Debug)]
+pub enum Event {
+    Token { index: u32, text: String },
+    Done { tokens: u32 },
+    Failed(String),
+}
+
+/// Frames to one executor, through its agent's relay.
+pub type DownTx = mpsc::UnboundedSender<Result<pb::ExecutorFrame, tonic::Status>>;
+
+/// Every pool partition of the host.
+#[derive(Default)]
+pub struct Pools {
+    pub pools: Vec<Arc<PoolRun>>,
+}
+
+impl Pools {
+    pub fn of(&self, partition: &str) -> Option<&Arc<PoolRun>> {
+        self.pools.iter().find(|p| p.partition == partition)
+    }
+
+    /// The pool whose executor allocation `alloc` is.
+    pub fn by_executor(&self, alloc: u64) -> Option<&Arc<PoolRun>> {
+        self.pools.iter().find(|p| p.slot_of(alloc).is_some())
+    }
+}
+
+struct Slot {
+    tp: u32,
+    alloc: Option<u64>,
+    node: String,
+    down: Option<DownTx>,
+    ready: bool,
+    load: u32,
+    /// The pool-step component last sent (its digest; empty: the default).
+    policy_sent: Option<String>,
+    /// Warned once that no node had room for it.
+    warned: bool,
+    /// Not started again before this (after one ended: no crash loop at
+    /// the supervisor's pace).
+    not_before: Option<Instant>,
+}
+
+struct Req {
+    model: usize,
+    slot: usize,
+    tx: mpsc::UnboundedSender<Event>,
+    arrival: Instant,
+    prompt: u32,
+    output: u32,
+    tokens: u32,
+    last_token: Instant,
+    late: bool,
+    rerouted: bool,
+}
+
+struct Inner {
+    slots: Vec<Slot>,
+    /// The placement: each executor's models.
+    rows: Vec<Vec<PlaceRow>>,
+    requests: HashMap<u64, Req>,
+    /// Requests waiting for an executor, per model.
+    unrouted: Vec<u32>,
+    arrived: Vec<u64>,
+    window: Vec<u64>,
+    window_start: Instant,
+    rate: Vec<f64>,
+    peak_rate: Vec<f64>,
+    prompt_sum: Vec<f64>,
+    output_sum: Vec<f64>,
+    last_run: HashMap<(usize, usize), Instant>,
+    last_place: Option<Instant>,
+    want_place: bool,
+    /// Who made the placement in force, and the pool version asked.
+    placed_by: String,
+    placed_version: Option<u32>,
+}
+
+/// One pool partition, live.
+pub struct PoolRun {
+    pub partition: String,
+    p: usize,
+    pub cfg: PoolConfig,
+    inner: Mutex<Inner>,
+    placed: Notify,
+    next_id: AtomicU64,
+}
+
+fn frame(down: &Down) -> pb::ExecutorFrame {
+    pb::ExecutorFrame { line: serde_json::to_vec(down).expect("serializes"), ..Default::default() }
+}
+
+fn send(slot: &Slot, down: &Down) -> bool {
+    slot.down.as_ref().is_some_and(|tx| tx.send(Ok(frame(down))).is_ok())
+}
+
+/// The state `pool-place` is shown for `executors` (`(tp, memory)`), no
+/// traffic yet: for a component's smoke test.
+pub fn smoke_state(cfg: &PoolConfig, executors: &[(u32, u64)]) -> PoolState {
+    let mut s = PoolState::default();
+    for (m, spec) in cfg.models.iter().enumerate() {
+        s.model_tp.push(spec.tp);
+        s.model_weight_bytes.push(spec.weight_bytes());
+        s.model_kv_bytes_per_token.push(spec.kv_bytes_per_token);
+        s.model_arrived.push(0);
+        s.model_rate.push(0.0);
+        s.model_peak_rate.push(0.0);
+        s.model_service_s.push(cfg.service_s(m, 1020.0, 129.0));
+        s.model_queued.push(0);
+    }
+    for &(tp, memory) in executors {
+        s.executor_tp.push(tp);
+        s.executor_memory_bytes.push(memory);
+        s.executor_load.push(0);
+    }
+    s
+}
+
+impl PoolRun {
+    pub fn new(spec: &PoolSpec, p: usize) -> PoolRun {
+        let n = spec.config.models.len();
+        let slots: Vec<Slot> = spec
+            .executors
+            .iter()
+            .flat_map(|&(tp, count)| (0..count).map(move |_| tp))
+            .map(|tp| Slot { tp, alloc: None, node: String::new(), down: None, ready: false, load: 0, policy_sent: None, warned: false, not_before: None })
+            .collect();
+        let rows = vec![Vec::new(); slots.len()];
+        PoolRun {
+            partition: spec.partition.clone(),
+            p,
+            cfg: spec.config.clone(),
+            inner: Mutex::new(Inner {
+                slots,
+                rows,
+                requests: HashMap::new(),
+                unrouted: vec![0; n],
+                arrived: vec![0; n],
+                window: vec![0; n],
+                window_start: Instant::now(),
+                rate: vec![0.0; n],
+                peak_rate: vec![0.0; n],
+                prompt_sum: vec![0.0; n],
+                output_sum: vec![0.0; n],
+                last_run: HashMap::new(),
+                last_place: None,
+                want_place: true,
+                placed_by: String::new(),
+                placed_version: None,
+            }),
+            placed: Notify::new(),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// A model's catalog index by name.
+    pub fn model(&self, name: &str) -> Option<usize> {
+        self.cfg.models.iter().position(|m| m.name == name)
+    }
+
+    fn slot_of(&self, alloc: u64) -> Option<usize> {
+        self.inner.lock().unwrap().slots.iter().position(|s| s.alloc == Some(alloc))
+    }
+
+    /// Executors by state, and who placed last: for the console and tests.
+    pub fn summary(&self) -> PoolSummary {
+        let g = self.inner.lock().unwrap();
+        PoolSummary {
+            executors: g.slots.len(),
+            ready: g.slots.iter().filter(|s| s.ready).count(),
+            started: g.slots.iter().filter(|s| s.alloc.is_some()).count(),
+            in_flight: g.requests.len(),
+            placed_by: g.placed_by.clone(),
+            rows: g.rows.iter().map(|r| r.len()).sum(),
+        }
+    }
+
+    /// Takes a request: it waits (up to [`ROUTE_WAIT`]) for an executor
+    /// serving its model, then is admitted there; the receiver hears its
+    /// tokens. `Err` says why it was refused.
+    pub async fn submit(&self, live: &Live, model: usize, prompt: u32, output: u32) -> Result<(u64, mpsc::UnboundedReceiver<Event>), String> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        {
+            let mut g = self.inner.lock().unwrap();
+            if g.requests.len() + g.unrouted.iter().map(|&u| u as usize).sum::<usize>() >= MAX_POOL_REQUESTS {
+                return Err(format!("the pool holds {MAX_POOL_REQUESTS} requests already"));
+            }
+            g.arrived[model] += 1;
+            g.window[model] += 1;
+            g.prompt_sum[model] += f64::from(prompt);
+            g.output_sum[model] += f64::from(output);
+        }
+        let arrival = Instant::now();
+        let deadline = tokio::time::Instant::now() + ROUTE_WAIT;
+        let mut waiting = false;
+        loop {
+            let notified = self.placed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut g = self.inner.lock().unwrap();
+                if let Some(slot) = route(&g, model) {
+                    if waiting {
+                        g.unrouted[model] -= 1;
+                    }
+                    let req = Req { model, slot, tx, arrival, prompt, output, tokens: 0, last_token: arrival, late: false, rerouted: false };
+                    admit(&mut g, id, req);
+                    return Ok((id, rx));
+                }
+                if !waiting {
+                    waiting = true;
+                    g.unrouted[model] += 1;
+                }
+                g.want_place = true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                self.inner.lock().unwrap().unrouted[model] -= 1;
+                live.metrics.pool_requests.with_label_values(&[&self.partition, &self.cfg.models[model].name, "rejected"]).inc();
+                return Err(format!("no executor served model {} within {} s", self.cfg.models[model].name, ROUTE_WAIT.as_secs()));
+            }
+        }
+    }
+
+    /// The caller left: its executor forgets the request.
+    pub fn cancel(&self, live: &Live, id: u64) {
+        let mut g = self.inner.lock().unwrap();
+        if let Some(req) = g.requests.remove(&id) {
+            let slot = &mut g.slots[req.slot];
+            slot.load = slot.load.saturating_sub(1);
+            send(slot, &Down::Cancel { id });
+            live.metrics.pool_requests.with_label_values(&[&self.partition, &self.cfg.models[req.model].name, "cancelled"]).inc();
+        }
+    }
+
+    /// An executor's relay opened: it is configured, then placed once ready.
+    pub fn attach(&self, alloc: u64, down: DownTx) -> Result<(), String> {
+        let mut g = self.inner.lock().unwrap();
+        let i = g.slots.iter().position(|s| s.alloc == Some(alloc)).ok_or_else(|| format!("allocation {alloc} is no executor of pool {}", self.partition))?;
+        let slot = &mut g.slots[i];
+        if slot.down.is_some() {
+            return Err(format!("executor {i} of pool {} is relayed already", self.partition));
+        }
+        slot.down = Some(down);
+        slot.policy_sent = None;
+        send(slot, &Down::Configure { executor: i as u32, tp: slot.tp, pool: self.cfg.clone() });
+        Ok(())
+    }
+
+    /// An executor's relay ended: its requests go elsewhere (those with no
+    /// token yet) or fail (the rest); it is started again once its
+    /// allocation ends.
+    pub fn detach(&self, live: &Live, alloc: u64) {
+        let mut g = self.inner.lock().unwrap();
+        let Some(i) = g.slots.iter().position(|s| s.alloc == Some(alloc)) else { return };
+        let slot = &mut g.slots[i];
+        slot.down = None;
+        slot.ready = false;
+        slot.load = 0;
+        self.orphan_requests(&mut g, live, i);
+        g.want_place = true;
+    }
+
+    fn orphan_requests(&self, g: &mut Inner, live: &Live, slot: usize) {
+        let ids: Vec<u64> = g.requests.iter().filter(|(_, r)| r.slot == slot).map(|(&id, _)| id).collect();
+        for id in ids {
+            let mut req = g.requests.remove(&id).expect("listed");
+            if req.tokens == 0 && !req.rerouted
+                && let Some(s) = route(g, req.model)
+            {
+                req.slot = s;
+                req.rerouted = true;
+                admit(g, id, req);
+                continue;
+            }
+            live.metrics.pool_requests.with_label_values(&[&self.partition, &self.cfg.models[req.model].name, "failed"]).inc();
+            let _ = req.tx.send(Event::Failed(format!("executor {slot} was lost after {} tokens", req.tokens)));
+        }
+    }
+
+    /// One line from an executor. Returns the pool-step component (its
+    /// digest) and why, when the executor gave up on the one it was sent.
+    pub fn on_line(&self, live: &Live, alloc: u64, line: &[u8]) -> Option<(String, String)> {
+        if line.len() > MAX_LINE_BYTES {
+            tracing::warn!(target: "berth::pool", partition = %self.partition, allocation = alloc, "executor line of {} bytes ignored", line.len());
+            return None;
+        }
+        let up: Up = match serde_json::from_slice(line) {
+            Ok(up) => up,
+            Err(e) => {
+                tracing::warn!(target: "berth::pool", partition = %self.partition, allocation = alloc, "not an executor message: {}", crate::text::printable(&e.to_string(), 200));
+                return None;
+            }
+        };
+        let mut g = self.inner.lock().unwrap();
+        let i = g.slots.iter().position(|s| s.alloc == Some(alloc))?;
+        let now = Instant::now();
+        let name = |m: usize| self.cfg.models.get(m).map_or("?", |s| s.name.as_str());
+        match up {
+            Up::Ready { .. } => {
+                g.slots[i].ready = true;
+                let rows = g.rows[i].clone();
+                if rows.is_empty() {
+                    g.want_place = true;
+                } else {
+                    send(&g.slots[i], &Down::Place { rows });
+                }
+                drop(g);
+                self.placed.notify_waiters();
+                tracing::info!(target: "berth::pool", partition = %self.partition, executor = i, allocation = alloc, "executor ready");
+            }
+            Up::Token { id, index, text, .. } => {
+                let slo = self.cfg.slo;
+                if let Some(req) = g.requests.get_mut(&id) {
+                    let since = now.duration_since(req.arrival).as_secs_f64();
+                    if index == 0 {
+                        live.metrics.pool_ttft_seconds.with_label_values(&[self.partition.as_str(), name(req.model)]).observe(since);
+                    } else {
+                        live.metrics.pool_tbt_seconds.with_label_values(&[self.partition.as_str(), name(req.model)]).observe(now.duration_since(req.last_token).as_secs_f64());
+                    }
+                    // Token i is due at arrival + TTFT + i x TBT (the simulator's rule).
+                    if since > slo.ttft_s + f64::from(index) * slo.tbt_s {
+                        req.late = true;
+                    }
+                    req.tokens = req.tokens.max(index + 1);
+                    req.last_token = now;
+                    let _ = req.tx.send(Event::Token { index, text });
+                    let key = (i, req.model);
+                    g.last_run.insert(key, now);
+                }
+            }
+            Up::Done { id, tokens, .. } => {
+                if let Some(req) = g.requests.remove(&id) {
+                    g.slots[req.slot].load = g.slots[req.slot].load.saturating_sub(1);
+                    let late = req.late || tokens < req.output;
+                    live.metrics.pool_requests.with_label_values(&[self.partition.as_str(), name(req.model), if late { "slo_missed" } else { "slo_met" }]).inc();
+                    let _ = req.tx.send(Event::Done { tokens });
+                }
+            }
+            Up::Rejected { id, why } => {
+                if let Some(mut req) = g.requests.remove(&id) {
+                    g.slots[req.slot].load = g.slots[req.slot].load.saturating_sub(1);
+                    // A placement that moved the model away as it came: once elsewhere.
+                    if req.tokens == 0 && !req.rerouted
+                        && let Some(s) = route(&g, req.model).filter(|&s| s != i)
+                    {
+                        req.slot = s;
+                        req.rerouted = true;
+                        admit(&mut g, id, req);
+                    } else {
+                        live.metrics.pool_requests.with_label_values(&[self.partition.as_str(), name(req.model), "rejected"]).inc();
+                        let _ = req.tx.send(Event::Failed(format!("executor {i}: {}", crate::text::printable(&why, 300))));
+                    }
+                }
+            }
+            Up::Loaded { model, .. } => live.metrics.pool_switches.with_label_values(&[self.partition.as_str(), name(model as usize)]).inc(),
+            Up::Step { by, .. } => {
+                let by = match by.as_str() {
+                    "policy" | "default" | "fallback" => by.as_str(),
+                    _ => "other",
+                };
+                live.metrics.pool_steps.with_label_values(&[&self.partition, by]).inc();
+            }
+            Up::Policy { digest, loaded, why } => {
+                let digest = crate::text::printable(&digest, 80).into_owned();
+                let why = why.map(|w| crate::text::printable(&w, 300).into_owned());
+                if loaded {
+                    tracing::info!(target: "berth::pool", partition = %self.partition, executor = i, %digest, "pool-step policy in use");
+                } else {
+                    tracing::warn!(target: "berth::pool", partition = %self.partition, executor = i, %digest, "pool-step policy dropped: {}", why.as_deref().unwrap_or("?"));
+                    if g.slots[i].policy_sent.as_deref() == Some(digest.as_str()) {
+                        return Some((digest, format!("executor {i}: {}", why.unwrap_or_default())));
+                    }
+                }
+            }
+            Up::Error { what } => tracing::warn!(target: "berth::pool", partition = %self.partition, executor = i, "executor: {}", crate::text::printable(&what, 300)),
+            Up::Evicted { .. } | Up::Memory { .. } => {}
+        }
+        None
+    }
+
+    /// The supervisor's round: executors whose allocations ended are
+    /// forgotten, missing ones started on free agent GPUs, the placement
+    /// renewed when due, the pool-step version pushed where it is not yet.
+    pub fn tick(&self, live: &Live, hub: &Hub) {
+        // Executors gone (exited, failed, lost): their requests move.
+        let allocs: Vec<(usize, u64)> = self.inner.lock().unwrap().slots.iter().enumerate().filter_map(|(i, s)| s.alloc.map(|a| (i, a))).collect();
+        for (i, alloc) in allocs {
+            if !hub.allocation_holds(alloc) {
+                let mut g = self.inner.lock().unwrap();
+                if g.slots[i].alloc == Some(alloc) {
+                    tracing::info!(target: "berth::pool", partition = %self.partition, executor = i, allocation = alloc, "executor ended");
+                    let slot = &mut g.slots[i];
+                    slot.alloc = None;
+                    slot.down = None;
+                    slot.ready = false;
+                    slot.load = 0;
+                    slot.not_before = Some(Instant::now() + RESTART_DELAY);
+                    self.orphan_requests(&mut g, live, i);
+                    g.want_place = true;
+                }
+            }
+        }
+        // Missing executors, largest first, on the first node with room.
+        let mut missing: Vec<(usize, u32)> = self.inner.lock().unwrap().slots.iter().enumerate().filter(|(_, s)| s.alloc.is_none() && s.not_before.is_none_or(|t| t <= Instant::now())).map(|(i, s)| (i, s.tp)).collect();
+        if !missing.is_empty() {
+            missing.sort_by_key(|&(i, tp)| (std::cmp::Reverse(tp), i));
+            let mut free = hub.free_agent_gpus(&self.partition);
+            for (i, tp) in missing {
+                let Some(k) = free.iter().position(|(_, gpus)| gpus.len() >= tp as usize) else {
+                    let mut g = self.inner.lock().unwrap();
+                    if !std::mem::replace(&mut g.slots[i].warned, true) {
+                        tracing::warn!(target: "berth::pool", partition = %self.partition, executor = i, tp, "no agent node has {tp} free healthy GPUs for this executor yet");
+                    }
+                    continue;
+                };
+                let gpus: Vec<u32> = free[k].1.drain(..tp as usize).collect();
+                let node = free[k].0.clone();
+                match hub.start_executor(&self.partition, &node, &gpus) {
+                    Ok(alloc) => {
+                        let mut g = self.inner.lock().unwrap();
+                        let slot = &mut g.slots[i];
+                        slot.alloc = Some(alloc);
+                        slot.node = node.clone();
+                        slot.warned = false;
+                        tracing::info!(target: "berth::pool", partition = %self.partition, executor = i, allocation = alloc, %node, ?gpus, "executor starting");
+                    }
+                    Err(e) => tracing::warn!(target: "berth::pool", partition = %self.partition, executor = i, %node, "starting an executor: {}", e.message()),
+                }
+            }
+        }
+        let version = live.partitions[self.p].pool.active.lock().unwrap().as_ref().map(|a| a.meta.version);
+        let due = {
+            let g = self.inner.lock().unwrap();
+            let interval = Duration::from_secs_f64(self.cfg.replan_interval_s);
+            // A swapped pool version places at once.
+            g.slots.iter().any(|s| s.ready) && (g.want_place || g.placed_version != version || g.last_place.is_none_or(|t| t.elapsed() >= interval))
+        };
+        if due {
+            self.replan(live);
+        }
+        self.push_step_policy(live);
+        let g = self.inner.lock().unwrap();
+        let mut by_state: std::collections::BTreeMap<(u32, &str), i64> = Default::default();
+        for s in &g.slots {
+            let state = if s.ready { "ready" } else if s.alloc.is_some() { "starting" } else { "missing" };
+            *by_state.entry((s.tp, state)).or_default() += 1;
+            for other in ["ready", "starting", "missing"] {
+                by_state.entry((s.tp, other)).or_default();
+            }
+        }
+        for ((tp, state), n) in by_state {
+            live.metrics.pool_executors.with_label_values(&[&self.partition, &tp.to_string(), state]).set(n);
+        }
+    }
+
+    fn state(&self, g: &Inner) -> PoolState {
+        let now = Instant::now();
+        let mut s = PoolState { now_ms: now.duration_since(g.window_start).as_millis() as u64, ..Default::default() };
+        for (m, spec) in self.cfg.models.iter().enumerate() {
+            s.model_tp.push(spec.tp);
+            s.model_weight_bytes.push(spec.weight_bytes());
+            s.model_kv_bytes_per_token.push(spec.kv_bytes_per_token);
+            s.model_arrived.push(g.arrived[m]);
+            s.model_rate.push(g.rate[m]);
+            s.model_peak_rate.push(g.peak_rate[m]);
+            let c = g.arrived[m] as f64;
+            let (p, o) = if c > 0.0 { (g.prompt_sum[m] / c, g.output_sum[m] / c) } else { (1020.0, 129.0) };
+            s.model_service_s.push(self.cfg.service_s(m, p, o));
+            s.model_queued.push(g.unrouted[m]);
+        }
+        for (e, slot) in g.slots.iter().enumerate() {
+            s.executor_tp.push(slot.tp);
+            s.executor_memory_bytes.push(self.cfg.executor_memory(slot.tp));
+            s.executor_load.push(slot.load);
+            for row in &g.rows[e] {
+                let m = row.model as usize;
+                s.assigned_executor.push(e as u32);
+                s.assigned_model.push(row.model);
+                s.assigned_pinned.push(u8::from(row.pinned));
+                s.assigned_load.push(g.requests.values().filter(|r| r.slot == e && r.model == m).count() as u32);
+                s.assigned_idle_ms.push(g.last_run.get(&(e, m)).map_or(u64::MAX, |t| now.duration_since(*t).as_millis() as u64));
+            }
+        }
+        s
+    }
+
+    /// Runs `pool-place` (the active pool version, else the default),
+    /// validates its answer whole and sends each executor its rows. A
+    /// refused answer counts against the version's breaker and the default
+    /// placement decides this time.
+    pub fn replan(&self, live: &Live) {
+        let part = &live.partitions[self.p];
+        let (state, shape) = {
+            let mut g = self.inner.lock().unwrap();
+            // Arrival rates over the window since the last placement.
+            let span = g.window_start.elapsed().as_secs_f64().max(1e-3);
+            for m in 0..g.rate.len() {
+                g.rate[m] = g.window[m] as f64 / span;
+                g.peak_rate[m] = g.peak_rate[m].max(g.rate[m]);
+                g.window[m] = 0;
+            }
+            g.window_start = Instant::now();
+            let shape: Vec<(u32, u64)> = g.slots.iter().map(|s| (s.tp, self.cfg.executor_memory(s.tp))).collect();
+            (self.state(&g), shape)
+        };
+        let arm = part.pool.active.lock().unwrap().clone().filter(|a| a.policy.lock().unwrap().loaded().info.hooks.contains(berth_sdk::Hooks::POOL_PLACE));
+        let (placement, by) = match &arm {
+            None => (berth_sdk::default_pool_place(&state), "the default placement".to_string()),
+            Some(arm) => {
+                let label = format!("{}@{} (pool version {})", arm.meta.name, arm.meta.semver, arm.meta.version);
+                let started = Instant::now();
+                let answer = arm.policy.lock().unwrap().pool_place(&state);
+                let took = started.elapsed();
+                let checked = answer.and_then(|a| a.map(|p| pool::check_placement(&self.cfg, &shape, &p).map(|_| p)).transpose());
+                match checked {
+                    Ok(Some(p)) => {
+                        part.pool.breaker.lock().unwrap().record(arm.meta.version, Call::Answered(took), &live.breaker);
+                        (p, label)
+                    }
+                    Ok(None) => {
+                        part.pool.breaker.lock().unwrap().record(arm.meta.version, Call::Answered(took), &live.breaker);
+                        (berth_sdk::default_pool_place(&state), format!("{label}, which left it to the default"))
+                    }
+                    Err(e) => {
+                        live.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &arm.meta.version.to_string(), super::breaker::kind(&e)]).inc();
+                        tracing::warn!(target: "berth::pool", partition = %self.partition, version = arm.meta.version, "pool placement refused: {e}; the default placement decides");
+                        if super::breaker::counts(&e)
+                            && let Some(why) = part.pool.breaker.lock().unwrap().record(arm.meta.version, Call::Failed(&e), &live.breaker)
+                        {
+                            live.trip_aux(self.p, PolicyHook::Pool, arm, &why);
+                        }
+                        (berth_sdk::default_pool_place(&state), format!("the default placement ({label} refused: {e})"))
+                    }
+                }
+            }
+        };
+        self.apply(&placement, by, arm.map(|a| a.meta.version));
+    }
+
+    fn apply(&self, p: &PoolPlacement, by: String, version: Option<u32>) {
+        let mut g = self.inner.lock().unwrap();
+        g.placed_version = version;
+        let mut rows = vec![Vec::new(); g.slots.len()];
+        for i in 0..p.executor.len() {
+            rows[p.executor[i] as usize].push(PlaceRow { model: p.model[i], weight: p.weight[i], pinned: p.pinned[i] == 1 });
+        }
+        for (e, r) in rows.iter().enumerate() {
+            if *r != g.rows[e] && g.slots[e].ready {
+                send(&g.slots[e], &Down::Place { rows: r.clone() });
+            }
+        }
+        if g.placed_by != by {
+            tracing::info!(target: "berth::pool", partition = %self.partition, pairs = p.executor.len(), "placed by {by}");
+        }
+        g.rows = rows;
+        g.placed_by = by;
+        g.want_place = false;
+        g.last_place = Some(Instant::now());
+        drop(g);
+        self.placed.notify_waiters();
+    }
+
+    /// Sends the active pool version's component to every ready executor
+    /// that runs another (or, with none active, tells it to step by the
+    /// default): the swap happens between two of its steps.
+    fn push_step_policy(&self, live: &Live) {
+        let part = &live.partitions[self.p];
+        let arm = part.pool.active.lock().unwrap().clone().filter(|a| a.policy.lock().unwrap().loaded().info.hooks.contains(berth_sdk::Hooks::POOL_STEP));
+        let digest = arm.as_ref().map_or(String::new(), |a| a.meta.sha256.clone());
+        let stale = self.inner.lock().unwrap().slots.iter().any(|s| s.ready && s.policy_sent.as_deref() != Some(digest.as_str()));
+        if !stale {
+            return;
+        }
+        let component = match &arm {
+            None => String::new(),
+            Some(a) => match live.registry.component(&a.meta.sha256) {
+                Ok(bytes) => {
+                    use base64::Engine as _;
+                    base64::engine::general_purpose::STANDARD.encode(bytes)
+                }
+                Err(e) => return tracing::warn!(target: "berth::pool", partition = %self.partition, "pool-step component {}: {e}", a.meta.sha256),
+            },
+        };
+        if component.len() + 256 > MAX_LINE_BYTES {
+            return tracing::warn!(target: "berth::pool", partition = %self.partition, "pool-step component of {} base64 bytes exceeds an executor line", component.len());
+        }
+        let down = Down::Policy { digest: digest.clone(), component };
+        let mut g = self.inner.lock().unwrap();
+        for slot in g.slots.iter_mut().filter(|s| s.ready && s.policy_sent.as_deref() != Some(digest.as_str())) {
+            if send(slot, &down) {
+                slot.policy_sent = Some(digest.clone());
+            }
+        }
+    }
+}
+
+impl PoolRun {
+    /// An executor gave up on pool-step component `digest`: if it is the
+    /// active pool version's, the breaker takes that version out (the
+    /// default placement and step decide until an operator activates one).
+    pub fn trip_step(&self, live: &Live, digest: &str, why: &str) {
+        let part = &live.partitions[self.p];
+        let arm = part.pool.active.lock().unwrap().clone();
+        if let Some(arm) = arm.filter(|a| a.meta.sha256 == digest) {
+            live.metrics.policy_failures.with_label_values(&[&part.name, &arm.meta.name, &arm.meta.version.to_string(), "invalid_output"]).inc();
+            live.trip_aux(self.p, PolicyHook::Pool, &arm, &format!("its pool-step answers were refused: {why}"));
+        }
+    }
+}
+
+/// What a pool looks like now.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PoolSummary {
+    pub executors: usize,
+    pub started: usize,
+    pub ready: usize,
+    pub in_flight: usize,
+    pub placed_by: String,
+    /// Executor-model pairs placed.
+    pub rows: usize,
+}
+
+fn route(g: &Inner, model: usize) -> Option<usize> {
+    pool::route_least_loaded(g.slots.iter().enumerate().filter(|(_, s)| s.ready && s.down.is_some()).filter_map(|(e, s)| {
+        g.rows[e].iter().find(|r| r.model as usize == model).map(|r| (e, s.load, r.weight))
+    }))
+}
+
+fn admit(g: &mut Inner, id: u64, req: Req) {
+    let slot = &mut g.slots[req.slot];
+    slot.load += 1;
+    send(slot, &Down::Admit { id, model: req.model as u32, prompt_tokens: req.prompt, output_tokens: req.output });
+    g.requests.insert(id, req);
+}
+
+/// Runs every pool's supervisor round once a second, off the async workers
+/// (starting an executor writes the store).
+pub fn spawn_supervisor(pools: Arc<Pools>, live: Arc<Live>, hub: Arc<Hub>, mut stopped: tokio::sync::watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(500));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = stopped.wait_for(|s| *s) => return,
+            }
+            let (pools, live, hub) = (pools.clone(), live.clone(), hub.clone());
+            let _ = tokio::task::spawn_blocking(move || {
+                for pool in &pools.pools {
+                    pool.tick(&live, &hub);
+                }
+            })
+            .await;
+        }
+    })
+}

@@ -1,0 +1,284 @@
+//! Model pools live: a real `berth serve` with a `[[pool]]` partition, two
+//! synthetic agents that start `berth executor` processes and relay them,
+//! and concurrent streaming clients on `/v1/completions`. Checked against
+//! the processes on the node (one executor per group of GPUs, no GPU
+//! twice, no credential in their environment), the cost model's pace
+//! (no token before its modelled time), and the pool hook's versions
+//! (a hot swap drops no request; a pool-step that never answers trips the
+//! breaker and the default step serves on).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use berth::pool::PoolFile;
+use berth::proto as pb;
+use serde_json::{json, Value};
+use tonic::Code;
+
+use crate::agent::{agent_token_file, dir, log_tails, serve, spawn, until_logged, Proc};
+use crate::common::{guest_path, policy_path};
+
+/// p0: one simulated node; p1: a pool of the default market (28 models at
+/// TP 1, 19 at TP 4 on H20) on four TP-1 executors and one TP-4 one.
+const FLEET: &str = r#"
+seed = 1
+nodes_per_switch = 8
+nodes_per_partition = 1
+
+[[shapes]]
+model = "H20"
+count = 2
+gpus = 8
+cpu_cores = 32
+memory_gib = 256
+
+[[pool]]
+partition = 1
+market = "default"
+executors = [[1, 4], [4, 1]]
+"#;
+
+fn pool_agent(d: &Path, url: &str, node: &str) -> Proc {
+    let state = d.join(format!("{node}-state")).display().to_string();
+    let token_file = agent_token_file(d);
+    let log = d.join(format!("{node}.log"));
+    spawn(
+        &["agent", "--node", node, "--synthetic-gpus", "4xH20", "--server", url, "--token-file", &token_file, "--partition", "p1", "--heartbeat-ms", "200", "--stop-grace-s", "2", "--state-dir", &state],
+        &log,
+    )
+}
+
+/// One completion as its client saw it.
+#[derive(Debug)]
+struct Seen {
+    status: u16,
+    /// Seconds from the request to each token chunk.
+    at: Vec<f64>,
+    done: bool,
+    error: Option<String>,
+}
+
+/// Streams one completion; blocking (run it on its own thread).
+fn stream(base: &str, token: &str, model: &str, prompt_tokens: usize, max_tokens: u32) -> Seen {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(180))).build().into();
+    let body = json!({ "model": model, "prompt": vec![1u32; prompt_tokens], "max_tokens": max_tokens, "stream": true });
+    let t0 = Instant::now();
+    let mut r = agent.post(format!("{base}/v1/completions")).header("Authorization", &format!("Bearer {token}")).header("Content-Type", "application/json").send(body.to_string()).unwrap();
+    let status = r.status().as_u16();
+    let mut seen = Seen { status, at: Vec::new(), done: false, error: None };
+    if status != 200 {
+        seen.error = Some(r.body_mut().read_to_string().unwrap_or_default());
+        return seen;
+    }
+    let reader = BufReader::new(r.into_body().into_reader());
+    for line in reader.lines() {
+        let Ok(line) = line else { break };
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            seen.done = true;
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        if let Some(e) = v.get("error") {
+            seen.error = Some(e.to_string());
+            continue;
+        }
+        let choice = &v["choices"][0];
+        if choice["finish_reason"].is_null() {
+            assert!(!choice["text"].as_str().unwrap().is_empty(), "{v}");
+            seen.at.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    seen
+}
+
+fn post(base: &str, path: &str, token: &str, body: Value) -> (u16, Value) {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(60))).build().into();
+    let mut r = agent.post(format!("{base}{path}")).header("Authorization", &format!("Bearer {token}")).header("Content-Type", "application/json").send(body.to_string()).unwrap();
+    let status = r.status().as_u16();
+    let text = r.body_mut().read_to_string().unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+/// The `berth executor` processes whose sockets are under `d`: pid, the
+/// GPUs they were given, and their whole environment.
+fn executors_under(d: &Path) -> Vec<(u32, Vec<String>, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else { continue };
+        let args: Vec<String> = cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if args.get(1).map(String::as_str) != Some("executor") {
+            continue;
+        }
+        let Ok(environ) = std::fs::read(e.path().join("environ")) else { continue };
+        let env = String::from_utf8_lossy(&environ).replace('\0', "\n");
+        let socket = env.lines().find_map(|l| l.strip_prefix("BERTH_EXECUTOR_SOCKET=")).unwrap_or("");
+        if !socket.starts_with(&d.display().to_string()) {
+            continue;
+        }
+        let gpus = env.lines().find_map(|l| l.strip_prefix("CUDA_VISIBLE_DEVICES=")).unwrap_or("").split(',').filter(|s| !s.is_empty()).map(String::from).collect();
+        out.push((pid, gpus, env));
+    }
+    out
+}
+
+fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines().filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x))).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
+fn get(url: &str) -> String {
+    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(30))).build().into();
+    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pool_partition_serves_streamed_completions_on_executors_its_agents_run() {
+    let d = dir("pool-live");
+    let fleet = d.join("fleet.toml");
+    std::fs::write(&fleet, FLEET).unwrap();
+    let (serve_proc, url) = serve(&d, "serve", &d.join("state"), &["--fleet", fleet.to_str().unwrap(), "--inference-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]).await;
+    let log = std::fs::read_to_string(d.join("serve.log")).unwrap();
+    let find = |what: &str| log.lines().find_map(|l| l.split(what).nth(1).map(|r| r.split(['/', ',']).next().unwrap().trim().to_string())).unwrap_or_else(|| panic!("no {what:?} in:\n{log}"));
+    let base = format!("http://{}", find("completions on http://"));
+    let metrics = format!("http://{}/metrics", find("metrics on http://"));
+    let _m1 = pool_agent(&d, &url, "m1");
+    let _m2 = pool_agent(&d, &url, "m2");
+    let market = PoolFile::load("default").unwrap().config();
+    let tp1: Vec<String> = market.models.iter().filter(|m| m.tp == 1).map(|m| m.name.clone()).collect();
+    let tp4: Vec<String> = market.models.iter().filter(|m| m.tp == 4).map(|m| m.name.clone()).collect();
+
+    // Until the executors serve: a plain (not streamed) completion answers.
+    let first = until_logged(&d, "a completion from the pool", Duration::from_secs(120), || {
+        let base = base.clone();
+        let model = tp1[0].clone();
+        async move {
+            let (status, v) = tokio::task::spawn_blocking(move || post(&base, "/v1/completions", "carol-test-token", json!({ "model": model, "prompt": "hello pool", "max_tokens": 4 }))).await.unwrap();
+            (status == 200).then_some(v)
+        }
+    })
+    .await;
+    assert_eq!(first["usage"]["completion_tokens"], 4, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens"], 3, "10 bytes of prompt are 3 tokens: {first}");
+    assert_eq!(first["choices"][0]["finish_reason"], "length");
+
+    // Physical truth: five executor processes (4 x TP 1, 1 x TP 4), each on
+    // its own GPUs, none given a credential.
+    let procs = until_logged(&d, "five executor processes", Duration::from_secs(60), || {
+        let d = d.clone();
+        async move {
+            let p = executors_under(&d);
+            (p.len() == 5).then_some(p)
+        }
+    })
+    .await;
+    let mut sizes: Vec<usize> = procs.iter().map(|(_, g, _)| g.len()).collect();
+    sizes.sort();
+    assert_eq!(sizes, [1, 1, 1, 1, 4], "{procs:?}");
+    let all: Vec<&String> = procs.iter().flat_map(|(_, g, _)| g).collect();
+    assert_eq!(all.iter().collect::<BTreeSet<_>>().len(), 8, "a GPU given to two executors: {all:?}");
+    for (pid, _, env) in &procs {
+        assert!(!env.contains("test-token") && !env.contains("BERTH_TOKEN"), "executor {pid} holds a credential:\n{env}");
+    }
+
+    // Bounds and access, each named.
+    let (status, v) = post(&base, "/v1/completions", "alice-test-token", json!({ "model": tp1[0], "prompt": "x" }));
+    assert_eq!(status, 404, "alice holds no tenant role on p1: {v}");
+    let (status, v) = post(&base, "/v1/completions", "carol-test-token", json!({ "model": tp1[0], "prompt": "x", "max_tokens": 100_000 }));
+    assert!(status == 400 && v.to_string().contains("max_tokens"), "{status} {v}");
+    let (status, _) = post(&base, "/v1/completions", "no-such-token", json!({ "model": tp1[0], "prompt": "x" }));
+    assert_eq!(status, 401);
+    // A pool partition takes no jobs.
+    let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
+    let job = pb::JobSpec { partition: "p1".into(), tasks: 1, gpus: 1, cpu_milli: 1000, memory_mib: 1024, argv: vec!["true".into()], ..Default::default() };
+    let e = api.submit_job(pb::SubmitJobRequest { job: Some(job), ..Default::default() }).await.unwrap_err();
+    assert!(e.code() == Code::FailedPrecondition && e.message().contains("model pool"), "{e:?}");
+
+    // Concurrent streaming clients over six models of both degrees; a
+    // pool-token hot swap lands while they stream.
+    let models: Vec<String> = tp1.iter().take(4).chain(tp4.iter().take(2)).cloned().collect();
+    let (prompt, max_tokens) = (400usize, 48u32);
+    let clients: Vec<_> = (0..12)
+        .map(|i| {
+            let (base, model) = (base.clone(), models[i % models.len()].clone());
+            std::thread::spawn(move || (model.clone(), stream(&base, "carol-test-token", &model, prompt, max_tokens)))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let component = std::fs::read(policy_path("pool-token")).unwrap();
+    let token_version = api.upload_policy(pb::UploadPolicyRequest { partition: "p1".into(), component, hook: "pool".into(), ..Default::default() }).await.unwrap().into_inner().policy.unwrap().version;
+    api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: token_version, hook: "pool".into() }).await.unwrap();
+    let mut by_model: BTreeMap<String, usize> = BTreeMap::new();
+    for c in clients {
+        let (model, seen) = c.join().unwrap();
+        assert!(seen.status == 200 && seen.done && seen.error.is_none(), "{model}: {seen:?}\n{}", log_tails(&d, 40));
+        assert_eq!(seen.at.len(), max_tokens as usize, "{model}: every token streamed");
+        // Never faster than the cost model: the prompt's prefill before the
+        // first token, one decode iteration (at least) between two.
+        let m = market.models.iter().position(|x| x.name == model).unwrap();
+        let prefill = market.prefill_s(m, prompt as u64);
+        let decode = f64::from(max_tokens - 1) * market.decode_iteration_s(m, prompt as u64);
+        assert!(seen.at[0] >= prefill, "{model}: first token at {:.3} s, before the modelled {prefill:.3} s prefill", seen.at[0]);
+        let span = seen.at.last().unwrap() - seen.at[0];
+        assert!(span >= 0.95 * decode, "{model}: {max_tokens} tokens in {span:.3} s, faster than the modelled {decode:.3} s");
+        *by_model.entry(model).or_default() += 1;
+    }
+    assert_eq!(by_model.len(), 6);
+
+    // The swap reached both places: pool-token placed, and the executors
+    // step by it (their steps counted as the policy's).
+    until_logged(&d, "pool-token placing and stepping", Duration::from_secs(60), || {
+        let (metrics, d) = (metrics.clone(), d.clone());
+        async move {
+            let text = tokio::task::spawn_blocking(move || get(&metrics)).await.unwrap();
+            let log = std::fs::read_to_string(d.join("serve.log")).unwrap_or_default();
+            let by_policy = metric(&text, "berth_pool_steps_total", &["partition=\"p1\"", "by=\"policy\""]);
+            (log.contains("placed by pool-token@") && by_policy > 0.0).then_some(())
+        }
+    })
+    .await;
+    let seen = tokio::task::spawn_blocking({
+        let (base, model) = (base.clone(), tp4[0].clone());
+        move || stream(&base, "carol-test-token", &model, 100, 8)
+    })
+    .await
+    .unwrap();
+    assert!(seen.done && seen.at.len() == 8, "after the swap: {seen:?}");
+    let text = get(&metrics);
+    assert!(metric(&text, "berth_pool_requests_total", &["partition=\"p1\"", "outcome=\"slo_met\""]) >= 12.0, "{text}");
+    assert!(metric(&text, "berth_pool_ttft_seconds_count", &["partition=\"p1\""]) >= 14.0);
+    assert_eq!(metric(&text, "berth_pool_executors", &["partition=\"p1\"", "state=\"ready\""]), 5.0);
+
+    // A pool-step that never answers: each executor stops asking it after
+    // three refusals and says so; the host's breaker takes the version out;
+    // requests meanwhile are served by the default step.
+    let component = std::fs::read(guest_path("hostile-pool")).unwrap();
+    let hostile = api.upload_policy(pb::UploadPolicyRequest { partition: "p1".into(), component, hook: "pool".into(), ..Default::default() }).await.unwrap().into_inner().policy.unwrap().version;
+    api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: hostile, hook: "pool".into() }).await.unwrap();
+    // Requests keep coming until an executor, having loaded it, refused it
+    // three times; every one is served whole all the while.
+    let started = Instant::now();
+    let history = loop {
+        let clients: Vec<_> = (0..6)
+            .map(|i| {
+                let (base, model) = (base.clone(), models[i % models.len()].clone());
+                std::thread::spawn(move || stream(&base, "carol-test-token", &model, 100, 8))
+            })
+            .collect();
+        for c in clients {
+            let seen = c.join().unwrap();
+            assert!(seen.done && seen.error.is_none() && seen.at.len() == 8, "under the hostile policy: {seen:?}");
+        }
+        let h = api.policy_history(pb::PolicyHistoryRequest { partition: "p1".into(), hook: "pool".into() }).await.unwrap().into_inner();
+        if h.events.iter().any(|e| e.kind == "breaker" && e.version == hostile) {
+            break h;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "the breaker never took the hostile pool version out: {h:?}\n{}", log_tails(&d, 30));
+    };
+    assert_eq!(history.active_version, 0, "{history:?}");
+    let text = get(&metrics);
+    assert!(metric(&text, "berth_pool_steps_total", &["partition=\"p1\"", "by=\"fallback\""]) >= 3.0, "{text}");
+    drop(serve_proc);
+}
