@@ -413,48 +413,6 @@ impl Hub {
         Ok(())
     }
 
-    /// A partition's agent nodes that take commands, each with its healthy
-    /// GPUs no allocation holds.
-    pub fn free_agent_gpus(&self, partition: &str) -> Vec<(String, Vec<u32>)> {
-        let st = self.state.lock().unwrap();
-        let held: std::collections::HashSet<(&str, u32)> =
-            st.allocations.values().filter(|a| holds_gpus(&a.state)).flat_map(|a| a.gpus.iter().map(move |&g| (a.node.as_str(), g))).collect();
-        st.agents
-            .iter()
-            .filter(|(_, a)| a.partition == partition && a.reachable && a.commands.is_some() && a.powered_down != Some(true))
-            .map(|(n, a)| (n.clone(), a.gpus.iter().filter(|g| g.healthy && !held.contains(&(n.as_str(), g.info.index))).map(|g| g.info.index).collect()))
-            .collect()
-    }
-
-    /// Starts a pool executor on `gpus` of agent node `node`: held in the
-    /// fleet first (one owner per GPU), then the agent's start command.
-    pub fn start_executor(&self, partition: &str, node: &str, gpus: &[u32]) -> Result<u64, Status> {
-        let uuids = {
-            let st = self.state.lock().unwrap();
-            let a = st.agents.get(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
-            gpus.iter().map(|&g| a.gpus.iter().find(|x| x.info.index == g).map(|x| x.info.uuid.clone()).ok_or_else(|| Status::invalid_argument(format!("node {node} has no GPU {g}")))).collect::<Result<Vec<_>, _>>()?
-        };
-        let id = self.live.hold_manual(partition, node, gpus)?;
-        let alloc = pb::AllocationInfo {
-            id,
-            node: node.to_string(),
-            gpus: gpus.to_vec(),
-            gpu_uuids: uuids.clone(),
-            argv: vec!["berth".into(), "executor".into()],
-            state: "starting".into(),
-            started_by: crate::serve::pooling::POOL_STARTER.into(),
-            ..Default::default()
-        };
-        let cmd = pb::AgentCommand { allocation_id: id, action: "start".into(), gpu_uuids: uuids, executor: true, ..Default::default() };
-        self.dispatch_start(alloc, cmd)?;
-        Ok(id)
-    }
-
-    /// Whether allocation `id` is listed and still holds its GPUs.
-    pub fn allocation_holds(&self, id: u64) -> bool {
-        self.state.lock().unwrap().allocations.get(&id).is_some_and(|a| holds_gpus(&a.state))
-    }
-
     /// The agent node and partition of allocation `id`, when a pool
     /// started it.
     fn executor_of(&self, id: u64) -> Option<(String, String)> {
@@ -565,6 +523,51 @@ fn check_heartbeat(r: &pb::HeartbeatRequest) -> Result<(), Status> {
         }
     }
     Ok(())
+}
+
+impl crate::serve::pooling::ExecutorHost for Hub {
+    /// A partition's agent nodes that take commands, each with its healthy
+    /// GPUs no allocation holds.
+    fn free_agent_gpus(&self, partition: &str) -> Vec<(String, Vec<u32>)> {
+        let st = self.state.lock().unwrap();
+        let held: std::collections::HashSet<(&str, u32)> =
+            st.allocations.values().filter(|a| holds_gpus(&a.state)).flat_map(|a| a.gpus.iter().map(move |&g| (a.node.as_str(), g))).collect();
+        st.agents
+            .iter()
+            .filter(|(_, a)| a.partition == partition && a.reachable && a.commands.is_some() && a.powered_down != Some(true))
+            .map(|(n, a)| (n.clone(), a.gpus.iter().filter(|g| g.healthy && !held.contains(&(n.as_str(), g.info.index))).map(|g| g.info.index).collect()))
+            .collect()
+    }
+
+    /// Starts a pool executor on `gpus` of agent node `node`: held in the
+    /// fleet first (one owner per GPU), then the agent's start command.
+    fn start_executor(&self, partition: &str, node: &str, gpus: &[u32]) -> Result<u64, Status> {
+        let uuids = {
+            let st = self.state.lock().unwrap();
+            let a = st.agents.get(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
+            gpus.iter().map(|&g| a.gpus.iter().find(|x| x.info.index == g).map(|x| x.info.uuid.clone()).ok_or_else(|| Status::invalid_argument(format!("node {node} has no GPU {g}")))).collect::<Result<Vec<_>, _>>()?
+        };
+        let id = self.live.hold_manual(partition, node, gpus)?;
+        let alloc = pb::AllocationInfo {
+            id,
+            node: node.to_string(),
+            gpus: gpus.to_vec(),
+            gpu_uuids: uuids.clone(),
+            argv: vec!["berth".into(), "executor".into()],
+            state: "starting".into(),
+            started_by: crate::serve::pooling::POOL_STARTER.into(),
+            ..Default::default()
+        };
+        let cmd = pb::AgentCommand { allocation_id: id, action: "start".into(), gpu_uuids: uuids, executor: true, ..Default::default() };
+        self.dispatch_start(alloc, cmd)?;
+        Ok(id)
+    }
+
+    /// Whether allocation `id` is listed and still holds its GPUs.
+    fn allocation_holds(&self, id: u64) -> bool {
+        self.state.lock().unwrap().allocations.get(&id).is_some_and(|a| holds_gpus(&a.state))
+    }
+
 }
 
 type CommandStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCommand, Status>> + Send>>;

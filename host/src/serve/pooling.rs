@@ -21,7 +21,6 @@ use berth_sdk::{PoolPlacement, PoolState};
 use tokio::sync::{mpsc, Notify};
 
 use super::breaker::Call;
-use super::hub::Hub;
 use super::state::{Live, PolicyHook};
 use crate::executor::protocol::{Down, PlaceRow, Up, MAX_LINE_BYTES};
 use crate::proto as pb;
@@ -34,6 +33,18 @@ pub const ROUTE_WAIT: Duration = Duration::from_secs(30);
 pub const RESTART_DELAY: Duration = Duration::from_secs(2);
 /// Who the hub records as having started an executor.
 pub const POOL_STARTER: &str = "pool";
+
+/// What the pools need of the agent hub (which implements it): free GPUs,
+/// starting an executor, whether one still holds its GPUs.
+pub trait ExecutorHost: Send + Sync {
+    /// A partition's agent nodes that take commands, each with its healthy
+    /// GPUs no allocation holds.
+    fn free_agent_gpus(&self, partition: &str) -> Vec<(String, Vec<u32>)>;
+    /// Holds `gpus` of `node` and tells its agent to start an executor.
+    fn start_executor(&self, partition: &str, node: &str, gpus: &[u32]) -> Result<u64, tonic::Status>;
+    /// Whether allocation `id` is listed and still holds its GPUs.
+    fn allocation_holds(&self, id: u64) -> bool;
+}
 
 /// A pool partition as the fleet config declares it.
 #[derive(Clone, Debug)]
@@ -429,7 +440,7 @@ impl PoolRun {
     /// The supervisor's round: executors whose allocations ended are
     /// forgotten, missing ones started on free agent GPUs, the placement
     /// renewed when due, the pool-step version pushed where it is not yet.
-    pub fn tick(&self, live: &Live, hub: &Hub) {
+    pub fn tick(&self, live: &Live, hub: &dyn ExecutorHost) {
         // Executors gone (exited, failed, lost): their requests move.
         let allocs: Vec<(usize, u64)> = self.inner.lock().unwrap().slots.iter().enumerate().filter_map(|(i, s)| s.alloc.map(|a| (i, a))).collect();
         for (i, alloc) in allocs {
@@ -683,7 +694,7 @@ fn admit(g: &mut Inner, id: u64, req: Req) {
 
 /// Runs every pool's supervisor round once a second, off the async workers
 /// (starting an executor writes the store).
-pub fn spawn_supervisor(pools: Arc<Pools>, live: Arc<Live>, hub: Arc<Hub>, mut stopped: tokio::sync::watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+pub fn spawn_supervisor(pools: Arc<Pools>, live: Arc<Live>, hub: Arc<dyn ExecutorHost>, mut stopped: tokio::sync::watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut every = tokio::time::interval(Duration::from_millis(500));
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -695,7 +706,7 @@ pub fn spawn_supervisor(pools: Arc<Pools>, live: Arc<Live>, hub: Arc<Hub>, mut s
             let (pools, live, hub) = (pools.clone(), live.clone(), hub.clone());
             let _ = tokio::task::spawn_blocking(move || {
                 for pool in &pools.pools {
-                    pool.tick(&live, &hub);
+                    pool.tick(&live, &*hub);
                 }
             })
             .await;
