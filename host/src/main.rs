@@ -88,6 +88,12 @@ enum Command {
     /// by the pool's cost model and chosen by a pool-step policy or the
     /// default step.
     Executor(berth::executor::ExecutorArgs),
+    /// Sends a pool file's workload (synthetic, or an Azure trace spread
+    /// over its catalog) to a live pool's /v1/completions as concurrent
+    /// streaming clients at the requests' arrival times, and reports SLO
+    /// attainment, TTFT and TBT as measured there; with --simulate, the
+    /// same requests through the pool simulator, side by side.
+    PoolLoad(berth::pool::load::LoadArgs),
     /// Node agents and allocations: list, start, stop, sleep, wake, checkpoint.
     Alloc {
         #[command(subcommand)]
@@ -966,6 +972,7 @@ fn run() -> anyhow::Result<()> {
         Command::Serve(args) => berth::serve::cli::serve(args)?,
         Command::Agent(args) => berth::agent::run::main(args)?,
         Command::Executor(args) => berth::executor::main(args)?,
+        Command::PoolLoad(args) => berth::pool::load::main(args)?,
         Command::Checkpointed => berth::agent::run::report_checkpoint()?,
         Command::Progress { units, total } => berth::agent::run::report_progress(units, total)?,
         Command::Ready => berth::agent::run::report_ready()?,

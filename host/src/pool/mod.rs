@@ -7,6 +7,7 @@
 //! the SLO target, attainment and goodput at one fixed pool, and the
 //! highest arrival rate that pool sustains.
 
+pub mod load;
 pub mod report;
 
 use std::path::{Path, PathBuf};

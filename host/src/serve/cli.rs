@@ -785,9 +785,10 @@ pub enum PolicyApiCommand {
         /// A note kept with the version in the registry history.
         #[arg(long, default_value = "")]
         note: String,
-        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
-        /// or `compact` (compaction planning).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption
+        /// ranking), `compact` (compaction planning) or `pool` (a model
+        /// pool's placement and steps).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact", "pool"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -799,9 +800,10 @@ pub enum PolicyApiCommand {
         partition: String,
         /// The registry version (see `berth policy history`).
         version: u32,
-        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
-        /// or `compact` (compaction planning).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption
+        /// ranking), `compact` (compaction planning) or `pool` (a model
+        /// pool's placement and steps).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact", "pool"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -813,9 +815,10 @@ pub enum PolicyApiCommand {
         partition: String,
         /// The version to go back to (default: the one before the current).
         version: Option<u32>,
-        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
-        /// or `compact` (compaction planning).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption
+        /// ranking), `compact` (compaction planning) or `pool` (a model
+        /// pool's placement and steps).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact", "pool"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -825,9 +828,10 @@ pub enum PolicyApiCommand {
         /// The partition (e.g. p0).
         #[arg(long)]
         partition: String,
-        /// The hook: `place` (placement scoring), `rank` (preemption ranking)
-        /// or `compact` (compaction planning).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
+        /// The hook: `place` (placement scoring), `rank` (preemption
+        /// ranking), `compact` (compaction planning) or `pool` (a model
+        /// pool's placement and steps).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact", "pool"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
