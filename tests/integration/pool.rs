@@ -125,7 +125,7 @@ fn azure_reader_names_the_file_line_and_field_of_a_bad_row() {
 
 /// The Azure traces (`$BERTH_AZURE_DIR`, else `../shared/data/azure-llm`),
 /// or `None` (skipped) unless BERTH_REQUIRE_TRACES is set.
-fn azure_dir() -> Option<PathBuf> {
+pub(crate) fn azure_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("BERTH_AZURE_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("../shared/data/azure-llm"));
     if dir.join("AzureLLMInferenceTrace_conv.csv").is_file() {
         return Some(dir);

@@ -63,7 +63,8 @@ pub struct FleetConfig {
 
 /// `[[pool]] partition = 1, market = "default", executors = [[1, 4], [4, 1]]`:
 /// partition 1 is a model pool serving the market file's catalog (`default`:
-/// the embedded one, else a path; as for `berth replay --pool`) on executors
+/// the embedded one, else a path relative to the fleet config's folder; a
+/// pool file as for `berth replay --pool`) on executors
 /// of `[tp, count]` GPUs each, started on the partition's agent nodes.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -275,7 +276,15 @@ impl FleetConfig {
             return FleetConfig::parse(ASI_DEFAULT, "(embedded asi)");
         }
         let text = std::fs::read_to_string(spec).with_context(|| format!("reading fleet config {spec}"))?;
-        FleetConfig::parse(&text, spec)
+        let mut cfg = FleetConfig::parse(&text, spec)?;
+        // A pool's market path is the config file's, as written there.
+        let dir = std::path::Path::new(spec).parent().unwrap_or(std::path::Path::new(""));
+        for pool in &mut cfg.pool {
+            if pool.market != "default" && std::path::Path::new(&pool.market).is_relative() {
+                pool.market = dir.join(&pool.market).display().to_string();
+            }
+        }
+        Ok(cfg)
     }
 
     /// Scales every shape's count by `factor` (at least one node each), for
