@@ -1211,6 +1211,9 @@ impl Berth for Service {
             this.require(&id, &partition, Role::Viewer)?;
             let part = &this.live.partitions[this.live.partition_index(&partition)?];
             let hook = super::state::PolicyHook::parse(&r.hook)?;
+            if hook == super::state::PolicyHook::Pool {
+                return Err(ServeError::FailedPrecondition("the pool hook has no shadow mode yet: compare pool policies with `berth replay --pool` or `berth pool-load --simulate`".into()).into());
+            }
             if hook == super::state::PolicyHook::Compact {
                 let candidate = part.compact.candidate.lock().unwrap().clone();
                 let active = part.compact.active.lock().unwrap().clone();
