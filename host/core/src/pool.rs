@@ -310,6 +310,30 @@ pub fn check_placement(cfg: &PoolConfig, executors: &[(u32, u64)], p: &PoolPlace
     Ok(pinned_bytes)
 }
 
+/// One model's traffic as `pool-place` is shown it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ModelTraffic {
+    pub arrived: u64,
+    pub rate: f64,
+    pub peak_rate: f64,
+    pub service_s: f64,
+    pub queued: u32,
+}
+
+/// Appends a model's columns (its shape, then its traffic) to a
+/// `pool-place` state: the simulator's and the live host's states are
+/// built alike.
+pub fn push_model(s: &mut PoolState, spec: &ModelSpec, t: ModelTraffic) {
+    s.model_tp.push(spec.tp);
+    s.model_weight_bytes.push(spec.weight_bytes());
+    s.model_kv_bytes_per_token.push(spec.kv_bytes_per_token);
+    s.model_arrived.push(t.arrived);
+    s.model_rate.push(t.rate);
+    s.model_peak_rate.push(t.peak_rate);
+    s.model_service_s.push(t.service_s);
+    s.model_queued.push(t.queued);
+}
+
 /// Where a request goes (the simulator's rule and the live host's): of
 /// the candidates `(executor, load, weight)` serving its model, the one
 /// with the least load per unit of weight; ties: the first.
@@ -870,14 +894,8 @@ impl<'a> PoolSim<'a> {
     fn pool_state(&self) -> PoolState {
         let mut s = PoolState { now_ms: (self.now * 1000.0) as u64, ..Default::default() };
         for (m, spec) in self.cfg.models.iter().enumerate() {
-            s.model_tp.push(spec.tp);
-            s.model_weight_bytes.push(spec.weight_bytes());
-            s.model_kv_bytes_per_token.push(spec.kv_bytes_per_token);
-            s.model_arrived.push(self.arrived[m]);
-            s.model_rate.push(self.rate[m]);
-            s.model_peak_rate.push(self.peak_rate[m]);
-            s.model_service_s.push(self.service_s[m]);
-            s.model_queued.push(self.unrouted[m].len() as u32);
+            let t = ModelTraffic { arrived: self.arrived[m], rate: self.rate[m], peak_rate: self.peak_rate[m], service_s: self.service_s[m], queued: self.unrouted[m].len() as u32 };
+            push_model(&mut s, spec, t);
         }
         for (e, x) in self.execs.iter().enumerate() {
             s.executor_tp.push(x.tp);

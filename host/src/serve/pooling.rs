@@ -157,14 +157,7 @@ fn send(slot: &Slot, down: &Down) -> bool {
 pub fn smoke_state(cfg: &PoolConfig, executors: &[(u32, u64)]) -> PoolState {
     let mut s = PoolState::default();
     for (m, spec) in cfg.models.iter().enumerate() {
-        s.model_tp.push(spec.tp);
-        s.model_weight_bytes.push(spec.weight_bytes());
-        s.model_kv_bytes_per_token.push(spec.kv_bytes_per_token);
-        s.model_arrived.push(0);
-        s.model_rate.push(0.0);
-        s.model_peak_rate.push(0.0);
-        s.model_service_s.push(cfg.service_s(m, 1020.0, 129.0));
-        s.model_queued.push(0);
+        pool::push_model(&mut s, spec, pool::ModelTraffic { service_s: cfg.service_s(m, 1020.0, 129.0), ..Default::default() });
     }
     for &(tp, memory) in executors {
         s.executor_tp.push(tp);
@@ -516,16 +509,10 @@ impl PoolRun {
         let now = Instant::now();
         let mut s = PoolState { now_ms: now.duration_since(g.window_start).as_millis() as u64, ..Default::default() };
         for (m, spec) in self.cfg.models.iter().enumerate() {
-            s.model_tp.push(spec.tp);
-            s.model_weight_bytes.push(spec.weight_bytes());
-            s.model_kv_bytes_per_token.push(spec.kv_bytes_per_token);
-            s.model_arrived.push(g.arrived[m]);
-            s.model_rate.push(g.rate[m]);
-            s.model_peak_rate.push(g.peak_rate[m]);
             let c = g.arrived[m] as f64;
             let (p, o) = if c > 0.0 { (g.prompt_sum[m] / c, g.output_sum[m] / c) } else { (1020.0, 129.0) };
-            s.model_service_s.push(self.cfg.service_s(m, p, o));
-            s.model_queued.push(g.unrouted[m]);
+            let t = pool::ModelTraffic { arrived: g.arrived[m], rate: g.rate[m], peak_rate: g.peak_rate[m], service_s: self.cfg.service_s(m, p, o), queued: g.unrouted[m] };
+            pool::push_model(&mut s, spec, t);
         }
         for (e, slot) in g.slots.iter().enumerate() {
             s.executor_tp.push(slot.tp);
