@@ -413,6 +413,22 @@ impl Hub {
         Ok(())
     }
 
+    /// The UUIDs of GPUs `gpus` of agent node `node`, each of which must
+    /// exist and be healthy.
+    fn healthy_gpu_uuids(&self, node: &str, gpus: &[u32]) -> Result<Vec<String>, Status> {
+        let st = self.state.lock().unwrap();
+        let a = st.agents.get(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
+        let mut uuids = Vec::new();
+        for &g in gpus {
+            let gpu = a.gpus.iter().find(|x| x.info.index == g).ok_or_else(|| Status::invalid_argument(format!("node {node} has no GPU {g}")))?;
+            if !gpu.healthy {
+                return Err(Status::failed_precondition(format!("GPU {g} of node {node} is unhealthy ({})", gpu.reason)));
+            }
+            uuids.push(gpu.info.uuid.clone());
+        }
+        Ok(uuids)
+    }
+
     /// The agent node and partition of allocation `id`, when a pool
     /// started it.
     fn executor_of(&self, id: u64) -> Option<(String, String)> {
@@ -542,11 +558,7 @@ impl crate::serve::pooling::ExecutorHost for Hub {
     /// Starts a pool executor on `gpus` of agent node `node`: held in the
     /// fleet first (one owner per GPU), then the agent's start command.
     fn start_executor(&self, partition: &str, node: &str, gpus: &[u32]) -> Result<u64, Status> {
-        let uuids = {
-            let st = self.state.lock().unwrap();
-            let a = st.agents.get(node).ok_or_else(|| Status::not_found(format!("no agent node {node:?}")))?;
-            gpus.iter().map(|&g| a.gpus.iter().find(|x| x.info.index == g).map(|x| x.info.uuid.clone()).ok_or_else(|| Status::invalid_argument(format!("node {node} has no GPU {g}")))).collect::<Result<Vec<_>, _>>()?
-        };
+        let uuids = self.healthy_gpu_uuids(node, gpus)?;
         let id = self.live.hold_manual(partition, node, gpus)?;
         let alloc = pb::AllocationInfo {
             id,
@@ -567,7 +579,6 @@ impl crate::serve::pooling::ExecutorHost for Hub {
     fn allocation_holds(&self, id: u64) -> bool {
         self.state.lock().unwrap().allocations.get(&id).is_some_and(|a| holds_gpus(&a.state))
     }
-
 }
 
 type CommandStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCommand, Status>> + Send>>;
@@ -683,10 +694,9 @@ impl AgentHub for Arc<Hub> {
             loop {
                 match up.message().await {
                     Ok(Some(f)) => {
-                        let (pool, live) = (pool.clone(), live.clone());
-                        // Off the async workers: a trip writes the registry.
-                        let tripped = pool.on_line(&live, alloc, &f.line);
-                        if let Some((digest, why)) = tripped {
+                        if let Some((digest, why)) = pool.on_line(&live, alloc, &f.line) {
+                            // Off the async workers: a trip writes the registry.
+                            let (pool, live) = (pool.clone(), live.clone());
                             let _ = tokio::task::spawn_blocking(move || pool.trip_step(&live, &digest, &why)).await;
                         }
                     }
@@ -882,19 +892,7 @@ impl AgentHub for Arc<Hub> {
                 _ => return Err(Status::not_found(format!("no agent node {} where {} is an operator", r.node, id.name))),
             };
             crate::serve::bounds::check_task_command(&r.argv, &r.env).map_err(Status::invalid_argument)?;
-            let uuids = {
-                let st = hub.state.lock().unwrap();
-                let a = st.agents.get(&r.node).ok_or_else(|| Status::not_found(format!("no agent node {:?}", r.node)))?;
-                let mut uuids = Vec::new();
-                for &g in &r.gpus {
-                    let gpu = a.gpus.iter().find(|x| x.info.index == g).ok_or_else(|| Status::invalid_argument(format!("node {} has no GPU {g}", r.node)))?;
-                    if !gpu.healthy {
-                        return Err(Status::failed_precondition(format!("GPU {g} of node {} is unhealthy ({})", r.node, gpu.reason)));
-                    }
-                    uuids.push(gpu.info.uuid.clone());
-                }
-                uuids
-            };
+            let uuids = hub.healthy_gpu_uuids(&r.node, &r.gpus)?;
             // No GPU ever has two owners: the fleet holds them (or says who does).
             let id_ = hub.live.hold_manual(&partition, &r.node, &r.gpus)?;
             let alloc = pb::AllocationInfo {
