@@ -40,6 +40,8 @@ const CHECKPOINT_POLL: Duration = Duration::from_millis(250);
 /// How long one exit report waits for the host's answer before it is kept
 /// for the next try.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pool executors whose decision logs an agent keeps (the newest).
+pub const EXECUTOR_LOGS_KEPT: usize = 32;
 
 /// `berth checkpointed`, run inside a task: tells the agent (and through it
 /// the host) that the task just saved its work, so preemption counts work
@@ -1059,10 +1061,37 @@ impl Agent {
         }
     }
 
-    /// The file a task touches (through `berth checkpointed`) to report a
-    /// checkpoint: no credentials in the task, and the agent relays it.
+    /// The socket pool executor `id` connects to (the agent relays it).
     fn executor_socket(&self, id: u64) -> PathBuf {
         self.state_dir.join(format!("exec-{id}.sock"))
+    }
+
+    /// Where pool executor `id` logs its decisions. The newest
+    /// [`EXECUTOR_LOGS_KEPT`] executors' logs stay (an executor started
+    /// again is a new allocation, so a crash-looping one cannot fill the
+    /// disk); older ones are removed as a new one starts.
+    fn executor_decision_log(&self, id: u64) -> PathBuf {
+        let mut logs: Vec<(u64, PathBuf)> = std::fs::read_dir(&self.state_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let alloc: u64 = name.strip_prefix("exec-")?.split('.').next()?.parse().ok()?;
+                name.contains(".decisions.jsonl").then_some((alloc, e.path()))
+            })
+            .collect();
+        let mut allocs: Vec<u64> = logs.iter().map(|(a, _)| *a).collect();
+        allocs.sort_unstable();
+        allocs.dedup();
+        if allocs.len() >= EXECUTOR_LOGS_KEPT {
+            let cut = allocs[allocs.len() + 1 - EXECUTOR_LOGS_KEPT];
+            logs.retain(|(a, _)| *a < cut);
+            for (_, path) in logs {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        self.state_dir.join(format!("exec-{id}.decisions.jsonl"))
     }
 
     /// Relays pool executor `id`'s lines to the host and back, until
@@ -1274,6 +1303,7 @@ impl Agent {
                     match tokio::net::UnixListener::bind(&path) {
                         Ok(l) => {
                             task_env.push((crate::executor::SOCKET_ENV.into(), path.clone().into_os_string()));
+                            task_env.push((crate::executor::DECISION_LOG_ENV.into(), self.executor_decision_log(id).into_os_string()));
                             relay = Some((l, path));
                         }
                         Err(e) => {

@@ -41,8 +41,16 @@ pub enum Down {
     /// A pool-step policy (a wasm component, base64) to ask from the next
     /// step on, replacing the one before; `digest` names it in the answer
     /// (`policy`). Loaded beside the steps, swapped between two. An empty
-    /// `component`: the default step from now on.
-    Policy { digest: String, component: String },
+    /// `component`: the default step from now on. With `shadow`, the
+    /// component is a candidate instead: asked beside the active one on the
+    /// same view every step, its choice compared and logged, never run (an
+    /// empty component ends the shadow).
+    Policy {
+        digest: String,
+        component: String,
+        #[serde(default)]
+        shadow: bool,
+    },
     /// Finish the step under way and exit.
     Shutdown,
 }
@@ -79,17 +87,50 @@ pub enum Up {
     Rejected { id: u64, why: String },
     /// One step ran: what it was, how long, and whether the executor's
     /// pool-step policy chose it (`by`: `policy`, `default`, or
-    /// `fallback` where the policy's answer was refused: `why`).
-    Step { phase: String, model: u32, batch: u32, iterations: u32, seconds: f64, by: String, why: Option<String>, t: f64 },
+    /// `fallback` where the policy's answer was refused: `why`); with a
+    /// candidate in shadow, what it would have chosen instead.
+    Step {
+        phase: String,
+        model: u32,
+        batch: u32,
+        iterations: u32,
+        seconds: f64,
+        by: String,
+        why: Option<String>,
+        t: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shadow: Option<ShadowChoice>,
+    },
     /// GPU memory in use after a step.
     Memory { weights_bytes: u64, kv_bytes: u64, memory_bytes: u64 },
     /// A `policy` message was applied (`loaded`) or refused (`why`); the
     /// policy before it decides meanwhile and on refusal. Also sent, not
     /// loaded, when the executor stops asking a policy whose answers it
-    /// refused three times in a row.
-    Policy { digest: String, loaded: bool, why: Option<String> },
+    /// refused three times in a row. `shadow`: the answer is about the
+    /// candidate in shadow.
+    Policy {
+        digest: String,
+        loaded: bool,
+        why: Option<String>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        shadow: bool,
+    },
     /// A message refused (the executor goes on): what and why.
     Error { what: String },
+}
+
+/// What a pool-step candidate in shadow chose on the view the step was
+/// decided on: `agreed` when it is the very step chosen (phase, model,
+/// iterations and evictions); `why` when its answer was refused.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShadowChoice {
+    pub agreed: bool,
+    pub phase: String,
+    /// Catalog index of the model it would have run (0 when idle or refused).
+    pub model: u32,
+    pub iterations: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
 }
 
 /// Parses one line from the agent, naming what is wrong.

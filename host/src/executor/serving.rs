@@ -15,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use berth_core::pool::{check_step, PoolConfig, PoolPolicy};
 use berth_sdk::{PoolExecutor, PoolPhase, PoolStep};
 
-use super::protocol::{PlaceRow, Up, MAX_IN_FLIGHT, MAX_MODELS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS};
+use super::protocol::{PlaceRow, ShadowChoice, Up, MAX_IN_FLIGHT, MAX_MODELS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS};
 
 /// One model on the executor.
 struct Row {
@@ -69,6 +69,8 @@ pub struct Serving {
     host_cache: Vec<(usize, f64)>,
     /// Consecutive steps the policy's answer was refused.
     pub policy_failures: u32,
+    /// Consecutive steps the candidate in shadow's answer was refused.
+    pub shadow_failures: u32,
 }
 
 impl Serving {
@@ -82,7 +84,7 @@ impl Serving {
         }
         let memory = cfg.executor_memory(tp);
         let host_cache = cfg.warm_host_cache().into_iter().map(|m| (m, 0.0)).collect();
-        Ok(Serving { cfg, executor, tp, memory, rows: Vec::new(), requests: HashMap::new(), weights: 0, kv: 0, host_cache, policy_failures: 0 })
+        Ok(Serving { cfg, executor, tp, memory, rows: Vec::new(), requests: HashMap::new(), weights: 0, kv: 0, host_cache, policy_failures: 0, shadow_failures: 0 })
     }
 
     pub fn memory(&self) -> u64 {
@@ -226,7 +228,9 @@ impl Serving {
     /// The next step at `now`, run on the state (the caller sends its
     /// messages at their offsets and sleeps its length); `None` when there
     /// is nothing to do until a message comes.
-    pub fn step(&mut self, now: f64, policy: Option<&mut dyn PoolPolicy>) -> Option<Plan> {
+    /// `shadow`, a candidate, is asked on the same view once the step is
+    /// chosen; its choice rides on the step's record, never run.
+    pub fn step(&mut self, now: f64, policy: Option<&mut dyn PoolPolicy>, shadow: Option<&mut dyn PoolPolicy>) -> Option<Plan> {
         let mut plan = Plan::default();
         self.prune(&mut plan);
         // A pinned model is loaded before anything else runs.
@@ -262,6 +266,23 @@ impl Serving {
         if step.phase == PoolPhase::Idle {
             return if plan.out.is_empty() { None } else { Some(plan) };
         }
+        let shadow = shadow.map(|p| {
+            let answer = p.pool_step(&view).map_err(|e| e.to_string()).and_then(|s| {
+                let s = s.unwrap_or_else(|| berth_sdk::default_pool_step(&view, max));
+                check_step(&view, &s, max).map(|()| s).map_err(|e| e.to_string())
+            });
+            self.shadow_failures = if answer.is_ok() { 0 } else { self.shadow_failures + 1 };
+            match answer {
+                Ok(s) => ShadowChoice {
+                    agreed: same_step(&s, &step),
+                    phase: phase_name(s.phase).into(),
+                    model: view.model.get(s.row as usize).copied().unwrap_or(0),
+                    iterations: s.iterations,
+                    why: None,
+                },
+                Err(why) => ShadowChoice { agreed: false, phase: "refused".into(), model: 0, iterations: 0, why: Some(why) },
+            }
+        });
         let ran = self.run(&step, now, &mut plan) || self.fallback(now, &mut plan);
         if !ran {
             return if plan.out.is_empty() { None } else { Some(plan) };
@@ -280,7 +301,7 @@ impl Serving {
             By::Default => ("default", None),
             By::Fallback(why) => ("fallback", Some(why)),
         };
-        plan.out.push((plan.seconds, Up::Step { phase, model, batch, iterations, seconds: plan.seconds, by: by.into(), why, t: now + plan.seconds }));
+        plan.out.push((plan.seconds, Up::Step { phase, model, batch, iterations, seconds: plan.seconds, by: by.into(), why, t: now + plan.seconds, shadow }));
         plan.out.push((plan.seconds, self.memory_report()));
         plan.out.sort_by(|a, b| a.0.total_cmp(&b.0));
         Some(plan)
@@ -494,6 +515,29 @@ impl Serving {
     fn record(&mut self, r: usize, phase: &str, batch: u32, iterations: u32, now: f64, end: f64, plan: &mut Plan) {
         self.rows[r].last_run_s = now + end;
         self.rows[r].ran = true;
-        plan.out.push((end, Up::Step { phase: phase.into(), model: self.rows[r].model as u32, batch, iterations, seconds: end, by: String::new(), why: None, t: now + end }));
+        plan.out.push((end, Up::Step { phase: phase.into(), model: self.rows[r].model as u32, batch, iterations, seconds: end, by: String::new(), why: None, t: now + end, shadow: None }));
     }
+}
+
+fn phase_name(p: PoolPhase) -> &'static str {
+    match p {
+        PoolPhase::Idle => "idle",
+        PoolPhase::Prefill => "prefill",
+        PoolPhase::Decode => "decode",
+    }
+}
+
+/// Two answers are the same step: same phase and row, the same iterations
+/// where they count (a decode), the same evictions in any order.
+fn same_step(a: &PoolStep, b: &PoolStep) -> bool {
+    let sorted = |v: &[u32]| {
+        let mut v = v.to_vec();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    a.phase == b.phase
+        && (a.phase == PoolPhase::Idle || a.row == b.row)
+        && (a.phase != PoolPhase::Decode || a.iterations == b.iterations)
+        && sorted(&a.evict) == sorted(&b.evict)
 }

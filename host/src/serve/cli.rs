@@ -645,6 +645,22 @@ pub enum ApiCommand {
         #[command(subcommand)]
         what: CaptureCommand,
     },
+    /// A pool partition live: its executors (node, models and weights,
+    /// load, who chose their steps, their latest steps) and its requests
+    /// (outcomes, TTFT and TBT against the SLO).
+    Pool {
+        /// The pool partition (e.g. p1).
+        #[arg(long)]
+        partition: String,
+        /// Print the status as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Also print each executor's latest steps.
+        #[arg(long)]
+        steps: bool,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// The live compaction ledger: chains with their moves, newest first
     /// (`berth compact --live` runs a step).
     Compactions {
@@ -852,9 +868,10 @@ pub enum PolicyApiCommand {
         /// candidate decides.
         #[arg(long, default_value_t = 0.5)]
         fraction: f64,
-        /// The hook: `place`, `rank` or `compact` (rank and compact
-        /// candidates run in shadow only).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
+        /// The hook: `place`, `rank`, `compact` or `pool` (rank, compact
+        /// and pool candidates run in shadow only; a pool candidate places
+        /// on every replan and steps inside every executor, never acted on).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact", "pool"])]
         hook: String,
         #[command(flatten)]
         conn: Conn,
@@ -864,9 +881,10 @@ pub enum PolicyApiCommand {
         /// The partition (e.g. p0).
         #[arg(long)]
         partition: String,
-        /// The hook: `place`, `rank` (victims and work lost per ranking) or
-        /// `compact` (chains, moves, nodes freed and payback per plan).
-        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact"])]
+        /// The hook: `place`, `rank` (victims and work lost per ranking),
+        /// `compact` (chains, moves, nodes freed and payback per plan) or
+        /// `pool` (placements per replan and steps per executor).
+        #[arg(long, default_value = "place", value_parser = ["place", "rank", "compact", "pool"])]
         hook: String,
         /// Also write the report as one self-contained HTML page (tables, and
         /// SVG plots of agreement over time and latency per arm; opens offline).
@@ -1086,6 +1104,14 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
                 out.write_all(&chunk.text)?;
             }
             out.flush()?;
+        }
+        ApiCommand::Pool { partition, json, steps, conn } => {
+            let r = client(&conn).await?.pool_status(pb::PoolStatusRequest { partition }).await.map_err(status)?.into_inner();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&pool_json(&r))?);
+                return Ok(());
+            }
+            print!("{}", pool_text(&r, steps));
         }
         ApiCommand::Compactions { partition, limit, json, conn } => {
             let r = client(&conn).await?.list_compactions(pb::ListCompactionsRequest { partition, limit }).await.map_err(status)?.into_inner();
@@ -1356,7 +1382,7 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
             let mut c = client(&conn).await?;
             let r = c.shadow_report(pb::ShadowReportRequest { partition: partition.clone(), hook }).await.map_err(status)?.into_inner();
             if let Some(path) = &html {
-                anyhow::ensure!(r.rank.is_none() && r.compact.is_none(), "--html reports placement A/B; the rank and compact reports are text");
+                anyhow::ensure!(r.rank.is_none() && r.compact.is_none() && r.pool.is_none(), "--html reports placement A/B; the rank, compact and pool reports are text");
                 let req = pb::QueryDecisionsRequest { partition: partition.clone(), limit: 20_000, include_shadow: true, ..Default::default() };
                 let log = c.query_decisions(req).await.map_err(status)?.into_inner().decisions;
                 std::fs::write(path, super::console::report_html(&partition, &r, &log)).with_context(|| format!("writing {}", path.display()))?;
@@ -1377,6 +1403,19 @@ async fn run_policy_api(cmd: PolicyApiCommand) -> anyhow::Result<()> {
                         t.cost_gpu_s
                     );
                 }
+                return Ok(());
+            }
+            if let Some(k) = &r.pool {
+                println!("  replans placed by both: {}, identical placements: {}, candidate errors {}", k.replans, k.agreed, k.candidate_errors);
+                for (arm, t) in [("active", &k.active), ("candidate", &k.candidate)] {
+                    let t = t.clone().unwrap_or_default();
+                    println!(
+                        "  {arm:<9}: {:.1} pairs, {:.1} models on {:.1} executors; unplaced traffic {:.2} req/s; busiest executor offered {:.2} request-s/s",
+                        t.mean_pairs, t.mean_models_placed, t.mean_executors_used, t.mean_unplaced_rate, t.mean_busiest_offered
+                    );
+                }
+                let share = if k.steps == 0 { 0.0 } else { k.steps_agreed as f64 * 100.0 / k.steps as f64 };
+                println!("  executor steps asked of both: {}, same step {:.1}%, candidate refused {}", k.steps, share, k.step_errors);
                 return Ok(());
             }
             if let Some(k) = &r.rank {
@@ -1445,4 +1484,97 @@ fn offer_contract(o: &pb::TierOffer) -> String {
         "; lost work not credited".to_string()
     };
     format!("{stop}, {cap}{outage}{credit}")
+}
+
+/// A pool's status as JSON (the CLI's --json and the console).
+pub fn pool_json(r: &pb::PoolStatusResponse) -> serde_json::Value {
+    let reference = |p: &Option<pb::PolicyRef>| p.as_ref().map(|p| serde_json::json!({"version": p.version, "name": p.name, "policy_version": p.policy_version, "sha256": p.sha256}));
+    serde_json::json!({
+        "partition": r.partition,
+        "placed_by": r.placed_by,
+        "active": reference(&r.active),
+        "candidate": reference(&r.candidate),
+        "models": r.models,
+        "requests": {
+            "slo_met": r.slo_met, "slo_missed": r.slo_missed, "failed": r.failed, "rejected": r.rejected,
+            "cancelled": r.cancelled, "in_flight": r.in_flight, "waiting_for_route": r.waiting_for_route,
+        },
+        "latency": {
+            "ttft_p50_s": r.ttft_p50_s, "ttft_p99_s": r.ttft_p99_s, "tbt_p50_s": r.tbt_p50_s, "tbt_p99_s": r.tbt_p99_s,
+            "slo_ttft_s": r.slo_ttft_s, "slo_tbt_s": r.slo_tbt_s,
+        },
+        "executors": r.executors.iter().map(|e| serde_json::json!({
+            "index": e.index, "tp": e.tp, "state": e.state, "node": e.node, "allocation_id": e.allocation_id, "load": e.load,
+            "models": e.models.iter().map(|m| serde_json::json!({"model": m.model, "weight": m.weight, "pinned": m.pinned})).collect::<Vec<_>>(),
+            "step_policy": e.step_policy, "loads": e.loads,
+            "steps": {"policy": e.steps_policy, "default": e.steps_default, "fallback": e.steps_fallback},
+            "shadow": {"agreed": e.shadow_agreed, "differed": e.shadow_differed, "refused": e.shadow_refused},
+            "recent": e.recent.iter().map(|s| serde_json::json!({
+                "t": s.t, "phase": s.phase, "model": s.model, "batch": s.batch, "iterations": s.iterations,
+                "seconds": s.seconds, "by": s.by, "why": s.why, "shadow": s.shadow,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// A pool's status for people.
+pub fn pool_text(r: &pb::PoolStatusResponse, steps: bool) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let judged = r.slo_met + r.slo_missed;
+    let attained = if judged == 0 { 0.0 } else { r.slo_met as f64 * 100.0 / judged as f64 };
+    let name = |p: &Option<pb::PolicyRef>| p.as_ref().map_or("none".to_string(), |p| format!("{}@{} (version {})", esc(&p.name), esc(&p.policy_version), p.version));
+    let _ = writeln!(out, "{}: {} models; placed by {}; pool version {}; candidate in shadow {}", r.partition, r.models, esc(&r.placed_by), name(&r.active), name(&r.candidate));
+    let _ = writeln!(
+        out,
+        "requests: {} met the SLO, {} missed ({attained:.1}% attained), {} failed, {} rejected, {} cancelled; {} in flight, {} waiting for an executor",
+        r.slo_met, r.slo_missed, r.failed, r.rejected, r.cancelled, r.in_flight, r.waiting_for_route
+    );
+    let _ = writeln!(
+        out,
+        "TTFT p50 {:.3} s, p99 {:.3} s (SLO {:.2} s); TBT p50 {:.3} s, p99 {:.3} s (SLO {:.2} s)",
+        r.ttft_p50_s, r.ttft_p99_s, r.slo_ttft_s, r.tbt_p50_s, r.tbt_p99_s, r.slo_tbt_s
+    );
+    for e in &r.executors {
+        let models: Vec<String> = e.models.iter().map(|m| format!("{}x{}{}", esc(&m.model), m.weight, if m.pinned { " pinned" } else { "" })).collect();
+        let step = if e.step_policy.is_empty() { "default step".to_string() } else { format!("step {}", esc(&e.step_policy.chars().take(12).collect::<String>())) };
+        let _ = writeln!(
+            out,
+            "executor {} (tp {}, {}) on {} allocation {}: load {}, {} loads, {step}; steps by policy {}, default {}, fallback {}{}",
+            e.index,
+            e.tp,
+            e.state,
+            if e.node.is_empty() { "-".into() } else { esc(&e.node) },
+            e.allocation_id,
+            e.load,
+            e.loads,
+            e.steps_policy,
+            e.steps_default,
+            e.steps_fallback,
+            if e.shadow_agreed + e.shadow_differed + e.shadow_refused > 0 {
+                format!("; candidate agreed {}, differed {}, refused {}", e.shadow_agreed, e.shadow_differed, e.shadow_refused)
+            } else {
+                String::new()
+            }
+        );
+        let _ = writeln!(out, "  models: {}", if models.is_empty() { "none".into() } else { models.join(", ") });
+        if steps {
+            for s in &e.recent {
+                let _ = writeln!(
+                    out,
+                    "  t={:.3} {} {} batch {} x{} {:.1} ms by {}{}{}",
+                    s.t,
+                    esc(&s.phase),
+                    esc(&s.model),
+                    s.batch,
+                    s.iterations,
+                    s.seconds * 1000.0,
+                    esc(&s.by),
+                    if s.why.is_empty() { String::new() } else { format!(" ({})", esc(&s.why)) },
+                    if s.shadow.is_empty() { String::new() } else { format!("; candidate {}", esc(&s.shadow)) }
+                );
+            }
+        }
+    }
+    out
 }

@@ -212,6 +212,7 @@ function render(s) {
   renderAccounting(s.accounting || {});
   renderCredits(s.credits || []);
   renderCompactions(s.compactions || []);
+  renderPools(s.pools || []);
   for (const sel of [$('#ab-partition'), $('#f-partition')]) {
     const keep = sel.value;
     const names = (s.partitions || []).map((p) => p.name);
@@ -237,12 +238,14 @@ function renderPartitions(parts) {
   const rows = [];
   for (const p of parts) {
     const operator = p.role === 'operator';
-    for (const hook of ['place', 'rank', 'compact']) {
+    for (const hook of p.is_pool ? ['place', 'rank', 'compact', 'pool'] : ['place', 'rank', 'compact']) {
       const h = p[hook] || {};
       const versions = (h.versions || []).map((v) => v.policy);
       const active = hook === 'place' ? p.active : versions.find((v) => v.version === h.active_version);
-      const candidate = hook === 'place' && p.candidate
+      const pool = (last && last.pools || []).find((q) => q.partition === p.name);
+      let candidate = hook === 'place' && p.candidate
         ? `${p.shadow_mode}${p.shadow_mode === 'split' ? ' ' + p.split_fraction : ''}: ${ref(p.candidate)}` : (hook === 'place' ? 'off' : '-');
+      if (hook === 'pool') candidate = pool && pool.candidate ? `shadow: ${ref(pool.candidate)}` : 'off';
       const key = `${p.name}/${hook}`;
       const select = el('select', { 'data-partition': p.name, 'data-hook': hook, class: 'version', 'aria-label': `version of ${key}` },
         ...versions.slice().reverse().map((v) => el('option', { value: v.version }, `v${v.version} ${v.name}@${v.policy_version}`)));
@@ -261,6 +264,8 @@ function renderPartitions(parts) {
         frac.value = fractions[p.name] || '0.5';
         frac.addEventListener('change', () => { fractions[p.name] = frac.value; });
         actions.append(button('shadow', 'Shadow'), button('split', 'Split'), frac, button('off', 'Off'));
+      } else if (hook === 'pool') {
+        actions.append(button('shadow', 'Shadow'), button('off', 'Off'));
       }
       const events = (h.events || []).map((e) => el('li', {}, `${time(e.unix_ms)} ${e.kind} v${e.version} by ${e.by}${e.detail ? ': ' + e.detail : ''}`));
       const history = el('details', {}, el('summary', {}, `${(h.events || []).length} latest events`), el('ul', {}, ...events));
@@ -268,7 +273,8 @@ function renderPartitions(parts) {
         el('td', {}, hook === 'place' ? `${p.name} (${p.nodes} nodes, ${p.gpus} GPUs)` : p.name),
         el('td', {}, p.role || 'none'),
         el('td', {}, hook),
-        el('td', { class: 'active' }, !active && hook === 'rank' ? 'default ranking' : (!active && hook === 'compact' ? 'none (no compaction)' : ref(active))),
+        el('td', { class: 'active' }, !active && hook === 'rank' ? 'default ranking' : (!active && hook === 'compact' ? 'none (no compaction)'
+          : (!active && hook === 'pool' ? 'default placement and step' : ref(active)))),
         el('td', { class: 'candidate' }, candidate),
         el('td', { class: 'breaker' }, breakerText(p, h)),
         el('td', {}, history),
@@ -368,6 +374,50 @@ function renderCompactions(chains) {
       el('td', {}, list), el('td', {}, c.cause || ''));
   });
   fill($('#compactions tbody'), rows.length ? rows : [el('tr', {}, el('td', { colspan: 11, class: 'muted' }, 'no compaction chain has run'))]);
+}
+
+// Each pool partition: its requests against the SLO, then one row per
+// executor (where it runs, what it serves, who chose its steps, and what a
+// candidate in shadow would have chosen).
+function renderPools(pools) {
+  $('#pools').hidden = pools.length === 0;
+  const secs = (v) => Number(v || 0).toFixed(3) + ' s';
+  const blocks = pools.map((q) => {
+    const r = q.requests || {};
+    const l = q.latency || {};
+    const judged = Number(r.slo_met || 0) + Number(r.slo_missed || 0);
+    const attained = judged ? (100 * Number(r.slo_met || 0) / judged).toFixed(1) + '%' : '-';
+    const summary = el('table', { class: 'pool-summary', 'data-partition': q.partition }, el('tbody', {},
+      el('tr', {}, el('th', {}, 'Placed by'), el('td', {}, q.placed_by || 'not yet')),
+      el('tr', {}, el('th', {}, 'Pool version'), el('td', {}, ref(q.active) === 'none' ? 'default placement and step' : ref(q.active))),
+      el('tr', {}, el('th', {}, 'Candidate in shadow'), el('td', {}, ref(q.candidate))),
+      el('tr', {}, el('th', {}, 'Requests'), el('td', { class: 'requests' },
+        `${r.slo_met || 0} met the SLO, ${r.slo_missed || 0} missed (${attained} attained), ${r.failed || 0} failed, ${r.rejected || 0} rejected, ${r.cancelled || 0} cancelled; ${r.in_flight || 0} in flight`)),
+      el('tr', {}, el('th', {}, 'TTFT p50 / p99'), el('td', {}, `${secs(l.ttft_p50_s)} / ${secs(l.ttft_p99_s)} (SLO ${l.slo_ttft_s} s)`)),
+      el('tr', {}, el('th', {}, 'TBT p50 / p99'), el('td', {}, `${secs(l.tbt_p50_s)} / ${secs(l.tbt_p99_s)} (SLO ${l.slo_tbt_s} s)`))));
+    const rows = (q.executors || []).map((e) => {
+      const st = e.steps || {};
+      const sh = e.shadow || {};
+      const recent = e.recent || [];
+      const latest = recent.length ? recent[recent.length - 1] : null;
+      const steps = el('details', {}, el('summary', {}, latest ? `${latest.phase} ${latest.model} by ${latest.by}` : 'none yet'),
+        el('ul', {}, ...recent.slice().reverse().map((x) => el('li', {},
+          `t=${Number(x.t).toFixed(2)} ${x.phase} ${x.model} batch ${x.batch} ×${x.iterations} by ${x.by}${x.why ? ' (' + x.why + ')' : ''}${x.shadow ? '; candidate ' + x.shadow : ''}`))));
+      return el('tr', { 'data-executor': e.index, 'data-state': e.state },
+        el('td', { class: 'num' }, e.index), el('td', { class: 'num' }, e.tp), el('td', { class: 'state' }, e.state),
+        el('td', {}, e.node ? `${e.node} (#${e.allocation_id})` : '-'), el('td', { class: 'num' }, e.load),
+        el('td', {}, (e.models || []).map((m) => `${m.model}×${m.weight}${m.pinned ? ' pinned' : ''}`).join(', ') || 'none'),
+        el('td', { class: 'num steps' }, `${st.policy || 0} / ${st.default || 0} / ${st.fallback || 0}`),
+        el('td', { class: 'num' }, `${sh.agreed || 0} / ${sh.differed || 0} / ${sh.refused || 0}`),
+        el('td', {}, steps));
+    });
+    const table = el('table', { class: 'pool-executors', 'data-partition': q.partition },
+      el('thead', {}, el('tr', {}, ...['#', 'TP', 'State', 'Node', 'Load', 'Models (weight)', 'Steps: policy / default / fallback', 'Candidate: agreed / differed / refused', 'Latest steps']
+        .map((t, i) => el('th', i === 0 || i === 1 || i === 4 || i === 6 || i === 7 ? { class: 'num' } : {}, t)))),
+      el('tbody', {}, ...rows));
+    return el('div', { class: 'pool' }, el('h3', {}, `${q.partition}: ${q.models} models`), summary, table);
+  });
+  $('#pools-list').replaceChildren(...blocks);
 }
 
 function renderPreemptions(ds) {

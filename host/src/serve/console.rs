@@ -204,10 +204,19 @@ impl Console {
         let live = &svc.live;
         let partitions = svc.list_partitions(self.request(h, pb::ListPartitionsRequest {})).await.map_err(refused)?.into_inner().partitions;
         let mut parts = Vec::new();
+        let mut pools = Vec::new();
         for p in &partitions {
             let mut row = to_json(p);
             row["role"] = json!(id.role_in(&p.name).map(|r| format!("{r:?}").to_lowercase()));
-            for hook in ["place", "rank", "compact"] {
+            let is_pool = live.pool_partitions.contains(&p.name);
+            row["is_pool"] = json!(is_pool);
+            if is_pool
+                && let Ok(status) = svc.pool_status(self.request(h, pb::PoolStatusRequest { partition: p.name.clone() })).await
+            {
+                pools.push(super::cli::pool_json(status.get_ref()));
+            }
+            let hooks: &[&str] = if is_pool { &["place", "rank", "compact", "pool"] } else { &["place", "rank", "compact"] };
+            for &hook in hooks {
                 let req = pb::PolicyHistoryRequest { partition: p.name.clone(), hook: hook.into() };
                 let history = svc.policy_history(self.request(h, req)).await.map_err(refused)?.into_inner();
                 let mut history = to_json(&history);
@@ -254,6 +263,7 @@ impl Console {
             "accounting": to_json(&accounting),
             "credits": credits.iter().map(to_json).collect::<Vec<_>>(),
             "compactions": compactions.iter().map(to_json).collect::<Vec<_>>(),
+            "pools": pools,
             "fleet": fleet,
         }))
     }
@@ -386,8 +396,8 @@ impl Console {
                 to_json(r.get_ref())
             }
             "shadow" | "split" | "off" => {
-                if !hook.is_empty() && hook != "place" {
-                    return Err(bad(format!("a candidate runs on the place hook, not {hook:?}")));
+                if action == "split" && !hook.is_empty() && hook != "place" {
+                    return Err(bad(format!("a split runs on the place hook; a {hook} candidate runs in shadow")));
                 }
                 let mode = match action.as_str() {
                     "shadow" => pb::ShadowMode::Shadow,
@@ -395,7 +405,7 @@ impl Console {
                     _ => pb::ShadowMode::Off,
                 };
                 let fraction = a["fraction"].as_f64().unwrap_or(0.0);
-                svc.set_shadow(self.request(h, pb::SetShadowRequest { partition, version, mode: mode as i32, fraction, ..Default::default() })).await.map_err(refused)?;
+                svc.set_shadow(self.request(h, pb::SetShadowRequest { partition, version, mode: mode as i32, fraction, hook })).await.map_err(refused)?;
                 json!({})
             }
             other => return Err(bad(format!("unknown action {other:?}: activate, rollback, shadow, split or off"))),

@@ -314,15 +314,13 @@ impl Live {
         Ok(())
     }
 
-    /// Puts a rank or compact version in shadow beside the partition's
-    /// active one (or takes it out with `None`): it ranks every
-    /// preemption's victims, or plans on every compaction step's snapshot,
-    /// too, never actuated, and its choices are tallied.
+    /// Puts a rank, compact or pool version in shadow beside the
+    /// partition's active one (or takes it out with `None`): it ranks every
+    /// preemption's victims, plans on every compaction step's snapshot, or
+    /// places on every pool replan and steps inside every executor, too,
+    /// never actuated, and its choices are tallied.
     pub fn set_aux_shadow(&self, by: &str, partition: &str, hook: PolicyHook, version: Option<u32>) -> Result<(), ServeError> {
         let p = self.partition_index(partition)?;
-        if hook == PolicyHook::Pool && version.is_some() {
-            return Err(ServeError::FailedPrecondition("the pool hook has no shadow mode yet: A/B a pool policy with `berth replay --pool`".into()));
-        }
         let part = &self.partitions[p];
         let key = hook_key(partition, hook);
         let now = unix_ms();
@@ -345,6 +343,7 @@ impl Live {
         })?;
         *part.rank.stats.lock().unwrap() = shadow::RankStats::default();
         *part.compact.stats.lock().unwrap() = shadow::CompactStats::default();
+        *part.pool.stats.lock().unwrap() = shadow::PoolStats::default();
         *part.aux_candidate(hook).lock().unwrap() = arm;
         Ok(())
     }

@@ -97,6 +97,59 @@ struct Slot {
     /// Not started again before this (after one ended: no crash loop at
     /// the supervisor's pace).
     not_before: Option<Instant>,
+    /// The candidate in shadow last sent (its digest; empty: none).
+    shadow_sent: Option<String>,
+    /// The pool-step component it reported in use (empty: the default).
+    step_policy: String,
+    tally: StepTally,
+}
+
+/// Latest steps kept per executor for `PoolStatus` (the decision log on
+/// its node has them all).
+pub const RECENT_STEPS: usize = 16;
+/// Latency samples kept per pool for its percentiles.
+pub const LATENCY_SAMPLES: usize = 4096;
+
+/// What one executor's steps came to, as its `step` lines said.
+#[derive(Default)]
+struct StepTally {
+    policy: u64,
+    default: u64,
+    fallback: u64,
+    shadow_agreed: u64,
+    shadow_differed: u64,
+    shadow_refused: u64,
+    loads: u64,
+    recent: std::collections::VecDeque<pb::PoolStepRecord>,
+}
+
+/// Requests by outcome, and the latest latencies.
+#[derive(Default)]
+struct Outcomes {
+    slo_met: u64,
+    slo_missed: u64,
+    failed: u64,
+    rejected: u64,
+    cancelled: u64,
+    ttft: std::collections::VecDeque<f64>,
+    tbt: std::collections::VecDeque<f64>,
+}
+
+fn keep_latest(ring: &mut std::collections::VecDeque<f64>, v: f64) {
+    if ring.len() >= LATENCY_SAMPLES {
+        ring.pop_front();
+    }
+    ring.push_back(v);
+}
+
+/// The `q` quantile (0..=1) of `samples`, nearest rank; 0 over none.
+fn quantile(samples: &std::collections::VecDeque<f64>, q: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    let mut v: Vec<f64> = samples.iter().copied().collect();
+    v.sort_by(f64::total_cmp);
+    v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
 struct Req {
@@ -132,6 +185,7 @@ struct Inner {
     /// Who made the placement in force, and the pool version asked.
     placed_by: String,
     placed_version: Option<u32>,
+    outcomes: Outcomes,
 }
 
 /// One pool partition, live.
@@ -174,7 +228,7 @@ impl PoolRun {
             .executors
             .iter()
             .flat_map(|&(tp, count)| (0..count).map(move |_| tp))
-            .map(|tp| Slot { tp, alloc: None, node: String::new(), down: None, ready: false, load: 0, policy_sent: None, warned: false, not_before: None })
+            .map(|tp| Slot { tp, alloc: None, node: String::new(), down: None, ready: false, load: 0, policy_sent: None, warned: false, not_before: None, shadow_sent: None, step_policy: String::new(), tally: StepTally::default() })
             .collect();
         let rows = vec![Vec::new(); slots.len()];
         PoolRun {
@@ -198,10 +252,24 @@ impl PoolRun {
                 want_place: true,
                 placed_by: String::new(),
                 placed_version: None,
+                outcomes: Outcomes::default(),
             }),
             placed: Notify::new(),
             next_id: AtomicU64::new(1),
         }
+    }
+
+    /// Counts a request's outcome (metrics and the pool's own tally).
+    fn outcome(&self, g: &mut Inner, live: &Live, model: usize, outcome: &str) {
+        live.metrics.pool_requests.with_label_values(&[&self.partition, &self.cfg.models[model].name, outcome]).inc();
+        let o = &mut g.outcomes;
+        *match outcome {
+            "slo_met" => &mut o.slo_met,
+            "slo_missed" => &mut o.slo_missed,
+            "failed" => &mut o.failed,
+            "cancelled" => &mut o.cancelled,
+            _ => &mut o.rejected,
+        } += 1;
     }
 
     /// A model's catalog index by name.
@@ -266,8 +334,9 @@ impl PoolRun {
                 g.want_place = true;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                self.inner.lock().unwrap().unrouted[model] -= 1;
-                live.metrics.pool_requests.with_label_values(&[&self.partition, &self.cfg.models[model].name, "rejected"]).inc();
+                let mut g = self.inner.lock().unwrap();
+                g.unrouted[model] -= 1;
+                self.outcome(&mut g, live, model, "rejected");
                 return Err(format!("no executor served model {} within {} s", self.cfg.models[model].name, ROUTE_WAIT.as_secs()));
             }
         }
@@ -280,7 +349,7 @@ impl PoolRun {
             let slot = &mut g.slots[req.slot];
             slot.load = slot.load.saturating_sub(1);
             send(slot, &Down::Cancel { id });
-            live.metrics.pool_requests.with_label_values(&[&self.partition, &self.cfg.models[req.model].name, "cancelled"]).inc();
+            self.outcome(&mut g, live, req.model, "cancelled");
         }
     }
 
@@ -294,6 +363,8 @@ impl PoolRun {
         }
         slot.down = Some(down);
         slot.policy_sent = None;
+        slot.shadow_sent = None;
+        slot.step_policy.clear();
         send(slot, &Down::Configure { executor: i as u32, tp: slot.tp, pool: self.cfg.clone() });
         Ok(())
     }
@@ -324,7 +395,7 @@ impl PoolRun {
                 admit(g, id, req);
                 continue;
             }
-            live.metrics.pool_requests.with_label_values(&[&self.partition, &self.cfg.models[req.model].name, "failed"]).inc();
+            self.outcome(g, live, req.model, "failed");
             let _ = req.tx.send(Event::Failed(format!("executor {slot} was lost after {} tokens", req.tokens)));
         }
     }
@@ -362,12 +433,16 @@ impl PoolRun {
             }
             Up::Token { id, index, text, .. } => {
                 let slo = self.cfg.slo;
+                let g = &mut *g;
                 if let Some(req) = g.requests.get_mut(&id) {
                     let since = now.duration_since(req.arrival).as_secs_f64();
                     if index == 0 {
                         live.metrics.pool_ttft_seconds.with_label_values(&[self.partition.as_str(), name(req.model)]).observe(since);
+                        keep_latest(&mut g.outcomes.ttft, since);
                     } else {
-                        live.metrics.pool_tbt_seconds.with_label_values(&[self.partition.as_str(), name(req.model)]).observe(now.duration_since(req.last_token).as_secs_f64());
+                        let tbt = now.duration_since(req.last_token).as_secs_f64();
+                        live.metrics.pool_tbt_seconds.with_label_values(&[self.partition.as_str(), name(req.model)]).observe(tbt);
+                        keep_latest(&mut g.outcomes.tbt, tbt);
                     }
                     // Token i is due at arrival + TTFT + i x TBT (the simulator's rule).
                     if since > slo.ttft_s + f64::from(index) * slo.tbt_s {
@@ -384,7 +459,7 @@ impl PoolRun {
                 if let Some(req) = g.requests.remove(&id) {
                     g.slots[req.slot].load = g.slots[req.slot].load.saturating_sub(1);
                     let late = req.late || tokens < req.output;
-                    live.metrics.pool_requests.with_label_values(&[self.partition.as_str(), name(req.model), if late { "slo_missed" } else { "slo_met" }]).inc();
+                    self.outcome(&mut g, live, req.model, if late { "slo_missed" } else { "slo_met" });
                     let _ = req.tx.send(Event::Done { tokens });
                 }
             }
@@ -399,26 +474,81 @@ impl PoolRun {
                         req.rerouted = true;
                         admit(&mut g, id, req);
                     } else {
-                        live.metrics.pool_requests.with_label_values(&[self.partition.as_str(), name(req.model), "rejected"]).inc();
+                        self.outcome(&mut g, live, req.model, "rejected");
                         let _ = req.tx.send(Event::Failed(format!("executor {i}: {}", crate::text::printable(&why, 300))));
                     }
                 }
             }
-            Up::Loaded { model, .. } => live.metrics.pool_switches.with_label_values(&[self.partition.as_str(), name(model as usize)]).inc(),
-            Up::Step { by, .. } => {
+            Up::Loaded { model, .. } => {
+                g.slots[i].tally.loads += 1;
+                live.metrics.pool_switches.with_label_values(&[self.partition.as_str(), name(model as usize)]).inc();
+            }
+            Up::Step { phase, model, batch, iterations, seconds, by, why, t, shadow } => {
                 let by = match by.as_str() {
                     "policy" | "default" | "fallback" => by.as_str(),
                     _ => "other",
                 };
                 live.metrics.pool_steps.with_label_values(&[&self.partition, by]).inc();
+                let tally = &mut g.slots[i].tally;
+                match by {
+                    "policy" => tally.policy += 1,
+                    "default" => tally.default += 1,
+                    "fallback" => tally.fallback += 1,
+                    _ => {}
+                }
+                let shadow = shadow.map(|c| {
+                    let mut stats = live.partitions[self.p].pool.stats.lock().unwrap();
+                    stats.steps += 1;
+                    if c.agreed {
+                        stats.steps_agreed += 1;
+                        tally.shadow_agreed += 1;
+                        "agreed".to_string()
+                    } else if let Some(why) = c.why {
+                        stats.step_errors += 1;
+                        tally.shadow_refused += 1;
+                        format!("refused: {}", crate::text::printable(&why, 200))
+                    } else {
+                        tally.shadow_differed += 1;
+                        format!("differed: {} {} x{}", crate::text::printable(&c.phase, 16), name(c.model as usize), c.iterations)
+                    }
+                });
+                if tally.recent.len() >= RECENT_STEPS {
+                    tally.recent.pop_front();
+                }
+                tally.recent.push_back(pb::PoolStepRecord {
+                    t,
+                    phase: crate::text::printable(&phase, 16).into_owned(),
+                    model: name(model as usize).to_string(),
+                    batch,
+                    iterations,
+                    seconds,
+                    by: by.to_string(),
+                    why: why.map(|w| crate::text::printable(&w, 200).into_owned()).unwrap_or_default(),
+                    shadow: shadow.unwrap_or_default(),
+                });
             }
-            Up::Policy { digest, loaded, why } => {
+            Up::Policy { digest, loaded, why, shadow: true } => {
                 let digest = crate::text::printable(&digest, 80).into_owned();
                 let why = why.map(|w| crate::text::printable(&w, 300).into_owned());
                 if loaded {
+                    tracing::info!(target: "berth::pool", partition = %self.partition, executor = i, %digest, "pool-step candidate in shadow");
+                } else {
+                    // Nothing acts on a candidate: it is no longer compared there.
+                    tracing::warn!(target: "berth::pool", partition = %self.partition, executor = i, %digest, "pool-step candidate dropped: {}", why.as_deref().unwrap_or("?"));
+                    live.partitions[self.p].pool.stats.lock().unwrap().step_errors += 1;
+                }
+            }
+            Up::Policy { digest, loaded, why, shadow: false } => {
+                let digest = crate::text::printable(&digest, 80).into_owned();
+                let why = why.map(|w| crate::text::printable(&w, 300).into_owned());
+                if loaded {
+                    g.slots[i].step_policy = digest.clone();
                     tracing::info!(target: "berth::pool", partition = %self.partition, executor = i, %digest, "pool-step policy in use");
                 } else {
                     tracing::warn!(target: "berth::pool", partition = %self.partition, executor = i, %digest, "pool-step policy dropped: {}", why.as_deref().unwrap_or("?"));
+                    if g.slots[i].step_policy == digest {
+                        g.slots[i].step_policy.clear();
+                    }
                     if g.slots[i].policy_sent.as_deref() == Some(digest.as_str()) {
                         return Some((digest, format!("executor {i}: {}", why.unwrap_or_default())));
                     }
@@ -580,7 +710,33 @@ impl PoolRun {
                 }
             }
         };
+        self.shadow_place(live, &state, &shape, &placement);
         self.apply(&placement, by, arm.map(|a| a.meta.version));
+    }
+
+    /// A pool candidate in shadow places on the same state; both arms'
+    /// placements are tallied, the candidate's never applied.
+    fn shadow_place(&self, live: &Live, state: &PoolState, shape: &[(u32, u64)], placed: &PoolPlacement) {
+        let part = &live.partitions[self.p];
+        let Some(candidate) = part.pool.candidate.lock().unwrap().clone() else { return };
+        if !candidate.policy.lock().unwrap().loaded().info.hooks.contains(berth_sdk::Hooks::POOL_PLACE) {
+            return;
+        }
+        let answer = candidate.policy.lock().unwrap().pool_place(state);
+        let checked = answer.map(|a| a.unwrap_or_else(|| berth_sdk::default_pool_place(state))).and_then(|p| pool::check_placement(&self.cfg, shape, &p).map(|_| p));
+        let mut stats = part.pool.stats.lock().unwrap();
+        stats.replans += 1;
+        stats.active.add(state, placed);
+        match checked {
+            Ok(p) => {
+                stats.agreed += u64::from(super::shadow::same_placement(&p, placed));
+                stats.candidate.add(state, &p);
+            }
+            Err(e) => {
+                stats.candidate_errors += 1;
+                tracing::debug!(target: "berth::pool", partition = %self.partition, version = candidate.meta.version, "pool candidate's placement refused: {e}");
+            }
+        }
     }
 
     fn apply(&self, p: &PoolPlacement, by: String, version: Option<u32>) {
@@ -608,34 +764,104 @@ impl PoolRun {
 
     /// Sends the active pool version's component to every ready executor
     /// that runs another (or, with none active, tells it to step by the
-    /// default): the swap happens between two of its steps.
+    /// default), and the candidate in shadow likewise: each swap happens
+    /// between two of its steps.
     fn push_step_policy(&self, live: &Live) {
         let part = &live.partitions[self.p];
-        let arm = part.pool.active.lock().unwrap().clone().filter(|a| a.policy.lock().unwrap().loaded().info.hooks.contains(berth_sdk::Hooks::POOL_STEP));
-        let digest = arm.as_ref().map_or(String::new(), |a| a.meta.sha256.clone());
-        let stale = self.inner.lock().unwrap().slots.iter().any(|s| s.ready && s.policy_sent.as_deref() != Some(digest.as_str()));
-        if !stale {
-            return;
-        }
-        let component = match &arm {
-            None => String::new(),
-            Some(a) => match live.registry.component(&a.meta.sha256) {
-                Ok(bytes) => {
-                    use base64::Engine as _;
-                    base64::engine::general_purpose::STANDARD.encode(bytes)
-                }
-                Err(e) => return tracing::warn!(target: "berth::pool", partition = %self.partition, "pool-step component {}: {e}", a.meta.sha256),
-            },
-        };
-        if component.len() + 256 > MAX_LINE_BYTES {
-            return tracing::warn!(target: "berth::pool", partition = %self.partition, "pool-step component of {} base64 bytes exceeds an executor line", component.len());
-        }
-        let down = Down::Policy { digest: digest.clone(), component };
-        let mut g = self.inner.lock().unwrap();
-        for slot in g.slots.iter_mut().filter(|s| s.ready && s.policy_sent.as_deref() != Some(digest.as_str())) {
-            if send(slot, &down) {
-                slot.policy_sent = Some(digest.clone());
+        let with_step = |a: &Option<Arc<super::state::Arm>>| a.clone().filter(|a| a.policy.lock().unwrap().loaded().info.hooks.contains(berth_sdk::Hooks::POOL_STEP));
+        let active = with_step(&part.pool.active.lock().unwrap());
+        let candidate = with_step(&part.pool.candidate.lock().unwrap());
+        for (shadow, arm) in [(false, active), (true, candidate)] {
+            let digest = arm.as_ref().map_or(String::new(), |a| a.meta.sha256.clone());
+            // Never sent and none wanted: no candidate to clear.
+            let stale = |s: &Slot| {
+                let sent = if shadow { &s.shadow_sent } else { &s.policy_sent };
+                s.ready && sent.as_deref() != Some(digest.as_str()) && !(shadow && sent.is_none() && digest.is_empty())
+            };
+            if !self.inner.lock().unwrap().slots.iter().any(stale) {
+                continue;
             }
+            let component = match &arm {
+                None => String::new(),
+                Some(a) => match live.registry.component(&a.meta.sha256) {
+                    Ok(bytes) => {
+                        use base64::Engine as _;
+                        base64::engine::general_purpose::STANDARD.encode(bytes)
+                    }
+                    Err(e) => {
+                        tracing::warn!(target: "berth::pool", partition = %self.partition, "pool-step component {}: {e}", a.meta.sha256);
+                        continue;
+                    }
+                },
+            };
+            if component.len() + 256 > MAX_LINE_BYTES {
+                tracing::warn!(target: "berth::pool", partition = %self.partition, "pool-step component of {} base64 bytes exceeds an executor line", component.len());
+                continue;
+            }
+            let down = Down::Policy { digest: digest.clone(), component, shadow };
+            let mut g = self.inner.lock().unwrap();
+            for slot in g.slots.iter_mut().filter(|s| stale(s)) {
+                if send(slot, &down) {
+                    *(if shadow { &mut slot.shadow_sent } else { &mut slot.policy_sent }) = Some(digest.clone());
+                }
+            }
+        }
+    }
+
+    /// The pool as `PoolStatus` shows it.
+    pub fn status(&self, live: &Live) -> pb::PoolStatusResponse {
+        let part = &live.partitions[self.p];
+        let reference = |a: &Option<Arc<super::state::Arm>>| {
+            a.as_ref().map(|a| pb::PolicyRef { version: a.meta.version, name: a.meta.name.clone(), policy_version: a.meta.semver.clone(), sha256: a.meta.sha256.clone() })
+        };
+        let active = reference(&part.pool.active.lock().unwrap());
+        let candidate = reference(&part.pool.candidate.lock().unwrap());
+        let g = self.inner.lock().unwrap();
+        let name = |m: u32| self.cfg.models.get(m as usize).map_or_else(|| format!("#{m}"), |s| s.name.clone());
+        let executors = g
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(e, s)| pb::PoolExecutorStatus {
+                index: e as u32,
+                tp: s.tp,
+                state: if s.ready { "ready" } else if s.alloc.is_some() { "starting" } else { "missing" }.into(),
+                node: s.node.clone(),
+                allocation_id: s.alloc.unwrap_or(0),
+                load: s.load,
+                models: g.rows[e].iter().map(|r| pb::PoolModelRow { model: name(r.model), weight: r.weight, pinned: r.pinned }).collect(),
+                steps_policy: s.tally.policy,
+                steps_default: s.tally.default,
+                steps_fallback: s.tally.fallback,
+                shadow_agreed: s.tally.shadow_agreed,
+                shadow_differed: s.tally.shadow_differed,
+                shadow_refused: s.tally.shadow_refused,
+                recent: s.tally.recent.iter().cloned().collect(),
+                loads: s.tally.loads,
+                step_policy: s.step_policy.clone(),
+            })
+            .collect();
+        let o = &g.outcomes;
+        pb::PoolStatusResponse {
+            partition: self.partition.clone(),
+            placed_by: g.placed_by.clone(),
+            active,
+            candidate,
+            executors,
+            slo_met: o.slo_met,
+            slo_missed: o.slo_missed,
+            failed: o.failed,
+            rejected: o.rejected,
+            cancelled: o.cancelled,
+            in_flight: g.requests.len() as u64,
+            waiting_for_route: g.unrouted.iter().map(|&u| u64::from(u)).sum(),
+            ttft_p50_s: quantile(&o.ttft, 0.5),
+            ttft_p99_s: quantile(&o.ttft, 0.99),
+            tbt_p50_s: quantile(&o.tbt, 0.5),
+            tbt_p99_s: quantile(&o.tbt, 0.99),
+            slo_ttft_s: self.cfg.slo.ttft_s,
+            slo_tbt_s: self.cfg.slo.tbt_s,
+            models: self.cfg.models.len() as u32,
         }
     }
 }

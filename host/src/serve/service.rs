@@ -939,6 +939,25 @@ impl Berth for Service {
         }))
     }
 
+    async fn pool_status(&self, req: Request<pb::PoolStatusRequest>) -> Reply<pb::PoolStatusResponse> {
+        let id = self.who(&req)?;
+        let r = req.into_inner();
+        self.require(&id, &r.partition, Role::Viewer)?;
+        let pool = self.agents.as_ref().and_then(|h| h.pools.get()).and_then(|p| p.of(&r.partition).cloned());
+        let pool = pool.ok_or_else(|| ServeError::FailedPrecondition(format!("partition {} is not a pool partition (fleet config [[pool]])", r.partition)))?;
+        let mut status = pool.status(&self.live);
+        // Fits a reply whatever the pool's size: the latest steps go first.
+        let mut size = prost::Message::encoded_len(&status);
+        for e in status.executors.iter_mut().rev() {
+            if size <= bounds::REPLY_BYTES {
+                break;
+            }
+            size -= e.recent.iter().map(|s| prost::Message::encoded_len(s) + 2).sum::<usize>();
+            e.recent.clear();
+        }
+        Ok(Response::new(status))
+    }
+
     async fn list_compactions(&self, req: Request<pb::ListCompactionsRequest>) -> Reply<pb::ListCompactionsResponse> {
         let this = self.clone();
         crate::util::off_worker(move || {
@@ -1212,7 +1231,36 @@ impl Berth for Service {
             let part = &this.live.partitions[this.live.partition_index(&partition)?];
             let hook = super::state::PolicyHook::parse(&r.hook)?;
             if hook == super::state::PolicyHook::Pool {
-                return Err(ServeError::FailedPrecondition("the pool hook has no shadow mode yet: compare pool policies with `berth replay --pool` or `berth pool-load --simulate`".into()).into());
+                let candidate = part.pool.candidate.lock().unwrap().clone();
+                let active = part.pool.active.lock().unwrap().clone();
+                let s = part.pool.stats.lock().unwrap().clone();
+                let tally = |t: &super::shadow::PlaceTally, n: u64| pb::PoolPlaceTally {
+                    mean_pairs: shadow::mean(t.pairs as f64, n),
+                    mean_models_placed: shadow::mean(t.models_placed as f64, n),
+                    mean_executors_used: shadow::mean(t.executors_used as f64, n),
+                    mean_unplaced_rate: shadow::mean(t.unplaced_rate, n),
+                    mean_busiest_offered: shadow::mean(t.busiest_offered, n),
+                };
+                let placed = s.replans - s.candidate_errors;
+                return Ok(Response::new(pb::ShadowReportResponse {
+                    mode: if candidate.is_some() { "shadow".into() } else { "off".into() },
+                    active: active.map(|a| policy_ref(&a.meta)),
+                    candidate: candidate.map(|c| policy_ref(&c.meta)),
+                    samples: s.replans + s.steps,
+                    agreement_rate: shadow::mean((s.agreed + s.steps_agreed) as f64, s.replans + s.steps),
+                    candidate_errors: s.candidate_errors + s.step_errors,
+                    pool: Some(pb::PoolShadow {
+                        replans: s.replans,
+                        agreed: s.agreed,
+                        active: Some(tally(&s.active, s.replans)),
+                        candidate: Some(tally(&s.candidate, placed)),
+                        candidate_errors: s.candidate_errors,
+                        steps: s.steps,
+                        steps_agreed: s.steps_agreed,
+                        step_errors: s.step_errors,
+                    }),
+                    ..Default::default()
+                }));
             }
             if hook == super::state::PolicyHook::Compact {
                 let candidate = part.compact.candidate.lock().unwrap().clone();
@@ -1307,6 +1355,7 @@ impl Berth for Service {
                 arms: if split { vec![arm("active", &s.arms[0], active_meta), arm("candidate", &s.arms[1], candidate_meta)] } else { Vec::new() },
                 rank: None,
                 compact: None,
+                pool: None,
                 points: s
                     .points
                     .iter()

@@ -271,3 +271,84 @@ pub struct CompactStats {
     pub candidate: CompactTally,
     pub candidate_errors: u64,
 }
+
+/// One arm's pool placements, summed over replans.
+#[derive(Clone, Debug, Default)]
+pub struct PlaceTally {
+    /// Executor-model pairs placed.
+    pub pairs: u64,
+    /// Distinct models placed somewhere.
+    pub models_placed: u64,
+    /// Executors given at least one model.
+    pub executors_used: u64,
+    /// Requests per second of models with traffic that it left unplaced
+    /// (they wait for the next placement).
+    pub unplaced_rate: f64,
+    /// The busiest executor's offered work: each model's arrival rate times
+    /// its service time, shared between its executors by routing weight
+    /// (request-seconds per second, before batching).
+    pub busiest_offered: f64,
+}
+
+impl PlaceTally {
+    /// Adds one checked placement made on `state`.
+    pub fn add(&mut self, state: &berth_sdk::PoolState, p: &berth_sdk::PoolPlacement) {
+        let models = state.model_tp.len();
+        let executors = state.executor_tp.len();
+        let mut weight_of_model = vec![0u64; models];
+        let mut placed = vec![false; models];
+        let mut used = vec![false; executors];
+        for i in 0..p.executor.len() {
+            let (e, m) = (p.executor[i] as usize, p.model[i] as usize);
+            if m < models && e < executors {
+                weight_of_model[m] += u64::from(p.weight[i]);
+                placed[m] = true;
+                used[e] = true;
+            }
+        }
+        let mut offered = vec![0.0f64; executors];
+        for i in 0..p.executor.len() {
+            let (e, m) = (p.executor[i] as usize, p.model[i] as usize);
+            if m < models && e < executors && weight_of_model[m] > 0 {
+                offered[e] += state.model_rate[m] * state.model_service_s[m] * f64::from(p.weight[i]) / weight_of_model[m] as f64;
+            }
+        }
+        self.pairs += p.executor.len() as u64;
+        self.models_placed += placed.iter().filter(|&&b| b).count() as u64;
+        self.executors_used += used.iter().filter(|&&b| b).count() as u64;
+        self.unplaced_rate += (0..models).filter(|&m| !placed[m]).map(|m| state.model_rate[m]).sum::<f64>();
+        self.busiest_offered += offered.iter().copied().fold(0.0, f64::max);
+    }
+}
+
+/// A pool candidate in shadow beside the active pool version (or the
+/// default): it places on every replan's state and steps on every step's
+/// view inside the executors; neither is ever acted on.
+#[derive(Clone, Debug, Default)]
+pub struct PoolStats {
+    /// Replans both arms placed on.
+    pub replans: u64,
+    /// Replans where the candidate placed exactly the same pairs, weights
+    /// and pins.
+    pub agreed: u64,
+    pub active: PlaceTally,
+    pub candidate: PlaceTally,
+    /// The candidate's placement failed or was refused.
+    pub candidate_errors: u64,
+    /// Executor steps the candidate was asked about, those where it chose
+    /// the very step run, and those where its answer was refused.
+    pub steps: u64,
+    pub steps_agreed: u64,
+    pub step_errors: u64,
+}
+
+/// Whether two placements are the same pairs with the same weights and
+/// pins, in any order.
+pub fn same_placement(a: &berth_sdk::PoolPlacement, b: &berth_sdk::PoolPlacement) -> bool {
+    let rows = |p: &berth_sdk::PoolPlacement| {
+        let mut v: Vec<(u32, u32, u32, u8)> = (0..p.executor.len()).map(|i| (p.executor[i], p.model[i], p.weight[i], p.pinned[i])).collect();
+        v.sort_unstable();
+        v
+    };
+    rows(a) == rows(b)
+}

@@ -728,7 +728,7 @@ pub struct Partition {
     pub compact: HookSlot<Arm, shadow::CompactStats>,
     /// The pool hook of a pool partition (no active version: the default
     /// pool placement, and executors step by the default step).
-    pub pool: HookSlot<Arm, ()>,
+    pub pool: HookSlot<Arm, shadow::PoolStats>,
     /// Jobs accepted and stored but not yet in `state`: a submission never
     /// waits for the state lock, which the deciding thread holds through its
     /// policy calls. Whoever takes the lock next moves them in.
