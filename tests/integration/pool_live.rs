@@ -251,6 +251,83 @@ async fn a_pool_partition_serves_streamed_completions_on_executors_its_agents_ru
     assert!(metric(&text, "berth_pool_ttft_seconds_count", &["partition=\"p1\""]) >= 14.0);
     assert_eq!(metric(&text, "berth_pool_executors", &["partition=\"p1\"", "state=\"ready\""]), 5.0);
 
+    // A candidate in shadow beside pool-token: pool-demand places on the
+    // same replan state and steps on the same executor views, never acted
+    // on; both are tallied, and every executor logs its decisions (with
+    // the candidate's choice) on its node.
+    let component = std::fs::read(policy_path("pool-demand")).unwrap();
+    let demand = api.upload_policy(pb::UploadPolicyRequest { partition: "p1".into(), component, hook: "pool".into(), ..Default::default() }).await.unwrap().into_inner().policy.unwrap().version;
+    let shadow = |version: u32, mode: pb::ShadowMode| pb::SetShadowRequest { partition: "p1".into(), version, mode: mode as i32, hook: "pool".into(), ..Default::default() };
+    let e = api.set_shadow(shadow(demand, pb::ShadowMode::Split)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "a pool candidate runs in shadow only: {e:?}");
+    api.set_shadow(shadow(demand, pb::ShadowMode::Shadow)).await.unwrap();
+    let report = until_logged(&d, "the pool candidate compared on a replan and on executor steps", Duration::from_secs(90), || {
+        let (base, model, mut api) = (base.clone(), models[0].clone(), api.clone());
+        async move {
+            let seen = tokio::task::spawn_blocking(move || stream(&base, "carol-test-token", &model, 200, 16)).await.unwrap();
+            assert!(seen.done && seen.at.len() == 16, "with a candidate in shadow: {seen:?}");
+            let r = api.shadow_report(pb::ShadowReportRequest { partition: "p1".into(), hook: "pool".into() }).await.unwrap().into_inner();
+            r.pool.clone().filter(|k| k.replans >= 1 && k.steps >= 4).map(|_| r)
+        }
+    })
+    .await;
+    let k = report.pool.clone().unwrap();
+    assert_eq!(report.mode, "shadow");
+    assert_eq!(report.candidate.as_ref().map(|c| c.version), Some(demand), "{report:?}");
+    assert_eq!(report.active.as_ref().map(|c| c.version), Some(token_version), "{report:?}");
+    assert!(k.steps_agreed <= k.steps && k.agreed <= k.replans && k.step_errors == 0, "{k:?}");
+    let (active, candidate) = (k.active.unwrap(), k.candidate.unwrap());
+    assert!(active.mean_pairs >= 1.0 && candidate.mean_pairs >= 1.0 && active.mean_executors_used <= 5.0, "{active:?} {candidate:?}");
+    // The candidate was never acted on: pool-token still placed and stepped.
+    let status = api.pool_status(pb::PoolStatusRequest { partition: "p1".into() }).await.unwrap().into_inner();
+    assert!(status.placed_by.starts_with("pool-token@"), "{}", status.placed_by);
+    assert_eq!(status.executors.len(), 5);
+    let compared: u64 = status.executors.iter().map(|e| e.shadow_agreed + e.shadow_differed + e.shadow_refused).sum();
+    assert_eq!(compared, k.steps, "the executors' tallies sum to the report's");
+    let by_policy: u64 = status.executors.iter().map(|e| e.steps_policy).sum();
+    assert!(by_policy > 0 && status.executors.iter().all(|e| e.state == "ready" && !e.node.is_empty() && e.allocation_id > 0), "{status:?}");
+    assert!(status.executors.iter().flat_map(|e| &e.recent).any(|s| !s.shadow.is_empty()), "no step record carries the candidate's choice: {status:?}");
+    assert!(status.slo_met >= 12 && status.ttft_p99_s > 0.0 && status.ttft_p50_s <= status.ttft_p99_s, "{status:?}");
+    // The operator's view of the same, from the CLI and the console's API.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["pool", "--partition", "p1", "--steps", "--server", &url, "--token", "ops-test-token"])
+        .output()
+        .unwrap();
+    let text_out = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text_out.contains("placed by pool-token@") && text_out.contains("executor 4 (tp 4, ready)") && text_out.contains("; candidate "), "{text_out}\n{}", String::from_utf8_lossy(&out.stderr));
+    let console = metrics.replace("/metrics", "/console/api/state");
+    let (code, body, _) = tokio::task::spawn_blocking(move || crate::console::http("GET", &console, Some("ops-test-token"), None)).await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let state: Value = serde_json::from_str(&body).unwrap();
+    let pools = state["pools"].as_array().unwrap_or_else(|| panic!("{state}"));
+    assert_eq!(pools.len(), 1, "{state}");
+    assert_eq!(pools[0]["executors"].as_array().map(Vec::len), Some(5), "{}", pools[0]);
+    assert_eq!(pools[0]["candidate"]["version"], demand);
+    // Each executor's decision log on its node: one JSON line per decision,
+    // the steps with who chose them and the candidate's choice.
+    let mut logged = 0;
+    let mut with_candidate = 0;
+    for node in ["m1", "m2"] {
+        for entry in std::fs::read_dir(d.join(format!("{node}-state"))).unwrap().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.ends_with(".decisions.jsonl") {
+                continue;
+            }
+            for line in std::fs::read_to_string(entry.path()).unwrap().lines() {
+                let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{name}: {e}: {line}"));
+                assert!(v["unix_ms"].as_u64().unwrap() > 0 && v["executor"].as_u64().is_some(), "{line}");
+                if v["type"] == "step" {
+                    logged += 1;
+                    assert!(["policy", "default", "fallback"].contains(&v["by"].as_str().unwrap()), "{line}");
+                    with_candidate += usize::from(v["shadow"].is_object());
+                }
+            }
+        }
+    }
+    let steps_counted: u64 = status.executors.iter().map(|e| e.steps_policy + e.steps_default + e.steps_fallback).sum();
+    assert!(logged as u64 >= steps_counted && with_candidate as u64 >= k.steps, "{logged} steps logged, {steps_counted} counted; {with_candidate} with the candidate's choice, {} compared", k.steps);
+    api.set_shadow(shadow(0, pb::ShadowMode::Off)).await.unwrap();
+
     // A pool-step that never answers: each executor stops asking it after
     // three refusals and says so; the host's breaker takes the version out;
     // requests meanwhile are served by the default step.

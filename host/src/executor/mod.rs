@@ -438,3 +438,37 @@ impl DecisionLog {
         let _ = self.file.flush();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(by: &str) -> Up {
+        Up::Step { phase: "decode".into(), model: 3, batch: 2, iterations: 8, seconds: 0.1, by: by.into(), why: None, t: 1.0, shadow: None }
+    }
+
+    #[test]
+    fn the_decision_log_keeps_decisions_only_and_stays_within_twice_its_bound() {
+        let dir = std::env::temp_dir().join(format!("berth-decision-log-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("exec-7.decisions.jsonl");
+        let mut log = DecisionLog::open(path.clone(), 4096).unwrap();
+        log.executor = Some(2);
+        for i in 0..200 {
+            let up = if i % 2 == 0 { step("policy") } else { Up::Token { id: 1, index: i, text: " t".into(), t: 0.0 } };
+            log.record(&up, &serde_json::to_vec(&up).unwrap());
+        }
+        log.flush();
+        let current = std::fs::read_to_string(&path).unwrap();
+        let rotated = std::fs::read_to_string(dir.join("exec-7.decisions.jsonl.1")).unwrap();
+        assert!(current.len() <= 4096 && rotated.len() <= 4096, "{} and {} bytes", current.len(), rotated.len());
+        for line in current.lines().chain(rotated.lines()) {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["type"], "step", "tokens are not decisions: {line}");
+            assert_eq!(v["executor"], 2);
+            assert_eq!(v["by"], "policy");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

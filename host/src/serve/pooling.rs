@@ -185,6 +185,8 @@ struct Inner {
     /// Who made the placement in force, and the pool version asked.
     placed_by: String,
     placed_version: Option<u32>,
+    /// The pool candidate in shadow at the last placement.
+    shadowed: Option<u32>,
     outcomes: Outcomes,
 }
 
@@ -252,6 +254,7 @@ impl PoolRun {
                 want_place: true,
                 placed_by: String::new(),
                 placed_version: None,
+                shadowed: None,
                 outcomes: Outcomes::default(),
             }),
             placed: Notify::new(),
@@ -611,14 +614,18 @@ impl PoolRun {
             }
         }
         let version = live.partitions[self.p].pool.active.lock().unwrap().as_ref().map(|a| a.meta.version);
+        let candidate = live.partitions[self.p].pool.candidate.lock().unwrap().as_ref().map(|a| a.meta.version);
         let due = {
             let g = self.inner.lock().unwrap();
             let interval = Duration::from_secs_f64(self.cfg.replan_interval_s);
-            // A swapped pool version places at once.
-            g.slots.iter().any(|s| s.ready) && (g.want_place || g.placed_version != version || g.last_place.is_none_or(|t| t.elapsed() >= interval))
+            // A swapped pool version places at once; a new candidate is
+            // compared at once.
+            g.slots.iter().any(|s| s.ready)
+                && (g.want_place || g.placed_version != version || g.shadowed != candidate || g.last_place.is_none_or(|t| t.elapsed() >= interval))
         };
         if due {
             self.replan(live);
+            self.inner.lock().unwrap().shadowed = candidate;
         }
         self.push_step_policy(live);
         let g = self.inner.lock().unwrap();

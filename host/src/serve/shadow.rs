@@ -352,3 +352,37 @@ pub fn same_placement(a: &berth_sdk::PoolPlacement, b: &berth_sdk::PoolPlacement
     };
     rows(a) == rows(b)
 }
+
+#[cfg(test)]
+mod pool_tests {
+    use super::*;
+
+    #[test]
+    fn a_placement_tally_shares_offered_work_by_weight_and_counts_unplaced_traffic() {
+        let mut state = berth_sdk::PoolState::default();
+        for (rate, service) in [(2.0, 0.5), (1.0, 1.0), (4.0, 0.25)] {
+            state.model_tp.push(1);
+            state.model_rate.push(rate);
+            state.model_service_s.push(service);
+        }
+        state.executor_tp = vec![1, 1];
+        let mut p = berth_sdk::PoolPlacement::default();
+        // Model 0 on both executors (weights 3:1), model 1 on executor 1; model 2 unplaced.
+        p.push(0, 0, 3, false);
+        p.push(1, 0, 1, false);
+        p.push(1, 1, 1, false);
+        let mut t = PlaceTally::default();
+        t.add(&state, &p);
+        assert_eq!((t.pairs, t.models_placed, t.executors_used), (3, 2, 2));
+        assert!((t.unplaced_rate - 4.0).abs() < 1e-9);
+        // Executor 0: 1.0 x 3/4 = 0.75; executor 1: 1.0 x 1/4 + 1.0 = 1.25.
+        assert!((t.busiest_offered - 1.25).abs() < 1e-9, "{t:?}");
+        let mut q = berth_sdk::PoolPlacement::default();
+        q.push(1, 1, 1, false);
+        q.push(1, 0, 1, false);
+        q.push(0, 0, 3, false);
+        assert!(same_placement(&p, &q));
+        q.weight[0] = 2;
+        assert!(!same_placement(&p, &q));
+    }
+}
