@@ -58,18 +58,49 @@ pub(crate) fn http(method: &str, url: &str, token: Option<&str>, body: Option<Va
     (r.status().as_u16(), r.body_mut().read_to_string().unwrap(), csp)
 }
 
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.driver.call("DELETE", &self.path(""), None);
+        let _ = std::fs::remove_dir_all(&self.profile);
+    }
+}
+
 /// A WebDriver session on one page.
-struct Browser {
+pub(crate) struct Browser {
     driver: Driver,
     session: String,
+    profile: std::path::PathBuf,
 }
 
 impl Browser {
+    /// Headless chromium on `url`, or `None` (the test says it skips)
+    /// where chromium or chromedriver is not installed.
+    pub(crate) fn open(url: &str, name: &str) -> Option<Browser> {
+        let (Some(chromedriver), Some(chromium)) =
+            (find_tool(&["/usr/bin/chromedriver"]), find_tool(&["/usr/lib/chromium/chromium", "/usr/bin/chromium"]))
+        else {
+            crate::common::skip("the browser half: chromium or chromedriver is not installed (scripts/install-chromium.sh)");
+            return None;
+        };
+        let driver = Driver::start(&chromedriver);
+        let profile = std::env::temp_dir().join(format!("berth-test-{}-{name}-profile", std::process::id()));
+        let caps = json!({"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
+            "binary": chromium,
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,3200",
+                     format!("--user-data-dir={}", profile.display())]
+        }}}});
+        let session = driver.call("POST", "/session", Some(caps)).expect("a chromium session");
+        let session = session["sessionId"].as_str().expect("session id").to_string();
+        let b = Browser { driver, session, profile };
+        b.driver.call("POST", &b.path("/url"), Some(json!({"url": url}))).unwrap();
+        Some(b)
+    }
+
     fn path(&self, p: &str) -> String {
         format!("/session/{}{p}", self.session)
     }
 
-    fn run(&self, script: &str) -> Value {
+    pub(crate) fn run(&self, script: &str) -> Value {
         self.driver.call("POST", &self.path("/execute/sync"), Some(json!({"script": script, "args": []}))).unwrap_or_else(|e| panic!("{e}"))
     }
 
@@ -91,7 +122,7 @@ impl Browser {
         panic!("{action} on {css}: {last}");
     }
 
-    fn click(&self, css: &str) {
+    pub(crate) fn click(&self, css: &str) {
         self.element(css, "click", json!({}));
     }
 
@@ -101,7 +132,7 @@ impl Browser {
 
     /// Waits until `script` returns true (a liveness bound: the page polls
     /// every 2 s); on time out saves a screenshot and fails with `show`'s value.
-    fn wait(&self, what: &str, script: &str, show: &str) {
+    pub(crate) fn wait(&self, what: &str, script: &str, show: &str) {
         let limit = Instant::now() + Duration::from_secs(60);
         while Instant::now() < limit {
             if self.run(script) == Value::Bool(true) {
@@ -113,7 +144,7 @@ impl Browser {
         panic!("waited 60 s for {what}: {}", self.run(show));
     }
 
-    fn screenshot(&self, name: &str) -> usize {
+    pub(crate) fn screenshot(&self, name: &str) -> usize {
         use base64::Engine;
         let shot = self.driver.call("GET", &self.path("/screenshot"), None).unwrap();
         let png = base64::engine::general_purpose::STANDARD.decode(shot.as_str().unwrap()).unwrap();
@@ -125,7 +156,7 @@ impl Browser {
         png.len()
     }
 
-    fn sign_in(&self, token: &str, name: &str) {
+    pub(crate) fn sign_in(&self, token: &str, name: &str) {
         self.type_into("#token", token);
         self.click("#signin");
         self.wait(
@@ -187,24 +218,10 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     assert!(state["jobs"].as_array().unwrap().iter().any(|j| j["id"] == first && j["state"] == "running" && j["spec"]["name"] == MARKUP));
     assert_eq!(state["compactions"], json!([]), "no compaction has run");
 
-    let (Some(chromedriver), Some(chromium)) =
-        (find_tool(&["/usr/bin/chromedriver"]), find_tool(&["/usr/lib/chromium/chromium", "/usr/bin/chromium"]))
-    else {
-        crate::common::skip("the browser half: chromium or chromedriver is not installed (scripts/install-chromium.sh)");
+    let Some(b) = Browser::open(&format!("{base}/console"), "console") else {
         rt.block_on(h.shutdown());
         return;
     };
-    let driver = Driver::start(&chromedriver);
-    let profile = std::env::temp_dir().join(format!("berth-test-{}-console-profile", std::process::id()));
-    let caps = json!({"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
-        "binary": chromium,
-        "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,3200",
-                 format!("--user-data-dir={}", profile.display())]
-    }}}});
-    let session = driver.call("POST", "/session", Some(caps)).expect("a chromium session");
-    let session = session["sessionId"].as_str().expect("session id").to_string();
-    let b = Browser { driver, session };
-    b.driver.call("POST", &b.path("/url"), Some(json!({"url": format!("{base}/console")}))).unwrap();
 
     // A viewer: the placed job on the fleet and in the jobs table, its name
     // as text.
@@ -352,10 +369,8 @@ fn console_shows_the_fleet_and_acts_by_role_in_headless_chromium() {
     assert!(seen["line"].as_f64().unwrap() > 100.0 && seen["bars"].as_u64().unwrap() >= 2, "{seen}");
     assert!(seen["samples"].as_str().unwrap().contains("Shadow samples"), "{seen}");
 
-    let _ = b.driver.call("DELETE", &b.path(""), None);
     drop(b);
     rt.block_on(h.shutdown());
-    let _ = std::fs::remove_dir_all(&profile);
     let _ = std::fs::remove_dir_all(Path::new(&dir));
 }
 

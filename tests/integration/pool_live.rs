@@ -326,7 +326,40 @@ async fn a_pool_partition_serves_streamed_completions_on_executors_its_agents_ru
     }
     let steps_counted: u64 = status.executors.iter().map(|e| e.steps_policy + e.steps_default + e.steps_fallback).sum();
     assert!(logged as u64 >= steps_counted && with_candidate as u64 >= k.steps, "{logged} steps logged, {steps_counted} counted; {with_candidate} with the candidate's choice, {} compared", k.steps);
-    api.set_shadow(shadow(0, pb::ShadowMode::Off)).await.unwrap();
+    // The console's Model pools panel, in a real browser: the five
+    // executors and the requests; the operator ends the shadow from the
+    // pool hook's row.
+    let page = metrics.replace("/metrics", "/console");
+    let ended = tokio::task::spawn_blocking(move || {
+        let b = crate::console::Browser::open(&page, "pool-console")?;
+        b.sign_in("ops-test-token", "ops");
+        b.wait(
+            "the pool panel with five ready executors",
+            "const rows = document.querySelectorAll('#pools table.pool-executors[data-partition=\"p1\"] tbody tr[data-state=\"ready\"]');
+             const summary = document.querySelector('#pools table.pool-summary[data-partition=\"p1\"]');
+             return !document.querySelector('#pools').hidden && rows.length === 5 && !!summary
+                 && summary.textContent.includes('pool-token@') && summary.textContent.includes('pool-demand@')
+                 && /[1-9][0-9]* met the SLO/.test(summary.querySelector('.requests').textContent)",
+            "return document.querySelector('#pools').outerHTML.slice(0, 3000)",
+        );
+        b.screenshot("pools");
+        b.click("button.act[data-action='off'][data-partition='p1'][data-hook='pool']");
+        b.wait("the confirmation", "return !document.querySelector('#confirm').hidden", "return document.querySelector('#confirm-text').textContent");
+        b.click("#confirm-yes");
+        b.wait(
+            "the shadow ended",
+            "return document.querySelector('#notice').textContent.includes('off of p1 (pool): done')",
+            "return document.querySelector('#notice').textContent",
+        );
+        Some(())
+    })
+    .await
+    .unwrap();
+    if ended.is_none() {
+        api.set_shadow(shadow(0, pb::ShadowMode::Off)).await.unwrap();
+    }
+    let report = api.shadow_report(pb::ShadowReportRequest { partition: "p1".into(), hook: "pool".into() }).await.unwrap().into_inner();
+    assert!(report.mode == "off" && report.candidate.is_none(), "{report:?}");
 
     // A pool-step that never answers: each executor stops asking it after
     // three refusals and says so; the host's breaker takes the version out;
@@ -360,12 +393,14 @@ async fn a_pool_partition_serves_streamed_completions_on_executors_its_agents_ru
     drop(serve_proc);
 }
 
-/// The first minute of Azure's conversation trace over the 20 models of
-/// examples/pool/live.toml, sent by `berth pool-load` (a streaming client
-/// per request, at its arrival time) to the pool of examples/pool/fleet.toml
-/// on two 4-GPU agents under pool-token, and the same requests through the
-/// simulator: live attainment at the SLO target and within three points of
-/// the simulator's; dedicated executors would need more GPUs than these 8.
+/// The first two minutes of Azure's conversation trace, twice as fast,
+/// over the 20 models of examples/pool/live.toml, sent by `berth
+/// pool-load` (a streaming client per request, at its arrival time) to the
+/// pool of examples/pool/fleet.toml on two 4-GPU agents, under pool-demand
+/// and then, hot swapped a quarter of the way in, pool-token; and the same
+/// requests through the simulator under pool-token: no request lost, live
+/// attainment at the SLO target and within three points of the
+/// simulator's; dedicated executors would need more GPUs than these 8.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_azure_trace_served_live_meets_the_slo_the_simulator_predicts() {
     let Some(traces) = crate::pool::azure_dir() else { return };
@@ -379,9 +414,16 @@ async fn the_azure_trace_served_live_meets_the_slo_the_simulator_predicts() {
     let _m1 = pool_agent(&d, &url, "m1");
     let _m2 = pool_agent(&d, &url, "m2");
     let mut api = berth::client::connect(&url, Some("ops-test-token"), None, None).await.unwrap();
-    let component = std::fs::read(policy_path("pool-token")).unwrap();
-    let v = api.upload_policy(pb::UploadPolicyRequest { partition: "p1".into(), component, hook: "pool".into(), ..Default::default() }).await.unwrap().into_inner().policy.unwrap().version;
-    api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: v, hook: "pool".into() }).await.unwrap();
+    let upload = |name: &str| {
+        let mut api = api.clone();
+        let component = std::fs::read(policy_path(name)).unwrap();
+        async move { api.upload_policy(pb::UploadPolicyRequest { partition: "p1".into(), component, hook: "pool".into(), ..Default::default() }).await.unwrap().into_inner().policy.unwrap().version }
+    };
+    // The run starts under pool-demand and is swapped to pool-token a
+    // quarter of the way in.
+    let demand = upload("pool-demand").await;
+    let token_version = upload("pool-token").await;
+    api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: demand, hook: "pool".into() }).await.unwrap();
     until_logged(&d, "five executors ready", Duration::from_secs(120), || {
         let d = d.clone();
         async move { (std::fs::read_to_string(d.join("serve.log")).unwrap_or_default().matches("executor ready").count() >= 5).then_some(()) }
@@ -390,11 +432,20 @@ async fn the_azure_trace_served_live_meets_the_slo_the_simulator_predicts() {
     let token = d.join("carol-token");
     std::fs::write(&token, "carol-test-token\n").unwrap();
     let json = d.join("load.json");
+    let swap = tokio::spawn({
+        let mut api = api.clone();
+        async move {
+            tokio::time::sleep(Duration::from_secs(15)).await;
+            api.activate_policy(pb::ActivatePolicyRequest { partition: "p1".into(), version: token_version, hook: "pool".into() }).await.unwrap();
+        }
+    });
     let out = tokio::task::spawn_blocking({
         let (token, json, market, trace) = (token.clone(), json.clone(), market.clone(), traces.join("AzureLLMInferenceTrace_conv.csv"));
         move || {
             std::process::Command::new(crate::agent::BERTH)
                 .args(["pool-load", "--endpoint", &endpoint, "--token-file", token.to_str().unwrap(), "--pool", market.to_str().unwrap(), "--azure", trace.to_str().unwrap()])
+                // Two minutes of the trace, twice as fast: a minute.
+                .args(["--duration-s", "120", "--rate", "2"])
                 .args(["--simulate", "pool-token", "--simulate", "pool-dedicated", "--layout", "1x4,4x1", "--json", json.to_str().unwrap()])
                 .env("RUST_BACKTRACE", "0")
                 .output()
@@ -405,11 +456,16 @@ async fn the_azure_trace_served_live_meets_the_slo_the_simulator_predicts() {
     .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}\n{}", log_tails(&d, 30));
+    swap.await.unwrap();
+    let serve_log = std::fs::read_to_string(d.join("serve.log")).unwrap();
+    let (first, second) = (serve_log.find("placed by pool-demand@"), serve_log.find("placed by pool-token@"));
+    assert!(first.is_some() && second.is_some() && first < second, "the pool was placed by pool-demand, then pool-token:\n{}", log_tails(&d, 30));
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let live = report["live"]["attainment"].as_f64().unwrap();
     let sim = &report["simulated"];
     let (token_sim, dedicated_needs) = (sim[0]["at_layout"]["attainment"].as_f64().unwrap(), sim[1]["gpus_needed"].as_u64());
-    assert!(report["requests"].as_u64().unwrap() > 100, "{text}");
+    assert!(report["requests"].as_u64().unwrap() > 300, "{text}");
+    eprintln!("{text}");
     assert_eq!(report["live"]["failed"], 0, "{text}");
     assert!(live >= 0.99, "live attainment {live} under the 99% target:\n{text}");
     assert!((live - token_sim).abs() <= 0.03, "live {live} vs simulated {token_sim}:\n{text}");

@@ -46,6 +46,11 @@ pub struct LoadArgs {
     /// Arrival-rate multiplier: the same requests, this many times faster.
     #[arg(long, default_value_t = 1.0)]
     pub rate: f64,
+    /// Seconds of the workload (of the trace, with --azure) to send,
+    /// instead of the pool file's `workload.duration_s`; with --rate the
+    /// wall time is this divided by the rate.
+    #[arg(long)]
+    pub duration_s: Option<f64>,
     /// Also run the same requests through the pool simulator under these
     /// pool policies (names or .wasm paths), on --layout.
     #[arg(long)]
@@ -183,7 +188,11 @@ fn send(agent: &ureq::Agent, url: &str, auth: &str, name: &str, r: &Request, due
 
 pub fn main(args: LoadArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.rate.is_finite() && args.rate > 0.0, "--rate must be positive");
-    let file = PoolFile::load(&args.pool)?;
+    let mut file = PoolFile::load(&args.pool)?;
+    if let Some(d) = args.duration_s {
+        anyhow::ensure!(d.is_finite() && d > 0.0 && d <= 86_400.0, "--duration-s must be in (0, 86400] seconds");
+        file.workload.synthetic.duration_s = d;
+    }
     let cfg = file.config();
     let source = match &args.azure {
         Some(p) => Source::Azure(Arc::new(super::read_azure(p)?), p.clone()),

@@ -1523,8 +1523,8 @@ pub fn pool_text(r: &pb::PoolStatusResponse, steps: bool) -> String {
     let mut out = String::new();
     let judged = r.slo_met + r.slo_missed;
     let attained = if judged == 0 { 0.0 } else { r.slo_met as f64 * 100.0 / judged as f64 };
-    let name = |p: &Option<pb::PolicyRef>| p.as_ref().map_or("none".to_string(), |p| format!("{}@{} (version {})", esc(&p.name), esc(&p.policy_version), p.version));
-    let _ = writeln!(out, "{}: {} models; placed by {}; pool version {}; candidate in shadow {}", r.partition, r.models, esc(&r.placed_by), name(&r.active), name(&r.candidate));
+    let name = |p: &Option<pb::PolicyRef>| p.as_ref().map_or("none".to_string(), |p| format!("{}@{} (pool version {})", esc(&p.name), esc(&p.policy_version), p.version));
+    let _ = writeln!(out, "{}: {} models; placed by {}; candidate in shadow {}", r.partition, r.models, if r.placed_by.is_empty() { "nobody yet".into() } else { esc(&r.placed_by) }, name(&r.candidate));
     let _ = writeln!(
         out,
         "requests: {} met the SLO, {} missed ({attained:.1}% attained), {} failed, {} rejected, {} cancelled; {} in flight, {} waiting for an executor",
