@@ -1108,7 +1108,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
         ApiCommand::Pool { partition, json, steps, conn } => {
             let r = client(&conn).await?.pool_status(pb::PoolStatusRequest { partition }).await.map_err(status)?.into_inner();
             if json {
-                println!("{}", serde_json::to_string_pretty(&pool_json(&r))?);
+                println!("{}", serde_json::to_string_pretty(&super::pooling::status_json(&r))?);
                 return Ok(());
             }
             print!("{}", pool_text(&r, steps));
@@ -1484,37 +1484,6 @@ fn offer_contract(o: &pb::TierOffer) -> String {
         "; lost work not credited".to_string()
     };
     format!("{stop}, {cap}{outage}{credit}")
-}
-
-/// A pool's status as JSON (the CLI's --json and the console).
-pub fn pool_json(r: &pb::PoolStatusResponse) -> serde_json::Value {
-    let reference = |p: &Option<pb::PolicyRef>| p.as_ref().map(|p| serde_json::json!({"version": p.version, "name": p.name, "policy_version": p.policy_version, "sha256": p.sha256}));
-    serde_json::json!({
-        "partition": r.partition,
-        "placed_by": r.placed_by,
-        "active": reference(&r.active),
-        "candidate": reference(&r.candidate),
-        "models": r.models,
-        "requests": {
-            "slo_met": r.slo_met, "slo_missed": r.slo_missed, "failed": r.failed, "rejected": r.rejected,
-            "cancelled": r.cancelled, "in_flight": r.in_flight, "waiting_for_route": r.waiting_for_route,
-        },
-        "latency": {
-            "ttft_p50_s": r.ttft_p50_s, "ttft_p99_s": r.ttft_p99_s, "tbt_p50_s": r.tbt_p50_s, "tbt_p99_s": r.tbt_p99_s,
-            "slo_ttft_s": r.slo_ttft_s, "slo_tbt_s": r.slo_tbt_s,
-        },
-        "executors": r.executors.iter().map(|e| serde_json::json!({
-            "index": e.index, "tp": e.tp, "state": e.state, "node": e.node, "allocation_id": e.allocation_id, "load": e.load,
-            "models": e.models.iter().map(|m| serde_json::json!({"model": m.model, "weight": m.weight, "pinned": m.pinned})).collect::<Vec<_>>(),
-            "step_policy": e.step_policy, "loads": e.loads,
-            "steps": {"policy": e.steps_policy, "default": e.steps_default, "fallback": e.steps_fallback},
-            "shadow": {"agreed": e.shadow_agreed, "differed": e.shadow_differed, "refused": e.shadow_refused},
-            "recent": e.recent.iter().map(|s| serde_json::json!({
-                "t": s.t, "phase": s.phase, "model": s.model, "batch": s.batch, "iterations": s.iterations,
-                "seconds": s.seconds, "by": s.by, "why": s.why, "shadow": s.shadow,
-            })).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-    })
 }
 
 /// A pool's status for people.

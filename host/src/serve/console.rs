@@ -213,7 +213,7 @@ impl Console {
             if is_pool
                 && let Ok(status) = svc.pool_status(self.request(h, pb::PoolStatusRequest { partition: p.name.clone() })).await
             {
-                pools.push(super::cli::pool_json(status.get_ref()));
+                pools.push(super::pooling::status_json(status.get_ref()));
             }
             let hooks: &[&str] = if is_pool { &["place", "rank", "compact", "pool"] } else { &["place", "rank", "compact"] };
             for &hook in hooks {
