@@ -29,8 +29,16 @@ use crate::proto as pb;
 pub const MAX_POOL_REQUESTS: usize = 65_536;
 /// How long a request waits for an executor serving its model.
 pub const ROUTE_WAIT: Duration = Duration::from_secs(30);
-/// Pause before an ended executor is started again.
+/// Pause before an ended executor is started again; it doubles with each
+/// end in a row that never reached `ready`, up to [`RESTART_DELAY_MAX`].
 pub const RESTART_DELAY: Duration = Duration::from_secs(2);
+pub const RESTART_DELAY_MAX: Duration = Duration::from_secs(60);
+
+/// The pause before the next start of an executor that ended `failed`
+/// times in a row without becoming ready.
+pub fn restart_delay(failed: u32) -> Duration {
+    RESTART_DELAY.saturating_mul(1u32 << failed.saturating_sub(1).min(5)).min(RESTART_DELAY_MAX)
+}
 /// Who the hub records as having started an executor.
 pub const POOL_STARTER: &str = "pool";
 
@@ -97,6 +105,9 @@ struct Slot {
     /// Not started again before this (after one ended: no crash loop at
     /// the supervisor's pace).
     not_before: Option<Instant>,
+    /// Ends in a row without becoming ready (a crash loop backs off);
+    /// 0 once one is ready.
+    failed_starts: u32,
     /// The candidate in shadow last sent (its digest; empty: none).
     shadow_sent: Option<String>,
     /// The pool-step component it reported in use (empty: the default).
@@ -230,7 +241,7 @@ impl PoolRun {
             .executors
             .iter()
             .flat_map(|&(tp, count)| (0..count).map(move |_| tp))
-            .map(|tp| Slot { tp, alloc: None, node: String::new(), down: None, ready: false, load: 0, policy_sent: None, warned: false, not_before: None, shadow_sent: None, step_policy: String::new(), tally: StepTally::default() })
+            .map(|tp| Slot { tp, alloc: None, node: String::new(), down: None, ready: false, load: 0, policy_sent: None, warned: false, not_before: None, failed_starts: 0, shadow_sent: None, step_policy: String::new(), tally: StepTally::default() })
             .collect();
         let rows = vec![Vec::new(); slots.len()];
         PoolRun {
@@ -424,6 +435,7 @@ impl PoolRun {
         match up {
             Up::Ready { .. } => {
                 g.slots[i].ready = true;
+                g.slots[i].failed_starts = 0;
                 let rows = g.rows[i].clone();
                 if rows.is_empty() {
                     g.want_place = true;
@@ -579,7 +591,9 @@ impl PoolRun {
                     slot.down = None;
                     slot.ready = false;
                     slot.load = 0;
-                    slot.not_before = Some(Instant::now() + RESTART_DELAY);
+                    // Reset to 0 when it became ready: a first end waits 2 s.
+                    slot.failed_starts += 1;
+                    slot.not_before = Some(Instant::now() + restart_delay(slot.failed_starts));
                     self.orphan_requests(&mut g, live, i);
                     g.want_place = true;
                 }
@@ -963,4 +977,24 @@ pub fn status_json(r: &pb::PoolStatusResponse) -> serde_json::Value {
             })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_executor_that_keeps_failing_is_restarted_ever_more_slowly() {
+        let delays: Vec<u64> = (1..=8).map(|n| restart_delay(n).as_secs()).collect();
+        assert_eq!(delays, [2, 4, 8, 16, 32, 60, 60, 60]);
+        assert_eq!(restart_delay(0), RESTART_DELAY);
+    }
+
+    #[test]
+    fn quantiles_are_nearest_rank() {
+        let samples: std::collections::VecDeque<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&samples, 0.5), 50.0);
+        assert_eq!(quantile(&samples, 0.99), 99.0);
+        assert_eq!(quantile(&Default::default(), 0.99), 0.0);
+    }
 }
