@@ -226,10 +226,11 @@ struct ReplayArgs {
     /// Samples per calibration quote (at most 10,000).
     #[arg(long, default_value_t = 200, requires = "calibrate")]
     calibrate_samples: u32,
-    /// Starvation guard for --fleet: reserve capacity for a job that has
-    /// waited this many hours and still cannot start (backfill only work
-    /// that ends before the reservation).
-    #[arg(long, requires = "fleet")]
+    /// Starvation guard for --fleet and the counterfactual runs of
+    /// --events (in place of the captured one): reserve capacity for a job
+    /// that has waited this many hours and still cannot start (backfill
+    /// only work that ends before the reservation).
+    #[arg(long)]
     reserve_after_h: Option<f64>,
     /// Interference for --fleet: a training job sharing a node with
     /// CPU-only work loses this share of its GPUs' work while it does, as
@@ -237,15 +238,20 @@ struct ReplayArgs {
     /// the outcome; pair with --workload colocated (CPU-only jobs).
     #[arg(long, requires = "fleet", value_name = "MEDIAN,P90")]
     interference: Option<String>,
-    /// Starvation guard for --fleet: priority points a waiting job gains per
-    /// hour.
-    #[arg(long, requires = "fleet", default_value_t = 0.0)]
+    /// Starvation guard for --fleet and --events counterfactuals: priority
+    /// points a waiting job gains per hour.
+    #[arg(long, default_value_t = 0.0)]
     aging: f64,
-    /// Starvation guard for --fleet: an admission window, "MINUTES,GPU_H":
-    /// while a job that cannot start waits, at most GPU_H GPU-hours of
-    /// smaller work start ahead of it per window of MINUTES.
-    #[arg(long, requires = "fleet", value_name = "MINUTES,GPU_H")]
+    /// Starvation guard for --fleet and --events counterfactuals: an
+    /// admission window, "MINUTES,GPU_H": while a job that cannot start
+    /// waits, at most GPU_H GPU-hours of smaller work start ahead of it per
+    /// window of MINUTES.
+    #[arg(long, value_name = "MINUTES,GPU_H")]
     admission_window: Option<String>,
+    /// The counterfactual runs of --events with no starvation guard at all
+    /// (in place of the captured one).
+    #[arg(long, requires = "events", conflicts_with_all = ["reserve_after_h", "admission_window"])]
+    no_guard: bool,
     /// Preemption for --fleet: compare high priority alone, low-priority
     /// fill without preemption, and fill with each of these ranking policies
     /// (e.g. spot-gpu, smallest-first, newest-first); the first --policy
@@ -1047,6 +1053,10 @@ fn replay(engine: Arc<PolicyEngine>, args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.decisions {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
+    anyhow::ensure!(
+        args.fleet.is_some() || args.events.is_some() || (args.reserve_after_h.is_none() && args.aging == 0.0 && args.admission_window.is_none()),
+        "--reserve-after-h, --aging and --admission-window run with --fleet or --events"
+    );
     if let Some(spec) = &args.pool {
         return pool_replay(engine, spec, &args);
     }
@@ -1137,6 +1147,27 @@ fn load_compaction(engine: &Arc<PolicyEngine>, args: &ReplayArgs) -> anyhow::Res
     Ok(Some((planner, config)))
 }
 
+/// The starvation guard the replay flags set (`--reserve-after-h`,
+/// `--aging`, `--admission-window`, `--no-guard`), or `None` where none of
+/// them is given.
+fn guard_flags(args: &ReplayArgs) -> anyhow::Result<Option<Option<berth_core::engine::StarvationGuard>>> {
+    if args.no_guard {
+        return Ok(Some(None));
+    }
+    if args.reserve_after_h.is_none() && args.aging == 0.0 && args.admission_window.is_none() {
+        return Ok(None);
+    }
+    let (window_min, window_gpu_h) = match args.admission_window.as_deref() {
+        Some(text) => {
+            let (m, h) = text.split_once(',').ok_or_else(|| anyhow::anyhow!("--admission-window {text}: MINUTES,GPU_H"))?;
+            (Some(m.trim().parse::<f64>().context("--admission-window minutes")?), h.trim().parse::<f64>().context("--admission-window GPU-hours")?)
+        }
+        None => (None, 0.0),
+    };
+    let flags = berth::asi::fleet::GuardConfig { reserve_after_h: args.reserve_after_h, aging_per_hour: args.aging, window_min, window_gpu_h };
+    Ok(Some(flags.to_guard().context("--reserve-after-h / --aging / --admission-window")?))
+}
+
 /// `berth replay --events`: a live capture decided again, or run under
 /// other policies.
 fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &ReplayArgs) -> anyhow::Result<()> {
@@ -1144,6 +1175,10 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let capture = berth::capture::read(std::io::BufReader::new(file), &path.display().to_string())?;
     anyhow::ensure!(!capture.segments.is_empty(), "{}: no capture in it (`berth capture export` writes one)", path.display());
+    anyhow::ensure!(
+        !(args.policies.is_empty() && guard_flags(args)?.is_some()),
+        "the guard flags set the counterfactual runs' guard (exact replay uses the captured one): give --policy"
+    );
     let components = events::Components::scan(&args.components)?;
     let limits = replay_limits(args);
     let inputs: usize = capture.segments.iter().map(|s| s.inputs.len()).sum();
@@ -1186,7 +1221,12 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
         }
     }
     if !args.policies.is_empty() {
-        let work = events::workload(&capture)?;
+        let mut work = events::workload(&capture)?;
+        // The guard flags replace the captured guard, everywhere.
+        if let Some(guard) = guard_flags(args)? {
+            println!("counterfactual starvation guard: {}", events::guard_text(guard.as_ref()));
+            work.config.guards = berth_core::engine::Guards::everywhere(guard);
+        }
         println!(
             "counterfactual: {} jobs on {} nodes over {} ({} cancelled before they started left out, {} unfinished at the end)",
             work.jobs.len(),
@@ -1347,16 +1387,8 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     // The fleet config's guards, with the fleet-wide one replaced by the
     // command-line flags when given.
     let mut guards = config.guards().with_context(|| format!("fleet config {fleet_spec}"))?;
-    if args.reserve_after_h.is_some() || args.aging > 0.0 || args.admission_window.is_some() {
-        let (window_min, window_gpu_h) = match args.admission_window.as_deref() {
-            Some(text) => {
-                let (m, h) = text.split_once(',').ok_or_else(|| anyhow::anyhow!("--admission-window {text}: MINUTES,GPU_H"))?;
-                (Some(m.trim().parse::<f64>().context("--admission-window minutes")?), h.trim().parse::<f64>().context("--admission-window GPU-hours")?)
-            }
-            None => (None, 0.0),
-        };
-        let flags = berth::asi::fleet::GuardConfig { reserve_after_h: args.reserve_after_h, aging_per_hour: args.aging, window_min, window_gpu_h };
-        guards.fleet = flags.to_guard().context("--reserve-after-h / --aging / --admission-window")?;
+    if let Some(flags) = guard_flags(args)? {
+        guards.fleet = flags;
     }
     // Mechanisms compose in one run; what cannot is refused, never dropped.
     anyhow::ensure!(

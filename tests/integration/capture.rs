@@ -117,6 +117,18 @@ fn a_capture_replayed_under_other_policies_reports_side_by_side_in_a_browser() {
     let runs = doc["runs"].as_array().unwrap();
     let names: Vec<&str> = runs.iter().map(|r| r["run"].as_str().unwrap()).collect();
     assert_eq!(names, ["as captured (live)", "binpack", "spread"], "{report}");
+    // The counterfactual under another starvation guard, or none: said in
+    // its header, the same jobs replayed; both at once are refused.
+    let (ok, guarded) = replay(&events, &["--policy", "binpack", "--reserve-after-h", "0.5", "--aging", "2", "--admission-window", "30,4"]);
+    assert!(ok && guarded.contains("counterfactual starvation guard: reserve after 0.50 h, aging 2 points/h, admission window 30 min, 4 GPU-h"), "{guarded}");
+    let (ok, unguarded) = replay(&events, &["--policy", "binpack", "--no-guard"]);
+    assert!(ok && unguarded.contains("counterfactual starvation guard: none"), "{unguarded}");
+    let (ok, both) = replay(&events, &["--policy", "binpack", "--no-guard", "--reserve-after-h", "1"]);
+    assert!(!ok && both.contains("--no-guard") && both.contains("--reserve-after-h"), "{both}");
+    let (ok, bad) = replay(&events, &["--policy", "binpack", "--admission-window", "30"]);
+    assert!(!ok && bad.contains("MINUTES,GPU_H"), "{bad}");
+    let (ok, exact_only) = replay(&events, &["--no-guard"]);
+    assert!(!ok && exact_only.contains("give --policy"), "exact replay keeps the captured guard: {exact_only}");
     let live = &runs[0];
     for r in runs {
         // The same arrivals in every run; all started within the capture.

@@ -556,6 +556,22 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
     Ok(Workload { fleet, jobs: replayed, config, origin_s, horizon_s, cancelled_waiting, unfinished })
 }
 
+/// A starvation guard in words, for the counterfactual's header.
+pub fn guard_text(guard: Option<&berth_core::engine::StarvationGuard>) -> String {
+    let Some(g) = guard else { return "none".into() };
+    let mut parts = Vec::new();
+    if g.reserve_after_s != u64::MAX {
+        parts.push(format!("reserve after {:.2} h", g.reserve_after_s as f64 / 3600.0));
+    }
+    if g.aging_per_hour > 0.0 {
+        parts.push(format!("aging {} points/h", g.aging_per_hour));
+    }
+    if let Some(w) = &g.window {
+        parts.push(format!("admission window {} min, {} GPU-h", w.window_s / 60, w.small_gpu_h));
+    }
+    if parts.is_empty() { "none".into() } else { parts.join(", ") }
+}
+
 /// Runs the workload under `placement` (and `rank`), counting what the
 /// live run is counted by.
 pub fn counterfactual<'a>(
