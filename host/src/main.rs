@@ -1346,42 +1346,18 @@ fn parse_interference(text: &str) -> anyhow::Result<berth_core::sim::Interferenc
 }
 
 fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, accounting: bool) -> anyhow::Result<()> {
-    use berth::asi::{fleet::FleetConfig, report as asi_report, workload::WorkloadConfig};
-    anyhow::ensure!(args.fleet_scale > 0.0 && args.fleet_scale <= 10.0, "--fleet-scale must be in (0, 10]");
-    let config = FleetConfig::load(fleet_spec)?.scaled(args.fleet_scale);
-    let (fleet, topo) = config.build()?;
-    let csv_jobs = match &args.workload {
-        Some(path) if path.extension().is_some_and(|e| e == "csv") => Some(berth::asi::workload::read_csv(path, &fleet)?),
-        _ => None,
-    };
-    let mut workload = match &args.workload {
-        Some(path) if csv_jobs.is_none() => WorkloadConfig::load(&path.to_string_lossy())?,
-        _ => WorkloadConfig::default(),
-    };
-    if let Some(days) = args.days {
-        workload.days = days;
-    }
-    workload.check().context("workload")?;
+    use berth::asi::report as asi_report;
     let seeds = replay::parse_seeds(&args.seeds).context("--seeds")?;
     anyhow::ensure!(seeds.len() == 1, "event-driven replay takes one seed (--seeds N)");
-    workload.seed = seeds[0];
-    let jobs = match csv_jobs {
-        Some(jobs) => {
-            if args.days.is_none() {
-                // Run until the last job could have ended.
-                workload.days = jobs.iter().map(|j| j.arrival_s + j.duration_s).max().unwrap_or(0) as f64 / 86_400.0 + 1e-6;
-            }
-            jobs
-        }
-        None => workload.generate(&fleet),
-    };
-    let horizon = (workload.days * 86_400.0) as u64;
+    let trace = berth::replay::convert::fleet_trace(fleet_spec, args.fleet_scale, args.workload.as_deref(), args.days, seeds[0])?;
+    let berth::replay::convert::FleetTrace { config, fleet, topology: topo, jobs, days } = trace;
+    let horizon = (days * 86_400.0) as u64;
     let setting = format!(
         "{fleet_spec} fleet: {} nodes, {} GPUs; {} jobs over {:.1} simulated days, seed {}",
         fleet.nodes().len(),
         fleet.nodes().iter().map(|n| n.gpus.len()).sum::<usize>(),
         jobs.len(),
-        workload.days,
+        days,
         seeds[0]
     );
     // The fleet config's guards, with the fleet-wide one replaced by the

@@ -474,3 +474,88 @@ async fn one_live_run_with_two_agents_on_a_manual_clock_replays_exactly() {
     host.shutdown().await;
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The `(same, all)` counts of an exact replay's segment lines.
+fn identical(report: &str) -> (u64, u64) {
+    let line = report.lines().find(|l| l.starts_with("segment ")).unwrap_or_else(|| panic!("no segment line:\n{report}"));
+    let counts = line.split("decisions identical ").nth(1).unwrap_or_else(|| panic!("{line}"));
+    let (same, all) = counts.split_once(" / ").unwrap();
+    (same.parse().unwrap(), all.split_whitespace().next().unwrap().parse().unwrap())
+}
+
+/// The counterfactual's runs of `berth replay --events` with `args`, from
+/// its JSON.
+fn runs_of(d: &Path, events: &Path, args: &[&str]) -> (String, Vec<Value>) {
+    let json = d.join("runs.json");
+    let mut all: Vec<&str> = args.to_vec();
+    all.extend(["--json", json.to_str().unwrap()]);
+    let (ok, report) = replay(events, &all);
+    assert!(ok, "{report}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (report, doc["runs"].as_array().unwrap().clone())
+}
+
+/// A trace turned into a capture (`berth capture convert`) is what a live
+/// host given it would have recorded: its exact replay decides every one
+/// of its placements and evictions again, and its counterfactual reads the
+/// same jobs. An ASI-like day with preemption ranked by spot-gpu, and the
+/// openb trace with each pod's own arrival and lifetime.
+#[test]
+fn a_trace_converted_to_a_capture_replays_exactly_and_under_other_policies() {
+    let d = std::env::temp_dir().join(format!("berth-test-{}-capture-convert", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let asi = d.join("asi.events");
+    let out = Command::new(BERTH)
+        .args(["capture", "convert", "--fleet", "asi", "--fleet-scale", "0.05", "--days", "1", "--seed", "3", "--rank", "spot-gpu", "--out"])
+        .arg(&asi)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (report, runs) = runs_of(&d, &asi, &["--policy", "binpack", "--policy", "spread"]);
+    let (same, all) = identical(&report);
+    assert!(same == all && all > 1000, "{report}");
+    assert!(report.contains("spot-gpu@") && report.contains("binpack@"), "the converting versions by digest: {report}");
+    let (live, binpack, spread) = (&runs[0], &runs[1], &runs[2]);
+    assert!(live["evictions"].as_u64().unwrap() > 0, "preemption ran in the converted day: {live}");
+    for r in [binpack, spread] {
+        assert_eq!(r["jobs"], live["jobs"], "the same arrivals in every run: {report}");
+    }
+    // Spread leaves more nodes partly used than the packing it was
+    // converted with.
+    assert!(spread["partly_used_nodes"].as_f64().unwrap() > 2.0 * live["partly_used_nodes"].as_f64().unwrap(), "{report}");
+    // A tampered conversion is caught: the converting policy named wrongly
+    // (binpack's placements decided by spread) differs at once.
+    let text = std::fs::read_to_string(&asi).unwrap();
+    let spread_sha = {
+        let wasm = std::fs::read(crate::common::policy_path("spread")).unwrap();
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(&wasm))
+    };
+    let binpack_sha = text.split("\"place\":{\"sha256\":\"").nth(1).unwrap()[..64].to_string();
+    let swapped = d.join("swapped.events");
+    std::fs::write(&swapped, text.replace(&binpack_sha, &spread_sha)).unwrap();
+    let (ok, diff) = replay(&swapped, &[]);
+    assert!(!ok && diff.contains("FIRST DIFFERENCE"), "{diff}");
+
+    let Some(openb) = crate::replay::openb_dir() else { return };
+    let pods = openb.join("openb_pod_list_default.csv");
+    let timed = std::fs::read_to_string(&pods)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            !f[8].is_empty() && !f[9].is_empty()
+        })
+        .count();
+    let events = d.join("openb.events");
+    let out = Command::new(BERTH).args(["capture", "convert", "--openb"]).arg(openb.join("openb_node_list_gpu_node.csv")).arg(&pods).arg("--out").arg(&events).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (report, runs) = runs_of(&d, &events, &["--policy", "fgd"]);
+    let (same, all) = identical(&report);
+    assert!(same == all && all as usize >= timed, "every pod placed and compared: {report}");
+    assert_eq!(runs[0]["jobs"].as_u64().unwrap() as usize, timed, "{report}");
+    assert_eq!(runs[1]["jobs"], runs[0]["jobs"], "{report}");
+    assert!(runs.iter().all(|r| r["started"] == r["jobs"]), "{report}");
+}

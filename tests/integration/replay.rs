@@ -15,7 +15,7 @@ const SIX: [&str; 6] = ["random", "dotprod", "gpu-clustering", "gpu-packing", "b
 /// The openb trace folder (`$BERTH_OPENB_DIR`, else `../shared/data/openb`).
 /// CI sets BERTH_REQUIRE_TRACES=1 so a missing folder fails there; elsewhere
 /// the trace tests are skipped with a message.
-fn openb_dir() -> Option<PathBuf> {
+pub(crate) fn openb_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("BERTH_OPENB_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join("../shared/data/openb"));

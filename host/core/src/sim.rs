@@ -9,7 +9,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 pub use crate::capacity::{domain_table, domain_table_among, fitting_tasks, fitting_tasks_among, tasks_on_node};
-use crate::engine::{Decision, Engine, Event, World};
+use crate::engine::{Decision, Engine, Event, Input, World};
 pub use crate::engine::{Deciders, Guards, JobOutcome, SimConfig, SimOutcome, Interference, StarvationGuard, Utilisation, WorkRates};
 use crate::fleet::Fleet;
 pub use crate::job::Job;
@@ -49,16 +49,44 @@ pub fn simulate_recorded(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, co
 pub fn simulate_watched(
     fleet: &mut Fleet,
     jobs: &[Job],
+    deciders: Deciders,
+    config: SimConfig,
+    log: Option<&mut Vec<(u64, Decision)>>,
+    watch: &mut dyn FnMut(u64, &Engine, &Fleet),
+) -> Result<SimOutcome, PolicyError> {
+    run(fleet, jobs, deciders, config, log, watch, None).map(|(out, _)| out)
+}
+
+/// [`simulate_with`] with the engine capturing its inputs (see
+/// [`crate::capture`]): what a live host given this trace would have
+/// recorded. `notes` (the policy versions asked, as
+/// [`crate::capture::Input::Arms`]) follow the registrations, before the
+/// first pass.
+pub fn simulate_captured(fleet: &mut Fleet, jobs: &[Job], deciders: Deciders, config: SimConfig, notes: Vec<Input>) -> Result<(SimOutcome, Vec<Input>), PolicyError> {
+    run(fleet, jobs, deciders, config, None, &mut |_, _, _| {}, Some(notes))
+}
+
+fn run(
+    fleet: &mut Fleet,
+    jobs: &[Job],
     mut deciders: Deciders,
     config: SimConfig,
     mut log: Option<&mut Vec<(u64, Decision)>>,
     watch: &mut dyn FnMut(u64, &Engine, &Fleet),
-) -> Result<SimOutcome, PolicyError> {
+    capture_notes: Option<Vec<Input>>,
+) -> Result<(SimOutcome, Vec<Input>), PolicyError> {
     let horizon_s = config.horizon_s;
     let harvest = config.harvest;
     let mut engine = Engine::new(config);
+    let capturing = capture_notes.is_some();
+    if capturing {
+        engine.start_capture(fleet);
+    }
     for job in jobs {
         engine.register(job.clone());
+    }
+    for note in capture_notes.into_iter().flatten() {
+        engine.capture_note(note);
     }
     let period_s = deciders.compaction.as_ref().map(|(_, c)| c.period_s.max(1));
     let mut next_compaction = period_s;
@@ -134,5 +162,6 @@ pub fn simulate_watched(
             return Err(e);
         }
     }
-    Ok(engine.finish(now))
+    let captured = if capturing { engine.take_captured() } else { Vec::new() };
+    Ok((engine.finish(now), captured))
 }

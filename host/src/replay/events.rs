@@ -471,42 +471,16 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
                         starts.entry(id).or_insert(*started_s);
                     }
                 }
-                Input::Pass { decisions, .. } | Input::TakeAnnounced { decisions } => {
-                    for d in decisions {
-                        match d {
-                            Decision::Place { job, start_s, .. } => {
-                                starts.insert(*job, *start_s);
-                            }
-                            Decision::Evict { job, stop_by_s, .. } => {
-                                if let Some(s) = starts.remove(job) {
-                                    *ran_s.entry(*job).or_default() += stop_by_s.saturating_sub(s);
-                                }
-                            }
-                            _ => {}
-                        }
+                Input::Pass { now, events, decisions, .. } => {
+                    // A simulated world (a converted trace) ends jobs inside
+                    // passes; a live host applies its ends first.
+                    for event in events {
+                        ended_by(*now, event, &job_of_slot, &mut starts, &mut ran_s, &mut ended, &mut jobs, &mut cancelled_waiting);
                     }
+                    tally_decisions(decisions, &mut starts, &mut ran_s);
                 }
-                Input::Apply { now, event, .. } => {
-                    use berth_core::Event;
-                    let slot_job = |slot: &usize| job_of_slot.get(slot).copied();
-                    match event {
-                        Event::End(slot) | Event::Cancel(slot) | Event::Requeue(slot) | Event::Unstarted(slot) => {
-                            let Some(id) = slot_job(slot) else { continue };
-                            match starts.remove(&id) {
-                                Some(s) => *ran_s.entry(id).or_default() += now.saturating_sub(s),
-                                None if matches!(event, Event::Cancel(_)) && !ran_s.contains_key(&id) => {
-                                    cancelled_waiting += 1;
-                                    jobs.remove(&id);
-                                }
-                                None => {}
-                            }
-                            if matches!(event, Event::End(_) | Event::Cancel(_)) {
-                                ended.insert(id);
-                            }
-                        }
-                        _ => {}
-                    }
-                }
+                Input::TakeAnnounced { decisions } => tally_decisions(decisions, &mut starts, &mut ran_s),
+                Input::Apply { now, event, .. } => ended_by(*now, event, &job_of_slot, &mut starts, &mut ran_s, &mut ended, &mut jobs, &mut cancelled_waiting),
                 _ => {}
             }
         }
@@ -554,6 +528,53 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
     let protected_partitions = if config.protected_partitions.is_empty() { Default::default() } else { [0, 1].into_iter().collect() };
     let config = SimConfig { horizon_s, guards, protected_partitions, ..config };
     Ok(Workload { fleet, jobs: replayed, config, origin_s, horizon_s, cancelled_waiting, unfinished })
+}
+
+/// Starts and stops of runs a pass decided (for the counterfactual's
+/// durations).
+fn tally_decisions(decisions: &[Decision], starts: &mut HashMap<u64, u64>, ran_s: &mut HashMap<u64, u64>) {
+    for d in decisions {
+        match d {
+            Decision::Place { job, start_s, .. } => {
+                starts.insert(*job, *start_s);
+            }
+            Decision::Evict { job, stop_by_s, .. } => {
+                if let Some(s) = starts.remove(job) {
+                    *ran_s.entry(*job).or_default() += stop_by_s.saturating_sub(s);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A run ended by `event` at `now`: counted in `ran_s`; a job cancelled
+/// before it ever ran is left out of the counterfactual.
+#[allow(clippy::too_many_arguments)]
+fn ended_by(
+    now: u64,
+    event: &berth_core::Event,
+    job_of_slot: &HashMap<usize, u64>,
+    starts: &mut HashMap<u64, u64>,
+    ran_s: &mut HashMap<u64, u64>,
+    ended: &mut std::collections::BTreeSet<u64>,
+    jobs: &mut BTreeMap<u64, Job>,
+    cancelled_waiting: &mut usize,
+) {
+    use berth_core::Event;
+    let (Event::End(slot) | Event::Cancel(slot) | Event::Requeue(slot) | Event::Unstarted(slot)) = event else { return };
+    let Some(&id) = job_of_slot.get(slot) else { return };
+    match starts.remove(&id) {
+        Some(s) => *ran_s.entry(id).or_default() += now.saturating_sub(s),
+        None if matches!(event, Event::Cancel(_)) && !ran_s.contains_key(&id) => {
+            *cancelled_waiting += 1;
+            jobs.remove(&id);
+        }
+        None => {}
+    }
+    if matches!(event, Event::End(_) | Event::Cancel(_)) {
+        ended.insert(id);
+    }
 }
 
 /// A starvation guard in words, for the counterfactual's header.

@@ -1,6 +1,7 @@
 //! Trace replay: readers, the FGD protocol, reports. Runs every (policy,
 //! seed) pair, seeds in parallel, each pair on its own policy instance.
 
+pub mod convert;
 pub mod events;
 pub mod fgd;
 pub mod openb;

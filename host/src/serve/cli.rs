@@ -432,6 +432,10 @@ pub enum CaptureCommand {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Turn a trace (openb, or an ASI-like fleet and its jobs) into the
+    /// capture format: the trace run under one policy with the engine
+    /// capturing, as a live host would have recorded it (offline: no host).
+    Convert(crate::replay::convert::ConvertArgs),
 }
 
 /// A time for `--since` / `--until`: unix seconds, or a duration before now.
@@ -958,7 +962,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
-    runtime()?.block_on(run_api(cmd))
+    match cmd {
+        // Offline: a simulation, no host to ask.
+        ApiCommand::Capture { what: CaptureCommand::Convert(args) } => crate::replay::convert::run(args),
+        cmd => runtime()?.block_on(run_api(cmd)),
+    }
 }
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
@@ -1090,6 +1098,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.set_guard(req).await.map_err(status)?.into_inner();
             println!("{partition}: starvation guard {}", r.guard);
         }
+        ApiCommand::Capture { what: CaptureCommand::Convert(args) } => crate::replay::convert::run(args)?,
         ApiCommand::Capture { what: CaptureCommand::Export { partition, since, until, conn } } => {
             use std::io::Write;
             let req = pb::ExportCaptureRequest {
