@@ -248,6 +248,13 @@ struct ReplayArgs {
     /// window of MINUTES.
     #[arg(long, value_name = "MINUTES,GPU_H")]
     admission_window: Option<String>,
+    /// The counterfactual runs of --events under this default priority
+    /// contract (over the captured one; jobs that bought their own keep
+    /// it): key=value pairs, e.g. "notice=120,grace=60,per-day=1"; keys
+    /// notice, grace, per-day, checkpoint-every, checkpoint-on-notice,
+    /// max-outage (seconds).
+    #[arg(long, requires = "events")]
+    contract: Option<String>,
     /// The counterfactual runs of --events with no starvation guard at all
     /// (in place of the captured one).
     #[arg(long, requires = "events", conflicts_with_all = ["reserve_after_h", "admission_window"])]
@@ -1176,9 +1183,13 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
     let capture = berth::capture::read(std::io::BufReader::new(file), &path.display().to_string())?;
     anyhow::ensure!(!capture.segments.is_empty(), "{}: no capture in it (`berth capture export` writes one)", path.display());
     anyhow::ensure!(
-        !(args.policies.is_empty() && guard_flags(args)?.is_some()),
-        "the guard flags set the counterfactual runs' guard (exact replay uses the captured one): give --policy"
+        !(args.policies.is_empty() && (guard_flags(args)?.is_some() || args.contract.is_some())),
+        "the guard and contract flags set the counterfactual runs' (exact replay uses the captured ones): give --policy"
     );
+    if let Some(text) = &args.contract {
+        // Refused before the exact replay's minutes, not after.
+        events::parse_contract(text, Default::default())?;
+    }
     let components = events::Components::scan(&args.components)?;
     let limits = replay_limits(args);
     let inputs: usize = capture.segments.iter().map(|s| s.inputs.len()).sum();
@@ -1215,17 +1226,31 @@ fn events_replay(engine: Arc<PolicyEngine>, path: &std::path::Path, args: &Repla
         }
     }
     let mut rows: Vec<events::RunRow> = exact.iter().filter(|x| x.skipped.is_none()).map(|x| x.tally.clone()).collect();
+    let live_work = events::workload(&capture).ok();
+    if let ([live], Some(work)) = (rows.as_mut_slice(), &live_work)
+        && capture.segments.len() == 1
+    {
+        // What the live run's jobs ran, less what evictions lost.
+        live.done_gpu_h = Some((work.live_ran_gpu_h - live.lost_gpu_h).max(0.0));
+    }
     if rows.len() > 1 {
         for (r, x) in rows.iter_mut().zip(exact.iter().filter(|x| x.skipped.is_none())) {
             r.run = format!("as captured, segment {}", x.segment);
         }
     }
     if !args.policies.is_empty() {
-        let mut work = events::workload(&capture)?;
+        let mut work = match live_work {
+            Some(w) => w,
+            None => events::workload(&capture)?,
+        };
         // The guard flags replace the captured guard, everywhere.
         if let Some(guard) = guard_flags(args)? {
             println!("counterfactual starvation guard: {}", events::guard_text(guard.as_ref()));
             work.config.guards = berth_core::engine::Guards::everywhere(guard);
+        }
+        if let Some(text) = &args.contract {
+            work.config.contract = events::parse_contract(text, work.config.contract)?;
+            println!("counterfactual contract: {}", events::contract_text(&work.config.contract));
         }
         println!(
             "counterfactual: {} jobs on {} nodes over {} ({} cancelled before they started left out, {} unfinished at the end)",

@@ -129,6 +129,10 @@ fn a_capture_replayed_under_other_policies_reports_side_by_side_in_a_browser() {
     assert!(!ok && bad.contains("MINUTES,GPU_H"), "{bad}");
     let (ok, exact_only) = replay(&events, &["--no-guard"]);
     assert!(!ok && exact_only.contains("give --policy"), "exact replay keeps the captured guard: {exact_only}");
+    let (ok, contract) = replay(&events, &["--policy", "binpack", "--contract", "notice=120,per-day=1"]);
+    assert!(ok && contract.contains("counterfactual contract: notice 120 s, grace 30 s, at most 1 a day"), "{contract}");
+    let (ok, bad) = replay(&events, &["--policy", "binpack", "--contract", "notice=soon"]);
+    assert!(!ok && bad.contains("--contract notice") && !bad.contains("segment 1"), "refused before the replay: {bad}");
     let live = &runs[0];
     for r in runs {
         // The same arrivals in every run; all started within the capture.
@@ -518,6 +522,17 @@ fn a_trace_converted_to_a_capture_replays_exactly_and_under_other_policies() {
     assert!(report.contains("spot-gpu@") && report.contains("binpack@"), "the converting versions by digest: {report}");
     let (live, binpack, spread) = (&runs[0], &runs[1], &runs[2]);
     assert!(live["evictions"].as_u64().unwrap() > 0, "preemption ran in the converted day: {live}");
+    // The outcome column: the live run's work is what its jobs ran less
+    // what evictions lost; a counterfactual's work is at most all of what
+    // ran live (its jobs' durations are their live runs).
+    let ran = live["done_gpu_h"].as_f64().unwrap() + live["lost_gpu_h"].as_f64().unwrap();
+    for r in [live, binpack, spread] {
+        let done = r["done_gpu_h"].as_f64().unwrap();
+        assert!(done > 0.5 * ran && done <= ran + 1e-6, "{report}");
+    }
+    // A stricter contract (one interruption a day) evicts less.
+    let (_, strict) = runs_of(&d, &asi, &["--policy", "binpack", "--contract", "per-day=1"]);
+    assert!(strict[1]["evictions"].as_u64().unwrap() < binpack["evictions"].as_u64().unwrap(), "{strict:?}");
     for r in [binpack, spread] {
         assert_eq!(r["jobs"], live["jobs"], "the same arrivals in every run: {report}");
     }

@@ -287,6 +287,12 @@ pub struct RunRow {
     pub allocation_pct: f64,
     pub evictions: u64,
     pub lost_gpu_h: f64,
+    /// The outcome: GPU-hours of work done and kept by the end (work an
+    /// eviction lost is not counted). For the live run, each job's GPUs
+    /// times the time it ran, less the work lost; `None` where the capture
+    /// does not say (several segments).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub done_gpu_h: Option<f64>,
     /// Tasks moved (live compaction, migrations).
     pub moves: u64,
     /// Time-averaged nodes partly used (some but not all GPUs allocated).
@@ -399,6 +405,9 @@ pub struct Workload {
     pub cancelled_waiting: usize,
     /// Jobs still running at the capture's end (their duration is a lower bound).
     pub unfinished: usize,
+    /// GPU-hours the live run's jobs ran (each job's GPUs times the sum of
+    /// its runs, until the capture's end for those still running).
+    pub live_ran_gpu_h: f64,
 }
 
 /// Builds the counterfactual's input from every segment of `capture`.
@@ -492,12 +501,14 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
     let horizon_s = last.saturating_sub(origin_s).max(1);
     let mut unfinished = 0;
     let mut replayed = Vec::new();
+    let mut live_ran_gpu_h = 0.0;
     for (id, mut job) in jobs {
         if let Some(s) = starts.get(&id) {
             // Still running at the end: as long as it ran until then.
             *ran_s.entry(id).or_default() += last.saturating_sub(*s);
             unfinished += 1;
         }
+        live_ran_gpu_h += job.gpus_held() * ran_s.get(&id).copied().unwrap_or(0) as f64 / 3600.0;
         job.duration_s = match ran_s.get(&id) {
             Some(&d) => d.max(1),
             None => job.duration_s.clamp(1, horizon_s),
@@ -527,7 +538,7 @@ pub fn workload(capture: &Capture) -> anyhow::Result<Workload> {
     let guards = latest_guards.unwrap_or(config.guards.clone());
     let protected_partitions = if config.protected_partitions.is_empty() { Default::default() } else { [0, 1].into_iter().collect() };
     let config = SimConfig { horizon_s, guards, protected_partitions, ..config };
-    Ok(Workload { fleet, jobs: replayed, config, origin_s, horizon_s, cancelled_waiting, unfinished })
+    Ok(Workload { fleet, jobs: replayed, config, origin_s, horizon_s, cancelled_waiting, unfinished, live_ran_gpu_h })
 }
 
 /// Starts and stops of runs a pass decided (for the counterfactual's
@@ -577,6 +588,44 @@ fn ended_by(
     }
 }
 
+/// `--contract`: the partition's default priority contract for the
+/// counterfactual runs, as `key=value` pairs over `base` (the captured one):
+/// `notice`, `grace`, `checkpoint-every` and `max-outage` in seconds,
+/// `per-day` interruptions, `checkpoint-on-notice` true or false. Jobs that
+/// bought their own contract keep it.
+pub fn parse_contract(text: &str, base: berth_core::job::PriorityContract) -> anyhow::Result<berth_core::job::PriorityContract> {
+    anyhow::ensure!(text.len() <= 1024, "--contract: {} bytes, more than 1024", text.len());
+    let mut c = base;
+    for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').ok_or_else(|| anyhow::anyhow!("--contract {:?}: expected key=value", crate::text::printable(pair, 64)))?;
+        let secs = || value.trim().parse::<u64>().with_context(|| format!("--contract {key}: {:?} is not a number of seconds", crate::text::printable(value, 32)));
+        match key.trim() {
+            "notice" => c.notice_s = secs()?,
+            "grace" => c.grace_s = secs()?,
+            "checkpoint-every" => c.checkpoint_every_s = secs()?,
+            "max-outage" => c.max_outage_s = secs()?,
+            "per-day" => c.max_interruptions_per_day = value.trim().parse().with_context(|| format!("--contract per-day: {:?} is not a count", crate::text::printable(value, 32)))?,
+            "checkpoint-on-notice" => c.checkpoint_on_notice = value.trim().parse().with_context(|| format!("--contract checkpoint-on-notice: {:?} is not true or false", crate::text::printable(value, 32)))?,
+            other => anyhow::bail!("--contract: unknown key {:?} (notice, grace, per-day, checkpoint-every, checkpoint-on-notice, max-outage)", crate::text::printable(other, 32)),
+        }
+    }
+    anyhow::ensure!(c.checkpoint_every_s > 0, "--contract checkpoint-every must be positive");
+    Ok(c)
+}
+
+/// A contract in words, for the counterfactual's header.
+pub fn contract_text(c: &berth_core::job::PriorityContract) -> String {
+    format!(
+        "notice {} s, grace {} s, at most {} a day, checkpoint every {} s{}{}",
+        c.notice_s,
+        c.grace_s,
+        c.max_interruptions_per_day,
+        c.checkpoint_every_s,
+        if c.checkpoint_on_notice { ", checkpoint on notice" } else { "" },
+        if c.max_outage_s > 0 { format!(", out at most {} s", c.max_outage_s) } else { String::new() }
+    )
+}
+
 /// A starvation guard in words, for the counterfactual's header.
 pub fn guard_text(guard: Option<&berth_core::engine::StarvationGuard>) -> String {
     let Some(g) = guard else { return "none".into() };
@@ -617,6 +666,7 @@ pub fn counterfactual<'a>(
         };
         let out = berth_core::sim::simulate_watched(&mut fleet, &work.jobs, deciders, work.config.clone(), Some(&mut log), &mut watch).map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         tally.row.moves = out.compaction.moves_run;
+        tally.row.done_gpu_h = Some(out.jobs.iter().map(|o| o.work_gpu_s).sum::<f64>() / 3600.0);
         // The fleet as the last events left it held until the horizon.
         watch(work.horizon_s, &berth_core::Engine::new(SimConfig::default()), &fleet);
     }
@@ -639,12 +689,12 @@ pub fn counterfactual<'a>(
 /// The side-by-side table.
 pub fn table(rows: &[RunRow]) -> String {
     let mut out = format!(
-        "{:<28} {:>6} {:>8} {:>16} {:>16} {:>7} {:>6} {:>8} {:>6} {:>7}\n",
-        "run", "jobs", "started", "high wait p50/99", "low wait p50/99", "alloc%", "evict", "lost GPUh", "moves", "partly"
+        "{:<28} {:>6} {:>8} {:>16} {:>16} {:>7} {:>6} {:>8} {:>9} {:>6} {:>7}\n",
+        "run", "jobs", "started", "high wait p50/99", "low wait p50/99", "alloc%", "evict", "lost GPUh", "done GPUh", "moves", "partly"
     );
     for r in rows {
         out += &format!(
-            "{:<28} {:>6} {:>8} {:>16} {:>16} {:>7.2} {:>6} {:>8.2} {:>6} {:>7.2}\n",
+            "{:<28} {:>6} {:>8} {:>16} {:>16} {:>7.2} {:>6} {:>8.2} {:>9} {:>6} {:>7.2}\n",
             crate::text::printable(&r.run, 28),
             r.jobs,
             r.started,
@@ -653,6 +703,7 @@ pub fn table(rows: &[RunRow]) -> String {
             r.allocation_pct,
             r.evictions,
             r.lost_gpu_h,
+            r.done_gpu_h.map_or("-".into(), |d| format!("{d:.2}")),
             r.moves,
             r.partly_used_nodes
         );
@@ -689,10 +740,10 @@ pub fn html(setting: &str, exact: &[ExactReport], rows: &[RunRow]) -> String {
         h += "</tbody>\n</table>\n";
     }
     if !rows.is_empty() {
-        h += "<h2>Side by side</h2>\n<table id=\"runs\">\n<thead><tr><th>run</th><th>jobs</th><th>started</th><th>high-priority wait p50 / p99 (s)</th><th>low-priority wait p50 / p99 (s)</th><th>allocation %</th><th>evictions</th><th>work lost GPU-h</th><th>moves</th><th>partly used nodes</th></tr></thead>\n<tbody>\n";
+        h += "<h2>Side by side</h2>\n<table id=\"runs\">\n<thead><tr><th>run</th><th>jobs</th><th>started</th><th>high-priority wait p50 / p99 (s)</th><th>low-priority wait p50 / p99 (s)</th><th>allocation %</th><th>evictions</th><th>work lost GPU-h</th><th>work done GPU-h</th><th>moves</th><th>partly used nodes</th></tr></thead>\n<tbody>\n";
         for r in rows {
             h += &format!(
-                "<tr><th scope=\"row\">{}</th><td>{}</td><td>{}</td><td>{} / {}</td><td>{} / {}</td><td>{:.2}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{:.2}</td></tr>\n",
+                "<tr><th scope=\"row\">{}</th><td>{}</td><td>{}</td><td>{} / {}</td><td>{} / {}</td><td>{:.2}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{}</td><td>{:.2}</td></tr>\n",
                 e(&r.run),
                 r.jobs,
                 r.started,
@@ -703,6 +754,7 @@ pub fn html(setting: &str, exact: &[ExactReport], rows: &[RunRow]) -> String {
                 r.allocation_pct,
                 r.evictions,
                 r.lost_gpu_h,
+                r.done_gpu_h.map_or("-".into(), |d| format!("{d:.2}")),
                 r.moves,
                 r.partly_used_nodes
             );
