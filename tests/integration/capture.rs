@@ -574,3 +574,71 @@ fn a_trace_converted_to_a_capture_replays_exactly_and_under_other_policies() {
     assert_eq!(runs[1]["jobs"], runs[0]["jobs"], "{report}");
     assert!(runs.iter().all(|r| r["started"] == r["jobs"]), "{report}");
 }
+
+/// A policy that keeps state between calls (random's generator) answers
+/// from a fresh instance each time a version is activated, live; the
+/// capture numbers the instances, so an A-B-A (random, binpack, random
+/// again) replays exactly: the second random starts its sequence over, as
+/// the host's did, where one instance per version would have gone on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_activated_again_replays_from_a_fresh_instance() {
+    use berth::proto as pb;
+
+    use crate::serve::{client, config, job, settle, state_dir, upload, ACCESS};
+
+    let state = state_dir("capture-aba");
+    let h = berth::serve::start(config(&state, ACCESS)).await.unwrap();
+    let mut ops = client(&h, "ops-test-token").await;
+    let random = upload(&mut ops, "p0", crate::common::policy_path("random")).await;
+    let mut alice = client(&h, "alice-test-token").await;
+    for version in [random, 1, random] {
+        ops.activate_policy(pb::ActivatePolicyRequest { partition: "p0".into(), version, ..Default::default() }).await.expect("activate");
+        let mut ids = Vec::new();
+        for _ in 0..6 {
+            ids.push(alice.submit_job(job("p0", 1)).await.expect("submit").into_inner().job_id);
+        }
+        let all = settle(&mut ops, "p0").await;
+        for id in ids {
+            let j = all.iter().find(|j| j.id == id).unwrap();
+            assert_eq!((j.state.as_str(), j.policy_version), ("running", version), "{j:?}");
+        }
+    }
+    let d = state.join("replay");
+    std::fs::create_dir_all(&d).unwrap();
+    let (events, report) = replays_exactly(&d, &format!("http://{}", h.addr), &state, 18);
+    assert!(report.contains("random@") && report.contains("binpack@"), "{report}");
+    let text = std::fs::read_to_string(&events).unwrap();
+    let random_sha = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(std::fs::read(crate::common::policy_path("random")).unwrap()))
+    };
+    let instances: std::collections::BTreeSet<u64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["input"] == "arms" && v["place"]["sha256"] == random_sha.as_str())
+        .map(|v| v["place"]["instance"].as_u64().unwrap())
+        .collect();
+    assert_eq!(instances.len(), 2, "two instances of random noted: {instances:?}");
+    // Numbered as one instance per version (an older capture), the same
+    // file decides otherwise at the second activation.
+    let mut merged = String::new();
+    for line in text.lines() {
+        match serde_json::from_str::<Value>(line) {
+            Ok(mut v) if v["input"] == "arms" => {
+                for role in ["place", "rank"] {
+                    if let Some(r) = v.get_mut(role).and_then(Value::as_object_mut) {
+                        r.remove("instance");
+                    }
+                }
+                merged += &v.to_string();
+            }
+            _ => merged += line,
+        }
+        merged.push('\n');
+    }
+    let unnumbered = d.join("unnumbered.events");
+    std::fs::write(&unnumbered, merged).unwrap();
+    let (ok, diff) = replay(&unnumbered, &["--components", state.join("components").to_str().unwrap()]);
+    assert!(!ok && diff.contains("FIRST DIFFERENCE"), "{diff}");
+    h.shutdown().await;
+}

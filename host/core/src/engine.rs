@@ -2686,12 +2686,23 @@ impl Input {
 }
 
 /// A policy version as a replay finds it again: the component's content
-/// hash and the configuration it was given.
+/// hash and the configuration it was given, and which instance of it
+/// answered (a policy may keep state between calls: the live host makes a
+/// fresh instance at each activation, so a version activated again, as in
+/// a rollback A-B-A, starts over).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct PolicyRef {
     pub sha256: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub config: String,
+    /// The instance, numbered per host start; 0 (older captures, converted
+    /// traces): one instance per role and version.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub instance: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The engine's record of its inputs while capture is on.

@@ -181,9 +181,9 @@ pub fn write_capture(
     let deciders = Deciders { placement: &mut policy, preemption: Some(preemption), compaction: None };
     let config = SimConfig { horizon_s: trace.horizon_s, high_priority: crate::asi::workload::HIGH_PRIORITY, guards: trace.guards.clone(), ..SimConfig::default() };
     let arms = Input::Arms {
-        place: PolicyRef { sha256: placement.hash.clone(), config: String::new() },
+        place: PolicyRef { sha256: placement.hash.clone(), config: String::new(), instance: 0 },
         split: None,
-        rank: rank.map(|r| PolicyRef { sha256: r.hash.clone(), config: String::new() }),
+        rank: rank.map(|r| PolicyRef { sha256: r.hash.clone(), config: String::new(), instance: 0 }),
     };
     let mut fleet = trace.fleet.clone();
     let (_, inputs) = berth_core::sim::simulate_captured(&mut fleet, &trace.jobs, deciders, config, vec![arms]).map_err(|e| anyhow::anyhow!("{}: {e}", placement.info.name))?;

@@ -61,15 +61,16 @@ impl Components {
     }
 }
 
-/// Policy instances of a replay, one per (component, configuration), kept
-/// for the whole segment as the live host keeps its versions'.
+/// Policy instances of a replay: one per instance the live host made (a
+/// version activated again starts over, as live), or for captures that do
+/// not number them, one per role and version for the whole segment.
 struct Instances<'a> {
     engine: &'a Arc<PolicyEngine>,
     components: &'a Components,
     limits: Limits,
-    /// By role (placement, split candidate, rank: each its own instance
-    /// live) and version.
-    loaded: HashMap<(Role, PolicyRef), WasmPolicy>,
+    /// By the live instance (a candidate promoted keeps its state), or by
+    /// role and version where the capture does not number instances.
+    loaded: HashMap<(Option<Role>, PolicyRef), WasmPolicy>,
     names: BTreeMap<String, String>,
 }
 
@@ -80,9 +81,14 @@ enum Role {
     Rank,
 }
 
+/// The key of `r`'s instance in `role`.
+fn instance_key(role: Role, r: &PolicyRef) -> (Option<Role>, PolicyRef) {
+    ((r.instance == 0).then_some(role), r.clone())
+}
+
 impl Instances<'_> {
     fn get(&mut self, role: Role, r: &PolicyRef) -> anyhow::Result<()> {
-        let key = (role, r.clone());
+        let key = instance_key(role, r);
         if !self.loaded.contains_key(&key) {
             let path = self.components.path_of(&r.sha256)?;
             let loaded = LoadedPolicy::from_file(self.engine, path).with_context(|| format!("loading {}", path.display()))?;
@@ -97,11 +103,11 @@ impl Instances<'_> {
     }
 
     fn take(&mut self, role: Role, r: &PolicyRef) -> WasmPolicy {
-        self.loaded.remove(&(role, r.clone())).expect("loaded by get")
+        self.loaded.remove(&instance_key(role, r)).expect("loaded by get")
     }
 
     fn put(&mut self, role: Role, r: &PolicyRef, policy: WasmPolicy) {
-        self.loaded.insert((role, r.clone()), policy);
+        self.loaded.insert(instance_key(role, r), policy);
     }
 }
 
@@ -220,6 +226,13 @@ fn exact_segment(engine: &Arc<PolicyEngine>, segment: &crate::capture::Segment, 
             let input = &line.input;
             if let Input::Arms { place, split, rank } = input {
                 let wanted = [Some((Role::Place, place)), split.as_ref().map(|(c, _)| (Role::Candidate, c)), rank.as_ref().map(|r| (Role::Rank, r))];
+                // A file is untrusted: one instance cannot answer in two roles.
+                let keys: Vec<_> = wanted.iter().flatten().map(|(role, r)| instance_key(*role, r)).collect();
+                anyhow::ensure!(
+                    (1..keys.len()).all(|i| !keys[..i].contains(&keys[i])),
+                    "segment {}, input {k}: one policy instance noted in two roles",
+                    segment.id
+                );
                 for (role, r) in wanted.into_iter().flatten() {
                     instances.get(role, r).with_context(|| format!("segment {}, input {k}", segment.id))?;
                 }

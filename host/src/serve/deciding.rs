@@ -302,7 +302,7 @@ impl Live {
         };
         if st.capture.is_some() {
             use berth_core::capture::{Input, PolicyRef};
-            let of = |arm: &Arm| PolicyRef { sha256: arm.meta.sha256.clone(), config: arm.meta.config.clone() };
+            let of = |arm: &Arm| PolicyRef { sha256: arm.meta.sha256.clone(), config: arm.meta.config.clone(), instance: arm.instance };
             let arms = Input::Arms { place: of(&chooser.active), split: chooser.split.as_ref().map(|(c, f)| (of(c), *f)), rank: ranker.as_deref().map(of) };
             st.note_for_capture(arms);
         }

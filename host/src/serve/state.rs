@@ -31,7 +31,13 @@ use crate::wasm::{Limits, LoadedPolicy, PolicyEngine, WasmPolicy};
 pub struct Arm {
     pub meta: VersionMeta,
     pub(crate) policy: Mutex<WasmPolicy>,
+    /// This instance among all this host made (from 1): the capture names
+    /// it, so a replay starts a policy's state over where the host did.
+    pub instance: u64,
 }
+
+/// Instances made since the host started.
+static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl Arm {
     /// Loads a registry version (its precompiled artifact when cached),
@@ -44,7 +50,8 @@ impl Arm {
             policy.configure(&meta.config)?;
         }
         policy.warm()?;
-        Ok(Arm { meta, policy: Mutex::new(policy) })
+        let instance = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        Ok(Arm { meta, policy: Mutex::new(policy), instance })
     }
 }
 
