@@ -513,7 +513,8 @@ async fn a_plain_task_lives_through_its_preemption_notice() {
 /// `berth explain JOB --what-if` on a live host with real agents: for a
 /// pending two-GPU job it names the cheapest work to stop (all of one
 /// node's jobs), the movable task to move into a hole elsewhere, and the
-/// unreachable node to repair, each with its cost, and acts on none.
+/// unreachable node to repair, each with its cost, and acts on none; the
+/// move, then run with `berth migrate`, lets the job start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_what_if_names_a_stop_a_move_and_a_repair_and_does_none() {
     let d = dir("whatif");
@@ -591,6 +592,20 @@ async fn explain_what_if_names_a_stop_a_move_and_a_repair_and_does_none() {
     for line in ["preempt job(s)", "GPU-s of work lost", &format!("move 1 task(s) of job(s) [{}]", low[4]), &format!("{:.1} GiB copied", copied as f64 / (1u64 << 30) as f64), "repair node(s) n4"] {
         assert!(text.contains(line), "no {line:?} in:\n{text}");
     }
+    // The move named, run with `berth migrate`, lets the job start: on the
+    // node the task left, with one owner per GPU throughout.
+    let alloc = before.iter().find(|j| j.id == low[4]).unwrap().runs[0].allocation_id;
+    let out = std::process::Command::new(BERTH)
+        .args(["migrate", &alloc.to_string(), "--to", &hole, "--server", &url, "--token", "ops-test-token"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "berth migrate: {}", String::from_utf8_lossy(&out.stderr));
+    running(&api, &[h]).await;
+    let started = jobs(&api).await;
+    assert_eq!(node_of(&started, h), movable_node, "{started:?}");
+    let moved = started.iter().find(|j| j.id == low[4]).unwrap();
+    assert!(moved.runs.iter().any(|r| r.node == hole && r.state == "running"), "{moved:?}");
+    assert_one_owner(&started, &[]);
     for id in low.iter().chain([&h]) {
         std::fs::write(d.join(format!("release-{id}")), "0").unwrap();
     }
