@@ -197,19 +197,8 @@ struct ReplayArgs {
     /// in simulated time, gangs start all or nothing.
     #[arg(long, conflicts_with_all = ["nodes", "pods", "keep_order", "native", "decisions", "typical_from"])]
     fleet: Option<String>,
-    /// Scale every node count of the fleet config (e.g. 0.05 for 1,000 nodes).
-    #[arg(long, default_value_t = 1.0, requires = "fleet")]
-    fleet_scale: f64,
-    /// Workload for --fleet: `asi` (ASI's job mix, the default), `backlog`
-    /// (that mix plus a large low-priority backlog), `colocated` (that mix
-    /// plus a CPU-only job per GPU job), a TOML config of the
-    /// generator, or a CSV of jobs (id,class,arrival_s,duration_s,tasks,
-    /// gpus,gpu_milli,cpu_milli,memory_mib,model).
-    #[arg(long, requires = "fleet")]
-    workload: Option<PathBuf>,
-    /// Simulated days of arrivals for --fleet (overrides the workload's).
-    #[arg(long, requires = "fleet")]
-    days: Option<f64>,
+    #[command(flatten)]
+    trace: berth::replay::convert::FleetTraceArgs,
     /// Quote a shape at the end of a --fleet run, e.g.
     /// `model=H800,gpus=8,cores=128,memory-gib=512,tasks=32,same-domain,deadline-h=2`:
     /// how many could start now, when the next could, and whether one can
@@ -1374,7 +1363,7 @@ fn event_replay(engine: Arc<PolicyEngine>, fleet_spec: &str, args: &ReplayArgs, 
     use berth::asi::report as asi_report;
     let seeds = replay::parse_seeds(&args.seeds).context("--seeds")?;
     anyhow::ensure!(seeds.len() == 1, "event-driven replay takes one seed (--seeds N)");
-    let trace = berth::replay::convert::fleet_trace(fleet_spec, args.fleet_scale, args.workload.as_deref(), args.days, seeds[0])?;
+    let trace = berth::replay::convert::fleet_trace(fleet_spec, &args.trace, seeds[0])?;
     let berth::replay::convert::FleetTrace { config, fleet, topology: topo, jobs, days } = trace;
     let horizon = (days * 86_400.0) as u64;
     let setting = format!(

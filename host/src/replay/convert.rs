@@ -35,16 +35,8 @@ pub struct ConvertArgs {
     /// jobs of --workload (or the default generated workload).
     #[arg(long, required_unless_present = "openb")]
     fleet: Option<String>,
-    /// Scale every node shape's count of --fleet (for smaller fleets).
-    #[arg(long, default_value_t = 1.0, requires = "fleet")]
-    fleet_scale: f64,
-    /// Jobs for --fleet: a workload TOML (generated) or a job CSV (the
-    /// columns of `berth replay --fleet --workload`).
-    #[arg(long, requires = "fleet")]
-    workload: Option<PathBuf>,
-    /// Simulated days of a generated --fleet workload.
-    #[arg(long, requires = "fleet")]
-    days: Option<f64>,
+    #[command(flatten)]
+    trace: FleetTraceArgs,
     /// Seed of a generated --fleet workload.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -66,6 +58,25 @@ pub struct ConvertArgs {
     /// Per-call deadline of the policies in milliseconds of CPU time.
     #[arg(long, default_value_t = 100)]
     deadline_ms: u64,
+}
+
+/// What a `--fleet` trace is made of, beside the fleet config (shared by
+/// `berth replay --fleet` and `berth capture convert --fleet`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct FleetTraceArgs {
+    /// Scale every node count of the fleet config (e.g. 0.05 for 1,000 nodes).
+    #[arg(long, default_value_t = 1.0, requires = "fleet")]
+    pub fleet_scale: f64,
+    /// Workload for --fleet: `asi` (ASI's job mix, the default), `backlog`
+    /// (that mix plus a large low-priority backlog), `colocated` (that mix
+    /// plus a CPU-only job per GPU job), a TOML config of the
+    /// generator, or a CSV of jobs (id,class,arrival_s,duration_s,tasks,
+    /// gpus,gpu_milli,cpu_milli,memory_mib,model).
+    #[arg(long, requires = "fleet")]
+    pub workload: Option<PathBuf>,
+    /// Simulated days of arrivals for --fleet (overrides the workload's).
+    #[arg(long, requires = "fleet")]
+    pub days: Option<f64>,
 }
 
 /// A fleet and the jobs of a trace, ready to simulate.
@@ -90,7 +101,8 @@ pub struct FleetTrace {
 /// Builds `--fleet SPEC` (scaled) and its jobs: a job CSV, or a workload
 /// config generated with `seed` over `days` (the config's when `None`; a
 /// CSV runs until its last job could have ended).
-pub fn fleet_trace(spec: &str, scale: f64, workload: Option<&Path>, days: Option<f64>, seed: u64) -> anyhow::Result<FleetTrace> {
+pub fn fleet_trace(spec: &str, args: &FleetTraceArgs, seed: u64) -> anyhow::Result<FleetTrace> {
+    let (scale, workload, days) = (args.fleet_scale, args.workload.as_deref(), args.days);
     use crate::asi::{fleet::FleetConfig, workload::WorkloadConfig};
     anyhow::ensure!(scale > 0.0 && scale <= 10.0, "--fleet-scale must be in (0, 10]");
     let config = FleetConfig::load(spec)?.scaled(scale);
@@ -214,7 +226,7 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
             trace
         }
         (None, Some(spec)) => {
-            let t = fleet_trace(spec, args.fleet_scale, args.workload.as_deref(), args.days, args.seed)?;
+            let t = fleet_trace(spec, &args.trace, args.seed)?;
             let guards = t.config.guards().with_context(|| format!("fleet config {spec}"))?;
             let setting = format!("{spec} fleet: {} nodes, {} jobs over {:.1} days, seed {}", t.fleet.nodes().len(), t.jobs.len(), t.days, args.seed);
             Trace { fleet: t.fleet, jobs: t.jobs, horizon_s: (t.days * 86_400.0) as u64, guards, setting }
