@@ -962,11 +962,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 pub fn run(cmd: ApiCommand) -> anyhow::Result<()> {
-    match cmd {
-        // Offline: a simulation, no host to ask.
-        ApiCommand::Capture { what: CaptureCommand::Convert(args) } => crate::replay::convert::run(args),
-        cmd => runtime()?.block_on(run_api(cmd)),
-    }
+    runtime()?.block_on(run_api(cmd))
 }
 
 async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
@@ -1098,6 +1094,7 @@ async fn run_api(cmd: ApiCommand) -> anyhow::Result<()> {
             let r = client(&conn).await?.set_guard(req).await.map_err(status)?.into_inner();
             println!("{partition}: starvation guard {}", r.guard);
         }
+        // Offline: a simulation on this thread, no host to ask.
         ApiCommand::Capture { what: CaptureCommand::Convert(args) } => crate::replay::convert::run(args)?,
         ApiCommand::Capture { what: CaptureCommand::Export { partition, since, until, conn } } => {
             use std::io::Write;
